@@ -1,0 +1,69 @@
+"""One sequence being generated: its tokens, its place in the KV cache and its sampling state."""
+
+import enum
+from itertools import count
+
+import torch
+
+from shared import SamplingParams, TokenLogprobs
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """A prompt and the tokens generated after it; ``n > 1`` requests have one per completion.
+
+    ``num_computed_tokens`` counts the tokens whose K/V is already in the cache; the scheduler moves it
+    forward by the chunk it schedules, and preemption resets it to zero (recompute).
+    """
+
+    _ids = count()
+
+    def __init__(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.arrival_time = arrival_time
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        # n > 1 completions of a seeded request must differ, so each gets seed + index.
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated token ids."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens have been generated."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether generation has ended."""
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,89 @@
+"""What the engines return: one :class:`RequestOutput` per request per step, vLLM-shaped."""
+
+import msgspec
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities at one position, as the backend computes them from the raw model logits.
+
+    ``token_ids[0]`` is the chosen (sampled, or next prompt) token, followed by the top-N tokens in
+    descending order; ``logprobs`` is parallel to ``token_ids``; ``rank`` is the chosen token's
+    rank in the vocabulary (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class Logprob(msgspec.Struct):
+    """The log-probability of one token, with its rank and its text, as vLLM reports it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated (or prompt) position: token id to :class:`Logprob` for the chosen and top-N tokens."""
+
+
+class CompletionOutput(msgspec.Struct):
+    """One completion of a request (there are ``n`` of them).
+
+    Attributes:
+        index: which of the ``n`` completions this is.
+        text: generated text (cumulative, or the new part when the request streams deltas).
+        token_ids: generated token ids (cumulative, or the new ones).
+        cumulative_logprob: sum of the sampled tokens' log-probabilities, when logprobs were asked.
+        logprobs: per generated token, the requested log-probabilities.
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished, else ``None``.
+        stop_reason: the stop string or stop token id that ended it, ``None`` for eos or length.
+
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Whether this completion has ended."""
+        return self.finish_reason is not None
+
+
+class RequestMetrics(msgspec.Struct):
+    """Wall-clock times (``time.time()``) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class RequestOutput(msgspec.Struct):
+    """The state of one request after a step.
+
+    Attributes:
+        request_id: the id given to ``add_request`` / ``generate``.
+        prompt: the prompt text, when the prompt was given as text.
+        prompt_token_ids: the tokenized prompt.
+        prompt_logprobs: per prompt position (the first is ``None``), when asked.
+        outputs: the ``n`` completions, by index.
+        finished: whether every completion has ended.
+        metrics: arrival, first-token and finish times.
+        num_cached_tokens: prompt tokens whose KV came from blocks shared with another sequence.
+
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0

@@ -1,0 +1,109 @@
+"""Sampling parameters of one request, validated when they are built."""
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample the completion(s) of one prompt; the fields mean what they mean in vLLM.
+
+    Every value is checked at construction; a bad one raises :class:`ValueError` naming the field,
+    the value given and the allowed range. The struct is a msgspec struct so that it crosses the
+    frontend/backend socket as msgpack.
+
+    Attributes:
+        n: number of completions returned for the prompt.
+        temperature: softmax temperature; ``0`` means greedy (argmax) decoding.
+        top_p: keep the smallest set of tokens whose probabilities add up to ``top_p``.
+        top_k: keep the ``top_k`` most likely tokens; ``0`` or ``-1`` keeps all.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely token's.
+        presence_penalty: subtracted from the logit of every token that already appears in the output.
+        frequency_penalty: subtracted from a token's logit once per time it appears in the output.
+        repetition_penalty: divides positive (multiplies negative) logits of tokens seen in the prompt
+            or the output; ``1`` disables it.
+        seed: seed of this request's own random generator, so its samples do not depend on the batch.
+        stop: strings that end the completion; the text ends before the stop string.
+        stop_token_ids: token ids that end the completion (kept in ``token_ids``).
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        ignore_eos: keep generating after the end-of-sequence token.
+        max_tokens: most tokens to generate; ``None`` means up to the model's context length.
+        min_tokens: tokens to generate before eos or ``stop_token_ids`` may end the completion.
+        logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
+        prompt_logprobs: number of top log-probabilities returned per prompt token.
+        logit_bias: token id to a bias added to its logit before sampling.
+        skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: put spaces around special tokens in the text.
+
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check("n", self.n, self.n >= 1, "an integer >= 1")
+        _check("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)")
+        _check("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]")
+        _check("top_k", self.top_k, self.top_k >= -1, "-1, 0 (both disable it) or an integer >= 1")
+        _check("min_p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1]")
+        _check("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "a number in [-2, 2]")
+        _check("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]")
+        _check("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 2, "a number in (0, 2]")
+        _check("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63, "None or an integer in [0, 2**63)")
+        _check("stop", self.stop, all(s for s in self.stop or []), "None, a non-empty string or a list of them")
+        _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids or []), "token ids >= 0")
+        _check(
+            "max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, "None or an integer >= 1"
+        )
+        _check(
+            "min_tokens",
+            self.min_tokens,
+            self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+            "an integer in [0, max_tokens]",
+        )
+        _check(
+            "logprobs",
+            self.logprobs,
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "None or an integer in [0, 20]",
+        )
+        _check(
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "None or an integer in [0, 20]",
+        )
+        _check(
+            "logit_bias",
+            self.logit_bias,
+            all(t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+            "token ids >= 0 mapped to biases in [-100, 100]",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the request decodes greedily (temperature 0)."""
+        return self.temperature == 0
+
+
+def _check(field: str, value: object, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field}={value!r} is invalid: it must be {allowed}")
