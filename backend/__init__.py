@@ -1,0 +1,1 @@
+"""The backend: scheduler, block manager, model runner, models and sampler (token ids only)."""

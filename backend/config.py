@@ -1,0 +1,67 @@
+"""Engine settings: model, dtype, cache sizing and scheduling limits."""
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(value: int | str) -> int:
+    """Turn ``"2GiB"``, ``"512MB"``, ``"1e9"`` or an int into a number of bytes."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+        unit = match and match.group(2).lower()
+        if not match or unit not in _UNITS:
+            raise ValueError(f"kv_cache_memory={value!r} is not a size: write it like '2GiB', '512MiB' or 1073741824")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory={value!r} must be a positive size")
+    return size
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine core needs to start.
+
+    Attributes:
+        model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
+        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16`` for weights, activations and the KV cache.
+        device: ``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``.
+        max_model_len: longest prompt + completion; defaults to the model's ``max_position_embeddings``.
+        block_size: tokens per KV cache block.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: the per-step token budget that chunked prefill splits long prompts against.
+        kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
+        enable_prefix_caching: share full KV blocks between sequences with the same prefix.
+
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int | str = "2GiB"
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} must be one of auto, cpu, cuda")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)

@@ -1,0 +1,85 @@
+import pytest
+
+from backend.block_manager import BlockManager
+from backend.sequence import Sequence
+from shared import SamplingParams
+
+BS = 4
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    return Sequence("r", 0, tokens, SamplingParams(), 0.0)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """Match the prefix cache, then allocate the rest of the sequence, as the scheduler does for a prompt."""
+    cached = bm.match_prefix(seq)
+    bm.allocate(seq, len(seq) - seq.num_computed_tokens)
+    seq.num_computed_tokens = len(seq)
+    return cached
+
+
+def test_allocate_and_free_restore_the_free_count():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = make_seq(list(range(10)))
+    assert bm.blocks_needed(seq, 10) == 3
+    admit(bm, seq)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    seq.token_ids += [10, 11, 12]
+    bm.allocate(seq, 3)  # 13 tokens -> 4 blocks
+    assert len(seq.block_table) == 4 and bm.num_free_blocks == 4
+    bm.free_blocks(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_same_prefix_shares_full_blocks_and_recomputes_the_tail():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a, b = make_seq(list(range(10))), make_seq(list(range(10)))
+    admit(bm, a)
+    assert admit(bm, b) == 8  # two full blocks shared, the partial third block is b's own
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    bm.free_blocks(a)
+    bm.free_blocks(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    admit(bm, make_seq(list(range(8))))
+    again = make_seq(list(range(8)))
+    assert bm.match_prefix(again) == 4  # the last block is given back so its last token gets logits
+
+
+@pytest.mark.parametrize(
+    "first,second,expected",
+    [([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 6, 7, 8, 9], 4), ([1, 2, 3, 4, 5], [9, 2, 3, 4, 5], 0)],
+)
+def test_prefix_match_stops_at_the_first_different_block(first, second, expected):
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    admit(bm, make_seq(first))
+    assert bm.match_prefix(make_seq(second)) == expected
+
+
+def test_freed_blocks_stay_cached_until_reused_least_recent_first():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(list(range(8)) + [99])
+    admit(bm, a)
+    bm.free_blocks(a)
+    assert bm.num_free_blocks == 4
+    b = make_seq(list(range(8)) + [42])
+    assert admit(bm, b) == 8  # found again after being freed
+    bm.free_blocks(b)
+    other = make_seq(list(range(100, 116)))  # needs every block: all cached entries are evicted
+    admit(bm, other)
+    assert bm.cached == {bm.blocks[i].hash: i for i in other.block_table}
+    bm.free_blocks(other)
+    assert bm.match_prefix(make_seq(list(range(8)) + [1])) == 0
+
+
+def test_prefix_caching_off_shares_nothing():
+    bm = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    admit(bm, make_seq(list(range(12))))
+    assert admit(bm, make_seq(list(range(12)))) == 0
+    assert bm.num_free_blocks == 10
