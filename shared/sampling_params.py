@@ -57,8 +57,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         _check("n", self.n, self.n >= 1, "an integer >= 1")
         _check("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)")
         _check("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]")
@@ -68,7 +66,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]")
         _check("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 2, "a number in (0, 2]")
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63, "None or an integer in [0, 2**63)")
-        _check("stop", self.stop, all(s for s in self.stop or []), "None, a non-empty string or a list of them")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        _check("stop", self.stop, all(s for s in stops or []), "None, a non-empty string or a list of them")
+        self.stop = stops
         _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids or []), "token ids >= 0")
         _check(
             "max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, "None or an integer >= 1"
