@@ -1,0 +1,128 @@
+"""The model hyper-parameters Spindle needs, read from a Hugging Face ``config.json``."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2).
+
+    Attributes:
+        architecture: the Hugging Face class name, one of :data:`SUPPORTED_ARCHITECTURES`.
+        vocab_size: rows of the embedding and the LM head.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the MLP.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (``num_heads`` is a multiple of it).
+        head_dim: size of one head.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_scaling: None for plain RoPE, else a dict with ``rope_type`` and that type's parameters.
+        max_position_embeddings: longest context the model was built for.
+        tie_word_embeddings: whether the LM head reuses the embedding matrix.
+        qkv_bias: whether the q/k/v projections have biases (Qwen2, ``attention_bias``).
+        eos_token_ids: every token id that ends generation (config and generation config together).
+        bos_token_id: the beginning-of-sequence token, if any.
+        dtype: the dtype the checkpoint declares (``"bfloat16"``, ...), if any.
+        sliding_window: the attention window when the model uses one; Spindle attends to the whole context, so the
+            runner must keep contexts within it.
+
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    dtype: str | None
+    sliding_window: int | None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """Read ``config.json`` (and ``generation_config.json``, when present, for more eos tokens) from a directory.
+
+        Raises:
+            FileNotFoundError: when the directory has no ``config.json``.
+            ValueError: when the architecture is not supported.
+
+        """
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{path} holds no config.json, so it is not a Hugging Face model directory")
+        generation_file = path / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+        return cls.from_dict(json.loads(config_file.read_text()), generation)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+        """Build from the parsed ``config.json`` (transformers v4 or v5 layout) and ``generation_config.json``.
+
+        Raises:
+            ValueError: when the architecture is not supported.
+
+        """
+        architectures = config.get("architectures") or []
+        if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architectures}: Spindle runs one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = config["num_attention_heads"]
+        rope_theta, rope_scaling = _rope(config)
+        eos_token_ids: list[int] = []
+        for source in (config, generation_config or {}):
+            for token in _as_list(source.get("eos_token_id")):
+                if token not in eos_token_ids:
+                    eos_token_ids.append(token)
+        uses_window = config.get("use_sliding_window", architectures[0] == "MistralForCausalLM")
+        return cls(
+            architecture=architectures[0],
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qkv_bias=architectures[0] == "Qwen2ForCausalLM" or config.get("attention_bias", False),
+            eos_token_ids=eos_token_ids,
+            bos_token_id=config.get("bos_token_id"),
+            dtype=config.get("dtype") or config.get("torch_dtype"),
+            sliding_window=config.get("sliding_window") if uses_window else None,
+        )
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and scaling from either the v5 ``rope_parameters`` or the v4 ``rope_theta`` + ``rope_scaling``."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    return float(theta), None if rope_type == "default" else {"rope_type": rope_type, **params}
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]

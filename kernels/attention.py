@@ -1,0 +1,205 @@
+"""Paged attention over a flat batch of decodes and prefill chunks (torch reference path, the CPU serving path).
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_size]``; a sequence owns
+a list of blocks (its block table) and the K/V of its token at position ``p`` lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``. A step's tokens form one flat batch: the decodes first
+(one query token each), then the prefill chunks, each of which may continue after a cached prefix.
+"""
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One flat batch of sequences, ordered decodes first, then prefill chunks.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, cache slot (``block_id * block_size + offset``) of each new token.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths (the query is the seq's new tokens).
+        seq_lens: ``[num_seqs]`` int32, context length after this step (cached + new tokens).
+        block_tables: ``[num_seqs, max_blocks]`` int32, padded with 0.
+        num_decodes: the first ``num_decodes`` sequences have exactly one query token.
+        max_seq_len: the largest of ``seq_lens``.
+        query_lens_list: host copy of the query lengths, so the CPU path needs no ``.tolist()`` per layer.
+        seq_lens_list: host copy of ``seq_lens``.
+        workspace: scratch tensors the kernels build on the first layer and reuse on the others (gather buffers,
+            masks); filled lazily, so build a new metadata object for every step.
+
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    max_seq_len: int
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build the metadata of one step from host lists, one entry per sequence.
+
+        Args:
+            query_lens: new tokens of each sequence this step; the decodes (length 1) must come first.
+            seq_lens: context length of each sequence after this step (cached + new tokens).
+            block_tables: the blocks of each sequence, enough to hold ``seq_lens`` tokens.
+            block_size: tokens per cache block.
+            device: where the tensors go.
+
+        Returns:
+            The metadata, with the new tokens' slots computed from the block tables.
+
+        Raises:
+            ValueError: when a decode follows a prefill chunk, or a block table is too short.
+
+        """
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        if any(n == 1 for n in query_lens[num_decodes:]) or any(n < 1 for n in query_lens):
+            raise ValueError(f"query lengths {query_lens} must be >= 1, with the decodes (length 1) first")
+        slots = []
+        for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if len(table) * block_size < seq_len or query_len > seq_len:
+                raise ValueError(f"a sequence of {seq_len} tokens ({query_len} new) does not fit blocks {table}")
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size for p in range(seq_len - query_len, seq_len)
+            )
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(len(block_tables), max_blocks),
+            num_decodes=num_decodes,
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+        )
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the new tokens' keys and values into their cache slots.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_size]``.
+        value: ``[num_tokens, num_kv_heads, head_size]``.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
+        v_cache: same shape as ``k_cache``, written in place.
+        slot_mapping: ``[num_tokens]`` int64, the slot of each token; every slot must be valid.
+
+    """
+    num_kv_heads, head_size = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of every query token over its own sequence's context, read from the paged cache.
+
+    The new tokens' K/V must already be in the cache (:func:`reshape_and_cache`). A query token at absolute position
+    ``p`` attends to positions ``0..p`` of its sequence, so a prefill chunk may start after a cached prefix.
+    The decodes are batched over a padded gather that also reads slots past each context (masked out with a zero
+    weight), so every cache slot must hold finite values: allocate the cache with ``torch.zeros``, not ``empty``.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``; ``num_heads`` is a multiple of the cache's ``num_kv_heads``.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        v_cache: same shape as ``k_cache``.
+        meta: the batch layout.
+        scale: the softmax scale, usually ``head_size ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]``, in the query's dtype.
+
+    """
+    out = torch.empty_like(query)
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        out[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache, meta, scale)
+    # One SDPA call per prefill chunk: chunks differ in length and cached prefix, and are few per step.
+    start = num_decodes
+    for seq in range(num_decodes, len(meta.query_lens_list)):
+        end = start + meta.query_lens_list[seq]
+        out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, meta, seq, scale)
+        start = end
+    return out
+
+
+def _decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    num_decodes, num_heads, head_size = query.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    max_len = max(meta.seq_lens_list[:num_decodes])
+    blocks = meta.block_tables[:num_decodes, : -(-max_len // block_size)].flatten()
+    # K/V as [num_decodes, num_kv_heads, max_len, head_size], padded to the longest context. Every layer gathers the
+    # same shape, so one buffer per step serves them all (a fresh multi-MB tensor per layer costs page faults), and
+    # index_select is several times faster than advanced indexing on CPU.
+    key, value = (
+        torch.index_select(cache, 0, blocks, out=_scratch(meta, name, (blocks.numel(), *cache.shape[1:]), cache))
+        .view(num_decodes, -1, num_kv_heads, head_size)[:, :max_len]
+        .transpose(1, 2)
+        for name, cache in (("decode_key", k_cache), ("decode_value", v_cache))
+    )
+    bias = meta.workspace.get("decode_bias")
+    if bias is None or bias.dtype != query.dtype:
+        # Additive mask over the padding past each sequence's length (SDPA on CPU is faster with it than a bool one).
+        padding = torch.arange(max_len, device=query.device) >= meta.seq_lens[:num_decodes, None]
+        bias = torch.zeros(num_decodes, 1, 1, max_len, dtype=query.dtype, device=query.device)
+        bias.masked_fill_(padding.view(num_decodes, 1, 1, max_len), -torch.inf)
+        meta.workspace["decode_bias"] = bias
+    # The query heads sharing one KV head become query rows of that head: GQA without repeating K/V.
+    query = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_size)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+    return out.view(num_decodes, num_heads, head_size)
+
+
+def _scratch(meta: AttentionMetadata, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Return the step's scratch tensor ``name`` of this shape, dtype and device, allocating it on first use."""
+    buffer = meta.workspace.get(name)
+    if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype or buffer.device != like.device:
+        buffer = meta.workspace[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return buffer
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens = query.shape[0]
+    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    seq_len = meta.seq_lens_list[seq]
+    blocks = meta.block_tables[seq, : -(-seq_len // block_size)]
+    # [1, heads, tokens, head_size]: SDPA's CPU flash kernel wants 4-D inputs (3-D falls back to the math path).
+    key = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_size)[:seq_len].transpose(0, 1)[None]
+    value = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_size)[:seq_len].transpose(0, 1)[None]
+    query = query.transpose(0, 1)[None]
+    if num_tokens == seq_len:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # After a cached prefix of seq_len - num_tokens tokens, query row i sits at that offset + i.
+        positions = torch.arange(seq_len, device=query.device)
+        mask = positions[None, :] <= positions[seq_len - num_tokens :, None]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

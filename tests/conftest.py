@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints saved to disk, to check our model against transformers.
+
+``make_tiny_model(variant)`` saves (once per session) a 2-layer model with random weights and returns its
+directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what the model code branches on:
+
+- ``"llama"``: GQA (4 query heads, 2 KV heads, head size 16), untied LM head.
+- ``"llama3_tied"``: Llama 3 rope scaling with ``original_max_position_embeddings=64``, so all three frequency bands
+  (kept, interpolated, slowed) occur in a head of 16; tied embeddings.
+- ``"qwen2"``: q/k/v biases.
+
+Weights are drawn wider than transformers' init (std 0.1, norm weights in [0.5, 1.5], random biases) so that
+attention is far from uniform and a wrong norm, bias or rotation changes the logits visibly.
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+TINY_COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+TINY_VARIANTS = {
+    "llama": ("LlamaConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "llama3_tied": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+}
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Return ``save(variant) -> directory`` of a tiny random checkpoint (``config.json`` + safetensors), memoised."""
+    saved: dict[str, Path] = {}
+
+    def save(variant: str) -> Path:
+        if variant not in saved:
+            # Imported here so that test modules that never use these fixtures do not pay for transformers.
+            import torch
+            import transformers
+
+            config_class, extra = TINY_VARIANTS[variant]
+            config = getattr(transformers, config_class)(**TINY_COMMON, **extra)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.uniform_(0.5, 1.5)
+                    elif name.endswith("bias"):
+                        param.normal_(0.0, 0.1)
+            path = tmp_path_factory.mktemp(f"tiny-{variant}")
+            model.save_pretrained(path)
+            saved[variant] = path
+        return saved[variant]
+
+    return save
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(make_tiny_model: Callable[[str], Path]) -> Path:
+    """Directory of the tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256, fp32)."""
+    return make_tiny_model("llama")

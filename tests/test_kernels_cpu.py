@@ -1,0 +1,187 @@
+"""The torch (CPU) kernels against plain dense references and transformers' own Llama pieces."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels import (
+    AttentionMetadata,
+    build_cos_sin_cache,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
+
+NUM_KV_HEADS = 2
+HEAD_SIZE = 64
+NUM_BLOCKS = 48
+
+# Sequences as (cached tokens, new tokens), in multiples of the block size `b` so that they cross block boundaries.
+BATCHES = {
+    "decodes": lambda b: [(0, 1), (b - 2, 1), (b - 1, 1), (b, 1), (3 * b + 4, 1)],
+    "prefills": lambda b: [(0, 5), (0, b), (0, 2 * b + 3)],
+    "cached_prefills": lambda b: [(b, 3), (b - 1, b + 2), (2 * b + 1, 2)],
+    "mixed": lambda b: [(b + 4, 1), (2 * b - 1, 1), (0, b + 5), (b + 2, 2 * b + 3)],
+}
+
+# Against a float64 reference on the same inputs. bf16 rounds the output to 8 bits of mantissa (values are O(1)).
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 8e-3, "rtol": 8e-3}}
+
+
+def naive_attention(
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], new_lens: list[int], scale: float
+) -> torch.Tensor:
+    """Dense causal attention, token by token: ``keys[s]``/``values[s]`` hold sequence s's whole context."""
+    group = query.shape[1] // keys[0].shape[1]
+    out = []
+    token = 0
+    for key, value, new in zip(keys, values, new_lens, strict=True):
+        for i in range(new):
+            position = key.shape[0] - new + i
+            k = key[: position + 1].double().repeat_interleave(group, dim=1)
+            v = value[: position + 1].double().repeat_interleave(group, dim=1)
+            probs = (torch.einsum("hd,lhd->hl", query[token].double(), k) * scale).softmax(-1)
+            out.append(torch.einsum("hl,lhd->hd", probs, v))
+            token += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_paged_attention_matches_dense(batch: str, block_size: int, group: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(block_size * 10 + group)
+    seqs = sorted(BATCHES[batch](block_size), key=lambda s: s[1] != 1)  # decodes first
+    num_heads = NUM_KV_HEADS * group
+    cache_shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_SIZE)
+    # Finite garbage everywhere: padding and stale slots are read and must be masked out.
+    k_cache = (torch.randn(cache_shape, generator=generator) * 100).to(dtype)
+    v_cache = (torch.randn(cache_shape, generator=generator) * 100).to(dtype)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    keys, values, tables = [], [], []
+    for cached, new in seqs:
+        seq_len = cached + new
+        keys.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(dtype))
+        values.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(dtype))
+        tables.append([free.pop() for _ in range(-(-seq_len // block_size))])
+        for p in range(cached):  # the cached prefix, written by an earlier step
+            k_cache[tables[-1][p // block_size], p % block_size] = keys[-1][p]
+            v_cache[tables[-1][p // block_size], p % block_size] = values[-1][p]
+    new_lens = [new for _, new in seqs]
+    meta = AttentionMetadata.from_lists(new_lens, [c + n for c, n in seqs], tables, block_size)
+    assert meta.num_decodes == sum(n == 1 for n in new_lens)
+    new_keys = torch.cat([k[c:] for k, (c, _) in zip(keys, seqs, strict=True)])
+    new_values = torch.cat([v[c:] for v, (c, _) in zip(values, seqs, strict=True)])
+    reshape_and_cache(new_keys, new_values, k_cache, v_cache, meta.slot_mapping)
+    query = torch.randn(sum(new_lens), num_heads, HEAD_SIZE, generator=generator).to(dtype)
+    scale = HEAD_SIZE**-0.5
+
+    out = paged_attention(query, k_cache, v_cache, meta, scale)
+
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.double(), naive_attention(query, keys, values, new_lens, scale), **TOLERANCES[dtype])
+
+
+def test_reshape_and_cache_writes_only_the_slots() -> None:
+    k_cache, v_cache = torch.randn(2, 6, 4, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([5, 0, 13, 22])
+    key, value = torch.randn(2, 4, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
+
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+
+    for cache, before, new in ((k_cache, before_k, key), (v_cache, before_v, value)):
+        flat, flat_before = cache.view(-1, NUM_KV_HEADS, HEAD_SIZE), before.view(-1, NUM_KV_HEADS, HEAD_SIZE)
+        assert torch.equal(flat[slots], new)
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool).index_fill_(0, slots, False)
+        assert torch.equal(flat[untouched], flat_before[untouched])
+
+
+def test_metadata_rejects_a_decode_after_a_prefill() -> None:
+    with pytest.raises(ValueError, match="decodes"):
+        AttentionMetadata.from_lists([3, 1], [3, 5], [[0], [1]], block_size=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(with_residual: bool, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(2, 7, 96, generator=generator) * 3).to(dtype).unbind(0)
+    weight = torch.rand(96, generator=generator).to(dtype) + 0.5
+    eps = 1e-5
+    summed = x + residual if with_residual else x
+    reference = LlamaRMSNorm(96, eps=eps).to(dtype)
+    reference.weight.data.copy_(weight)
+    formula = summed.double() * torch.rsqrt(summed.double().square().mean(-1, keepdim=True) + eps) * weight.double()
+
+    result = rms_norm(x, weight, eps, residual if with_residual else None)
+
+    out = result[0] if with_residual else result
+    if with_residual:
+        assert torch.equal(result[1], summed)
+    assert out.dtype == dtype
+    # Same rounding steps as transformers' LlamaRMSNorm, so equal up to float32 reduction order.
+    torch.testing.assert_close(out, reference(summed), atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(out.double(), formula, **TOLERANCES[dtype])
+
+
+ROPE_PARAMETERS = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rope", ROPE_PARAMETERS)
+def test_rotary_matches_transformers(rope: str, dtype: torch.dtype) -> None:
+    num_heads, num_kv_heads, head_size, max_position, theta = 6, 2, 64, 4096, 500000.0
+    rope_parameters = {**ROPE_PARAMETERS[rope], "rope_theta": theta}
+    config = LlamaConfig(
+        hidden_size=num_heads * head_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_size,
+        max_position_embeddings=max_position,
+        rope_parameters=rope_parameters,
+    )
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, max_position, (37,), generator=generator)
+    query = torch.randn(37, num_heads, head_size, generator=generator).to(dtype)
+    key = torch.randn(37, num_kv_heads, head_size, generator=generator).to(dtype)
+    cos, sin = LlamaRotaryEmbedding(config)(query, positions[None])
+    # transformers wants [batch, heads, tokens, head_size].
+    hf_query, hf_key = apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos, sin)
+    scaling = None if rope == "default" else ROPE_PARAMETERS[rope]
+    cache = build_cos_sin_cache(head_size, max_position, theta, scaling, dtype)
+
+    ours_query, ours_key = rotary_embedding(positions, query, key, cache)
+
+    torch.testing.assert_close(ours_query, hf_query[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_key, hf_key[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_refuses_unknown_scaling() -> None:
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        build_cos_sin_cache(64, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 3, 2 * 48, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    gate, up = x.double()[..., :48], x.double()[..., 48:]
+
+    out = silu_and_mul(x)
+
+    assert out.shape == (5, 3, 48) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])

@@ -1,0 +1,223 @@
+"""Our Llama-family model over the paged cache gives the logits of Hugging Face transformers' own implementation."""
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from backend.models import LlamaForCausalLM, ModelConfig, load_model, resolve_dtype, resolve_model
+from backend.models.loader import embedded_gguf
+from kernels import AttentionMetadata
+
+BLOCK_SIZE = 8
+PROMPT_LENS = (13, 21, 6)
+
+# A schedule is a list of steps; a step feeds (sequence, number of its next tokens) for some sequences.
+# Every schedule feeds every token of every prompt exactly once.
+SCHEDULES = {
+    "one_batch": [[(0, 13), (1, 21), (2, 6)]],
+    "two_chunks": [[(0, 5), (1, 16)], [(0, 8), (1, 5), (2, 6)]],
+    "decode": [[(0, 10), (1, 18), (2, 3)]] + [[(0, 1), (1, 1), (2, 1)]] * 3,
+    "mixed": [[(0, 11), (1, 20)], [(0, 1), (1, 1), (2, 4)], [(0, 1), (2, 2)]],
+}
+
+
+class PagedRunner:
+    """Feeds token chunks of several sequences through the model, the way the engine will: one flat batch a step."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
+        config = model.config
+        dtype = model.embed_tokens.dtype
+        self.model = model
+        # Finite garbage, not zeros: padding and unwritten slots are read and must be masked out.
+        shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.randn(shape, dtype=dtype) * 100, torch.randn(shape, dtype=dtype) * 100)
+            for _ in range(config.num_layers)
+        ]
+        # Shuffled so that every sequence's blocks are scattered over the cache.
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+        self.block_tables: dict[int, list[int]] = {}
+        self.num_computed: dict[int, int] = {}
+
+    def step(self, prompts: list[list[int]], chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Run one step; returns the logits of each chunk's tokens, in the order of ``chunks``."""
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i][1] != 1)  # decodes first
+        input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for i in order:
+            seq, n = chunks[i]
+            start = self.num_computed.get(seq, 0)
+            table = self.block_tables.setdefault(seq, [])
+            while len(table) * BLOCK_SIZE < start + n:
+                table.append(self.free_blocks.pop())
+            input_ids += prompts[seq][start : start + n]
+            positions += range(start, start + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            self.num_computed[seq] = start + n
+        meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, BLOCK_SIZE)
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden)
+        by_chunk = dict(zip(order, logits.split(query_lens), strict=True))
+        return [by_chunk[i] for i in range(len(chunks))]
+
+
+def run_schedule(model: LlamaForCausalLM, prompts: list[list[int]], schedule: list[list[tuple[int, int]]]):
+    """Feed the prompts as the schedule says; returns each prompt's logits ``[len, vocab]`` over all its tokens."""
+    runner = PagedRunner(model)
+    logits: dict[int, list[torch.Tensor]] = {seq: [] for seq in range(len(prompts))}
+    for chunks in schedule:
+        for (seq, _), chunk_logits in zip(chunks, runner.step(prompts, chunks), strict=True):
+            logits[seq].append(chunk_logits)
+    return [torch.cat(logits[seq]) for seq in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+def hf_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's logits from transformers' model, run alone and whole."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([p])).logits[0].float() for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["llama", "llama3_tied", "qwen2"])
+def tiny_pair(request: pytest.FixtureRequest, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]):
+    """(our fp32 model, transformers' logits of each prompt) for one tiny variant."""
+    model_dir = make_tiny_model(request.param)
+    return load_model(model_dir, torch.float32, torch.device("cpu")), hf_logits(model_dir, prompts)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_logits_match_transformers(
+    schedule: str, tiny_pair: tuple[LlamaForCausalLM, list[torch.Tensor]], prompts: list[list[int]]
+) -> None:
+    model, reference = tiny_pair
+    steps = SCHEDULES[schedule]
+    assert [sum(n for s, n in sum(steps, []) if s == seq) for seq in range(len(prompts))] == list(PROMPT_LENS)
+    for ours, theirs in zip(run_schedule(model, prompts, steps), reference, strict=True):
+        # Measured max |diff| 2e-6 (logits have std ~0.85): only summation order differs.
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_config_reads_both_transformers_layouts(make_tiny_model: Callable[[str], Path]) -> None:
+    model_dir = make_tiny_model("llama3_tied")
+    v5 = json.loads((model_dir / "config.json").read_text())
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4["rope_theta"] = v5["rope_parameters"]["rope_theta"]
+    v4["rope_scaling"] = {k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"}
+    generation = {"eos_token_id": [2, 7]}
+    assert ModelConfig.from_dict(v4, generation) == ModelConfig.from_dict(v5, generation)
+    config = ModelConfig.from_dict(v5, generation)
+    assert (config.eos_token_ids, config.rope_theta, config.rope_scaling["rope_type"]) == ([2, 7], 10000.0, "llama3")
+    assert (config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (2, 16, True)
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelConfig.from_dict({**v5, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_resolve_model_rejects_what_it_cannot_load(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        resolve_model(str(tmp_path / "missing"))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_resolve_dtype(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    assert resolve_dtype("float32", "cuda") == torch.float32
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": True})
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16  # measured faster with bench/dtype.py
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": False})
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    fp16_checkpoint = dataclasses.replace(ModelConfig.from_dir(tiny_llama_dir), dtype="float16")
+    assert resolve_dtype("auto", "cuda", fp16_checkpoint) == torch.float16
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_dtype("int8", "cpu")
+
+
+def test_load_weights_refuses_incomplete_or_foreign_checkpoints(tiny_llama_dir: Path) -> None:
+    weights = safetensors.torch.load_file(tiny_llama_dir / "model.safetensors")
+    model = LlamaForCausalLM(ModelConfig.from_dir(tiny_llama_dir), torch.float32)
+    with pytest.raises(ValueError, match=r"unloaded.*layers\.1\.self_attn\.qkv_proj"):
+        model.load_weights((k, v) for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight")
+    with pytest.raises(ValueError, match="extra"):
+        model.load_weights([*weights.items(), ("model.layers.0.mlp.extra.weight", torch.zeros(1))])
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded SmolLM2 GGUF converted into a fresh cache dir: (directory, seconds of the second resolve)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPINDLE_CACHE_DIR", str(tmp_path_factory.mktemp("spindle-cache")))
+        model_dir = resolve_model(None)
+        start = time.perf_counter()
+        assert resolve_model(None) == model_dir
+        yield model_dir, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_conversion(smollm2: tuple[Path, float]) -> None:
+    model_dir, second_resolve_s = smollm2
+    assert second_resolve_s < 5
+    config = ModelConfig.from_dir(model_dir)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
+    assert (config.vocab_size, config.tie_word_embeddings, config.eos_token_ids) == (49152, True, [2])
+    assert "<|im_start|>" in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    assert {"generation_config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in model_dir.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2: tuple[Path, float]) -> tuple[int, list[int], torch.Tensor]:
+    """transformers' fp32 model on the same GGUF: (prompt length, prompt + 8 greedy tokens, logits at every token)."""
+    model_dir, _ = smollm2
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    gguf = embedded_gguf()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+        return len(prompt), tokens, reference(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_smollm2_matches_transformers_on_the_gguf(
+    dtype: torch.dtype, smollm2: tuple[Path, float], smollm2_reference: tuple[int, list[int], torch.Tensor]
+) -> None:
+    prompt_len, tokens, reference = smollm2_reference
+    model = load_model(smollm2[0], dtype, torch.device("cpu"))
+    # The prompt in one prefill, then the greedy tokens one decode step each.
+    ours = run_schedule(model, [tokens], [[(0, prompt_len)]] + [[(0, 1)]] * (len(tokens) - prompt_len))[0]
+    generated = slice(prompt_len - 1, len(tokens) - 1)
+    if dtype == torch.float32:
+        # Measured max |diff| 7e-5 (logits span about +-30): only summation order differs.
+        torch.testing.assert_close(ours, reference, atol=5e-4, rtol=1e-4)
+        assert ours[generated].argmax(-1).tolist() == tokens[prompt_len:]
+    else:
+        # bf16 moves logits by up to ~1.5 (measured), so only clear winners must agree: every greedy token whose
+        # fp32 lead over the runner-up is above 1, and most positions overall (measured 98%).
+        top2 = reference[generated].topk(2).values
+        clear = (top2[:, 0] - top2[:, 1] > 1).tolist()
+        chosen = ours[generated].argmax(-1).tolist()
+        assert [c for c, keep in zip(chosen, clear, strict=True) if keep] == [
+            t for t, keep in zip(tokens[prompt_len:], clear, strict=True) if keep
+        ]
+        assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
