@@ -1,0 +1,319 @@
+"""Turns one decode step's logits into the next token of every sequence, vectorized across the batch.
+
+Every stage runs as a handful of tensor operations over the rows that use it and is skipped when none
+does, so an all-greedy batch without penalties, biases or logprobs costs one ``argmax``. The stages, in
+order: raw logprobs, logit bias, min_tokens, penalties (repetition, frequency, presence); then greedy
+rows take the argmax and the others go through temperature, top-k, top-p and min-p (Hugging Face's
+warper order) before an exponential race picks the token. Full-vocabulary temporaries are avoided
+where possible: on a CPU, allocating one costs more than the arithmetic on it.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backend.sequence import Sequence
+from shared import SamplingParams, TokenLogprobs
+
+# Top-p first looks for a row's nucleus among this many most likely tokens, because a full sort of the
+# vocabulary costs ~20x a top-k this small; rows whose nucleus is larger widen the search by _WIDEN.
+_NUCLEUS_CANDIDATES = 256
+_WIDEN = 8
+
+
+@dataclass
+class SamplerOutput:
+    """What :class:`Sampler` returns for a batch.
+
+    Attributes:
+        token_ids: the token chosen for each row.
+        logprobs: per row, the log-probabilities it asked for (``params.logprobs``), else ``None``.
+
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples the next token of a batch of sequences, each with its own :class:`SamplingParams`.
+
+    Semantics follow vLLM: logprobs are those of the raw model logits; ``min_tokens`` masks the eos
+    ids and ``stop_token_ids`` even when ``ignore_eos`` is set; repetition penalties cover prompt and
+    output tokens, presence and frequency penalties only output tokens. Rows of a sequence with a
+    ``generator`` (a seeded request) draw their randomness from it alone, so they sample the same
+    tokens whatever batch they are in.
+
+    Args:
+        vocab_size: number of real tokens; logits columns past it (padding of the lm head) are ignored.
+        eos_token_ids: end-of-sequence ids that ``min_tokens`` holds back.
+
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[len(seqs), >= vocab_size]`` next-token logits, one row per sequence, on any
+                device. It may be modified in place; pass a copy if it is needed afterwards.
+            seqs: the sequences, in row order.
+
+        Returns:
+            The sampled tokens and, for rows that asked, their log-probabilities.
+
+        """
+        # Contiguous so that the penalties can address it flat (a copy only when the lm head is padded).
+        logits = logits[:, : self.vocab_size].float().contiguous()
+        params = [s.params for s in seqs]
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = _take(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
+
+        self._apply_logit_bias(logits, params)
+        self._apply_min_tokens(logits, seqs)
+        self._apply_penalties(logits, seqs)
+
+        greedy, rest = _partition([p.greedy for p in params])
+        if not rest:
+            tokens = logits.argmax(-1)
+        elif not greedy:
+            tokens = self._sample(logits, seqs)
+        else:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+            rows = _index(greedy, logits)
+            tokens[rows] = logits[rows].argmax(-1)
+            rows = _index(rest, logits)
+            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in rest])
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            chosen = _take(tokens, logprob_rows)
+            nums = [params[i].logprobs or 0 for i in logprob_rows]
+            for i, row in zip(logprob_rows, _gather_logprobs(raw_logprobs, chosen, nums), strict=True):
+                logprobs[i] = row
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def prompt_logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor, num: int) -> list[TokenLogprobs]:
+        """Log-probabilities of prompt tokens, from the logits of the positions before them.
+
+        Args:
+            logits: ``[n, >= vocab_size]`` raw logits of ``n`` consecutive prompt positions.
+            target_ids: ``[n]`` the prompt token that follows each position.
+            num: how many of the most likely tokens to report besides the target.
+
+        Returns:
+            One entry per position: the target first, then the top ``num`` tokens.
+
+        """
+        raw_logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)
+        chosen = target_ids.to(device=logits.device, dtype=torch.long)
+        return _gather_logprobs(raw_logprobs, chosen, [num] * len(target_ids))
+
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
+        rows: list[int] = []
+        token_ids: list[int] = []
+        biases: list[float] = []
+        for i, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                if token_id < self.vocab_size:
+                    rows.append(i)
+                    token_ids.append(token_id)
+                    biases.append(bias)
+        if rows:
+            index = (_index(rows, logits), _index(token_ids, logits))
+            logits.index_put_(index, torch.tensor(biases, device=logits.device), accumulate=True)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for i, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                # vLLM holds eos back even with ignore_eos: min_tokens is about length, not stopping.
+                stops = self.eos_token_ids + [t for t in seq.params.stop_token_ids or [] if t < self.vocab_size]
+                rows += [i] * len(stops)
+                token_ids += stops
+        if rows:
+            logits[_index(rows, logits), _index(token_ids, logits)] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        # Penalties only touch tokens a sequence has seen, so they work on its (row, token) pairs (a few
+        # thousand), as positions in the flattened logits, rather than on [rows, vocab] count tensors.
+        flat = logits.view(-1)
+        repeated = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1]
+        if repeated:
+            positions, counts = _token_positions(repeated, [seqs[i].token_ids for i in repeated], logits)
+            penalty = _per_position([seqs[i].params.repetition_penalty for i in repeated], counts, logits)
+            seen = flat.index_select(0, positions)
+            # Dividing positive and multiplying negative logits makes a seen token less likely either way;
+            # a token seen twice is written twice with the same value, so it is penalized once.
+            flat.index_copy_(0, positions, torch.where(seen > 0, seen / penalty, seen * penalty))
+        counted = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty]
+        if counted:
+            positions, counts = _token_positions(counted, [seqs[i].output_token_ids for i in counted], logits)
+            presence = _per_position([seqs[i].params.presence_penalty for i in counted], counts, logits)
+            frequency = _per_position([seqs[i].params.frequency_penalty for i in counted], counts, logits)
+            # Presence is written (once per distinct token), frequency added (once per occurrence).
+            flat.index_copy_(0, positions, flat.index_select(0, positions) - presence)
+            flat.index_add_(0, positions, -frequency)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Sample the non-greedy rows: temperature, then top-k/top-p/min-p, then the exponential race."""
+        params = [s.params for s in seqs]
+        temperature = [p.temperature for p in params]
+        if any(t != 1 for t in temperature):
+            logits.div_(_column(temperature, logits))
+
+        vocab = logits.shape[-1]
+        truncated, whole = _partition([0 < p.top_k < vocab or p.top_p < 1 for p in params])
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if whole:
+            tokens[_index(whole, logits)] = self._race(_take(logits, whole), [seqs[i] for i in whole], None)
+        if truncated:
+            x = _take(logits, truncated)
+            for local, values, token_ids in _top_k_top_p(x, [params[i] for i in truncated]):
+                rows = [truncated[j] for j in local]
+                picks = self._race(values, [seqs[i] for i in rows], token_ids)
+                tokens[_index(rows, logits)] = token_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
+        return tokens
+
+    def _race(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: torch.Tensor | None) -> torch.Tensor:
+        """Apply min-p, then pick a column per row with probability softmax: ``argmax(p / q)``, ``q ~ Exp(1)``.
+
+        ``logits`` is overwritten. ``token_ids`` (``[rows, candidates]``) says which vocabulary tokens
+        the columns are, when they are a subset of it. A seeded row draws a whole vocabulary's worth of
+        ``q`` from its generator (on the CPU, where generators live) and keeps its candidates' entries:
+        each token has its own draw, however many candidates the batch gave the row.
+        """
+        # Probabilities relative to the row's most likely token: scaling a row does not move the race's
+        # argmax, and min-p compares exactly this ratio. (Masking logits with -inf instead would be
+        # slower: exp of -inf takes ~3x longer than exp of a number.)
+        probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        min_p = [s.params.min_p for s in seqs]
+        if any(min_p):
+            probs.masked_fill_(probs < _column(min_p, probs), 0.0)
+        q = torch.empty_like(probs)
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        if len(seeded) < len(seqs):
+            q.uniform_()
+        if seeded:
+            draws = torch.empty(len(seeded), self.vocab_size)
+            for row, i in enumerate(seeded):
+                draws[row].uniform_(generator=seqs[i].generator)
+            draws = draws.to(q.device)
+            rows = _index(seeded, q)
+            q[rows] = draws if token_ids is None else draws.gather(1, token_ids[rows])
+        # -log(U) is Exp(1), ~5x faster than exponential_() on the CPU; U < 1 keeps q > 0 (no 0 / 0).
+        return probs.div_(q.log_().neg_()).argmax(-1)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Apply top-k, then top-p to the renormalized top-k distribution, as Hugging Face does.
+
+    Only each row's most likely tokens are looked at (a ``topk``, much cheaper than sorting the
+    vocabulary): as many as the largest ``top_k``, or ``_NUCLEUS_CANDIDATES`` for rows with top-p
+    alone, widening for the rows whose nucleus turns out larger.
+
+    Returns:
+        Groups of ``(rows, values, token_ids)``: the rows of ``logits`` in the group, their candidates'
+        logits in descending order (``-inf`` where dropped) and the candidates' token ids.
+
+    """
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    # A top_p of 1 becomes inf: a cumulative sum that rounds up to 1.0 must not drop tail tokens.
+    top_p = [p.top_p if p.top_p < 1 else float("inf") for p in params]
+    nucleus_alone = [k == vocab and p < 1 for k, p in zip(top_k, top_p, strict=True)]
+    width = min(vocab, max([k for k in top_k if k < vocab] + [_NUCLEUS_CANDIDATES * any(nucleus_alone)]))
+
+    groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+    pending = list(range(len(params)))
+    while pending:
+        x = _take(logits, pending)
+        k = torch.tensor([top_k[i] for i in pending], device=logits.device)
+        p = _column([top_p[i] for i in pending], logits)
+        values, token_ids = x.topk(width, dim=-1)
+        # Ties with the k-th logit stay, as in Hugging Face.
+        kth = values.gather(1, (k - 1).clamp_(max=width - 1).unsqueeze(1))
+        values.masked_fill_(values < kth, float("-inf"))
+        done = torch.ones(len(pending), dtype=torch.bool, device=logits.device)
+        if any(top_p[i] < 1 for i in pending):
+            log_norm = values.logsumexp(-1)
+            if any(nucleus_alone[i] for i in pending):
+                # Without top-k the nucleus is a share of the whole vocabulary's probability.
+                log_norm = torch.where(k < vocab, log_norm, x.logsumexp(-1))
+            probs = (values - log_norm.unsqueeze(1)).exp_()
+            cumulative = probs.cumsum(-1)
+            values.masked_fill_(cumulative - probs >= p, float("-inf"))
+            # The candidates hold a row's whole nucleus once their mass reaches top_p (top-k rows always do).
+            done = (k < vocab) | (cumulative[:, -1] >= p.squeeze(1)) | (width == vocab)
+        finished = done.tolist()
+        rows = [j for j, f in enumerate(finished) if f]
+        if len(rows) == len(pending):
+            groups.append((pending, values, token_ids))
+        else:
+            local = _index(rows, logits)
+            groups.append(([pending[j] for j in rows], values[local], token_ids[local]))
+        pending = [pending[j] for j, f in enumerate(finished) if not f]
+        width = min(vocab, width * _WIDEN)
+    return groups
+
+
+def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob and rank, then the row's top ``nums[row]`` tokens."""
+    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = ((logprobs > chosen_logprobs).sum(-1, dtype=torch.int32) + 1).tolist()
+    top_logprobs, top_ids = logprobs.topk(max(nums), dim=-1)
+    return [
+        TokenLogprobs(token_ids=[token_id, *ids[:num]], logprobs=[logprob, *values[:num]], rank=rank)
+        for token_id, logprob, ids, values, rank, num in zip(
+            chosen.tolist(),
+            chosen_logprobs.squeeze(1).tolist(),
+            top_ids.tolist(),
+            top_logprobs.tolist(),
+            ranks,
+            nums,
+            strict=True,
+        )
+    ]
+
+
+def _partition(flags: list[bool]) -> tuple[list[int], list[int]]:
+    """Split the row numbers into those whose flag is set and the others."""
+    return [i for i, f in enumerate(flags) if f], [i for i, f in enumerate(flags) if not f]
+
+
+def _token_positions(
+    rows: list[int], token_lists: list[list[int]], logits: torch.Tensor
+) -> tuple[torch.Tensor, list[int]]:
+    """Flatten per-row token lists into positions in ``logits.view(-1)``, with the number per row."""
+    counts = [len(t) for t in token_lists]
+    # numpy builds these ~100x faster than torch.tensor / repeat_interleave do.
+    tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
+    positions = tokens + np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[-1], counts)
+    return torch.from_numpy(positions).to(logits.device), counts
+
+
+def _per_position(values: list[float], counts: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Repeat each row's value once per position of that row."""
+    return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.float32), counts)).to(like.device)
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=like.device)
+
+
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Return the given rows of ``x``; ``x`` itself when that is all of them, so in-place work reaches it."""
+    return x if len(rows) == x.shape[0] else x[_index(rows, x)]
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """Per-row parameters as a ``[rows, 1]`` float column on ``like``'s device, to broadcast over tokens."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
