@@ -38,6 +38,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -97,6 +98,7 @@ class Scheduler:
         self.block_manager.free_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.block_manager.free_blocks(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -1,0 +1,123 @@
+"""The engine core: requests of token ids in, per-step token deltas out. Both engines drive it."""
+
+import logging
+import time
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.model_runner import ModelRunner
+from backend.models.config import ModelConfig
+from backend.models.loader import resolve_model
+from backend.scheduler import Scheduler
+from backend.sequence import Sequence
+from shared.protocol import EngineRequest, SequenceDelta
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Scheduler, block manager and model runner behind one ``step()``.
+
+    One step schedules, runs the model over the flat batch, samples, appends the new tokens, ends the sequences
+    that hit eos, a stop token or their length limit, and frees their blocks. It knows token ids only: stop
+    strings are the frontend's business, which ends such a sequence with :meth:`finish_sequence`.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        # We attend over the whole context, so a sliding-window model is exact only up to its window.
+        model_max = min(filter(None, (self.model_config.max_position_embeddings, self.model_config.sliding_window)))
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_max} tokens")
+        self.max_model_len = config.max_model_len or model_max
+        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        self.num_blocks = self.runner.init_cache(self.max_model_len)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(request.prompt_token_ids)} tokens, but max_model_len={self.max_model_len} "
+                "leaves no room for a completion"
+            )
+        seqs = [
+            Sequence(request.request_id, i, request.prompt_token_ids, request.params, request.arrival_time)
+            for i in range(request.params.n)
+        ]
+        self.requests[request.request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
+        for request_id in request_ids:
+            for seq in self.requests.pop(request_id, []):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End one completion of a request (the frontend matched a stop string) and free its blocks."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return
+        if not seqs[index].is_finished:
+            self.scheduler.finish(seqs[index], "stop")
+        if all(seq.is_finished for seq in seqs):
+            del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is still waiting or running."""
+        return bool(self.requests)
+
+    def step(self) -> list[SequenceDelta]:
+        """Schedule, execute, sample, update; return what changed for each sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.time()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sampled, out = self.runner.execute(batch)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+        deltas = []
+        for seq, token_id, logprobs in zip(sampled, out.token_ids, out.logprobs, strict=True):
+            seq.token_ids.append(token_id)
+            self._check_stop(seq, token_id)
+            first = seq.num_output_tokens == 1
+            deltas.append(
+                SequenceDelta(
+                    request_id=seq.request_id,
+                    index=seq.index,
+                    new_token_ids=[token_id],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    num_cached_tokens=seq.num_cached_tokens if first else 0,
+                    first_scheduled_time=seq.first_scheduled_time if first else None,
+                )
+            )
+            if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
+                del self.requests[seq.request_id]
+        return deltas
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        params = seq.params
+        max_tokens = params.max_tokens or self.max_model_len
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return self.scheduler.finish(seq, "stop")
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                return self.scheduler.finish(seq, "stop", token_id)
+        if seq.num_output_tokens >= max_tokens or len(seq) >= self.max_model_len:
+            self.scheduler.finish(seq, "length")

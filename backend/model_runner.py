@@ -1,0 +1,172 @@
+"""Runs the model on one scheduled batch: builds the flat token batch, owns the KV cache, samples."""
+
+import logging
+import time
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from backend.config import EngineConfig
+from backend.models.config import ModelConfig
+from backend.models.loader import load_model, resolve_dtype
+from backend.sampler import Sampler, SamplerOutput
+from backend.scheduler import ScheduledBatch
+from backend.sequence import Sequence
+from kernels import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model weights, the paged KV cache and the sampler, and executes one step at a time.
+
+    Every step is one forward pass over a flat batch of tokens (no padding): decodes first, then prefill
+    chunks, each token with its position and the cache slot its K/V goes to.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.block_size = config.block_size
+        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        start = time.perf_counter()
+        self.model = load_model(model_dir, self.dtype, self.device)
+        logger.info("Loaded %s (%s) in %.1f s", model_dir, self.dtype, time.perf_counter() - start)
+        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers: 2 (K, V) x layers x kv heads x head size x block size x dtype size."""
+        mc = self.model_config
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.block_size * element_size
+
+    def init_cache(self, max_model_len: int) -> int:
+        """Profile one maximal forward pass, size the KV cache from the memory budget, allocate it.
+
+        On CUDA the budget is ``gpu_memory_utilization`` of the device minus what is in use after loading and the
+        profiled activation peak; on the CPU it is ``kv_cache_memory``. Returns the number of blocks.
+        """
+        peak_activations = self._profile_run()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak_activations
+            knob = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+        else:
+            budget = self.config.kv_cache_memory
+            knob = f"kv_cache_memory={budget / 2**20:.1f} MiB"
+        num_blocks = max(0, budget // self.block_bytes)
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"The KV cache ({knob}) holds {num_blocks} blocks of {self.block_size} tokens "
+                f"({self.block_bytes} bytes each), but one max_model_len={max_model_len} sequence needs "
+                f"{blocks_per_seq}: raise the memory budget or lower max_model_len."
+            )
+        mc = self.model_config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f sequences of max_model_len=%d fit",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_blocks * self.block_bytes / 2**30,
+            self.dtype,
+            num_blocks / blocks_per_seq,
+            max_model_len,
+        )
+        return num_blocks
+
+    def _profile_run(self) -> int:
+        """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        mc = self.model_config
+        shape = (-(-num_tokens // self.block_size), self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_layers)
+        ]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata.from_lists(
+            [num_tokens], [num_tokens], [list(range(shape[0]))], self.block_size, self.device
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)
+            self.model.compute_logits(hidden[:num_seqs]).argmax(dim=-1)
+        if self.device.type != "cuda":
+            return 0
+        peak = torch.cuda.max_memory_allocated() - baseline
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput]:
+        """Run one step: forward over the batch, then sample for every sequence whose known tokens are all computed.
+
+        Prompt log-probabilities, when asked, are appended to ``seq.prompt_logprobs`` as their chunk is computed.
+        Returns the sampled sequences and the sampler's output, row for row.
+        """
+        # Decodes (one query token) go first: the CPU attention path batches them together.
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+        seqs = [batch.seqs[i] for i in order]
+        query_lens = [batch.num_new_tokens[i] for i in order]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        for seq, n in zip(seqs, query_lens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+        device = self.device
+        meta = AttentionMetadata.from_lists(
+            query_lens, seq_lens, [seq.block_table for seq in seqs], self.block_size, device
+        )
+        query_start_loc = [0, *accumulate(query_lens)]
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+            self.kv_caches,
+        )
+        self._record_prompt_logprobs(seqs, query_start_loc, hidden)
+        done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end == len(seq)]
+        sampled = [seqs[i] for i in done]
+        if not sampled:
+            return [], SamplerOutput([], [])
+        rows = torch.tensor([query_start_loc[i + 1] - 1 for i in done], device=device)
+        logits = self.model.compute_logits(hidden[rows])
+        return sampled, self.sampler(logits, sampled)
+
+    def _record_prompt_logprobs(self, seqs: list[Sequence], query_start_loc: list[int], hidden: torch.Tensor) -> None:
+        for i, seq in enumerate(seqs):
+            num = seq.params.prompt_logprobs
+            # A recomputed (preempted) sequence already has them: positions are recorded in order, once.
+            start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+            end = min(seq.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i], seq.num_prompt_tokens - 1)
+            if num is None or start >= end:
+                continue
+            offset = query_start_loc[i] - seq.num_computed_tokens
+            logits = self.model.compute_logits(hidden[offset + start : offset + end])
+            targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
+            seq.prompt_logprobs.extend(self.sampler.prompt_logprobs(logits, targets, num))

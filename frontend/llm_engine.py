@@ -1,0 +1,138 @@
+"""``LLMEngine``: the engine core driven in-process, with tokenization and detokenization around it."""
+
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import fields
+
+from backend.config import EngineConfig
+from backend.engine_core import EngineCore
+from frontend.input_processor import InputProcessor, ProcessedPrompt
+from frontend.output_processor import OutputProcessor, RequestState
+from frontend.tokenizer import Tokenizer
+from shared import PromptInputs, RequestOutput, SamplingParams
+from shared.protocol import EngineRequest
+
+
+class LLMEngine:
+    """A synchronous engine, as in vLLM: add requests, call :meth:`step` until they finish.
+
+    One :meth:`step` schedules the waiting and running sequences under the token budget, runs one forward pass
+    over the flat batch, samples a token for every sequence whose prompt is fully computed, appends it and
+    ends sequences at eos, a stop token, a stop string or their length limit, freeing their KV blocks; it
+    returns a :class:`~shared.RequestOutput` for every request that advanced.
+
+    Example::
+
+        engine = LLMEngine.from_args(kv_cache_memory="1GiB")
+        engine.add_request("a", "The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    print(output.outputs[0].text)
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = Tokenizer.from_dir(self.core.model_dir)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.core.max_model_len, self.core.model_config.vocab_size
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_args(cls, **kwargs: object) -> "LLMEngine":
+        """Build an engine from :class:`~backend.config.EngineConfig` fields given as keywords."""
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; the known ones are {sorted(known)}")
+        return cls(EngineConfig(**kwargs))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + completion the engine accepts."""
+        return self.core.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """How many KV cache blocks cache initialisation allocated."""
+        return self.core.num_blocks
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str | None,
+        inputs: PromptInputs,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        delta: bool = False,
+    ) -> str:
+        """Validate and tokenize ``inputs`` and queue the request; returns its id (generated when ``None``).
+
+        With ``delta=True`` each output carries only the text and tokens that are new since the previous one.
+        Raises :class:`ValueError` for bad inputs or a request id already in use; nothing is queued then.
+        """
+        params = params or SamplingParams()
+        return self._enqueue(request_id, self.input_processor.process(inputs, params), params, arrival_time, delta)
+
+    def add_chat_request(
+        self,
+        request_id: str | None,
+        messages: list[dict[str, str]],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        delta: bool = False,
+    ) -> str:
+        """Like :meth:`add_request` for a conversation: the model's chat template renders it into the prompt."""
+        params = params or SamplingParams()
+        prompt = self.input_processor.process_chat(messages, params, add_generation_prompt)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta)
+
+    def _enqueue(
+        self,
+        request_id: str | None,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None,
+        delta: bool,
+    ) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival_time = arrival_time or time.time()
+        self.core.add_request(EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time))
+        self.output_processor.add_request(
+            RequestState(
+                request_id, prompt.prompt, prompt.prompt_token_ids, params, self.tokenizer, arrival_time, delta
+            )
+        )
+        return request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort one or several requests at any point; their KV blocks are freed at once. Unknown ids are ignored."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.core.abort_requests(request_ids)
+        self.output_processor.abort_requests(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + forward + sampling step; return the outputs of the requests that advanced."""
+        outputs, stopped = self.output_processor.process(self.core.step())
+        for request_id, index in stopped:
+            self.core.finish_sequence(request_id, index)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is still in flight."""
+        return bool(self.output_processor.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """How many requests are still in flight."""
+        return len(self.output_processor.requests)

@@ -1,0 +1,160 @@
+"""Turns the engine core's token deltas into ``RequestOutput``s: detokenization, stop strings, logprobs."""
+
+import time
+from dataclasses import dataclass, field
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.tokenizer import Tokenizer
+from shared import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+from shared.protocol import SequenceDelta
+
+
+@dataclass
+class _Completion:
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    num_sent_tokens: int = 0
+
+
+class RequestState:
+    """Everything the frontend tracks for one request between steps."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        arrival_time: float,
+        delta: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.delta = delta
+        want_logprobs = params.logprobs is not None
+        self.completions = [
+            _Completion(
+                IncrementalDetokenizer(tokenizer, params, prompt_token_ids),
+                logprobs=[] if want_logprobs else None,
+                cumulative_logprob=0.0 if want_logprobs else None,
+            )
+            for _ in range(params.n)
+        ]
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether every completion has ended."""
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode)."""
+        outputs = []
+        for index, c in enumerate(self.completions):
+            finished = c.finish_reason is not None
+            start = c.num_sent_tokens if self.delta else 0
+            new_text = c.detokenizer.get_delta(finished)
+            c.text += new_text
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=new_text if self.delta else c.text,
+                    token_ids=c.token_ids[start:],
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=None if c.logprobs is None else c.logprobs[start:],
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+            c.num_sent_tokens = len(c.token_ids)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=outputs,
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    """Applies each step's :class:`SequenceDelta` list to the request table and builds the ``RequestOutput``s.
+
+    Stop strings need text, so they are matched here; a completion that matches one is reported back so the
+    caller can end it in the engine core and free its blocks at once.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        """Start tracking a request."""
+        self.requests[state.request_id] = state
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop tracking requests (they were aborted); unknown ids are ignored."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def process(self, deltas: list[SequenceDelta]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one step's deltas.
+
+        Returns the outputs of the requests that changed, in the order they first appear in ``deltas``, and the
+        ``(request_id, index)`` of completions that a stop string ended, which the engine core must still end.
+        """
+        now = time.time()
+        changed: dict[str, RequestState] = {}
+        stopped: list[tuple[str, int]] = []
+        for delta in deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None:
+                continue
+            c = state.completions[delta.index]
+            if c.finish_reason is not None:
+                continue  # a stop string already ended it; the core's late tokens are dropped
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                state.metrics.first_scheduled_time = delta.first_scheduled_time
+            if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None, *(self._logprob_dict(lp) for lp in delta.prompt_logprobs)]
+            state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+            c.token_ids.extend(delta.new_token_ids)
+            for lp in delta.new_logprobs or []:
+                c.logprobs.append(self._logprob_dict(lp))
+                c.cumulative_logprob += lp.logprobs[0]
+            stop_str = c.detokenizer.update(delta.new_token_ids)
+            if stop_str is not None:
+                c.finish_reason, c.stop_reason = "stop", stop_str
+                if delta.finish_reason is None:
+                    stopped.append((delta.request_id, delta.index))
+            elif delta.finish_reason is not None:
+                c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+            changed[delta.request_id] = state
+        outputs = []
+        for request_id, state in changed.items():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[request_id]
+            outputs.append(state.output())
+        return outputs, stopped
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        # The chosen token comes first with its own rank; the top-N follow with ranks 1..N.
+        ranks = [lp.rank, *range(1, len(lp.token_ids))]
+        return {
+            token_id: Logprob(logprob, rank, self.tokenizer.id_to_text(token_id))
+            for token_id, logprob, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True)
+        }

@@ -1,0 +1,230 @@
+"""The engine end to end on a tiny random Llama: greedy parity with transformers, chunking, preemption, aborts."""
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM
+
+from frontend import LLM, LLMEngine
+from shared import SamplingParams
+
+MAX_TOKENS = 12
+PROMPT_LENGTHS = [1, 5, 15, 16, 17, 33, 48, 70, 101]
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama plus a byte-level tokenizer over its 256-token vocabulary, so text round-trips."""
+    path = tmp_path_factory.mktemp("tiny-llm")
+    for file in tiny_llama_dir.iterdir():
+        shutil.copy(file, path)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="session")
+def expected(tiny_llm_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens per prompt; min_new_tokens masks eos exactly as our min_tokens does."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llm_dir, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        tokens = model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+        )
+        out.append(tokens[0, len(ids) :].tolist())
+    return out
+
+
+def tiny_engine(model_dir: Path, **kwargs) -> LLMEngine:
+    return LLMEngine.from_args(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+# block bytes of the tiny model: 2 (K, V) x 2 layers x 2 KV heads x head 16 x 16 tokens x 4 B = 8 KiB
+SCENARIOS = {
+    "one_batch": dict(),
+    "chunked_prefill": dict(max_num_batched_tokens=8),
+    "preemption": dict(kv_cache_memory=12 * 8192, max_model_len=128),
+    "no_prefix_caching_small_blocks": dict(enable_prefix_caching=False, block_size=8),
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_matches_transformers(scenario, tiny_llm_dir, prompts, expected):
+    llm = LLM(str(tiny_llm_dir), **{"dtype": "float32", "kv_cache_memory": "4MiB", **SCENARIOS[scenario]})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    core = llm.llm_engine.core
+    assert (core.scheduler.num_preemptions > 0) == (scenario == "preemption")
+    assert core.block_manager.num_free_blocks == core.num_blocks
+
+
+def test_abort_mid_generation_frees_every_block(tiny_llm_dir, prompts, expected):
+    engine = tiny_engine(tiny_llm_dir)
+    for i, ids in enumerate(prompts[:6]):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, GREEDY)
+    for _ in range(4):
+        engine.step()
+    free_before = engine.core.block_manager.num_free_blocks
+    engine.abort_request(["1", "3"])
+    engine.abort_request("no-such-request")
+    assert engine.core.block_manager.num_free_blocks > free_before
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["0", "2", "4", "5"]
+    assert all(finished[str(i)].outputs[0].token_ids == expected[i] for i in (0, 2, 4, 5))
+    assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+    engine.add_request("late", {"prompt_token_ids": prompts[3]}, GREEDY)
+    engine.step()
+    engine.abort_request("late")
+    assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_n_completions_share_the_prompt_blocks(tiny_llm_dir, prompts):
+    engine = tiny_engine(tiny_llm_dir, block_size=16)
+    prompt = prompts[-1]  # 101 tokens: 6 full blocks
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
+    engine.step()
+    seqs = engine.core.requests["r"]
+    shared = seqs[0].block_table[:6]
+    assert all(seq.block_table[:6] == shared for seq in seqs)
+    assert all(engine.core.block_manager.blocks[b].ref_count == 3 for b in shared)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    assert final.num_cached_tokens == 96
+    assert len({tuple(c.token_ids) for c in final.outputs}) == 3  # seed + index: the samples differ
+    assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm_dir, prompts):
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=10)
+    alone = llm.generate({"prompt_token_ids": prompts[4]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = [{"prompt_token_ids": p} for p in prompts[:6]]
+    params = [SamplingParams(temperature=1.0, max_tokens=10), GREEDY, SamplingParams(temperature=1.2, seed=9)] * 2
+    params[4] = seeded
+    mixed = llm.generate(batch, params, use_tqdm=False)
+    assert mixed[4].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.8, top_p=0.9, seed=4321, max_tokens=10)
+    assert llm.generate({"prompt_token_ids": prompts[4]}, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_step_streams_cumulative_and_delta_outputs(tiny_llm_dir, prompts, expected):
+    engine = tiny_engine(tiny_llm_dir)
+    engine.add_request("cum", {"prompt_token_ids": prompts[2]}, GREEDY)
+    engine.add_request("delta", {"prompt_token_ids": prompts[2]}, GREEDY, delta=True)
+    seen: dict[str, list] = {"cum": [], "delta": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert [len(o.outputs[0].token_ids) for o in seen["cum"]] == list(range(1, MAX_TOKENS + 1))
+    assert sum((o.outputs[0].token_ids for o in seen["delta"]), []) == expected[2]
+    assert "".join(o.outputs[0].text for o in seen["delta"]) == seen["cum"][-1].outputs[0].text
+    final = seen["cum"][-1]
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert final.metrics.arrival_time <= final.metrics.first_token_time <= final.metrics.finished_time
+
+
+def test_bad_requests_are_refused_and_lose_nothing(tiny_llm_dir, prompts):
+    engine = tiny_engine(tiny_llm_dir, max_model_len=64)
+    engine.add_request("ok", {"prompt_token_ids": prompts[1]}, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", {"prompt_token_ids": prompts[1]}, GREEDY)
+    with pytest.raises(ValueError, match="70"):
+        engine.add_request("long", {"prompt_token_ids": prompts[7]}, GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", {"prompt_token_ids": [5, 300]}, GREEDY)
+    assert engine.get_num_unfinished_requests() == 1
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].request_id == "ok" and len(outputs[-1].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_cache_that_cannot_hold_one_sequence_is_a_clear_error(tiny_llm_dir):
+    with pytest.raises(ValueError, match="max_model_len=512 sequence needs 32"):
+        tiny_engine(tiny_llm_dir, kv_cache_memory=8 * 8192)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llm_dir: Path) -> LLM:
+    return LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+
+
+def test_generate_accepts_every_prompt_form_and_keeps_input_order(tiny_llm, prompts, expected):
+    text = "hello there"
+    text_ids = tiny_llm.get_tokenizer().encode(text)
+    forms = [text, {"prompt": text}, {"prompt_token_ids": text_ids}]
+    outputs = tiny_llm.generate(forms, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == [text, text, None]
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert all(o.prompt_token_ids == text_ids for o in outputs)
+    single = tiny_llm.generate({"prompt_token_ids": prompts[3]}, GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == expected[3]
+    per_prompt = [SamplingParams(temperature=0, max_tokens=n) for n in (1, 2, 3)]
+    lengths = [len(o.outputs[0].token_ids) for o in tiny_llm.generate(forms, per_prompt, use_tqdm=False)]
+    assert lengths == [1, 2, 3]
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        tiny_llm.generate(forms, per_prompt[:2], use_tqdm=False)
+    assert tiny_llm.generate(text, use_tqdm=False)[0].outputs[0].token_ids  # default SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "legacy,replacement,inputs",
+    [
+        (dict(prompt="hello there"), "LLM.generate(prompt)", "hello there"),
+        (dict(prompt=["hi", "yo"]), "LLM.generate(prompt)", ["hi", "yo"]),
+        (dict(prompt_token_ids=[5, 6, 7]), "{'prompt_token_ids': ids}", {"prompt_token_ids": [5, 6, 7]}),
+        (
+            dict(prompt_token_ids=[[5, 6], [7]]),
+            "{'prompt_token_ids': ids}",
+            [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}],
+        ),
+    ],
+)
+def test_deprecated_keywords_still_work_and_name_the_replacement(tiny_llm, legacy, replacement, inputs):
+    with pytest.warns(DeprecationWarning, match=re.escape(replacement)):
+        old = tiny_llm.generate(sampling_params=GREEDY, use_tqdm=False, **legacy)
+    new = tiny_llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in old] == [o.outputs[0].token_ids for o in new]
+
+
+def test_multi_modal_data_is_refused_by_a_text_only_model(tiny_llm):
+    with pytest.raises(ValueError, match="text only"):
+        tiny_llm.generate({"prompt": "look", "multi_modal_data": {"image": b"..."}}, use_tqdm=False)
+    with pytest.warns(DeprecationWarning) as warned, pytest.raises(ValueError, match="text only"):
+        tiny_llm.generate(prompt="look", multi_modal_data={"image": b"..."}, use_tqdm=False)
+    assert any("{'prompt': ..., 'multi_modal_data': data}" in str(w.message) for w in warned)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(tiny_llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.generate(["fine", {"prompt_token_ids": [1, 999]}], use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+    core = tiny_llm.llm_engine.core
+    assert core.block_manager.num_free_blocks == core.num_blocks
