@@ -1,13 +1,20 @@
 """Offline batch throughput: Spindle's ``LLM.generate`` against Hugging Face transformers' ``generate``.
 
-Both run the embedded SmolLM2-135M-Instruct on this machine's CPU, greedy, on the same prompts with the same
-number of generated tokens (eos ignored so both do the same work). Prints each side's output-token rate (median
-of --repeats runs) and the ratio, in one run.
+Both run the embedded SmolLM2-135M-Instruct on this machine's CPU, greedy, on the same prompts, in float32 and in
+bfloat16. Two workloads:
+
+- ``fixed``: every prompt generates ``--max-tokens`` tokens (eos ignored): a static batch's best case.
+- ``varied``: prompt ``i`` generates its own length, from ``--max-tokens / 4`` up to ``--max-tokens``, as real
+  requests do. transformers' batch runs until its longest request is done; only the tokens each request asked for
+  count as output.
+
+Prints each side's output-token rate (median of ``--repeats`` runs) and the ratios, in one run:
 
     .venv/bin/python bench/offline_throughput.py --num-prompts 32 --max-tokens 64
 """
 
 import argparse
+import random
 import statistics
 import time
 
@@ -30,31 +37,40 @@ def make_prompts(num_prompts: int) -> list[str]:
     return prompts
 
 
-def bench_spindle(prompts: list[str], max_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
-    llm = LLM(kv_cache_memory="2GiB")
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+def output_lengths(workload: str, num_prompts: int, max_tokens: int) -> list[int]:
+    """How many tokens each prompt generates in ``workload``."""
+    if workload == "fixed":
+        return [max_tokens] * num_prompts
+    rng = random.Random(0)
+    return [rng.randint(max_tokens // 4, max_tokens) for _ in range(num_prompts)]
+
+
+def bench_spindle(prompts: list[str], lengths: list[int], repeats: int, dtype: str) -> float:
+    llm = LLM(kv_cache_memory="2GiB", dtype=dtype)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
-    return statistics.median(rates), [o.outputs[0].token_ids for o in outputs]
+    return statistics.median(rates)
 
 
-def bench_transformers(prompts: list[str], max_tokens: int, repeats: int, dtype: torch.dtype) -> float:
+def bench_transformers(prompts: list[str], lengths: list[int], repeats: int, dtype: torch.dtype) -> float:
     model_dir = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    longest = max(lengths)
+    kwargs = dict(max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         model.generate(**tokenizer(prompts[:2], return_tensors="pt", padding=True), **kwargs)  # warm-up
         rates = []
         for _ in range(repeats):
             start = time.perf_counter()
-            out = model.generate(**batch, **kwargs)
-            rates.append((out.shape[1] - batch["input_ids"].shape[1]) * len(prompts) / (time.perf_counter() - start))
+            model.generate(**batch, **kwargs)
+            rates.append(sum(lengths) / (time.perf_counter() - start))
     return statistics.median(rates)
 
 
@@ -63,14 +79,19 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=["fixed", "varied"], choices=["fixed", "varied"])
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
-    spindle, _ = bench_spindle(prompts, args.max_tokens, args.repeats)
-    hf = bench_transformers(prompts, args.max_tokens, args.repeats, torch.float32)
     print(f"prompts={args.num_prompts} max_tokens={args.max_tokens} threads={torch.get_num_threads()}")
-    print(f"spindle LLM.generate:          {spindle:8.1f} output tok/s (median of {args.repeats})")
-    print(f"transformers generate (fp32):  {hf:8.1f} output tok/s (median of {args.repeats})")
-    print(f"ratio spindle / transformers:  {spindle / hf:8.2f}x")
+    for workload in args.workloads:
+        lengths = output_lengths(workload, args.num_prompts, args.max_tokens)
+        for dtype in ("float32", "bfloat16"):
+            spindle = bench_spindle(prompts, lengths, args.repeats, dtype)
+            hf = bench_transformers(prompts, lengths, args.repeats, getattr(torch, dtype))
+            print(
+                f"{workload:6s} {dtype:8s}  spindle {spindle:7.1f} tok/s  transformers {hf:7.1f} tok/s  "
+                f"ratio {spindle / hf:5.2f}x  (medians of {args.repeats})"
+            )
 
 
 if __name__ == "__main__":

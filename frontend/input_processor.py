@@ -87,7 +87,7 @@ class InputProcessor:
             token_ids = self._check_token_ids(inputs["prompt_token_ids"])
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one character or token id")
-        self._check_length(len(token_ids), params.max_tokens)
+        self._check_request(len(token_ids), params)
         return ProcessedPrompt(prompt, token_ids, multi_modal_data)
 
     def process_chat(
@@ -120,7 +120,7 @@ class InputProcessor:
                     raise ValueError(f"messages[{index}] needs a str {key!r}, got {message.get(key)!r}")
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        self._check_length(len(token_ids), params.max_tokens)
+        self._check_request(len(token_ids), params)
         return ProcessedPrompt(prompt, token_ids)
 
     def _check_token_ids(self, token_ids: object) -> list[int]:
@@ -137,7 +137,15 @@ class InputProcessor:
                 )
         return list(token_ids)
 
-    def _check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def _check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        for field in ("logit_bias", "stop_token_ids"):
+            outside = sorted(t for t in getattr(params, field) or () if t >= self.vocab_size)
+            if outside:
+                raise ValueError(
+                    f"SamplingParams.{field} names token ids {outside} outside the vocabulary: "
+                    f"token ids must be in [0, {self.vocab_size})"
+                )
+        max_tokens = params.max_tokens
         if max_tokens is None:
             if num_prompt_tokens >= self.max_model_len:
                 raise ValueError(

@@ -141,3 +141,10 @@ def test_chat_without_a_template_is_refused(llama_style_tokenizer):
     processor = InputProcessor(llama_style_tokenizer, MAX_MODEL_LEN, llama_style_tokenizer.vocab_size)
     with pytest.raises(ValueError, match="no chat template"):
         processor.process_chat([{"role": "user", "content": "hi"}], SamplingParams())
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {100: 1.0}), ("stop_token_ids", [5, 100, 120])])
+def test_sampling_token_ids_must_be_in_the_vocabulary(tokenizer, field, value):
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, vocab_size=100)
+    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.{field} names token ids")):
+        processor.process({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1, **{field: value}))
