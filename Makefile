@@ -31,4 +31,5 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 bench: $(STAMP)
-	$(PY) bench/offline_throughput.py
+	$(PY) -m bench.offline_throughput
+	$(PY) -m bench.split_overhead

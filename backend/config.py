@@ -1,7 +1,9 @@
-"""Engine settings: model, dtype, cache sizing and scheduling limits."""
+"""Engine settings: model, dtype, cache sizing and scheduling limits, and their command-line flags."""
 
+import argparse
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -65,3 +67,47 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per :class:`EngineConfig` field, defaulting to ``SPINDLE_<FIELD>`` from the environment."""
+    for field in fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
+        if field.type is bool:
+            if isinstance(default, str):
+                default = default.lower() in ("1", "true", "yes", "on")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {int: int, int | None: int, float: float}.get(field.type, str)
+            parser.add_argument(flag, type=kind, default=None if default is None else kind(default))
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the :class:`EngineConfig` from flags added by :func:`add_engine_args`."""
+    return EngineConfig(**{field.name: getattr(args, field.name) for field in fields(EngineConfig)})
+
+
+def config_to_argv(config: EngineConfig) -> list[str]:
+    """The flags that make :func:`config_from_args` rebuild ``config`` (to start a backend process with it)."""
+    argv = []
+    for field in fields(EngineConfig):
+        value = getattr(config, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def add_backend_args(parser: argparse.ArgumentParser) -> None:
+    """The ``spindle backend`` flags: the engine's, where to listen, and the SIGTERM grace period."""
+    add_engine_args(parser)
+    parser.add_argument(
+        "--listen",
+        default=os.environ.get("SPINDLE_LISTEN", "ipc:///tmp/spindle/engine.sock"),
+        help="ZeroMQ address to bind: ipc:///path/engine.sock or tcp://127.0.0.1:PORT",
+    )
+    parser.add_argument("--grace-period", type=float, default=float(os.environ.get("SPINDLE_GRACE_PERIOD", 30)))
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from pathlib import Path
 
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
@@ -10,9 +11,22 @@ from backend.models.config import ModelConfig
 from backend.models.loader import resolve_model
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
-from shared.protocol import EngineRequest, SequenceDelta
+from shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
+"""The files a frontend needs to build the tokenizer; they travel in the handshake, so it needs no shared disk."""
 
 
 class EngineCore:
@@ -38,6 +52,19 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        self.info = EngineInfo(
+            model_name=Path(config.model).name if config.model else DEFAULT_MODEL_NAME,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            num_kv_blocks=self.num_blocks,
+            block_size=config.block_size,
+            tokenizer_files={
+                name: (self.model_dir / name).read_bytes()
+                for name in TOKENIZER_FILES
+                if (self.model_dir / name).is_file()
+            },
+        )
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks."""
@@ -72,6 +99,16 @@ class EngineCore:
             self.scheduler.finish(seqs[index], "stop")
         if all(seq.is_finished for seq in seqs):
             del self.requests[request_id]
+
+    def stats(self) -> EngineStats:
+        """The scheduler's and the KV cache's current state."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""

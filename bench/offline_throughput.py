@@ -10,7 +10,7 @@ bfloat16. Two workloads:
 
 Prints each side's output-token rate (median of ``--repeats`` runs) and the ratios, in one run:
 
-    .venv/bin/python bench/offline_throughput.py --num-prompts 32 --max-tokens 64
+    .venv/bin/python -m bench.offline_throughput --num-prompts 32 --max-tokens 64
 """
 
 import argparse

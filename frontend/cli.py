@@ -1,40 +1,32 @@
-"""The ``spindle`` command line."""
+"""The ``spindle`` command line: ``serve`` (backend child + frontend) and ``backend`` (the engine core alone)."""
 
 import argparse
+import asyncio
 import logging
 import sys
 
+from backend.config import EngineConfig, add_backend_args, add_engine_args, config_from_args
 from shared import SamplingParams
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size on the CPU, e.g. 2GiB")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from frontend.llm import LLM
-
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+async def _engine_check(engine: "AsyncLLMEngine") -> str:  # noqa: F821 - imported lazily below
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
-    print(f"engine check: {messages[0]['content']!r} -> {output.outputs[0].text!r}")
-    print("The engine works; the gRPC server arrives in a later issue.")
+    text = ""
+    async for output in engine.chat(messages, SamplingParams(temperature=0, max_tokens=32)):
+        text = output.outputs[0].text
+    return text
+
+
+def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    from frontend.async_llm_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_args(backend_address=args.backend_address, **vars(config))
+    try:
+        text = asyncio.run(_engine_check(engine))
+        print(f"engine check through the backend process: {text!r}")
+        print("The engine works; the gRPC server arrives in a later issue.")
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -42,11 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``spindle`` console script."""
     parser = argparse.ArgumentParser(prog="spindle", description="Spindle LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="load the model and serve it")
-    _add_engine_args(serve)
+    serve = commands.add_parser("serve", help="serve a model: a backend child process and the frontend")
+    add_engine_args(serve)
+    serve.add_argument("--backend-address", default=None, help="use the backend listening here instead of starting one")
+    backend = commands.add_parser("backend", help="run the engine core process alone (for compose / Kubernetes)")
+    add_backend_args(backend)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _serve(args)
+    if args.command == "backend":
+        from backend.engine_process import run_backend  # the model side: only this command imports torch
+
+        return run_backend(args)
+    return _serve(config_from_args(args), args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ class LLM:
 
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
+        multiprocess: run the engine core in a backend child process (as ``spindle serve`` does) instead of here.
         **engine_args: any other :class:`~backend.config.EngineConfig` field (``dtype``, ``max_model_len``,
             ``kv_cache_memory``, ``gpu_memory_utilization``, ``block_size``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``).
@@ -31,9 +32,13 @@ class LLM:
 
     """
 
-    def __init__(self, model: str | None = None, **engine_args: object) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, multiprocess: bool = False, **engine_args: object) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), multiprocess)
         self._next_id = 0
+
+    def shutdown(self) -> None:
+        """Stop the backend process, when ``multiprocess=True`` started one."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""

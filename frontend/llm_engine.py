@@ -3,15 +3,18 @@
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from backend.config import EngineConfig
-from backend.engine_core import EngineCore
+from frontend.core_client import BackendConnection, SyncCoreClient
 from frontend.input_processor import InputProcessor, ProcessedPrompt
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.tokenizer import Tokenizer
 from shared import PromptInputs, RequestOutput, SamplingParams
 from shared.protocol import EngineRequest
+
+if TYPE_CHECKING:
+    from backend.engine_core import EngineCore
 
 
 class LLMEngine:
@@ -32,33 +35,37 @@ class LLMEngine:
                     print(output.outputs[0].text)
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool = False, backend_address: str | None = None) -> None:
         self.config = config
-        self.core = EngineCore(config)
-        self.tokenizer = Tokenizer.from_dir(self.core.model_dir)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.core.max_model_len, self.core.model_config.vocab_size
-        )
+        if multiprocess or backend_address is not None:
+            self.core: EngineCore | SyncCoreClient = SyncCoreClient(BackendConnection(backend_address, config))
+        else:
+            from backend import engine_core  # only the in-process engine needs torch
+
+            self.core = engine_core.EngineCore(config)
+        info = self.core.info
+        self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
+        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_args(cls, **kwargs: object) -> "LLMEngine":
-        """Build an engine from :class:`~backend.config.EngineConfig` fields given as keywords."""
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; the known ones are {sorted(known)}")
-        return cls(EngineConfig(**kwargs))
+    def from_args(cls, multiprocess: bool = False, backend_address: str | None = None, **kwargs: object) -> "LLMEngine":
+        """Build an engine from :class:`~backend.config.EngineConfig` fields given as keywords.
+
+        With ``multiprocess=True`` the engine core runs in a backend child process; with ``backend_address`` it is
+        the backend already listening there.
+        """
+        return cls(EngineConfig(**kwargs), multiprocess, backend_address)
 
     @property
     def max_model_len(self) -> int:
         """The longest prompt + completion the engine accepts."""
-        return self.core.max_model_len
+        return self.core.info.max_model_len
 
     @property
     def num_kv_blocks(self) -> int:
         """How many KV cache blocks cache initialisation allocated."""
-        return self.core.num_blocks
+        return self.core.info.num_kv_blocks
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""
@@ -128,6 +135,11 @@ class LLMEngine:
         for request_id, index in stopped:
             self.core.finish_sequence(request_id, index)
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the backend process this engine started, if any (an in-process core needs nothing)."""
+        if isinstance(self.core, SyncCoreClient):
+            self.core.close()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still in flight."""

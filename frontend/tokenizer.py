@@ -6,6 +6,7 @@ The frontend process must not import torch or transformers, so this module reads
 """
 
 import json
+import tempfile
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -102,6 +103,17 @@ class Tokenizer:
             elif eos is not None:
                 extra_eos.extend(eos)
         return cls(backend, _read_chat_template(path, config), special_tokens, extra_eos)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes]) -> "Tokenizer":
+        """Load a tokenizer from the contents of a model directory's tokenizer files.
+
+        The backend's handshake carries them, so the frontend needs no disk shared with the backend.
+        """
+        with tempfile.TemporaryDirectory(prefix="spindle-tokenizer-") as directory:
+            for name, content in files.items():
+                (Path(directory) / Path(name).name).write_bytes(content)
+            return cls.from_dir(directory)
 
     @property
     def backend(self) -> BackendTokenizer:

@@ -12,10 +12,13 @@ Weights are drawn wider than transformers' init (std 0.1, norm weights in [0.5, 
 attention is far from uniform and a wrong norm, bias or rotation changes the logits visibly.
 """
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 TINY_COMMON = {
     "vocab_size": 256,
@@ -84,3 +87,18 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 def tiny_llama_dir(make_tiny_model: Callable[[str], Path]) -> Path:
     """Directory of the tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256, fp32)."""
     return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama plus a byte-level tokenizer over its 256-token vocabulary, so text round-trips."""
+    path = tmp_path_factory.mktemp("tiny-llm")
+    for file in tiny_llama_dir.iterdir():
+        shutil.copy(file, path)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
+    return path

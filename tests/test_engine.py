@@ -1,14 +1,11 @@
 """The engine end to end on a tiny random Llama: greedy parity with transformers, chunking, preemption, aborts."""
 
-import json
 import random
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM
 
 from frontend import LLM, LLMEngine
@@ -16,21 +13,6 @@ from shared import SamplingParams
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 5, 15, 16, 17, 33, 48, 70, 101]
-
-
-@pytest.fixture(scope="session")
-def tiny_llm_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Llama plus a byte-level tokenizer over its 256-token vocabulary, so text round-trips."""
-    path = tmp_path_factory.mktemp("tiny-llm")
-    for file in tiny_llama_dir.iterdir():
-        shutil.copy(file, path)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
-    return path
 
 
 @pytest.fixture(scope="session")

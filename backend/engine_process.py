@@ -1,0 +1,302 @@
+"""The backend process: the engine core in a busy loop, with socket I/O and (de)serialization in their own thread.
+
+One ROUTER socket serves every frontend (a DEALER each). The I/O thread owns it: it decodes incoming messages into
+a queue, answers handshakes, sends the heartbeats, and encodes and sends the step outputs the loop hands it. The
+loop never touches the socket, so it never waits on a slow frontend: it drains the queue, runs ``step()`` and
+passes one :class:`~shared.protocol.StepOutputs` per frontend to the I/O thread.
+"""
+
+import argparse
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from backend.config import EngineConfig, add_backend_args, config_from_args
+from backend.engine_core import EngineCore
+from shared.protocol import (
+    FRONTEND_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    FinishSequence,
+    FrontendHeartbeat,
+    FrontendMessage,
+    Heartbeat,
+    Hello,
+    Ready,
+    Refused,
+    RequestError,
+    SequenceDelta,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+
+_WAKE_ADDRESS = "inproc://spindle-outputs"
+
+
+class _FrontendGone(msgspec.Struct):
+    """Internal: a frontend has been silent for ``FRONTEND_TIMEOUT`` seconds."""
+
+
+def prepare_address(address: str) -> str:
+    """Check a ZeroMQ address, creating an ipc socket's directory with mode 0700.
+
+    Only ``ipc://`` and ``tcp://`` are accepted; ``tcp://0.0.0.0`` and ``tcp://*`` expose the engine to the network,
+    so they must be asked for by name with ``SPINDLE_ALLOW_PUBLIC_BIND=1``.
+    """
+    if address.startswith("ipc://"):
+        directory = Path(address.removeprefix("ipc://")).parent
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if directory.stat().st_mode & 0o077:
+            if directory.stat().st_uid != os.getuid():
+                raise PermissionError(f"{directory} is open to other users and not ours to close: use a private dir")
+            directory.chmod(0o700)
+        return address
+    if address.startswith("tcp://"):
+        host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+        if host in ("0.0.0.0", "*", "[::]") and os.environ.get("SPINDLE_ALLOW_PUBLIC_BIND") != "1":
+            raise ValueError(f"{address} listens on every interface; set SPINDLE_ALLOW_PUBLIC_BIND=1 if you mean it")
+        return address
+    raise ValueError(f"{address!r} is not a ZeroMQ address: use ipc:///path/engine.sock or tcp://127.0.0.1:PORT")
+
+
+class EngineProcess:
+    """Runs :class:`EngineCore` for the frontends connected to ``address`` until SIGTERM or SIGINT.
+
+    On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds,
+    aborts what is left (the frontends see ``finish_reason="abort"``) and returns.
+    """
+
+    def __init__(self, config: EngineConfig, address: str, grace_period: float = 30.0) -> None:
+        self.core = EngineCore(config)
+        self.address = prepare_address(address)
+        self.grace_period = grace_period
+        self.inputs: queue.Queue[tuple[bytes, object]] = queue.Queue()
+        self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError]] = queue.Queue()
+        self.owners: dict[str, bytes] = {}  # request id -> frontend identity
+        self.draining_since: float | None = None
+        self.context = zmq.Context()
+        self.stop_io = False
+        self.io_ready = threading.Event()
+        self.io_thread = threading.Thread(target=self._io_loop, name="spindle-io", daemon=True)
+
+    def run(self) -> None:
+        """The busy loop: drain inputs, step, hand outputs to the I/O thread; returns once drained after SIGTERM."""
+        self.io_thread.start()
+        self.io_ready.wait()
+        if not self.io_thread.is_alive():
+            raise RuntimeError(f"the I/O thread could not start on {self.address} (see the error above)")
+        wake = self.context.socket(zmq.PUSH)
+        wake.connect(_WAKE_ADDRESS)
+        logger.info("Engine ready on %s", self.address)
+        try:
+            while True:
+                if not self.io_thread.is_alive():
+                    raise RuntimeError("the I/O thread died (see the error above)")
+                idle = not self.core.has_unfinished_requests()
+                if self.draining_since is not None and (
+                    idle or time.monotonic() - self.draining_since > self.grace_period
+                ):
+                    break
+                self._drain_inputs(block=idle)
+                if self.core.has_unfinished_requests():
+                    self._send_by_owner(self.core.step(), wake)
+            self._abort_all(wake)
+        finally:
+            wake.close(linger=0)
+            self.stop_io = True
+            self.io_thread.join(timeout=2)
+            self.context.term()
+
+    def drain(self, *_: object) -> None:
+        """Start the graceful shutdown (the SIGTERM handler)."""
+        if self.draining_since is None:
+            logger.info("Draining: finishing in-flight requests for up to %.2f s", self.grace_period)
+            self.draining_since = time.monotonic()
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            identity, message = self.inputs.get(timeout=HEARTBEAT_INTERVAL) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(identity, message)
+            try:
+                identity, message = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, identity: bytes, message: object) -> None:
+        match message:
+            case AddRequest(request=request):
+                if self.draining_since is not None:
+                    self.outputs.put((identity, RequestError(request.request_id, "the engine is shutting down")))
+                    return
+                try:
+                    self.core.add_request(request)
+                except ValueError as e:
+                    self.outputs.put((identity, RequestError(request.request_id, str(e))))
+                    return
+                self.owners[request.request_id] = identity
+            case Abort(request_ids=request_ids):
+                self.core.abort_requests(request_ids)
+                for request_id in request_ids:
+                    self.owners.pop(request_id, None)
+            case FinishSequence(request_id=request_id, index=index):
+                self.core.finish_sequence(request_id, index)
+                if request_id not in self.core.requests:
+                    self.owners.pop(request_id, None)
+            case _FrontendGone():
+                lost = [request_id for request_id, owner in self.owners.items() if owner == identity]
+                if lost:
+                    logger.warning("A frontend disconnected: aborting its %d request(s)", len(lost))
+                self.core.abort_requests(lost)
+                for request_id in lost:
+                    del self.owners[request_id]
+
+    def _send_by_owner(self, deltas: list[SequenceDelta], wake: zmq.Socket) -> None:
+        by_owner: dict[bytes, list[SequenceDelta]] = {}
+        for delta in deltas:
+            owner = self.owners.get(delta.request_id)
+            if owner is not None:
+                by_owner.setdefault(owner, []).append(delta)
+            if delta.request_id not in self.core.requests:
+                self.owners.pop(delta.request_id, None)
+        if by_owner:
+            stats = self.core.stats()
+            for owner, owner_deltas in by_owner.items():
+                self.outputs.put((owner, StepOutputs(owner_deltas, stats)))
+            wake.send(b"", zmq.NOBLOCK)
+
+    def _abort_all(self, wake: zmq.Socket) -> None:
+        """Abort what is still in flight, telling each owner, before the process exits."""
+        deltas = [
+            SequenceDelta(seq.request_id, seq.index, [], finish_reason="abort")
+            for seqs in self.core.requests.values()
+            for seq in seqs
+            if not seq.is_finished
+        ]
+        self.core.abort_requests(list(self.core.requests))
+        self._send_by_owner(deltas, wake)
+        self.outputs.join()  # the I/O thread has sent everything before the socket closes
+
+    def _io_loop(self) -> None:
+        try:
+            self._serve_socket()
+        finally:
+            self.io_ready.set()  # never leave run() waiting on a thread that failed to start
+
+    def _serve_socket(self) -> None:
+        router = self.context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.SNDHWM, 0)  # never drop outputs for a slow frontend: zmq buffers them
+        router.setsockopt(zmq.RCVHWM, 0)
+        router.bind(self.address)
+        wake = self.context.socket(zmq.PULL)
+        wake.bind(_WAKE_ADDRESS)
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        encoder = msgspec.msgpack.Encoder()
+        decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        frontends: dict[bytes, float] = {}  # identity -> when last heard
+        ready = encoder.encode(Ready(PROTOCOL_VERSION, self.core.info))
+        self.io_ready.set()
+        next_heartbeat = time.monotonic()
+        while not self.stop_io:
+            events = dict(poller.poll(timeout=HEARTBEAT_INTERVAL * 1000 / 2))
+            if router in events:
+                while True:
+                    try:
+                        identity, payload = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        message = decoder.decode(payload)
+                    except msgspec.DecodeError as e:
+                        logger.warning("Dropped a malformed message: %s", e)
+                        continue
+                    if isinstance(message, FrontendHeartbeat):
+                        if message.frontend_id in frontends:
+                            frontends[message.frontend_id] = time.monotonic()
+                    elif isinstance(message, Hello):
+                        if message.protocol_version != PROTOCOL_VERSION:
+                            reason = (
+                                f"protocol version mismatch: the frontend speaks {message.protocol_version}, "
+                                f"this backend speaks {PROTOCOL_VERSION}; run the same Spindle version on both"
+                            )
+                            router.send_multipart([identity, encoder.encode(Refused(reason))])
+                            continue
+                        frontends[identity] = time.monotonic()
+                        router.send_multipart([identity, ready])
+                    elif identity in frontends:
+                        frontends[identity] = time.monotonic()
+                        self.inputs.put((identity, message))
+            if wake in events:
+                while True:
+                    try:
+                        wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            while True:
+                try:
+                    identity, output = self.outputs.get_nowait()
+                except queue.Empty:
+                    break
+                if identity in frontends:
+                    router.send_multipart([identity, encoder.encode(output)])
+                self.outputs.task_done()
+            now = time.monotonic()
+            for identity in [i for i, heard in frontends.items() if now - heard > FRONTEND_TIMEOUT]:
+                del frontends[identity]
+                self.inputs.put((identity, _FrontendGone()))
+            if now >= next_heartbeat:
+                heartbeat = encoder.encode(Heartbeat(self.core.stats()))
+                for identity in frontends:
+                    router.send_multipart([identity, heartbeat])
+                next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL
+        router.close(linger=1000)
+        wake.close(linger=0)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel send us SIGTERM when the process that started us dies, so no backend is orphaned."""
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_backend(args: argparse.Namespace) -> int:
+    """Run the backend process until SIGTERM (graceful) or SIGINT; returns the exit code."""
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
+    process = EngineProcess(config_from_args(args), args.listen, args.grace_period)
+    signal.signal(signal.SIGTERM, process.drain)
+    signal.signal(signal.SIGINT, process.drain)
+    process.run()
+    logger.info("Engine stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m backend.engine_process``: the same as ``spindle backend``."""
+    parser = argparse.ArgumentParser(prog="spindle backend", description="Run the Spindle engine core process")
+    add_backend_args(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_backend(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The frontend and the backend in two processes over ZeroMQ: parity, cancellation, faults, lifecycle."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine_process import prepare_address
+from frontend import LLM, LLMEngine
+from frontend.async_llm_engine import AsyncLLMEngine
+from frontend.core_client import BackendConnection, EngineDeadError, start_backend
+from shared import SamplingParams
+from shared.protocol import FRONTEND_TIMEOUT
+
+NUM_STREAMS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def tiny_config(model_dir: Path, **kwargs) -> EngineConfig:
+    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+
+
+def prompts_for(n: int) -> list[dict]:
+    return [{"prompt_token_ids": [3 + (7 * i + j) % 250 for j in range(1 + i % 40)]} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llm_dir: Path):
+    """A backend process on a private ipc socket, shared by the tests that do not kill it."""
+    process, address = start_backend(tiny_config(tiny_llm_dir))
+    yield address
+    process.terminate()
+    assert process.wait(30) == 0
+
+
+def run_engine(address: str, coroutine_fn) -> object:
+    """Connect an AsyncLLMEngine to ``address``, run ``coroutine_fn(engine)`` and disconnect."""
+    engine = AsyncLLMEngine.from_args(backend_address=address)
+    try:
+        return asyncio.run(coroutine_fn(engine))
+    finally:
+        engine.shutdown()
+
+
+async def collect(engine: AsyncLLMEngine, inputs: dict, params: SamplingParams, request_id: str) -> list[int]:
+    final = None
+    async for output in engine.generate(inputs, params, request_id):
+        final = output
+    return final.outputs[0].token_ids
+
+
+async def settled_stats(engine: AsyncLLMEngine, timeout: float = 5.0):
+    """Wait until the backend reports nothing running, and return its stats."""
+    deadline = time.monotonic() + timeout
+    stats = await engine.get_stats()
+    while (stats.num_running or stats.num_waiting) and time.monotonic() < deadline:
+        stats = await engine.get_stats()
+    return stats
+
+
+def test_concurrent_streams_equal_the_in_process_engine(backend, tiny_llm_dir):
+    prompts = prompts_for(NUM_STREAMS)
+    in_process = LLM(**vars(tiny_config(tiny_llm_dir)))
+    expected = [o.outputs[0].token_ids for o in in_process.generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def split(engine):
+        return await asyncio.gather(*(collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
+
+    assert run_engine(backend, split) == expected
+    multiprocess = LLMEngine(tiny_config(tiny_llm_dir), backend_address=backend)
+    try:
+        for i, p in enumerate(prompts[:4]):
+            multiprocess.add_request(str(i), p, GREEDY)
+        finals = {}
+        while multiprocess.has_unfinished_requests():
+            finals.update({o.request_id: o.outputs[0].token_ids for o in multiprocess.step() if o.finished})
+        assert [finals[str(i)] for i in range(4)] == expected[:4]
+    finally:
+        multiprocess.shutdown()
+
+
+def test_cancelling_half_the_streams_frees_every_block(backend):
+    prompts = prompts_for(NUM_STREAMS)
+
+    async def scenario(engine):
+        started = asyncio.Event()
+        counts = [0] * NUM_STREAMS
+
+        async def stream(i):
+            async for _ in engine.generate(prompts[i], LONG if i % 2 else GREEDY, f"c{i}"):
+                counts[i] += 1
+                if counts[i] == 3 and i == 1:
+                    started.set()
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(NUM_STREAMS)]
+        await started.wait()
+        for task in tasks[1::2]:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results[1::2])
+        assert all(r is None for r in results[::2]) and all(c == GREEDY.max_tokens for c in counts[::2])
+        assert all(c < LONG.max_tokens for c in counts[1::2])
+        return await settled_stats(engine)
+
+    stats = run_engine(backend, scenario)
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_closing_a_stream_or_matching_a_stop_string_frees_the_backend(backend):
+    async def scenario(engine):
+        stream = engine.generate(prompts_for(1)[0], LONG, "closed")
+        await anext(stream)
+        await stream.aclose()
+        full = None
+        async for output in engine.generate("hello", SamplingParams(temperature=0, max_tokens=12, min_tokens=12)):
+            full = output.outputs[0].text
+        stop = full[5:7]
+        params = SamplingParams(temperature=0, max_tokens=400, stop=[stop])
+        async for output in engine.generate("hello", params, "stopped"):
+            stopped = output
+        assert stopped.outputs[0].text == full[: full.index(stop)] and stopped.outputs[0].stop_reason == stop
+        return await settled_stats(engine, timeout=1.0)
+
+    stats = run_engine(backend, scenario)
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_bad_requests_fail_alone(backend):
+    async def scenario(engine):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await anext(engine.generate({"prompt_token_ids": [1, 999]}))
+        ok = await collect(engine, prompts_for(1)[0], GREEDY, "dup")
+        good = engine.generate(prompts_for(1)[0], LONG, "busy")
+        await anext(good)
+        with pytest.raises(ValueError, match="already in use"):
+            await anext(engine.generate(prompts_for(1)[0], GREEDY, "busy"))
+        await good.aclose()
+        return ok
+
+    assert len(run_engine(backend, scenario)) == GREEDY.max_tokens
+
+
+def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
+    monkeypatch.setattr("frontend.core_client.PROTOCOL_VERSION", 999)
+    with pytest.raises(RuntimeError, match="protocol version mismatch: the frontend speaks 999"):
+        BackendConnection(backend, startup_timeout=10)
+
+
+def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_dir):
+    engine = AsyncLLMEngine.from_args(**vars(tiny_config(tiny_llm_dir)))
+
+    async def scenario():
+        first = asyncio.Event()
+
+        async def stream(i):
+            async for _ in engine.generate(prompts_for(8)[i], LONG, f"k{i}"):
+                first.set()
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(8)]
+        await first.wait()
+        os.kill(engine.connection.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        elapsed = time.monotonic() - killed
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert elapsed < 2.0
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate("late"))
+        assert time.monotonic() - start < 0.1 and engine.is_dead
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
+FRONTEND_SCRIPT = """
+import asyncio, json, sys
+from frontend.async_llm_engine import AsyncLLMEngine
+from shared import SamplingParams
+
+engine = AsyncLLMEngine.from_args(backend_address=sys.argv[1]) if len(sys.argv) > 1 else AsyncLLMEngine.from_args(
+    model={model!r}, dtype="float32", kv_cache_memory="4MiB")
+
+async def main():
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    async for output in engine.generate("hi", params):
+        if len(output.outputs[0].token_ids) == 2:
+            loaded = sorted(m for m in ("torch", "triton", "transformers", "backend.engine_core") if m in sys.modules)
+            child = engine.connection.process.pid if engine.connection.process else None
+            print(json.dumps({{"loaded": loaded, "child": child}}), flush=True)
+            await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def start_frontend(tiny_llm_dir: Path, *args: str) -> tuple[subprocess.Popen, dict]:
+    script = textwrap.dedent(FRONTEND_SCRIPT.format(model=str(tiny_llm_dir)))
+    process = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
+    return process, json.loads(process.stdout.readline())
+
+
+def test_the_frontend_process_never_imports_model_code_and_a_lost_frontend_is_cleaned_up(backend, tiny_llm_dir):
+    process, report = start_frontend(tiny_llm_dir, backend)
+    assert report["loaded"] == []  # streaming from a live backend with no torch, triton or model code
+    process.kill()
+    process.wait()
+    lost_at = time.monotonic()
+
+    async def watch(engine):
+        return await settled_stats(engine, timeout=FRONTEND_TIMEOUT + 3)
+
+    stats = run_engine(backend, watch)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert time.monotonic() - lost_at < FRONTEND_TIMEOUT + 3
+
+
+def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir):
+    process, report = start_frontend(tiny_llm_dir)
+    child = report["child"]
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the backend outlived its parent frontend by 10 s")
+
+
+@pytest.mark.parametrize("grace_period,finish_reason", [(30.0, "length"), (0.05, "abort")])
+def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llm_dir, grace_period, finish_reason):
+    process, address = start_backend(tiny_config(tiny_llm_dir), grace_period=grace_period)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def scenario(engine):
+        streams = [engine.generate(p, params) for p in prompts_for(4)]
+        firsts = [await anext(s) for s in streams]
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        if finish_reason == "length":
+            with pytest.raises(ValueError, match="shutting down"):
+                await anext(engine.generate("late"))
+        finals = []
+        for first, stream in zip(firsts, streams, strict=True):
+            outputs = [first] + [output async for output in stream]
+            finals.append(outputs[-1].outputs[0])
+        return finals
+
+    finals = run_engine(address, scenario)
+    assert [f.finish_reason for f in finals] == [finish_reason] * 4
+    assert all(len(f.token_ids) == 200 for f in finals) == (finish_reason == "length")
+    assert process.wait(30) == 0
+
+
+def test_ipc_directories_are_private_and_public_binds_are_opt_in(tmp_path, monkeypatch):
+    address = prepare_address(f"ipc://{tmp_path}/run/spindle/engine.sock")
+    assert (tmp_path / "run" / "spindle").stat().st_mode & 0o777 == 0o700
+    assert address.endswith("engine.sock")
+    (tmp_path / "open").mkdir(mode=0o755)
+    prepare_address(f"ipc://{tmp_path}/open/engine.sock")
+    assert (tmp_path / "open").stat().st_mode & 0o777 == 0o700
+    assert prepare_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    with pytest.raises(ValueError, match="every interface"):
+        prepare_address("tcp://0.0.0.0:5555")
+    monkeypatch.setenv("SPINDLE_ALLOW_PUBLIC_BIND", "1")
+    assert prepare_address("tcp://0.0.0.0:5555")
+    with pytest.raises(ValueError, match="not a ZeroMQ address"):
+        prepare_address("http://localhost:80")
