@@ -2,6 +2,8 @@
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from itertools import accumulate
 from pathlib import Path
 
@@ -18,11 +20,117 @@ from kernels import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+def decode_graph_sizes(max_batch: int) -> list[int]:
+    """The decode batch sizes captured as CUDA graphs: 1, 2, 4, then every multiple of 8, up to ``max_batch``.
+
+    A decode step of ``n`` sequences replays the smallest captured size ``>= n``, so at most 7 rows are padding.
+    """
+    sizes = [s for s in (1, 2, 4, *range(8, max_batch + 1, 8)) if s <= max_batch]
+    return sizes if sizes[-1] == max_batch else [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    """CUDA graphs of a decode step, one per size of :func:`decode_graph_sizes`, over shared static inputs.
+
+    A step of ``n`` sequences is copied into the first ``n`` rows of the inputs and replays the smallest graph of
+    at least ``n`` rows. The padding rows keep the valid ids, positions and block ids they last held, with a
+    context of one token and cache slot ``-1``, which the Triton cache write skips: they compute rows that are
+    dropped and write nothing.
+
+    Args:
+        model: the model; on CUDA called once per size to compile the kernels, then once under capture.
+        kv_caches: the allocated KV cache, one ``(k_cache, v_cache)`` per layer.
+        max_batch: the largest decode batch to capture.
+        max_model_len: the longest context a replay may have (it sizes the decode kernel's context split).
+        block_size: tokens per cache block.
+
+    """
+
+    @torch.inference_mode()
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> None:
+        device = kv_caches[0][0].device
+        self.sizes = decode_graph_sizes(max_batch)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._steps: dict[int, Callable[[], torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        # Largest first, so that the smaller graphs fit in the memory the larger ones already took from the pool.
+        for size in reversed(self.sizes):
+            args = (self.input_ids[:size], self.positions[:size], self._metadata(size, max_model_len), kv_caches)
+            if pool is None:
+                # Nothing to capture on the CPU: a replay runs the same forward over the static inputs eagerly,
+                # which is how the tests check the padding under Triton's interpreter.
+                self._steps[size] = partial(model, *args)
+                continue
+            model(*args)  # compiles the kernels for these shapes outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = model(*args)
+            self._steps[size] = partial(_replay, graph, output)
+
+    def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
+        # The host lists are stand-ins: the Triton decode path reads only the tensors and max_seq_len.
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            num_decodes=size,
+            max_seq_len=max_seq_len,
+            query_lens_list=[1] * size,
+            seq_lens_list=[max_seq_len] * size,
+        )
+
+    @property
+    def max_batch(self) -> int:
+        """The largest decode batch a graph holds."""
+        return self.sizes[-1]
+
+    def replay(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
+        """Run a decode-only step whose metadata was built on the CPU; returns its hidden states ``[n, hidden]``.
+
+        The rows are a view of the graph's output, overwritten by the next replay.
+        """
+        num = len(input_ids)
+        size = next(s for s in self.sizes if s >= num)
+        self.input_ids[:num].copy_(torch.tensor(input_ids, dtype=torch.long))
+        self.positions[:num].copy_(torch.tensor(positions, dtype=torch.long))
+        self.slot_mapping[:num].copy_(meta.slot_mapping)
+        self.slot_mapping[num:size].fill_(-1)
+        self.seq_lens[:num].copy_(meta.seq_lens)
+        self.seq_lens[num:size].fill_(1)
+        self.block_tables[:num, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        return self._steps[size]()[:num]
+
+
+def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> torch.Tensor:
+    graph.replay()
+    return output
+
+
 class ModelRunner:
     """Owns the model weights, the paged KV cache and the sampler, and executes one step at a time.
 
     Every step is one forward pass over a flat batch of tokens (no padding): decodes first, then prefill
-    chunks, each token with its position and the cache slot its K/V goes to.
+    chunks, each token with its position and the cache slot its K/V goes to. On CUDA the kernels are Triton's, and
+    a decode-only step replays a CUDA graph captured for its batch size rounded up (:func:`decode_graph_sizes`).
+
+    Attributes:
+        decode_graphs: the CUDA graphs of decode steps, or None (on the CPU, before :meth:`init_cache`, or set to
+            None to decode eagerly).
+
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path) -> None:
@@ -37,6 +145,7 @@ class ModelRunner:
         logger.info("Loaded %s (%s) in %.1f s", model_dir, self.dtype, time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -49,7 +158,9 @@ class ModelRunner:
         """Profile one maximal forward pass, size the KV cache from the memory budget, allocate it.
 
         On CUDA the budget is ``gpu_memory_utilization`` of the device minus what is in use after loading and the
-        profiled activation peak; on the CPU it is ``kv_cache_memory``. Returns the number of blocks.
+        profiled activation peak; on the CPU it is ``kv_cache_memory``. On CUDA the decode graphs are captured
+        next; their memory pool comes out of the profiled peak's reserve, since a decode step never has more
+        tokens than the profiled pass. Returns the number of blocks.
         """
         peak_activations = self._profile_run()
         if self.device.type == "cuda":
@@ -86,7 +197,23 @@ class ModelRunner:
             num_blocks / blocks_per_seq,
             max_model_len,
         )
+        if self.device.type == "cuda":
+            self._capture_decode_graphs(max_model_len)
         return num_blocks
+
+    def _capture_decode_graphs(self, max_model_len: int) -> None:
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        # A decode step never has more sequences than either limit.
+        max_batch = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_model_len, self.block_size)
+        torch.cuda.empty_cache()  # the eager warm-up runs' blocks; the graphs keep their own pool
+        logger.info(
+            "Captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, using %.2f GiB",
+            len(self.decode_graphs.sizes),
+            max_batch,
+            time.perf_counter() - start,
+            (torch.cuda.memory_reserved() - reserved) / 2**30,
+        )
 
     def _profile_run(self) -> int:
         """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak."""
@@ -139,16 +266,20 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             seq_lens.append(start + n)
         device = self.device
-        meta = AttentionMetadata.from_lists(
-            query_lens, seq_lens, [seq.block_table for seq in seqs], self.block_size, device
-        )
+        tables = [seq.block_table for seq in seqs]
         query_start_loc = [0, *accumulate(query_lens)]
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            meta,
-            self.kv_caches,
-        )
+        graphs = self.decode_graphs
+        if graphs is not None and len(input_ids) == len(seqs) <= graphs.max_batch:
+            meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size)
+            hidden = graphs.replay(input_ids, positions, meta)
+        else:
+            meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size, device)
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                meta,
+                self.kv_caches,
+            )
         self._record_prompt_logprobs(seqs, query_start_loc, hidden)
         done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end == len(seq)]
         sampled = [seqs[i] for i in done]

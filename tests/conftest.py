@@ -13,12 +13,18 @@ attention is far from uniform and a wrong norm, bias or rotation changes the log
 """
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+# Triton decides once, when it is first imported (transformers imports it early), whether its kernels run compiled
+# or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_COMMON = {
     "vocab_size": 256,

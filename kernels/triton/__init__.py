@@ -1,0 +1,23 @@
+"""Triton kernels with the same signatures as the torch references in :mod:`kernels`.
+
+:mod:`kernels` sends CUDA tensors here. Under ``TRITON_INTERPRET=1`` (set before the first ``import triton``) the
+same kernels run on CPU tensors, which is how the test suite proves them without a GPU.
+"""
+
+from kernels.triton.activation import silu_and_mul
+from kernels.triton.cache import reshape_and_cache
+from kernels.triton.decode_attention import decode_attention
+from kernels.triton.norm import rms_norm
+from kernels.triton.paged_attention import paged_attention
+from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.rotary import rotary_embedding
+
+__all__ = [
+    "decode_attention",
+    "paged_attention",
+    "prefill_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]

@@ -1,0 +1,118 @@
+"""Compile every Triton kernel for CUDA architectures on a machine without a GPU.
+
+The interpreter runs what the GPU compiler may still refuse (``tl.dot`` shapes and dtypes, layouts, types that only
+the real code generator checks), so this pushes each kernel through Triton's compiler down to a cubin with the
+``ptxas`` that ships in the Triton wheel, for every dtype and a set of head sizes and GQA groups, and prints the
+shared memory each one needs. Nothing is launched: a stand-in driver names the target and a JIT hook compiles and
+then skips the launch. Run it in a process without ``TRITON_INTERPRET``::
+
+    python -m kernels.triton.compile_check --arch 80 --arch 90
+"""
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.driver import driver
+
+from kernels.attention import AttentionMetadata
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _TargetOnlyDriver:
+    """Just enough of a Triton driver for the JIT to pick a target and compile, with no device behind it."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+def compile_only(arch: int, compiled: list[dict[str, Any]]) -> None:
+    """Make every later kernel launch in this process compile for ``sm_<arch>`` and return without launching.
+
+    Each compilation appends a record to ``compiled``. Call again to switch the architecture or the list.
+
+    Raises:
+        RuntimeError: when the kernels were built for the interpreter (``TRITON_INTERPRET=1`` at import).
+
+    """
+    if triton.knobs.runtime.interpret:
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter has no compiler to check")
+    target = GPUTarget("cuda", arch, 32)
+
+    def compile_and_skip(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        start = time.perf_counter()
+        source = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
+        options = {"num_warps": compile["num_warps"], "num_stages": compile["num_stages"]}
+        kernel = triton.compile(source, target=target, options=options)
+        compiled.append(
+            {"kernel": fn.name, "seconds": time.perf_counter() - start, "shared_bytes": kernel.metadata.shared}
+        )
+        return True  # handled: the JIT launches nothing
+
+    driver.set_active(_TargetOnlyDriver(target))
+    triton.knobs.runtime.jit_cache_hook = compile_and_skip
+
+
+def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> None:
+    """Call every Triton kernel once per variant that compiles differently (dtype, head size, GQA group, splits).
+
+    The tensors are small and on the CPU: after :func:`compile_only` only their dtypes, strides and alignment count.
+    """
+    import kernels.triton as tk
+
+    num_kv_heads, block_size = 2, 16
+    meta = AttentionMetadata.from_lists([1, 1, 5], [3, 20, 9], [[0], [1, 2], [3]], block_size)
+    for head_size in head_sizes:
+        cache = torch.zeros(2, 4, block_size, num_kv_heads, head_size, dtype=dtype)
+        tk.reshape_and_cache(cache[0, 0, :7], cache[1, 0, :7], cache[0], cache[1], meta.slot_mapping)
+        for group in groups:
+            query = torch.zeros(7, num_kv_heads * group, head_size, dtype=dtype)
+            tk.paged_attention(query, cache[0], cache[1], meta, head_size**-0.5)
+            tk.decode_attention(query[:2], cache[0], cache[1], meta.block_tables, meta.seq_lens, 0.1, query[:2], 4)
+            tk.rotary_embedding(
+                torch.arange(7), query, query[:, :num_kv_heads], torch.zeros(64, head_size, dtype=dtype)
+            )
+    x = torch.zeros(3, 576, dtype=dtype)
+    tk.rms_norm(x, x[0], 1e-5)
+    tk.rms_norm(x, x[0], 1e-5, x)
+    tk.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile for each ``--arch``; print one line per kernel variant; exit non-zero on the first failure."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, action="append", help="compute capability x 10, e.g. 90 (repeatable)")
+    parser.add_argument("--dtype", choices=DTYPES, action="append", help="default: all three")
+    parser.add_argument("--head-size", type=int, action="append", help="default: 64 80 96 128")
+    parser.add_argument("--group", type=int, action="append", help="query heads per KV head; default: 1 3 8")
+    args = parser.parse_args(argv)
+    for arch in args.arch or [80, 90]:
+        for dtype_name in args.dtype or list(DTYPES):
+            compiled: list[dict[str, Any]] = []
+            compile_only(arch, compiled)
+            launch_all(DTYPES[dtype_name], args.head_size or [64, 80, 96, 128], args.group or [1, 3, 8])
+            for record in compiled:
+                print(
+                    f"sm_{arch} {dtype_name:8s} {record['kernel']:26s} {record['seconds']:5.2f} s "
+                    f"{record['shared_bytes'] / 1024:6.1f} KiB shared"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

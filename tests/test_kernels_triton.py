@@ -1,0 +1,300 @@
+"""The Triton kernels against their torch references (the CPU serving path), on the GPU or under the interpreter.
+
+Without CUDA, ``TRITON_INTERPRET=1`` is set before Triton is first imported and the kernels run on CPU tensors
+through :func:`kernels.force_triton`; with CUDA they run compiled, on CUDA tensors, against the same references.
+
+Tolerances, against the reference on the same inputs: float32 ``1e-5`` (summation order and fused multiply-adds
+differ); bfloat16 and float16 two units in the last place (``2 * 2**-7`` and ``2 * 2**-10`` relative). Those cover
+the attention kernels rounding the softmax probabilities to the cache dtype before P @ V (as flash attention does;
+the reference keeps them in float32), the rotary kernel rounding once where the reference rounds three times, and
+Triton's interpreter truncating when it narrows float32 to bfloat16 (GPUs round to nearest).
+"""
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("without CUDA these tests need TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
+
+import kernels  # noqa: E402
+import kernels.triton  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine_core import EngineCore  # noqa: E402
+from backend.model_runner import DecodeGraphs  # noqa: E402
+from kernels import AttentionMetadata, activation, attention, build_cos_sin_cache, norm, rotary  # noqa: E402
+from kernels.triton import decode_attention, prefill_attention  # noqa: E402
+from shared import SamplingParams, TokenLogprobs  # noqa: E402
+from shared.protocol import EngineRequest  # noqa: E402
+
+NUM_KV_HEADS = 2
+NUM_BLOCKS = 72
+TOLERANCES = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2 * 2**-7, "rtol": 2 * 2**-7},
+    torch.float16: {"atol": 2 * 2**-10, "rtol": 2 * 2**-10},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Sequences as (cached tokens, new tokens), decodes first. The lengths are not multiples of anything, so they cross
+# cache-block and 64-key tile boundaries at different offsets for every block size.
+BATCHES = {
+    "decodes": [(0, 1), (6, 1), (32, 1), (69, 1), (130, 1)],
+    "prefills": [(0, 5), (0, 77)],
+    "cached_prefills": [(13, 3), (63, 66), (130, 2)],
+    "mixed": [(69, 1), (8, 1), (0, 41), (37, 30)],
+}
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_cpu() -> Iterator[None]:
+    """Send the dispatched kernels to Triton even on CPU tensors (CUDA tensors go there anyway)."""
+    with kernels.force_triton():
+        yield
+
+
+def make_batch(
+    seqs: list[tuple[int, int]], block_size: int, group: int, head_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step's query, a K/V cache holding every sequence's context, and the metadata, on ``DEVICE``.
+
+    The cache is finite garbage outside the contexts (read past a context, it would show) and each sequence's
+    blocks are scattered over it.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, head_size)
+    k_cache, v_cache = (torch.randn(2, *shape, generator=generator) * 10).to(dtype).unbind(0)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    tables = [[free.pop() for _ in range(-(-(cached + new) // block_size))] for cached, new in seqs]
+    meta = AttentionMetadata.from_lists([n for _, n in seqs], [c + n for c, n in seqs], tables, block_size, DEVICE)
+    # Every context slot gets unit-scale K/V; the garbage stays outside the contexts.
+    for (cached, new), table in zip(seqs, tables, strict=True):
+        for p in range(cached + new):
+            k_cache[table[p // block_size], p % block_size] = torch.randn(NUM_KV_HEADS, head_size, generator=generator)
+            v_cache[table[p // block_size], p % block_size] = torch.randn(NUM_KV_HEADS, head_size, generator=generator)
+    query = torch.randn(sum(n for _, n in seqs), NUM_KV_HEADS * group, head_size, generator=generator).to(dtype)
+    return query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta
+
+
+def reference_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    return attention.paged_attention(query, k_cache, v_cache, meta, query.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_paged_attention(batch: str, block_size: int, group: int, dtype: torch.dtype) -> None:
+    query, k_cache, v_cache, meta = make_batch(BATCHES[batch], block_size, group, 64, dtype, seed=block_size + group)
+
+    out = kernels.paged_attention(query, k_cache, v_cache, meta, 64**-0.5)
+
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+def test_paged_attention_head_sizes(head_size: int, dtype: torch.dtype) -> None:
+    query, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 3, head_size, dtype, seed=head_size)
+
+    out = kernels.paged_attention(query, k_cache, v_cache, meta, head_size**-0.5)
+
+    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_decode_attention_split_context(block_size: int, num_splits: int, dtype: torch.dtype) -> None:
+    # 5 splits of 64-key tiles leave the short contexts' last splits empty; the merge must ignore them.
+    query, k_cache, v_cache, meta = make_batch(BATCHES["decodes"], block_size, 3, 64, dtype, seed=num_splits)
+    out = torch.full_like(query, torch.nan)
+
+    decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 64**-0.5, out, num_splits)
+
+    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_prefill_kernel_takes_a_whole_mixed_batch(dtype: torch.dtype) -> None:
+    query, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 3, 64, dtype, seed=7)
+    out = torch.full_like(query, torch.nan)
+
+    prefill_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 30, 64**-0.5, out
+    )
+
+    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+
+
+def test_reshape_and_cache_matches_reference_and_skips_negative_slots() -> None:
+    generator = torch.Generator().manual_seed(0)
+    head_size = 80
+    # K and V as the model has them: strided views of one fused qkv row per token.
+    qkv = torch.randn(6, 3 * NUM_KV_HEADS * head_size, generator=generator).to(DEVICE)
+    key, value = (t.view(6, NUM_KV_HEADS, head_size) for t in qkv.split(NUM_KV_HEADS * head_size, dim=-1)[1:])
+    slots = torch.tensor([5, 0, -1, 13, 22, -1], device=DEVICE)
+    caches = torch.randn(2, 4, 8, NUM_KV_HEADS, head_size, generator=generator).to(DEVICE)
+    expected = caches.clone()
+    valid = slots >= 0
+
+    kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
+
+    attention.reshape_and_cache(key[valid], value[valid], expected[0], expected[1], slots[valid])
+    assert torch.equal(caches, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(with_residual: bool, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(2, 3, 5, 96, generator=generator) * 3).to(dtype).to(DEVICE).unbind(0)
+    weight = (torch.rand(96, generator=generator) + 0.5).to(dtype).to(DEVICE)
+    args = (x, weight, 1e-5, residual if with_residual else None)
+
+    out, expected = kernels.rms_norm(*args), norm.rms_norm(*args)
+
+    if with_residual:
+        torch.testing.assert_close(out[1], expected[1], **TOLERANCES[dtype])
+        out, expected = out[0], expected[0]
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+ROPE_SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS)
+def test_rotary_embedding(scaling: str, dtype: torch.dtype) -> None:
+    num_heads, head_size, num_tokens = 6, 64, 9
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=generator).to(DEVICE)
+    # Query and key as the model has them: strided views of one fused qkv row per token.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_size, generator=generator).to(dtype)
+    query, key, _ = qkv.to(DEVICE).split([num_heads * head_size, *[NUM_KV_HEADS * head_size] * 2], dim=-1)
+    query, key = query.view(num_tokens, num_heads, head_size), key.view(num_tokens, NUM_KV_HEADS, head_size)
+    cache = build_cos_sin_cache(head_size, 4096, 500000.0, ROPE_SCALINGS[scaling], dtype).to(DEVICE)
+
+    ours = kernels.rotary_embedding(positions, query, key, cache)
+
+    for got, expected in zip(ours, rotary.rotary_embedding(positions, query, key, cache), strict=True):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 3, 2 * 1000, generator=torch.Generator().manual_seed(0)) * 4).to(dtype).to(DEVICE)
+
+    out = kernels.silu_and_mul(x)
+
+    assert out.shape == (5, 3, 1000) and out.dtype == dtype
+    torch.testing.assert_close(out, activation.silu_and_mul(x), **TOLERANCES[dtype])
+
+
+def test_dispatch_sends_cpu_tensors_to_torch_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(kernels.triton, "silu_and_mul", lambda x: calls.append(x) or x)
+    x = torch.randn(2, 8)
+
+    with kernels.force_triton(False):
+        torch.testing.assert_close(kernels.silu_and_mul(x), activation.silu_and_mul(x))
+    assert calls == []
+    kernels.silu_and_mul(x)
+    assert calls == [x]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="tests/gpu runs the model through the compiled kernels")
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager", "decode_graphs"])
+def test_tiny_llama_greedy_tokens_match_the_torch_path(
+    decode_graphs: bool, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole engine on the Triton kernels against the torch path, both on the CPU.
+
+    With ``decode_graphs`` the decode steps go through the runner's CUDA-graph path, which on the CPU runs the same
+    padded static-buffer forward eagerly: 4 requests of different lengths leave decode batches of 3 padded to 4.
+    """
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 19, 40, 9)]
+    batches: list[tuple[int, int]] = []
+    replays: list[int] = []
+    triton_attention = kernels.triton.paged_attention
+
+    def recording_attention(
+        query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        batches.append((meta.num_decodes, len(meta.query_lens_list) - meta.num_decodes))
+        return triton_attention(query, k_cache, v_cache, meta, scale)
+
+    def generate(with_graphs: bool) -> dict[str, list[TokenLogprobs]]:
+        # A small token budget chunks the longer prompts, so decodes and prefill chunks share steps.
+        config = EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            device="cpu",
+            block_size=8,
+            max_num_batched_tokens=24,
+            kv_cache_memory="1MiB",
+        )
+        core = EngineCore(config)
+        if with_graphs:
+            graphs = core.runner.decode_graphs = DecodeGraphs(core.runner.model, core.runner.kv_caches, 4, 512, 8)
+            replay = graphs.replay
+            monkeypatch.setattr(graphs, "replay", lambda ids, *args: replays.append(len(ids)) or replay(ids, *args))
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_tokens=5 + 2 * i, ignore_eos=True, logprobs=2)
+            core.add_request(EngineRequest(str(i), prompt, params, arrival_time=0.0))
+        outputs: dict[str, list[TokenLogprobs]] = {str(i): [] for i in range(len(prompts))}
+        while core.has_unfinished_requests():
+            for delta in core.step():
+                outputs[delta.request_id] += delta.new_logprobs
+        return outputs
+
+    with kernels.force_triton(False):
+        expected = generate(with_graphs=False)
+    monkeypatch.setattr(kernels.triton, "paged_attention", recording_attention)
+    got = generate(decode_graphs)
+
+    assert any(decodes and prefills for decodes, prefills in batches), "no step mixed decodes and prefill chunks"
+    if decode_graphs:
+        assert 3 in replays, "no decode batch was padded"
+    for ours, theirs in zip(got.values(), expected.values(), strict=True):
+        assert [t.token_ids[0] for t in ours] == [t.token_ids[0] for t in theirs]
+        torch.testing.assert_close(
+            torch.tensor([t.logprobs for t in ours]), torch.tensor([t.logprobs for t in theirs]), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+    # The interpreter accepts what the GPU compiler may refuse; this compiles down to a cubin with Triton's ptxas.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "kernels.triton.compile_check", "--arch", "90", "--head-size", "80"]
+    command += ["--group", "3", "--dtype", "bfloat16", "--dtype", "float32"]
+
+    result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    compiled = {(line.split()[1], line.split()[2]) for line in result.stdout.splitlines()}
+    names = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
+    names += ["_rms_norm_kernel", "_silu_and_mul_kernel"]
+    assert compiled == {(dtype, name) for dtype in ("bfloat16", "float32") for name in names}
