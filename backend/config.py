@@ -109,5 +109,10 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SPINDLE_LISTEN", "ipc:///tmp/spindle/engine.sock"),
         help="ZeroMQ address to bind: ipc:///path/engine.sock or tcp://127.0.0.1:PORT",
     )
-    parser.add_argument("--grace-period", type=float, default=float(os.environ.get("SPINDLE_GRACE_PERIOD", 30)))
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=float(os.environ.get("SPINDLE_GRACE_PERIOD", 30)),
+        help="seconds in-flight requests may take to finish after SIGTERM before they are aborted",
+    )
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)

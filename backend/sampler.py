@@ -107,7 +107,7 @@ class Sampler:
             num: how many of the most likely tokens to report besides the target.
 
         Returns:
-            One entry per position: the target first, then the top ``num`` tokens.
+            One entry per position, with the target first and then the top ``num`` tokens.
 
         """
         raw_logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)

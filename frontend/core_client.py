@@ -70,6 +70,12 @@ class BackendConnection:
         use_asyncio: make :attr:`socket` an asyncio socket (for ``AsyncLLMEngine``).
         startup_timeout: seconds to wait for the handshake (a first start may convert a GGUF file).
 
+    Attributes:
+        info: the engine's description from the handshake (model, limits, tokenizer files).
+        socket: the DEALER socket (an asyncio socket with ``use_asyncio``).
+        sync_socket: a blocking view of the same socket.
+        process: the backend child this connection started, else ``None``.
+
     Raises:
         EngineDeadError: the backend exited or did not answer in time.
         RuntimeError: the backend refused the handshake (e.g. another protocol version).
@@ -164,7 +170,8 @@ class BackendConnection:
         if self.dead is None:
             if self.process is not None and self.process.poll() is not None:
                 self.dead = EngineDeadError(f"the backend process exited with code {self.process.returncode}")
-            elif time.monotonic() - self.last_heard > HEARTBEAT_TIMEOUT:
+            # Messages still waiting in the socket prove life too: the caller may just not have been reading.
+            elif time.monotonic() - self.last_heard > HEARTBEAT_TIMEOUT and not self.sync_socket.poll(0):
                 self.dead = EngineDeadError(f"the backend at {self.address} has not answered for {HEARTBEAT_TIMEOUT} s")
         if self.dead is not None:
             raise self.dead

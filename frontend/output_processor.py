@@ -1,4 +1,4 @@
-"""Turns the engine core's token deltas into ``RequestOutput``s: detokenization, stop strings, logprobs."""
+"""Turns the engine core's token deltas into ``RequestOutput`` objects: detokenization, stop strings, logprobs."""
 
 import time
 from dataclasses import dataclass, field
@@ -90,7 +90,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Applies each step's :class:`SequenceDelta` list to the request table and builds the ``RequestOutput``s.
+    """Applies each step's :class:`SequenceDelta` list to the request table and builds the ``RequestOutput`` objects.
 
     Stop strings need text, so they are matched here; a completion that matches one is reported back so the
     caller can end it in the engine core and free its blocks at once.

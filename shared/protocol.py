@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL = 0.25
 """Seconds between the backend's heartbeats, sent from its I/O thread even while a long step runs."""
 
-HEARTBEAT_TIMEOUT = 1.0
+HEARTBEAT_TIMEOUT = 1.5
 """Seconds of silence after which a frontend declares the backend dead (so death is noticed within 2 s)."""
 
 FRONTEND_TIMEOUT = 2.0
