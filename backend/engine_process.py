@@ -171,6 +171,8 @@ class EngineProcess:
             owner = self.owners.get(delta.request_id)
             if owner is not None:
                 by_owner.setdefault(owner, []).append(delta)
+        # Only now: the n completions of a request may all finish in this one step.
+        for delta in deltas:
             if delta.request_id not in self.core.requests:
                 self.owners.pop(delta.request_id, None)
         if by_owner:

@@ -281,3 +281,16 @@ def test_ipc_directories_are_private_and_public_binds_are_opt_in(tmp_path, monke
     assert prepare_address("tcp://0.0.0.0:5555")
     with pytest.raises(ValueError, match="not a ZeroMQ address"):
         prepare_address("http://localhost:80")
+
+
+def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6)
+    expected = LLM(**vars(tiny_config(tiny_llm_dir))).generate(prompts_for(1), params, use_tqdm=False)[0]
+
+    async def scenario(engine):
+        outputs = [output async for output in engine.generate(prompts_for(1)[0], params)]
+        return outputs[-1]
+
+    final = run_engine(backend, scenario)
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["length"] * 3
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in expected.outputs]
