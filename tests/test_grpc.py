@@ -1,0 +1,374 @@
+"""The gRPC service over a real loopback channel: parity with ``LLM.generate``, errors, health, reflection, stubs."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from backend.config import EngineConfig
+from frontend import LLM
+from frontend.async_llm_engine import AsyncLLMEngine
+from frontend.core_client import start_backend
+from frontend.grpc_client import SpindleClient
+from frontend.grpc_server import GrpcServer, ServerConfig
+from frontend.protos import generate as protos_generate
+from frontend.protos.spindle.v1 import spindle_pb2
+
+REPO = Path(__file__).resolve().parents[1]
+LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+
+
+def tiny_config(model_dir: Path, **kwargs) -> EngineConfig:
+    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+
+
+class ServerThread:
+    """A GrpcServer and its AsyncLLMEngine on an event loop of their own, as in ``spindle serve``."""
+
+    def __init__(self, backend_address: str, **config) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def start():
+            self.engine = AsyncLLMEngine.from_args(backend_address=backend_address)
+            self.server = GrpcServer(self.engine, ServerConfig(port=0, **config))
+            return await self.server.start()
+
+        self.port = self.run(start())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
+
+    def client(self, **kwargs) -> SpindleClient:
+        return SpindleClient(self.address, **kwargs)
+
+    def close(self) -> None:
+        self.run(self.server.stop())
+        self.loop.call_soon_threadsafe(self.engine.shutdown)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llm_dir):
+    process, address = start_backend(tiny_config(tiny_llm_dir))
+    yield address
+    process.terminate()
+    process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    server = ServerThread(backend, max_n=4, max_tokens_limit=450, max_message_bytes=64 * 1024)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(server):
+    with server.client(timeout=30) as client:
+        yield client
+
+
+def collect(responses) -> tuple[dict[int, dict], list]:
+    """Join a stream's deltas per choice; returns the choices and the messages."""
+    messages = list(responses)
+    choices: dict[int, dict] = {}
+    for message in messages:
+        for delta in message.choices:
+            choice = choices.setdefault(delta.index, {"text": "", "token_ids": [], "logprobs": [], "finish": []})
+            choice["text"] += delta.text
+            choice["token_ids"] += delta.token_ids
+            choice["logprobs"] += delta.logprobs
+            if delta.finish_reason:
+                choice["finish"].append((delta.finish_reason, delta.WhichOneof("stop_reason")))
+    return choices, messages
+
+
+def settled_info(client: SpindleClient, timeout: float = 10.0) -> spindle_pb2.GetServerInfoResponse:
+    deadline = time.monotonic() + timeout
+    info = client.server_info()
+    while (info.num_running_requests or info.num_free_kv_blocks < info.num_total_kv_blocks) and (
+        time.monotonic() < deadline
+    ):
+        info = client.server_info()
+    return info
+
+
+PROMPTS = ["hello world", "The quick brown fox", "a"]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0, "max_tokens": 24},
+        {"temperature": 0.8, "top_k": 20, "seed": 7, "n": 3, "max_tokens": 12},
+        {"temperature": 0, "max_tokens": 8, "logprobs": 2, "prompt_logprobs": 1},
+    ],
+    ids=["greedy", "n3-seeded", "logprobs"],
+)
+def test_streams_equal_llm_generate(client, tiny_llm_dir, params):
+    from shared import SamplingParams
+
+    llm = LLM(**vars(tiny_config(tiny_llm_dir)))
+    expected = llm.generate(PROMPTS, SamplingParams(**params), use_tqdm=False)
+    for prompt, reference in zip(PROMPTS, expected, strict=True):
+        choices, messages = collect(client.generate(prompt, **params))
+        assert sorted(choices) == list(range(params.get("n", 1)))
+        for completion in reference.outputs:
+            got = choices[completion.index]
+            assert got["text"] == completion.text and got["token_ids"] == completion.token_ids
+            assert len(got["finish"]) == 1  # the end is reported once, in the message where it happens
+            if params.get("logprobs") is not None:
+                assert [[t.token_id for t in p.tokens] for p in got["logprobs"]] == [
+                    list(d) for d in completion.logprobs
+                ]
+                assert [p.tokens[0].logprob for p in got["logprobs"]] == pytest.approx(
+                    [d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids, strict=True)], abs=1e-5
+                )
+        final = messages[-1]
+        assert final.finished and not any(m.finished for m in messages[:-1])
+        assert final.usage.prompt_tokens == len(reference.prompt_token_ids)
+        assert final.usage.completion_tokens == sum(len(c.token_ids) for c in reference.outputs)
+        if params.get("prompt_logprobs") is not None:
+            sent = [m for m in messages if m.prompt_logprobs]
+            assert len(sent) == 1 and len(sent[0].prompt_logprobs) == len(reference.prompt_token_ids)
+            assert [p.tokens[0].token_id for p in sent[0].prompt_logprobs[1:]] == reference.prompt_token_ids[1:]
+
+
+def test_chat_tokenize_detokenize_and_info(client, server):
+    tokenizer = server.engine.tokenizer
+    ids = client.tokenize("hello there")
+    assert ids == tokenizer.encode("hello there") and client.detokenize(ids) == "hello there"
+    info = client.model_info()
+    assert (info.vocab_size, info.max_model_len) == (server.engine.info.vocab_size, server.engine.max_model_len)
+    assert list(info.eos_token_ids) == server.engine.info.eos_token_ids
+    assert {t.name for t in info.special_tokens} == set(tokenizer.special_tokens)
+    server_info = client.server_info()
+    assert server_info.num_total_kv_blocks == server.engine.info.num_kv_blocks and server_info.uptime_seconds > 0
+    if info.has_chat_template:
+        choices, _ = collect(client.chat([{"role": "user", "content": "hi"}], temperature=0, max_tokens=4))
+        assert len(choices[0]["token_ids"]) == 4
+    else:  # the tiny model has no template: Chat refuses with a field violation on messages
+        with pytest.raises(grpc.RpcError) as error:
+            list(client.chat([{"role": "user", "content": "hi"}]))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert violated_fields(error.value) == ["messages"]
+
+
+def test_cancel_deadline_and_abort_free_the_backend(client, server):
+    stream = client.generate("cancel me", **LONG)
+    next(stream)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as error:
+        list(stream)
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+    with server.client(timeout=0.2) as hurried, pytest.raises(grpc.RpcError) as error:
+        list(hurried.generate("too slow", **LONG))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stream = client.generate("abort me", request_id="to-abort", **LONG)
+    next(stream)
+    assert client.abort("to-abort") and not client.abort("no-such-request")
+    choices, _ = collect(stream)
+    assert choices[0]["finish"] == [(spindle_pb2.FINISH_REASON_ABORT, None)]
+    info = settled_info(client)
+    assert info.num_running_requests == 0 and info.num_free_kv_blocks == info.num_total_kv_blocks
+
+
+def violated_fields(error: grpc.RpcError) -> list[str]:
+    status = rpc_status.from_call(error)
+    fields = []
+    for detail in status.details if status else []:
+        bad_request = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad_request)
+        fields += [violation.field for violation in bad_request.field_violations]
+    return fields
+
+
+@pytest.mark.parametrize(
+    "prompt,params,fields,message",
+    [
+        ("hi", {"temperature": -1}, ["sampling_params.temperature"], "temperature=-1"),
+        ("hi", {"top_p": 0}, ["sampling_params.top_p"], "top_p"),
+        ("hi", {"n": 5}, ["sampling_params.n"], "limit of 4"),
+        ("hi", {"max_tokens": 451}, ["sampling_params.max_tokens"], "limit of 450"),
+        ([1, 999], {}, ["prompt"], "outside the vocabulary"),
+        ("", {}, ["prompt"], "empty"),
+        ("x" * 300, {"max_tokens": 300}, ["prompt", "sampling_params.max_tokens"], "has 300 tokens and max_tokens=300"),
+    ],
+    ids=["temperature", "top_p", "n-limit", "max-tokens-limit", "token-id", "empty", "too-long"],
+)
+def test_bad_fields_are_invalid_argument_with_field_violations(client, prompt, params, fields, message):
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.generate(prompt, **params))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details() and violated_fields(error.value) == fields
+
+
+def test_a_message_over_the_size_limit_is_resource_exhausted(client):
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.generate("x" * 70_000))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_an_unexpected_exception_is_internal(client, server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(server.engine.tokenizer, "convert_ids_to_tokens", broken)
+    with pytest.raises(grpc.RpcError) as error:
+        client.tokenize("hi")
+    assert error.value.code() == grpc.StatusCode.INTERNAL and "bug in Spindle" in error.value.details()
+
+
+def test_api_key(backend):
+    server = ServerThread(backend, api_key="s3cret")
+    try:
+        for api_key in (None, "wrong"):
+            with server.client(api_key=api_key) as client, pytest.raises(grpc.RpcError) as error:
+                client.tokenize("hi")
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert ("wrong" if api_key else "missing") in error.value.details()
+        with server.client(api_key="s3cret") as client:
+            assert client.tokenize("hi") and client.health() == "SERVING"
+        with server.client() as client:
+            assert client.health() == "SERVING"  # probes need no key
+    finally:
+        server.close()
+
+
+def test_tls(backend, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server = ServerThread(backend, tls_cert=str(cert), tls_key=str(key))
+    try:
+        with SpindleClient(f"localhost:{server.port}", tls_ca=str(cert)) as client:
+            assert client.detokenize(client.tokenize("tls")) == "tls"
+        with SpindleClient(f"localhost:{server.port}", timeout=2) as plain, pytest.raises(grpc.RpcError) as error:
+            plain.tokenize("tls")
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.close()
+
+
+def test_a_full_queue_is_resource_exhausted_and_a_dead_backend_flips_health(tiny_llm_dir):
+    # One sequence at a time: the second request waits in the backend while the first one runs.
+    process, address = start_backend(tiny_config(tiny_llm_dir, max_num_seqs=1))
+    server = ServerThread(address, max_queued_requests=1)
+    try:
+        with server.client(timeout=30) as client:
+            running = client.generate("first", **LONG)
+            next(running)
+            waiting = client.generate("second", **LONG)
+            time.sleep(0.3)  # let it be accepted
+            with pytest.raises(grpc.RpcError) as error:
+                list(client.generate("third"))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 1" in error.value.details()
+            watch = health_pb2_grpc.HealthStub(client.channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            process.kill()
+            killed = time.monotonic()
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert time.monotonic() - killed < 3.0
+            assert client.health() == "NOT_SERVING" and client.health("spindle.v1.SpindleService") == "NOT_SERVING"
+            for stream in (running, waiting, client.generate("late")):
+                with pytest.raises(grpc.RpcError) as error:
+                    list(stream)
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "backend is down" in error.value.details()
+    finally:
+        server.close()
+        process.wait(10)
+
+
+def grpcurl(*args: str) -> str:
+    binary = shutil.which("grpcurl", path=str(REPO / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
+    result = subprocess.run([binary, "-plaintext", *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_grpcurl_lists_describes_and_streams_without_proto_files(server):
+    services = grpcurl(server.address, "list").split()
+    assert {"spindle.v1.SpindleService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
+        services
+    )
+    assert "rpc Generate ( .spindle.v1.GenerateRequest ) returns ( stream .spindle.v1.GenerateResponse )" in grpcurl(
+        server.address, "describe", "spindle.v1.SpindleService"
+    )
+    request = {"prompt": {"text": "hello world"}, "samplingParams": {"temperature": 0, "maxTokens": 6}}
+    output = grpcurl("-d", json.dumps(request), server.address, "spindle.v1.SpindleService/Generate")
+    messages = [json.loads(chunk) for chunk in output.replace("}\n{", "}\0{").split("\0")]
+    text = "".join(c.get("text", "") for m in messages for c in m.get("choices", []))
+    expected = server.run(reference_completion(server.engine, "hello world", 6))
+    assert text == expected.text and messages[-1]["finished"]
+    assert messages[-1]["usage"].get("completion_tokens", 0) == len(expected.token_ids)  # JSON omits zeros
+
+
+async def reference_completion(engine: AsyncLLMEngine, prompt: str, max_tokens: int):
+    from shared import SamplingParams
+
+    final = None
+    async for output in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)):
+        final = output
+    return final.outputs[0]
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    for path in protos_generate.generate(tmp_path):
+        committed = protos_generate.OUT_DIR / path.relative_to(tmp_path)
+        assert committed.read_text() == path.read_text(), f"{committed} is stale: run `make protos`"
+
+
+def test_buf_lint():
+    buf = shutil.which("buf", path=str(REPO / ".tools" / "node_modules" / ".bin") + os.pathsep + os.environ["PATH"])
+    if buf is None:
+        pytest.skip("buf is not installed: `make test` installs it with npm into .tools/")
+    result = subprocess.run([buf, "lint"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sigterm_drains_then_exits(tiny_llm_dir):
+    """``spindle serve`` on SIGTERM: NOT_SERVING first, new streams refused, the stream in flight finishes."""
+    env = {**os.environ, "SPINDLE_MODEL": str(tiny_llm_dir), "SPINDLE_KV_CACHE_MEMORY": "4MiB", "SPINDLE_PORT": "0"}
+    process = subprocess.Popen(
+        [str(REPO / ".venv" / "bin" / "spindle"), "serve", "--dtype", "float32", "--grace-period", "30"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        port = int(line.rsplit(":", 1)[1])
+        with SpindleClient(f"127.0.0.1:{port}", timeout=60) as client:
+            stream = client.generate("drain", temperature=0, max_tokens=300, ignore_eos=True)
+            next(stream)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as error:
+                list(client.generate("late"))
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.value.details()
+            choices, _ = collect(stream)
+            assert choices[0]["finish"] == [(spindle_pb2.FINISH_REASON_LENGTH, None)]
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
