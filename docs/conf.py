@@ -42,6 +42,8 @@ nitpick_ignore_regex = [
         "py:class",
         r"(torch|zmq|msgspec|tokenizers|argparse|asyncio|enum|subprocess|pathlib|collections\.abc|typing)\..*",
     ),
+    # The generated protobuf message classes: the gRPC reference page documents them from the .proto files.
+    ("py:class", r"spindle\.v1\..*"),
     # Model and kernel internals these pages do not cover.
     ("py:class", r"(kernels|backend\.models)\..*"),
     # An attribute that BackendConnection's docstring names but does not document (see the docs report).
@@ -68,13 +70,16 @@ def _allow_union_with_mocks() -> None:
 
 
 def _resolve_short_names(app: Sphinx, env: BuildEnvironment, node: Element, contnode: Element) -> Element | None:
-    """Resolve an unqualified Python reference (``:class:`SamplingParams```) to the one object of that name."""
+    """Resolve a partly qualified Python reference (``:class:`SamplingParams```, ``:meth:`GrpcServer.start```).
+
+    It resolves to the one documented object whose qualified name ends with the target.
+    """
     target = node.get("reftarget", "")
-    if node.get("refdomain") != "py" or not target or "." in target:
+    if node.get("refdomain") != "py" or not target:
         return None
     domain = env.domains["py"]
     # Skip the canonical aliases autodoc adds (``shared.sampling_params.SamplingParams`` for ``shared.SamplingParams``).
-    matches = [name for name, obj in domain.objects.items() if name.rsplit(".", 1)[-1] == target and not obj.aliased]
+    matches = [name for name, obj in domain.objects.items() if name.endswith("." + target) and not obj.aliased]
     if len(matches) != 1:
         return None
     return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], matches[0], node, contnode)

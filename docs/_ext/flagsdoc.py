@@ -1,14 +1,16 @@
-"""``.. engine-flags::``: the table of ``spindle`` flags and environment variables, read from ``backend.config``.
+"""``.. engine-flags::`` and ``.. server-flags::``: the tables of ``spindle`` flags and environment variables.
 
-The rows come from the argparse parsers that ``spindle serve`` and ``spindle backend`` build, and each engine flag's
-meaning from the ``Attributes`` section of :class:`backend.config.EngineConfig`, so the table cannot fall behind
-the code. Defaults are read with no ``SPINDLE_*`` variable set, so the builder's environment does not leak in.
+The rows come from the argparse parsers that ``spindle serve`` and ``spindle backend`` build, and each flag's
+meaning from the ``Attributes`` section of :class:`backend.config.EngineConfig` (engine flags) or
+:class:`frontend.grpc_server.ServerConfig` (gRPC server flags), so the tables cannot fall behind the code. Defaults
+are read with no ``SPINDLE_*`` variable set, so the builder's environment does not leak in.
 """
 
 import argparse
 import inspect
 import os
 import re
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 from unittest import mock
 
@@ -25,21 +27,33 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def flag_rows() -> list[tuple[str, str, str, str]]:
-    """``(flag, environment variable, default, meaning)`` for every engine flag, then the backend-only ones."""
-    from backend.config import EngineConfig, add_backend_args, add_engine_args
-
+def _parser(*add_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """A parser with ``add_args``' flags, built with no ``SPINDLE_*`` variable set."""
     with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if not k.startswith("SPINDLE_")}, clear=True):
-        engine, backend = argparse.ArgumentParser(), argparse.ArgumentParser()
-        add_engine_args(engine)
-        add_backend_args(backend)
-    meanings = _attribute_docs(EngineConfig)
+        parser = argparse.ArgumentParser()
+        for add in add_args:
+            add(parser)
+    return parser
+
+
+def _config_rows(cls: type) -> list[tuple[str, str, str, str]]:
+    """``(flag, environment variable, default, meaning)`` for every field of the config dataclass ``cls``."""
+    meanings = _attribute_docs(cls)
     rows = []
-    for config_field in fields(EngineConfig):
+    for config_field in fields(cls):
         default = None if config_field.default is MISSING else config_field.default
         flag = "--" + config_field.name.replace("_", "-")
         env = f"SPINDLE_{config_field.name.upper()}"
         rows.append((flag, env, repr(default), meanings[config_field.name]))
+    return rows
+
+
+def flag_rows() -> list[tuple[str, str, str, str]]:
+    """``(flag, environment variable, default, meaning)`` for every engine flag, then the backend-only ones."""
+    from backend.config import EngineConfig, add_backend_args, add_engine_args
+
+    engine, backend = _parser(add_engine_args), _parser(add_backend_args)
+    rows = _config_rows(EngineConfig)
     engine_dests = {action.dest for action in engine._actions}
     for action in backend._actions:
         if action.dest in engine_dests or action.help == argparse.SUPPRESS:
@@ -50,19 +64,52 @@ def flag_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-class EngineFlags(SphinxDirective):
-    """Render :func:`flag_rows` as a list table."""
+def server_flag_rows() -> list[tuple[str, str, str, str]]:
+    """``(flag, environment variable, default, meaning)`` for every gRPC server flag of ``spindle serve``.
+
+    Raises:
+        AssertionError: :func:`~frontend.grpc_server.add_server_args` adds a flag that ``ServerConfig`` lacks, or
+            its default differs from the field's.
+
+    """
+    from frontend.grpc_server import ServerConfig, add_server_args
+
+    parser = _parser(add_server_args)
+    rows = _config_rows(ServerConfig)
+    # The flags are generated from the dataclass too; check they still agree, so the table cannot mislead.
+    defaults = {action.option_strings[0]: repr(action.default) for action in parser._actions if action.dest != "help"}
+    assert defaults == {flag: default for flag, _, default, _ in rows}, defaults
+    return rows
+
+
+class _FlagTable(SphinxDirective):
+    """Render ``rows()`` as a list table."""
+
+    rows: Callable[[], list[tuple[str, str, str, str]]]
 
     def run(self) -> list:
         """Build the table's reStructuredText and parse it in place."""
         lines = [".. list-table::", "   :header-rows: 1", "   :widths: 22 28 12 38", ""]
         lines += ["   * - flag", "     - environment variable", "     - default", "     - meaning"]
-        for flag, env, default, meaning in flag_rows():
+        for flag, env, default, meaning in type(self).rows():
             lines += [f"   * - ``{flag}``", f"     - ``{env}``", f"     - ``{default}``", f"     - {meaning}"]
         return self.parse_text_to_nodes("\n".join(lines))
 
 
+class EngineFlags(_FlagTable):
+    """The engine and backend flags (:func:`flag_rows`)."""
+
+    rows = staticmethod(flag_rows)
+
+
+class ServerFlags(_FlagTable):
+    """The gRPC server flags of ``spindle serve`` (:func:`server_flag_rows`)."""
+
+    rows = staticmethod(server_flag_rows)
+
+
 def setup(app: Sphinx) -> dict[str, object]:
-    """Register the directive."""
+    """Register the directives."""
     app.add_directive("engine-flags", EngineFlags)
+    app.add_directive("server-flags", ServerFlags)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
