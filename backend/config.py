@@ -69,18 +69,27 @@ class EngineConfig:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
 
 
+def attribute_help(cls: type) -> dict[str, str]:
+    """The one-line help of each field, from the ``Attributes:`` section of a dataclass's docstring (for --help)."""
+    section = (cls.__doc__ or "").partition("Attributes:")[2]
+    entries = re.findall(r"^\s{4,8}(\w+): (.+?)(?=^\s{4,8}\w+: |\Z)", section, flags=re.MULTILINE | re.DOTALL)
+    return {name: " ".join(text.split()) for name, text in entries}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per :class:`EngineConfig` field, defaulting to ``SPINDLE_<FIELD>`` from the environment."""
+    helps = attribute_help(EngineConfig)
     for field in fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
         if field.type is bool:
             if isinstance(default, str):
                 default = default.lower() in ("1", "true", "yes", "on")
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps[field.name])
         else:
             kind = {int: int, int | None: int, float: float}.get(field.type, str)
-            parser.add_argument(flag, type=kind, default=None if default is None else kind(default))
+            value = None if default is None else kind(default)
+            parser.add_argument(flag, type=kind, default=value, help=helps[field.name])
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from backend.config import attribute_help
 from frontend.async_llm_engine import AsyncLLMEngine
 from frontend.core_client import EngineDeadError
 from frontend.protos.spindle.v1 import spindle_pb2, spindle_pb2_grpc
@@ -116,11 +117,15 @@ class ServerConfig:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per :class:`ServerConfig` field, defaulting to ``SPINDLE_<FIELD>`` from the environment."""
+    helps = attribute_help(ServerConfig)
     for field in dataclasses.fields(ServerConfig):
         default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
         kind = {"int": int, "float": float}.get(type(field.default).__name__, str)
         parser.add_argument(
-            "--" + field.name.replace("_", "-"), type=kind, default=None if default is None else kind(default)
+            "--" + field.name.replace("_", "-"),
+            type=kind,
+            default=None if default is None else kind(default),
+            help=helps[field.name],
         )
 
 
