@@ -11,7 +11,9 @@ the paged cache (the gather not timed), the elementwise kernels against the torc
 Two model shapes: SmolLM2-135M (9 query heads, 3 KV heads, head 64) and Llama-3-8B (32, 8, head 128). Runs
 unattended in a minute or two on any single GPU::
 
-    .venv/bin/python bench/kernels.py            # bfloat16; --dtype float16 or float32 also work
+    .venv/bin/python -m bench.kernels            # bfloat16; --dtype float16 or float32 also work
+
+Run it as a module: as a script, bench/ comes first on sys.path and this file would shadow the kernels package.
 """
 
 import argparse
@@ -232,7 +234,7 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(
-            "bench/kernels.py needs a CUDA GPU and a CUDA build of torch (torch.cuda.is_available() is False here). "
+            "bench.kernels needs a CUDA GPU and a CUDA build of torch (torch.cuda.is_available() is False here). "
             "Without one, the kernels are checked under Triton's interpreter by `pytest tests/test_kernels_triton.py`.",
             file=sys.stderr,
         )

@@ -1,4 +1,4 @@
-"""Serving benchmark: the same load through gRPC (``spindle serve``) and through an in-process AsyncLLMEngine.
+"""Serving benchmark: the same load through gRPC (``spindle serve``) and straight through ``AsyncLLMEngine``.
 
 One backend process serves both frontends in turn. Load is Poisson arrivals (``--rate`` requests/s) or a fixed
 number of concurrent clients (``--concurrency``). Prints throughput and p50/p99 time to first token and inter-token
@@ -61,7 +61,7 @@ async def drive(one_request, prompts: list[str], args) -> tuple[float, list[floa
 def report(name: str, elapsed: float, ttfts: list[float], itls: list[float], tokens: int, n: int) -> None:
     ttft = f"TTFT p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms"
     itl = f"ITL p50 {percentile(itls, 0.5) * 1e3:6.2f} ms p99 {percentile(itls, 0.99) * 1e3:6.2f} ms"
-    print(f"{name:>10}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {ttft} | {itl}")
+    print(f"{name:>6}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {ttft} | {itl}")
 
 
 async def grpc_run(address: str, prompts: list[str], args):
@@ -117,7 +117,7 @@ def main() -> None:
             elapsed, *rest = asyncio.run(engine_run(engine, prompts, args))
         finally:
             engine.shutdown()
-        report("in-process", elapsed, *rest, len(prompts))
+        report("engine", elapsed, *rest, len(prompts))
         elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{args.port}", prompts, args))
         report("gRPC", elapsed, *rest, len(prompts))
     finally:

@@ -168,7 +168,9 @@ class AsyncLLMEngine:
 
     def _start_output_task(self) -> None:
         self.connection.check_alive()
-        if self._output_task is None:
+        # One output task per event loop: a task of an earlier asyncio.run() is done and cannot be awaited here.
+        task = self._output_task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._stats_updated = asyncio.Event()
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
 

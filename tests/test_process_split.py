@@ -294,3 +294,13 @@ def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):
     final = run_engine(backend, scenario)
     assert final.finished and [c.finish_reason for c in final.outputs] == ["length"] * 3
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_one_engine_serves_successive_event_loops(backend):
+    engine = AsyncLLMEngine.from_args(backend_address=backend)
+    try:
+        first = asyncio.run(collect(engine, prompts_for(1)[0], GREEDY, "loop1"))
+        second = asyncio.run(collect(engine, prompts_for(1)[0], GREEDY, "loop2"))
+    finally:
+        engine.shutdown()
+    assert first == second and len(first) == GREEDY.max_tokens
