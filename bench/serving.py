@@ -100,17 +100,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8, help="0: unlimited (use with --rate)")
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 sends at once")
-    parser.add_argument("--port", type=int, default=50123)
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args = parser.parse_args()
     prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(args.num_requests)]
     config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)
     backend, address = start_backend(config)
     env = {**os.environ, "SPINDLE_PORT": str(args.port), "SPINDLE_BACKEND_ADDRESS": address}
     server = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve"], env=env, stdout=subprocess.PIPE, cwd=REPO
+        [sys.executable, "-m", "frontend.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     try:
-        server.stdout.readline()  # "spindle: serving ..." once it listens
+        banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
+        if not banner:
+            raise SystemExit(f"spindle serve exited with code {server.wait()} before it listened")
+        port = int(banner.rsplit(":", 1)[1])
         engine = AsyncLLMEngine.from_args(backend_address=address)
         try:
             asyncio.run(engine_run(engine, prompts[:4], args))  # warm-up
@@ -118,7 +121,7 @@ def main() -> None:
         finally:
             engine.shutdown()
         report("engine", elapsed, *rest, len(prompts))
-        elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{args.port}", prompts, args))
+        elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{port}", prompts, args))
         report("gRPC", elapsed, *rest, len(prompts))
     finally:
         server.terminate()
