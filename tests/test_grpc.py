@@ -358,10 +358,13 @@ def test_sigterm_drains_then_exits(tiny_llm_dir):
         line = process.stdout.readline()
         port = int(line.rsplit(":", 1)[1])
         with SpindleClient(f"127.0.0.1:{port}", timeout=60) as client:
-            stream = client.generate("drain", temperature=0, max_tokens=300, ignore_eos=True)
+            # As long as the context allows, so the stream is still running while the checks below happen.
+            stream = client.generate("drain", temperature=0, max_tokens=500, ignore_eos=True)
             next(stream)
             process.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 2
+            while client.health() == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert client.health() == "NOT_SERVING"
             with pytest.raises(grpc.RpcError) as error:
                 list(client.generate("late"))

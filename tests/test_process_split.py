@@ -245,7 +245,8 @@ def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir):
 @pytest.mark.parametrize("grace_period,finish_reason", [(30.0, "length"), (0.05, "abort")])
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llm_dir, grace_period, finish_reason):
     process, address = start_backend(tiny_config(tiny_llm_dir), grace_period=grace_period)
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    # Long enough that the streams are still running while the checks after SIGTERM happen.
+    params = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
 
     async def scenario(engine):
         streams = [engine.generate(p, params) for p in prompts_for(4)]
@@ -263,7 +264,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llm_dir, grace_p
 
     finals = run_engine(address, scenario)
     assert [f.finish_reason for f in finals] == [finish_reason] * 4
-    assert all(len(f.token_ids) == 200 for f in finals) == (finish_reason == "length")
+    assert all(len(f.token_ids) == 450 for f in finals) == (finish_reason == "length")
     assert process.wait(30) == 0
 
 
