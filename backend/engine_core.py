@@ -97,8 +97,7 @@ class EngineCore:
             return
         if not seqs[index].is_finished:
             self.scheduler.finish(seqs[index], "stop")
-        if all(seq.is_finished for seq in seqs):
-            del self.requests[request_id]
+        self._forget_if_done(request_id)
 
     def stats(self) -> EngineStats:
         """The scheduler's and the KV cache's current state."""
@@ -144,9 +143,14 @@ class EngineCore:
                     first_scheduled_time=seq.first_scheduled_time if first else None,
                 )
             )
-            if seq.is_finished and all(s.is_finished for s in self.requests[seq.request_id]):
-                del self.requests[seq.request_id]
+            if seq.is_finished:
+                self._forget_if_done(seq.request_id)
         return deltas
+
+    def _forget_if_done(self, request_id: str) -> None:
+        """Drop a request once all its completions have finished (it is no longer unfinished work)."""
+        if all(seq.is_finished for seq in self.requests[request_id]):
+            del self.requests[request_id]
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params

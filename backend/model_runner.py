@@ -178,15 +178,7 @@ class ModelRunner:
                 f"({self.block_bytes} bytes each), but one max_model_len={max_model_len} sequence needs "
                 f"{blocks_per_seq}: raise the memory budget or lower max_model_len."
             )
-        mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mc.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f sequences of max_model_len=%d fit",
             num_blocks,
@@ -215,26 +207,31 @@ class ModelRunner:
             (torch.cuda.memory_reserved() - reserved) / 2**30,
         )
 
-    def _profile_run(self) -> int:
-        """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak."""
-        num_tokens = self.config.max_num_batched_tokens
-        num_seqs = min(self.config.max_num_seqs, num_tokens)
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Zeros, not empty: batched decodes read padding slots (with zero weight), and garbage NaNs would spread.
         mc = self.model_config
-        shape = (-(-num_tokens // self.block_size), self.block_size, mc.num_kv_heads, mc.head_dim)
-        caches = [
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(mc.num_layers)
         ]
+
+    def _profile_run(self) -> int:
+        """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = self._allocate_kv_caches(num_blocks)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         positions = torch.arange(num_tokens, device=self.device)
         meta = AttentionMetadata.from_lists(
-            [num_tokens], [num_tokens], [list(range(shape[0]))], self.block_size, self.device
+            [num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device
         )
         with torch.inference_mode():
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)

@@ -236,11 +236,15 @@ class _Parser:
         name = self._next()
         self._expect("=")
         number = int(self._next(), 0)
-        if self._peek() == "[":
-            while self._next() != "]":
-                pass
+        self._skip_options()
         self._expect(";")
         return ProtoField(name, kind, number, label, self._trailing(doc))
+
+    def _skip_options(self) -> None:
+        """Skip a field's or enum value's ``[...]`` options, which the reference does not show."""
+        if self._peek() == "[":
+            while self._next() != "]":
+                continue
 
     def _enum(self, prefix: str) -> None:
         enum = ProtoEnum(prefix, doc=self._take_doc())
@@ -257,9 +261,7 @@ class _Parser:
             name = self._next()
             self._expect("=")
             number = int(self._next(), 0)
-            if self._peek() == "[":
-                while self._next() != "]":
-                    pass
+            self._skip_options()
             self._expect(";")
             enum.values.append((name, number, self._trailing(doc)))
         self._expect("}")
