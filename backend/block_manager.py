@@ -2,7 +2,7 @@
 
 from collections import OrderedDict
 
-from backend.sequence import Sequence
+from spindle.backend.sequence import Sequence
 
 
 class Block:

@@ -4,14 +4,14 @@ import logging
 import time
 from pathlib import Path
 
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig
-from backend.model_runner import ModelRunner
-from backend.models.config import ModelConfig
-from backend.models.loader import resolve_model
-from backend.scheduler import Scheduler
-from backend.sequence import Sequence
-from shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
+from spindle.backend.block_manager import BlockManager
+from spindle.backend.model_runner import ModelRunner
+from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.loader import resolve_model
+from spindle.backend.scheduler import Scheduler
+from spindle.backend.sequence import Sequence
+from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
 
 logger = logging.getLogger(__name__)
 

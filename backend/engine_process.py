@@ -3,7 +3,7 @@
 One ROUTER socket serves every frontend (a DEALER each). The I/O thread owns it: it decodes incoming messages into
 a queue, answers handshakes, sends the heartbeats, and encodes and sends the step outputs the loop hands it. The
 loop never touches the socket, so it never waits on a slow frontend: it drains the queue, runs ``step()`` and
-passes one :class:`~shared.protocol.StepOutputs` per frontend to the I/O thread.
+passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread.
 """
 
 import argparse
@@ -20,9 +20,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from backend.config import EngineConfig, add_backend_args, config_from_args
-from backend.engine_core import EngineCore
-from shared.protocol import (
+from spindle.backend.engine_core import EngineCore
+from spindle.shared.config import EngineConfig, add_backend_args, config_from_args
+from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
     HEARTBEAT_INTERVAL,
     PROTOCOL_VERSION,
@@ -293,7 +293,7 @@ def run_backend(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m backend.engine_process``: the same as ``spindle backend``."""
+    """``python -m spindle.backend.engine_process``: the same as ``spindle backend``."""
     parser = argparse.ArgumentParser(prog="spindle backend", description="Run the Spindle engine core process")
     add_backend_args(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

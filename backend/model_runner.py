@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from backend.config import EngineConfig
-from backend.models.config import ModelConfig
-from backend.models.loader import load_model, resolve_dtype
-from backend.sampler import Sampler, SamplerOutput
-from backend.scheduler import ScheduledBatch
-from backend.sequence import Sequence
-from kernels import AttentionMetadata
+from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.loader import load_model, resolve_dtype
+from spindle.backend.sampler import Sampler, SamplerOutput
+from spindle.backend.scheduler import ScheduledBatch
+from spindle.backend.sequence import Sequence
+from spindle.kernels import AttentionMetadata
+from spindle.shared.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

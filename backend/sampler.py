@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backend.sequence import Sequence
-from shared import SamplingParams, TokenLogprobs
+from spindle.backend.sequence import Sequence
+from spindle.shared import SamplingParams, TokenLogprobs
 
 # Top-p first looks for a row's nucleus among this many most likely tokens, because a full sort of the
 # vocabulary costs ~20x a top-k this small; rows whose nucleus is larger widen the search by _WIDEN.

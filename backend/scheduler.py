@@ -3,8 +3,8 @@
 from collections import deque
 from dataclasses import dataclass
 
-from backend.block_manager import BlockManager
-from backend.sequence import Sequence, SequenceStatus
+from spindle.backend.block_manager import BlockManager
+from spindle.backend.sequence import Sequence, SequenceStatus
 
 
 @dataclass

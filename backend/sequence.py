@@ -5,7 +5,7 @@ from itertools import count
 
 import torch
 
-from shared import SamplingParams, TokenLogprobs
+from spindle.shared import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer
 
-from backend.models import LlamaForCausalLM, load_model, resolve_model
-from kernels import AttentionMetadata
+from spindle.backend.models import LlamaForCausalLM, load_model, resolve_model
+from spindle.kernels import AttentionMetadata
 
 BLOCK_SIZE = 16
 PROMPTS = [

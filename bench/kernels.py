@@ -83,9 +83,9 @@ def dense(cache: torch.Tensor, tables: list[list[int]], seq_len: int) -> torch.T
 
 def bench_decode(shape: Shape, num_seqs: int, seq_len: int, dtype: torch.dtype, peak_bandwidth: float) -> None:
     """Decode attention for ``num_seqs`` contexts of ``seq_len``, against SDPA over the densely gathered K/V."""
-    import kernels.triton as tk
-    from kernels import AttentionMetadata
-    from kernels.triton.decode_attention import num_splits_for
+    import spindle.kernels.triton as tk
+    from spindle.kernels import AttentionMetadata
+    from spindle.kernels.triton.decode_attention import num_splits_for
 
     scale = shape.head_size**-0.5
     k_cache, v_cache = paged_cache(shape, num_seqs, seq_len, dtype)
@@ -111,8 +111,8 @@ def bench_decode(shape: Shape, num_seqs: int, seq_len: int, dtype: torch.dtype, 
 
 def bench_prefill(shape: Shape, num_seqs: int, cached: int, new: int, dtype: torch.dtype, peak_flops: float) -> None:
     """Causal prefill of ``new`` tokens after ``cached`` ones, against SDPA on the densely gathered K/V."""
-    import kernels.triton as tk
-    from kernels import AttentionMetadata
+    import spindle.kernels.triton as tk
+    from spindle.kernels import AttentionMetadata
 
     scale = shape.head_size**-0.5
     seq_len = cached + new
@@ -147,8 +147,8 @@ def bench_prefill(shape: Shape, num_seqs: int, cached: int, new: int, dtype: tor
 
 def bench_elementwise(shape: Shape, dtype: torch.dtype, peak_bandwidth: float) -> None:
     """Cache write, RMSNorm with residual, rotary and SiLU-and-mul on a 4096-token step, against torch."""
-    import kernels.triton as tk
-    from kernels import activation, attention, build_cos_sin_cache, norm, rotary
+    import spindle.kernels.triton as tk
+    from spindle.kernels import activation, attention, build_cos_sin_cache, norm, rotary
 
     tokens = 4096
     hidden, intermediate = shape.num_heads * shape.head_size, 4 * shape.num_heads * shape.head_size

@@ -21,9 +21,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from backend.models.loader import resolve_model
-from frontend import LLM
-from shared import SamplingParams
+from spindle import LLM, SamplingParams
+from spindle.backend.models.loader import resolve_model
 
 TOPICS = ["the ocean", "a small town", "machine learning", "the history of Rome", "coffee", "a robot", "winter", "jazz"]
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import grpc
 
-from backend.config import EngineConfig
-from frontend.async_llm_engine import AsyncLLMEngine
-from frontend.core_client import start_backend
-from frontend.grpc_client import sampling_params
-from frontend.protos.spindle.v1 import spindle_pb2, spindle_pb2_grpc
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.client import sampling_params
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.core_client import start_backend
+from spindle.shared.config import EngineConfig
+from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def main() -> None:
     backend, address = start_backend(config)
     env = {**os.environ, "SPINDLE_PORT": str(args.port), "SPINDLE_BACKEND_ADDRESS": address}
     server = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+        [sys.executable, "-m", "spindle.frontend.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     try:
         banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens

@@ -13,9 +13,8 @@ import asyncio
 import statistics
 import time
 
-from frontend import LLMEngine
-from frontend.async_llm_engine import AsyncLLMEngine
-from shared import SamplingParams
+from spindle import LLMEngine, SamplingParams
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
 
 PROMPT = "Write a short story about {}. Make it vivid."
 TOPICS = ["the ocean", "a small town", "machine learning", "Rome", "coffee", "a robot", "winter", "jazz"]

@@ -10,7 +10,7 @@ from sphinx.environment import BuildEnvironment
 from sphinx.ext.napoleon import _process_docstring
 
 DOCS = Path(__file__).resolve().parent
-sys.path[:0] = [str(DOCS.parent), str(DOCS / "_ext")]
+sys.path.insert(0, str(DOCS / "_ext"))
 
 project = "Spindle"
 author = "The Spindle authors"
@@ -45,7 +45,7 @@ nitpick_ignore_regex = [
     # The generated protobuf message classes: the gRPC reference page documents them from the .proto files.
     ("py:class", r"spindle\.v1\..*"),
     # Model and kernel internals these pages do not cover.
-    ("py:class", r"(kernels|backend\.models)\..*"),
+    ("py:class", r"spindle\.(kernels|backend\.models)\..*"),
     # An attribute that BackendConnection's docstring names but does not document (see the docs report).
     ("py:attr", "socket"),
     ("py:class", r"(Path|Iterable|AsyncIterator|Callable|Sequence|Struct|Namespace|Popen|Tensor)"),
@@ -78,7 +78,8 @@ def _resolve_short_names(app: Sphinx, env: BuildEnvironment, node: Element, cont
     if node.get("refdomain") != "py" or not target:
         return None
     domain = env.domains["py"]
-    # Skip the canonical aliases autodoc adds (``shared.sampling_params.SamplingParams`` for ``shared.SamplingParams``).
+    # Skip the canonical aliases autodoc adds (``spindle.shared.sampling_params.SamplingParams`` for
+    # ``spindle.shared.SamplingParams``).
     matches = [name for name, obj in domain.objects.items() if name.endswith("." + target) and not obj.aliased]
     if len(matches) != 1:
         return None

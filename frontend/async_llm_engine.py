@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from backend.config import EngineConfig
-from frontend.core_client import BackendConnection, EngineDeadError
-from frontend.input_processor import InputProcessor, ProcessedPrompt
-from frontend.output_processor import OutputProcessor, RequestState
-from frontend.tokenizer import Tokenizer
-from shared import PromptInputs, RequestOutput, SamplingParams
-from shared.protocol import EngineInfo, EngineRequest, EngineStats, Heartbeat, RequestError, StepOutputs
+from spindle.frontend.core_client import BackendConnection, EngineDeadError
+from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.output_processor import OutputProcessor, RequestState
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, Heartbeat, RequestError, StepOutputs
 
 
 class AsyncLLMEngine:
@@ -56,8 +56,8 @@ class AsyncLLMEngine:
     ) -> "AsyncLLMEngine":
         """Connect to the backend at ``backend_address``, or start one as a child process with ``engine_args``.
 
-        ``engine_args`` are :class:`~backend.config.EngineConfig` fields (``model``, ``dtype``, ``kv_cache_memory``,
-        ...); they only matter for a backend this call starts.
+        ``engine_args`` are :class:`~spindle.shared.config.EngineConfig` fields (``model``, ``dtype``,
+        ``kv_cache_memory``, ...); they only matter for a backend this call starts.
         """
         config = EngineConfig(**engine_args)
         return cls(BackendConnection(backend_address, config, use_asyncio=True, startup_timeout=startup_timeout))
@@ -82,9 +82,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes.
 
-        Each :class:`~shared.RequestOutput` is cumulative (the text and tokens so far), or with ``delta=True`` holds
-        only what is new since the previous one. Breaking out, closing the generator or cancelling the task aborts
-        the request in the backend.
+        Each :class:`~spindle.shared.RequestOutput` is cumulative (the text and tokens so far), or with ``delta=True``
+        holds only what is new since the previous one. Breaking out, closing the generator or cancelling the task
+        aborts the request in the backend.
 
         Raises:
             ValueError: bad inputs or parameters, or a request id already in use; nothing is queued.

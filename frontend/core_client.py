@@ -18,8 +18,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from backend.config import EngineConfig, config_to_argv
-from shared.protocol import (
+from spindle.shared.config import EngineConfig, config_to_argv
+from spindle.shared.protocol import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     PROTOCOL_VERSION,
@@ -55,7 +55,15 @@ def start_backend(
     """
     if address is None:
         address = f"ipc://{tempfile.mkdtemp(prefix='spindle-')}/engine.sock"
-    argv = [sys.executable, "-m", "backend.engine_process", "--listen", address, "--parent-pid", str(os.getpid())]
+    argv = [
+        sys.executable,
+        "-m",
+        "spindle.backend.engine_process",
+        "--listen",
+        address,
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     argv += ["--grace-period", str(grace_period)]
     process = subprocess.Popen([*argv, *config_to_argv(config)])
     return process, address

@@ -2,8 +2,8 @@
 
 from tokenizers.decoders import DecodeStream
 
-from frontend.tokenizer import Tokenizer
-from shared import SamplingParams
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared import SamplingParams
 
 # Prompt tokens the decode stream starts from, so that the first generated token decodes as it would after the
 # prompt (SentencePiece-style decoders drop a word's leading space at the very start of a text). vLLM uses 5 too.

@@ -32,11 +32,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from backend.config import attribute_help
-from frontend.async_llm_engine import AsyncLLMEngine
-from frontend.core_client import EngineDeadError
-from frontend.protos.spindle.v1 import spindle_pb2, spindle_pb2_grpc
-from shared import CompletionOutput, Logprob, PromptInputs, RequestOutput, SamplingParams
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.core_client import EngineDeadError
+from spindle.shared import CompletionOutput, Logprob, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.config import attribute_help
+from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.tokenizer import Tokenizer
-from shared import PromptInputs, SamplingParams
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared import PromptInputs, SamplingParams
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _ALLOWED_KEYS = frozenset((*_PROMPT_KEYS, "multi_modal_data"))

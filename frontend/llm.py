@@ -6,10 +6,10 @@ from functools import partial
 
 from tqdm import tqdm
 
-from backend.config import EngineConfig
-from frontend.llm_engine import LLMEngine
-from frontend.tokenizer import Tokenizer
-from shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.frontend.llm_engine import LLMEngine
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.config import EngineConfig
 
 ChatMessages = list[dict[str, str]]
 
@@ -20,7 +20,7 @@ class LLM:
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
         multiprocess: run the engine core in a backend child process (as ``spindle serve`` does) instead of here.
-        **engine_args: any other :class:`~backend.config.EngineConfig` field (``dtype``, ``max_model_len``,
+        **engine_args: any other :class:`~spindle.shared.config.EngineConfig` field (``dtype``, ``max_model_len``,
             ``kv_cache_memory``, ``gpu_memory_utilization``, ``block_size``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``).
 

@@ -5,16 +5,16 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from backend.config import EngineConfig
-from frontend.core_client import BackendConnection, SyncCoreClient
-from frontend.input_processor import InputProcessor, ProcessedPrompt
-from frontend.output_processor import OutputProcessor, RequestState
-from frontend.tokenizer import Tokenizer
-from shared import PromptInputs, RequestOutput, SamplingParams
-from shared.protocol import EngineRequest
+from spindle.frontend.core_client import BackendConnection, SyncCoreClient
+from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.output_processor import OutputProcessor, RequestState
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import EngineRequest
 
 if TYPE_CHECKING:
-    from backend.engine_core import EngineCore
+    from spindle.backend.engine_core import EngineCore
 
 
 class LLMEngine:
@@ -23,7 +23,7 @@ class LLMEngine:
     One :meth:`step` schedules the waiting and running sequences under the token budget, runs one forward pass
     over the flat batch, samples a token for every sequence whose prompt is fully computed, appends it and
     ends sequences at eos, a stop token, a stop string or their length limit, freeing their KV blocks; it
-    returns a :class:`~shared.RequestOutput` for every request that advanced.
+    returns a :class:`~spindle.shared.RequestOutput` for every request that advanced.
 
     Example::
 
@@ -40,7 +40,7 @@ class LLMEngine:
         if multiprocess or backend_address is not None:
             self.core: EngineCore | SyncCoreClient = SyncCoreClient(BackendConnection(backend_address, config))
         else:
-            from backend import engine_core  # only the in-process engine needs torch
+            from spindle.backend import engine_core  # only the in-process engine needs torch
 
             self.core = engine_core.EngineCore(config)
         info = self.core.info
@@ -50,7 +50,7 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, multiprocess: bool = False, backend_address: str | None = None, **kwargs: object) -> "LLMEngine":
-        """Build an engine from :class:`~backend.config.EngineConfig` fields given as keywords.
+        """Build an engine from :class:`~spindle.shared.config.EngineConfig` fields given as keywords.
 
         With ``multiprocess=True`` the engine core runs in a backend child process; with ``backend_address`` it is
         the backend already listening there.

@@ -3,10 +3,10 @@
 import time
 from dataclasses import dataclass, field
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.tokenizer import Tokenizer
-from shared import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
-from shared.protocol import SequenceDelta
+from spindle.frontend.detokenizer import IncrementalDetokenizer
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+from spindle.shared.protocol import SequenceDelta
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Attention and hot ops, each with a torch reference (the CPU serving path) and a Triton kernel (the CUDA path).
 
-Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`kernels.triton`,
+Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`spindle.kernels.triton`,
 CPU tensors to the torch references, whose signatures the Triton versions share. :func:`force_triton` sends CPU
 tensors to Triton too, which runs them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was
 first imported: that is how the tests prove the kernels without a GPU. Triton is imported on first use only, so the
@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import ParamSpec, TypeVar
 
-from kernels import activation, attention, norm, rotary
-from kernels.attention import AttentionMetadata
-from kernels.rotary import build_cos_sin_cache
+from spindle.kernels import activation, attention, norm, rotary
+from spindle.kernels.attention import AttentionMetadata
+from spindle.kernels.rotary import build_cos_sin_cache
 
 __all__ = [
     "AttentionMetadata",
@@ -47,9 +47,9 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
 
 @functools.cache
 def _triton_kernels() -> ModuleType:
-    import kernels.triton
+    import spindle.kernels.triton
 
-    return kernels.triton
+    return spindle.kernels.triton
 
 
 def _dispatch(reference: Callable[P, R]) -> Callable[P, R]:

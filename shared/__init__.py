@@ -1,8 +1,8 @@
 """Types both processes speak: prompt inputs, sampling parameters and request outputs."""
 
-from shared.inputs import PromptInputs, TextPrompt, TokensPrompt
-from shared.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
-from shared.sampling_params import SamplingParams
+from spindle.shared.inputs import PromptInputs, TextPrompt, TokensPrompt
+from spindle.shared.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from spindle.shared.sampling_params import SamplingParams
 
 __all__ = [
     "CompletionOutput",

@@ -1,6 +1,6 @@
 """What the frontend and the engine core exchange: requests in, per-step token deltas out (token ids only).
 
-In one process, ``LLMEngine`` calls :class:`~backend.engine_core.EngineCore` with these structs directly; across
+In one process, ``LLMEngine`` calls :class:`~spindle.backend.engine_core.EngineCore` with these structs directly; across
 processes they travel over one ZeroMQ DEALER (frontend) / ROUTER (backend) socket pair as msgpack (msgspec tagged
 unions, never pickle). Token ids stay plain msgpack integer arrays: measured with msgspec, encoding a 4,000-token
 prompt takes ~17 us as a list against ~117 us through a little-endian buffer, and decoding costs the same either
@@ -9,8 +9,8 @@ way once the ids are back in the Python list the scheduler needs, so raw buffers
 
 import msgspec
 
-from shared.outputs import TokenLogprobs
-from shared.sampling_params import SamplingParams
+from spindle.shared.outputs import TokenLogprobs
+from spindle.shared.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""

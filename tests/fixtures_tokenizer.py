@@ -1,4 +1,4 @@
-"""Tokenizer fixtures for the frontend tests; load them with ``pytest_plugins = ["tests.fixtures_tokenizer"]``.
+"""Tokenizer fixtures for the frontend tests; load them with ``pytest_plugins = ["fixtures_tokenizer"]``.
 
 * ``hf_tokenizer`` / ``tokenizer_dir`` / ``tokenizer``: the embedded SmolLM2 GGUF's tokenizer (byte-level BPE),
   converted once per session by transformers (the reference) and loaded from the saved directory by ours.
@@ -16,8 +16,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from backend.models.loader import embedded_gguf
-from frontend.tokenizer import Tokenizer
+from spindle.backend.models.loader import embedded_gguf
+from spindle.frontend.tokenizer import Tokenizer
 
 LLAMA_STYLE_CORPUS = [
     "Hello world, the cat sat on the mat.",

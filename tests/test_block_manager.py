@@ -1,8 +1,8 @@
 import pytest
 
-from backend.block_manager import BlockManager
-from backend.sequence import Sequence
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.backend.block_manager import BlockManager
+from spindle.backend.sequence import Sequence
 
 BS = 4
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from frontend.grpc_client import SpindleClient
+from spindle.client import SpindleClient
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"

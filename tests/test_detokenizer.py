@@ -4,11 +4,11 @@ from dataclasses import dataclass, field
 import pytest
 from tokenizers.decoders import DecodeStream
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.tokenizer import Tokenizer
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.frontend.detokenizer import IncrementalDetokenizer
+from spindle.frontend.tokenizer import Tokenizer
 
-pytest_plugins = ["tests.fixtures_tokenizer"]
+pytest_plugins = ["fixtures_tokenizer"]
 
 PROMPT = "Question: say something.\nAnswer:"
 TEXTS = [

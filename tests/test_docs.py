@@ -56,13 +56,17 @@ def _engine_class(path: str) -> type:
 
 
 ENGINE_PAGES = [
-    ("api.html", "frontend.llm.LLM", ["generate", "chat", "get_tokenizer", "shutdown"]),
+    ("api.html", "spindle.frontend.llm.LLM", ["generate", "chat", "get_tokenizer", "shutdown"]),
     (
         "llm_engine.html",
-        "frontend.llm_engine.LLMEngine",
+        "spindle.frontend.llm_engine.LLMEngine",
         ["from_args", "add_request", "add_chat_request", "abort_request", "step", "has_unfinished_requests"],
     ),
-    ("async_engine.html", "frontend.async_llm_engine.AsyncLLMEngine", ["from_args", "generate", "chat", "abort"]),
+    (
+        "async_engine.html",
+        "spindle.frontend.async_llm_engine.AsyncLLMEngine",
+        ["from_args", "generate", "chat", "abort"],
+    ),
 ]
 
 
@@ -203,12 +207,12 @@ def test_examples_run(example, expected, tiny_llm_dir, monkeypatch):
     The examples build their engines with the embedded SmolLM2, which costs ~25 s to load and generate per example
     on a 2-core machine; only the model's default changes here (for a backend child process too, through its config).
     """
-    from backend.config import EngineConfig
+    from spindle.shared.config import EngineConfig
 
     def tiny_config(model: str | None = None, **kwargs: object) -> EngineConfig:
         return EngineConfig(model=model or str(tiny_llm_dir), **kwargs)
 
-    for module in ("frontend.llm", "frontend.llm_engine", "frontend.async_llm_engine"):
+    for module in ("spindle.frontend.llm", "spindle.frontend.llm_engine", "spindle.frontend.async_llm_engine"):
         monkeypatch.setattr(f"{module}.EngineConfig", tiny_config)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -229,8 +233,8 @@ def test_kubernetes_manifest_matches_the_code():
     """Every variable is a flag of its container's command, the socket is shared, the probes hit the served port."""
     import argparse
 
-    from backend.config import add_backend_args, add_engine_args
-    from frontend.grpc_server import add_server_args
+    from spindle.frontend.grpc_server import add_server_args
+    from spindle.shared.config import add_backend_args, add_engine_args
 
     containers = _pod_containers()
     parsers = {"backend": (add_backend_args,), "frontend": (add_engine_args, add_server_args)}

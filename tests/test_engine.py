@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from frontend import LLM, LLMEngine
-from shared import SamplingParams
+from spindle import LLM, LLMEngine, SamplingParams
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 5, 15, 16, 17, 33, 48, 70, 101]

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -16,14 +17,13 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from backend.config import EngineConfig
-from frontend import LLM
-from frontend.async_llm_engine import AsyncLLMEngine
-from frontend.core_client import start_backend
-from frontend.grpc_client import SpindleClient
-from frontend.grpc_server import GrpcServer, ServerConfig
-from frontend.protos import generate as protos_generate
-from frontend.protos.spindle.v1 import spindle_pb2
+from spindle import LLM
+from spindle.client import SpindleClient
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.core_client import start_backend
+from spindle.frontend.grpc_server import GrpcServer, ServerConfig
+from spindle.shared.config import EngineConfig
+from spindle.v1 import spindle_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
@@ -121,7 +121,7 @@ PROMPTS = ["hello world", "The quick brown fox", "a"]
     ids=["greedy", "n3-seeded", "logprobs"],
 )
 def test_streams_equal_llm_generate(client, tiny_llm_dir, params):
-    from shared import SamplingParams
+    from spindle import SamplingParams
 
     llm = LLM(**vars(tiny_config(tiny_llm_dir)))
     expected = llm.generate(PROMPTS, SamplingParams(**params), use_tqdm=False)
@@ -323,7 +323,7 @@ def test_grpcurl_lists_describes_and_streams_without_proto_files(server):
 
 
 async def reference_completion(engine: AsyncLLMEngine, prompt: str, max_tokens: int):
-    from shared import SamplingParams
+    from spindle import SamplingParams
 
     final = None
     async for output in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)):
@@ -332,8 +332,9 @@ async def reference_completion(engine: AsyncLLMEngine, prompt: str, max_tokens: 
 
 
 def test_committed_stubs_are_fresh(tmp_path):
-    for path in protos_generate.generate(tmp_path):
-        committed = protos_generate.OUT_DIR / path.relative_to(tmp_path)
+    generate = runpy.run_path(str(REPO / "protos" / "generate.py"))
+    for path in generate["generate"](tmp_path):
+        committed = generate["OUT_ROOT"] / path.relative_to(tmp_path)
         assert committed.read_text() == path.read_text(), f"{committed} is stale: run `make protos`"
 
 

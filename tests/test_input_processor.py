@@ -2,11 +2,11 @@ import re
 
 import pytest
 
-from frontend.input_processor import InputProcessor, ProcessedPrompt
-from frontend.tokenizer import Tokenizer
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.tokenizer import Tokenizer
 
-pytest_plugins = ["tests.fixtures_tokenizer"]
+pytest_plugins = ["fixtures_tokenizer"]
 
 MAX_MODEL_LEN = 16
 TEXT = "Hello there, 😀 你好!"

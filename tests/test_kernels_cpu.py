@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels import (
+from spindle.kernels import (
     AttentionMetadata,
     build_cos_sin_cache,
     paged_attention,

@@ -1,7 +1,7 @@
 """The Triton kernels against their torch references (the CPU serving path), on the GPU or under the interpreter.
 
 Without CUDA, ``TRITON_INTERPRET=1`` is set before Triton is first imported and the kernels run on CPU tensors
-through :func:`kernels.force_triton`; with CUDA they run compiled, on CUDA tensors, against the same references.
+through :func:`spindle.kernels.force_triton`; with CUDA they run compiled, on CUDA tensors, against the same references.
 
 Tolerances, against the reference on the same inputs: float32 ``1e-5`` (summation order and fused multiply-adds
 differ); bfloat16 and float16 two units in the last place (``2 * 2**-7`` and ``2 * 2**-10`` relative). Those cover
@@ -23,15 +23,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("without CUDA these tests need TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
 
-import kernels  # noqa: E402
-import kernels.triton  # noqa: E402
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine_core import EngineCore  # noqa: E402
-from backend.model_runner import DecodeGraphs  # noqa: E402
-from kernels import AttentionMetadata, activation, attention, build_cos_sin_cache, norm, rotary  # noqa: E402
-from kernels.triton import decode_attention, prefill_attention  # noqa: E402
-from shared import SamplingParams, TokenLogprobs  # noqa: E402
-from shared.protocol import EngineRequest  # noqa: E402
+import spindle.kernels  # noqa: E402
+import spindle.kernels.triton  # noqa: E402
+from spindle.backend.engine_core import EngineCore  # noqa: E402
+from spindle.backend.model_runner import DecodeGraphs  # noqa: E402
+from spindle.kernels import AttentionMetadata, activation, attention, build_cos_sin_cache, norm, rotary  # noqa: E402
+from spindle.kernels.triton import decode_attention, prefill_attention  # noqa: E402
+from spindle.shared import SamplingParams, TokenLogprobs  # noqa: E402
+from spindle.shared.config import EngineConfig  # noqa: E402
+from spindle.shared.protocol import EngineRequest  # noqa: E402
 
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 72
@@ -55,7 +55,7 @@ BATCHES = {
 @pytest.fixture(autouse=True)
 def _triton_on_cpu() -> Iterator[None]:
     """Send the dispatched kernels to Triton even on CPU tensors (CUDA tensors go there anyway)."""
-    with kernels.force_triton():
+    with spindle.kernels.force_triton():
         yield
 
 
@@ -95,7 +95,7 @@ def reference_attention(
 def test_paged_attention(batch: str, block_size: int, group: int, dtype: torch.dtype) -> None:
     query, k_cache, v_cache, meta = make_batch(BATCHES[batch], block_size, group, 64, dtype, seed=block_size + group)
 
-    out = kernels.paged_attention(query, k_cache, v_cache, meta, 64**-0.5)
+    out = spindle.kernels.paged_attention(query, k_cache, v_cache, meta, 64**-0.5)
 
     assert out.dtype == dtype and out.shape == query.shape
     torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
@@ -106,7 +106,7 @@ def test_paged_attention(batch: str, block_size: int, group: int, dtype: torch.d
 def test_paged_attention_head_sizes(head_size: int, dtype: torch.dtype) -> None:
     query, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 3, head_size, dtype, seed=head_size)
 
-    out = kernels.paged_attention(query, k_cache, v_cache, meta, head_size**-0.5)
+    out = spindle.kernels.paged_attention(query, k_cache, v_cache, meta, head_size**-0.5)
 
     torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
 
@@ -147,7 +147,7 @@ def test_reshape_and_cache_matches_reference_and_skips_negative_slots() -> None:
     expected = caches.clone()
     valid = slots >= 0
 
-    kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    spindle.kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
 
     attention.reshape_and_cache(key[valid], value[valid], expected[0], expected[1], slots[valid])
     assert torch.equal(caches, expected)
@@ -161,7 +161,7 @@ def test_rms_norm(with_residual: bool, dtype: torch.dtype) -> None:
     weight = (torch.rand(96, generator=generator) + 0.5).to(dtype).to(DEVICE)
     args = (x, weight, 1e-5, residual if with_residual else None)
 
-    out, expected = kernels.rms_norm(*args), norm.rms_norm(*args)
+    out, expected = spindle.kernels.rms_norm(*args), norm.rms_norm(*args)
 
     if with_residual:
         torch.testing.assert_close(out[1], expected[1], **TOLERANCES[dtype])
@@ -195,7 +195,7 @@ def test_rotary_embedding(scaling: str, dtype: torch.dtype) -> None:
     query, key = query.view(num_tokens, num_heads, head_size), key.view(num_tokens, NUM_KV_HEADS, head_size)
     cache = build_cos_sin_cache(head_size, 4096, 500000.0, ROPE_SCALINGS[scaling], dtype).to(DEVICE)
 
-    ours = kernels.rotary_embedding(positions, query, key, cache)
+    ours = spindle.kernels.rotary_embedding(positions, query, key, cache)
 
     for got, expected in zip(ours, rotary.rotary_embedding(positions, query, key, cache), strict=True):
         assert got.shape == expected.shape
@@ -206,7 +206,7 @@ def test_rotary_embedding(scaling: str, dtype: torch.dtype) -> None:
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (torch.randn(5, 3, 2 * 1000, generator=torch.Generator().manual_seed(0)) * 4).to(dtype).to(DEVICE)
 
-    out = kernels.silu_and_mul(x)
+    out = spindle.kernels.silu_and_mul(x)
 
     assert out.shape == (5, 3, 1000) and out.dtype == dtype
     torch.testing.assert_close(out, activation.silu_and_mul(x), **TOLERANCES[dtype])
@@ -214,13 +214,13 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
 def test_dispatch_sends_cpu_tensors_to_torch_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(kernels.triton, "silu_and_mul", lambda x: calls.append(x) or x)
+    monkeypatch.setattr(spindle.kernels.triton, "silu_and_mul", lambda x: calls.append(x) or x)
     x = torch.randn(2, 8)
 
-    with kernels.force_triton(False):
-        torch.testing.assert_close(kernels.silu_and_mul(x), activation.silu_and_mul(x))
+    with spindle.kernels.force_triton(False):
+        torch.testing.assert_close(spindle.kernels.silu_and_mul(x), activation.silu_and_mul(x))
     assert calls == []
-    kernels.silu_and_mul(x)
+    spindle.kernels.silu_and_mul(x)
     assert calls == [x]
 
 
@@ -238,7 +238,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 19, 40, 9)]
     batches: list[tuple[int, int]] = []
     replays: list[int] = []
-    triton_attention = kernels.triton.paged_attention
+    triton_attention = spindle.kernels.triton.paged_attention
 
     def recording_attention(
         query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -270,9 +270,9 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
                 outputs[delta.request_id] += delta.new_logprobs
         return outputs
 
-    with kernels.force_triton(False):
+    with spindle.kernels.force_triton(False):
         expected = generate(with_graphs=False)
-    monkeypatch.setattr(kernels.triton, "paged_attention", recording_attention)
+    monkeypatch.setattr(spindle.kernels.triton, "paged_attention", recording_attention)
     got = generate(decode_graphs)
 
     assert any(decodes and prefills for decodes, prefills in batches), "no step mixed decodes and prefill chunks"
@@ -288,7 +288,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
 def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     # The interpreter accepts what the GPU compiler may refuse; this compiles down to a cubin with Triton's ptxas.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    command = [sys.executable, "-m", "kernels.triton.compile_check", "--arch", "90", "--head-size", "80"]
+    command = [sys.executable, "-m", "spindle.kernels.triton.compile_check", "--arch", "90", "--head-size", "80"]
     command += ["--group", "3", "--dtype", "bfloat16", "--dtype", "float32"]
 
     result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True)

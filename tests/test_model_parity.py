@@ -11,9 +11,9 @@ import safetensors.torch
 import torch
 import transformers
 
-from backend.models import LlamaForCausalLM, ModelConfig, load_model, resolve_dtype, resolve_model
-from backend.models.loader import embedded_gguf
-from kernels import AttentionMetadata
+from spindle.backend.models import LlamaForCausalLM, ModelConfig, load_model, resolve_dtype, resolve_model
+from spindle.backend.models.loader import embedded_gguf
+from spindle.kernels import AttentionMetadata
 
 BLOCK_SIZE = 8
 PROMPT_LENS = (13, 21, 6)

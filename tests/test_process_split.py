@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine_process import prepare_address
-from frontend import LLM, LLMEngine
-from frontend.async_llm_engine import AsyncLLMEngine
-from frontend.core_client import BackendConnection, EngineDeadError, start_backend
-from shared import SamplingParams
-from shared.protocol import FRONTEND_TIMEOUT
+from spindle import LLM, LLMEngine, SamplingParams
+from spindle.backend.engine_process import prepare_address
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.core_client import BackendConnection, EngineDeadError, start_backend
+from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import FRONTEND_TIMEOUT
 
 NUM_STREAMS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
@@ -150,7 +149,7 @@ def test_bad_requests_fail_alone(backend):
 
 
 def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
-    monkeypatch.setattr("frontend.core_client.PROTOCOL_VERSION", 999)
+    monkeypatch.setattr("spindle.frontend.core_client.PROTOCOL_VERSION", 999)
     with pytest.raises(RuntimeError, match="protocol version mismatch: the frontend speaks 999"):
         BackendConnection(backend, startup_timeout=10)
 
@@ -186,8 +185,8 @@ def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_di
 
 FRONTEND_SCRIPT = """
 import asyncio, json, sys
-from frontend.async_llm_engine import AsyncLLMEngine
-from shared import SamplingParams
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle import SamplingParams
 
 engine = AsyncLLMEngine.from_args(backend_address=sys.argv[1]) if len(sys.argv) > 1 else AsyncLLMEngine.from_args(
     model={model!r}, dtype="float32", kv_cache_memory="4MiB")
@@ -196,7 +195,8 @@ async def main():
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     async for output in engine.generate("hi", params):
         if len(output.outputs[0].token_ids) == 2:
-            loaded = sorted(m for m in ("torch", "triton", "transformers", "backend.engine_core") if m in sys.modules)
+            heavy = ("torch", "triton", "transformers", "spindle.backend.engine_core")
+            loaded = sorted(m for m in heavy if m in sys.modules)
             child = engine.connection.process.pid if engine.connection.process else None
             print(json.dumps({{"loaded": loaded, "child": child}}), flush=True)
             await asyncio.sleep(3600)

@@ -16,9 +16,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from backend.sampler import Sampler
-from backend.sequence import Sequence
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.backend.sampler import Sampler
+from spindle.backend.sequence import Sequence
 
 VOCAB = 64
 EOS = 5

@@ -1,7 +1,7 @@
-from backend.block_manager import BlockManager
-from backend.scheduler import ScheduledBatch, Scheduler
-from backend.sequence import Sequence, SequenceStatus
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.backend.block_manager import BlockManager
+from spindle.backend.scheduler import ScheduledBatch, Scheduler
+from spindle.backend.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:

@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from shared import SamplingParams
-from shared.protocol import EngineRequest, SequenceDelta
+from spindle import SamplingParams
+from spindle.shared.protocol import EngineRequest, SequenceDelta
 
 BAD_VALUES = [
     ("n", 0),

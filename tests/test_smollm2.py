@@ -5,9 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from backend.models.loader import resolve_model
-from frontend import LLM
-from shared import SamplingParams
+from spindle import LLM, SamplingParams
+from spindle.backend.models.loader import resolve_model
 
 pytestmark = pytest.mark.slow
 

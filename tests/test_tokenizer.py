@@ -9,9 +9,9 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer, GenerationConfig
 
-from frontend.tokenizer import Tokenizer
+from spindle.frontend.tokenizer import Tokenizer
 
-pytest_plugins = ["tests.fixtures_tokenizer"]
+pytest_plugins = ["fixtures_tokenizer"]
 
 TEXTS = [
     "Hello world",

@@ -1,8 +1,8 @@
 """Model definitions, their configuration, and loading from Hugging Face directories or GGUF files."""
 
-from backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from backend.models.llama import KVCache, LlamaForCausalLM
-from backend.models.loader import load_model, resolve_dtype, resolve_model
+from spindle.backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from spindle.backend.models.llama import KVCache, LlamaForCausalLM
+from spindle.backend.models.loader import load_model, resolve_dtype, resolve_model
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

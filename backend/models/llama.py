@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.config import ModelConfig
-from kernels import (
+from spindle.backend.models.config import ModelConfig
+from spindle.kernels import (
     AttentionMetadata,
     build_cos_sin_cache,
     paged_attention,

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from backend.models.llama import LlamaForCausalLM
+from spindle.backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from spindle.backend.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

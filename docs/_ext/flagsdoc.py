@@ -1,9 +1,9 @@
 """``.. engine-flags::`` and ``.. server-flags::``: the tables of ``spindle`` flags and environment variables.
 
 The rows come from the argparse parsers that ``spindle serve`` and ``spindle backend`` build, and each flag's
-meaning from the ``Attributes`` section of :class:`backend.config.EngineConfig` (engine flags) or
-:class:`frontend.grpc_server.ServerConfig` (gRPC server flags), so the tables cannot fall behind the code. Defaults
-are read with no ``SPINDLE_*`` variable set, so the builder's environment does not leak in.
+meaning from the ``Attributes`` section of :class:`spindle.shared.config.EngineConfig` (engine flags) or
+:class:`spindle.frontend.grpc_server.ServerConfig` (gRPC server flags), so the tables cannot fall behind the code.
+Defaults are read with no ``SPINDLE_*`` variable set, so the builder's environment does not leak in.
 """
 
 import argparse
@@ -50,7 +50,7 @@ def _config_rows(cls: type) -> list[tuple[str, str, str, str]]:
 
 def flag_rows() -> list[tuple[str, str, str, str]]:
     """``(flag, environment variable, default, meaning)`` for every engine flag, then the backend-only ones."""
-    from backend.config import EngineConfig, add_backend_args, add_engine_args
+    from spindle.shared.config import EngineConfig, add_backend_args, add_engine_args
 
     engine, backend = _parser(add_engine_args), _parser(add_backend_args)
     rows = _config_rows(EngineConfig)
@@ -68,11 +68,12 @@ def server_flag_rows() -> list[tuple[str, str, str, str]]:
     """``(flag, environment variable, default, meaning)`` for every gRPC server flag of ``spindle serve``.
 
     Raises:
-        AssertionError: :func:`~frontend.grpc_server.add_server_args` adds a flag that ``ServerConfig`` lacks, or
+        AssertionError: :func:`~spindle.frontend.grpc_server.add_server_args` adds a flag that ``ServerConfig``
+            lacks, or
             its default differs from the field's.
 
     """
-    from frontend.grpc_server import ServerConfig, add_server_args
+    from spindle.frontend.grpc_server import ServerConfig, add_server_args
 
     parser = _parser(add_server_args)
     rows = _config_rows(ServerConfig)

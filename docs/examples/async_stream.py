@@ -2,8 +2,8 @@
 
 import asyncio
 
-from frontend.async_llm_engine import AsyncLLMEngine
-from shared import SamplingParams
+from spindle import SamplingParams
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
 
 
 async def stream(engine: AsyncLLMEngine, request_id: str, prompt: str) -> str:

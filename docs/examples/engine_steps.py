@@ -1,7 +1,6 @@
 """``LLMEngine``: add requests, abort one, and step until the rest finish."""
 
-from frontend import LLMEngine
-from shared import SamplingParams
+from spindle import LLMEngine, SamplingParams
 
 engine = LLMEngine.from_args(kv_cache_memory="256MiB")
 greedy = SamplingParams(temperature=0, max_tokens=8)

@@ -1,6 +1,6 @@
 """The Python gRPC client against a running ``spindle serve`` (see the Quickstart); prints what the docs show."""
 
-from frontend.grpc_client import SpindleClient
+from spindle.client import SpindleClient
 
 with SpindleClient("localhost:50051", timeout=60) as client:
     print(client.health())

@@ -1,7 +1,6 @@
 """Offline batch generation with ``LLM``: every ``PromptInputs`` form in one call."""
 
-from frontend import LLM
-from shared import SamplingParams
+from spindle import LLM, SamplingParams
 
 llm = LLM(kv_cache_memory="256MiB")  # the embedded SmolLM2-135M-Instruct
 token_ids = llm.get_tokenizer().encode("The capital of France is")

@@ -4,13 +4,13 @@
 same kernels run on CPU tensors, which is how the test suite proves them without a GPU.
 """
 
-from kernels.triton.activation import silu_and_mul
-from kernels.triton.cache import reshape_and_cache
-from kernels.triton.decode_attention import decode_attention
-from kernels.triton.norm import rms_norm
-from kernels.triton.paged_attention import paged_attention
-from kernels.triton.prefill_attention import prefill_attention
-from kernels.triton.rotary import rotary_embedding
+from spindle.kernels.triton.activation import silu_and_mul
+from spindle.kernels.triton.cache import reshape_and_cache
+from spindle.kernels.triton.decode_attention import decode_attention
+from spindle.kernels.triton.norm import rms_norm
+from spindle.kernels.triton.paged_attention import paged_attention
+from spindle.kernels.triton.prefill_attention import prefill_attention
+from spindle.kernels.triton.rotary import rotary_embedding
 
 __all__ = [
     "decode_attention",

@@ -6,7 +6,7 @@ the real code generator checks), so this pushes each kernel through Triton's com
 shared memory each one needs. Nothing is launched: a stand-in driver names the target and a JIT hook compiles and
 then skips the launch. Run it in a process without ``TRITON_INTERPRET``::
 
-    python -m kernels.triton.compile_check --arch 80 --arch 90
+    python -m spindle.kernels.triton.compile_check --arch 80 --arch 90
 """
 
 import argparse
@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.driver import driver
 
-from kernels.attention import AttentionMetadata
+from spindle.kernels.attention import AttentionMetadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,7 +73,7 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
 
     The tensors are small and on the CPU: after :func:`compile_only` only their dtypes, strides and alignment count.
     """
-    import kernels.triton as tk
+    import spindle.kernels.triton as tk
 
     num_kv_heads, block_size = 2, 16
     meta = AttentionMetadata.from_lists([1, 1, 5], [3, 20, 9], [[0], [1, 2], [3]], block_size)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_tile import attend_tile, check_layout, dot_in_fp32, kv_offsets
+from spindle.kernels.triton.attention_tile import attend_tile, check_layout, dot_in_fp32, kv_offsets
 
 BLOCK_N = 64
 """Keys per tile."""

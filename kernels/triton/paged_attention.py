@@ -2,9 +2,9 @@
 
 import torch
 
-from kernels.attention import AttentionMetadata
-from kernels.triton.decode_attention import decode_attention, num_splits_for
-from kernels.triton.prefill_attention import prefill_attention
+from spindle.kernels.attention import AttentionMetadata
+from spindle.kernels.triton.decode_attention import decode_attention, num_splits_for
+from spindle.kernels.triton.prefill_attention import prefill_attention
 
 
 def paged_attention(

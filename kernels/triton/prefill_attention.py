@@ -4,7 +4,7 @@ Grid ``(num_seqs, num_kv_heads, query tiles)``. A program takes one KV head and 
 together with every query head of that KV head's group: its ``BLOCK_M`` rows are ``BLOCK_M // group`` tokens x
 ``group`` heads, so each K/V tile is loaded once per group (GQA) and the rows fill a ``tl.dot``. A new token at
 absolute position ``p`` attends to positions ``0..p`` of its sequence, all read from the paged cache: the cached
-prefix and the chunk's own K/V, which :func:`~kernels.reshape_and_cache` wrote first. Any mix of query lengths
+prefix and the chunk's own K/V, which :func:`~spindle.kernels.reshape_and_cache` wrote first. Any mix of query lengths
 (1 included) goes in one launch.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_tile import attend_tile, check_layout, dot_in_fp32, kv_offsets
+from spindle.kernels.triton.attention_tile import attend_tile, check_layout, dot_in_fp32, kv_offsets
 
 BLOCK_M = 64
 """Query rows (tokens x heads of a group) per program."""

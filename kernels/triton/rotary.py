@@ -66,7 +66,7 @@ def rotary_embedding(
     """Rotate the query and key heads by their tokens' positions (Triton; same contract as the torch one).
 
     Computed in float32 and rounded once, so in bf16 it is within a rounding step of the torch path, which rounds
-    after every product. Rope scaling lives in ``cos_sin_cache`` (:func:`kernels.build_cos_sin_cache`).
+    after every product. Rope scaling lives in ``cos_sin_cache`` (:func:`spindle.kernels.build_cos_sin_cache`).
 
     Args:
         positions: ``[num_tokens]`` int64, the absolute position of each token.

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.engine_core import EngineCore
-from shared import SamplingParams, TokenLogprobs
-from shared.protocol import EngineRequest
+from spindle.backend.engine_core import EngineCore
+from spindle.shared import SamplingParams, TokenLogprobs
+from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import EngineRequest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -88,8 +88,8 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_prompts() -> list[list[int]]:
-    from backend.models.loader import resolve_model
-    from frontend.tokenizer import Tokenizer
+    from spindle.backend.models.loader import resolve_model
+    from spindle.frontend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(resolve_model(None))
     return [tokenizer.encode(text) for text in CHAT_PROMPTS]

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from frontend.protos.spindle.v1 import spindle_pb2 as spindle_dot_v1_dot_spindle__pb2
+from spindle.v1 import spindle_pb2 as spindle_dot_v1_dot_spindle__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -13,11 +13,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.protos.spindle.v1 import spindle_pb2, spindle_pb2_grpc
+from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 
 def sampling_params(**fields: Any) -> spindle_pb2.SamplingParams:
-    """Build the ``SamplingParams`` message from :class:`shared.SamplingParams` field names; ``None`` leaves unset."""
+    """Build the ``SamplingParams`` message from ``spindle.SamplingParams`` field names; ``None`` leaves unset."""
     fields = {name: value for name, value in fields.items() if value is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]

@@ -1,1 +1,0 @@
-"""Generated code: do not edit; run ``make protos``."""
