@@ -58,6 +58,7 @@ _OPTIONAL_PARAMS = (
     "prompt_logprobs",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "cache_salt",
 )
 _PLAIN_PARAMS = (
     "top_k",

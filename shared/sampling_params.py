@@ -32,6 +32,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         logit_bias: token id to a bias added to its logit before sampling.
         skip_special_tokens: leave special tokens out of the text.
         spaces_between_special_tokens: put spaces around special tokens in the text.
+        cache_salt: isolates the prefix cache: cached KV blocks are shared only between requests with the same
+            salt (give each tenant its own); ``None`` shares with every other unsalted request.
 
     """
 
@@ -55,6 +57,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _check("n", self.n, self.n >= 1, "an integer >= 1")
@@ -69,6 +72,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         _check("stop", self.stop, all(s for s in stops or []), "None, a non-empty string or a list of them")
         self.stop = stops
+        _check(
+            "cache_salt",
+            self.cache_salt,
+            self.cache_salt is None or self.cache_salt != "",
+            "None or a non-empty string",
+        )
         _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids or []), "token ids >= 0")
         _check(
             "max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, "None or an integer >= 1"
