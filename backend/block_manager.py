@@ -1,30 +1,57 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, a free list, reference counts and prefix sharing."""
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from spindle.backend.sequence import Sequence
 
+_UNSALTED_ROOT = hashlib.sha256(b"spindle-kv-unsalted").digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The digest a sequence's first block chains from: one for every unsalted request, one per salt.
+
+    The salt is hashed under its own prefix, so no salt gives the unsalted root and no two salts give the same one.
+    """
+    if cache_salt is None:
+        return _UNSALTED_ROOT
+    return hashlib.sha256(b"spindle-kv-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def block_hash(parent: bytes, token_ids: Iterable[int]) -> bytes:
+    """SHA-256 of the parent block's 32-byte digest followed by the block's token ids as 8-byte integers.
+
+    Both parts have a fixed width, so the encoding is unambiguous, and the chain makes a block's digest stand for
+    its whole prefix (and the salt at its root).
+    """
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
 
 class Block:
-    """One block of ``block_size`` KV slots; ``token_ids`` and ``hash`` are set once it is full."""
+    """One block of ``block_size`` KV slots; ``hash`` (a SHA-256 digest) is set once it is full."""
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.hash: bytes | None = None
 
 
 class BlockManager:
     """Hands out KV cache blocks to sequences and shares full blocks between sequences with the same prefix.
 
-    A full block is keyed by a hash of its tokens chained with its predecessor's hash, so two sequences
-    with the same first ``k * block_size`` tokens (the ``n`` completions of one prompt, or prompts with the
-    same system message) point at the same ``k`` blocks. A block whose reference count drops to zero goes
-    back to the free list but keeps its contents and hash until it is handed out again, so a preempted
-    sequence, or a later prompt with the same prefix, finds it again (least recently freed is reused first).
+    A full block is keyed by the SHA-256 digest of its predecessor's digest and its own tokens
+    (:func:`block_hash`), so two sequences with the same first ``k * block_size`` tokens (the ``n`` completions of
+    one prompt, or prompts with the same system message) point at the same ``k`` blocks. The first block chains
+    from the request's ``cache_salt`` (:func:`root_hash`), so requests with different salts, or a salted and an
+    unsalted one, share no block; unsalted requests share with each other. A cryptographic hash means no prompt can
+    be crafted to collide with another's blocks, to read or poison the K/V cached for someone else's prefix. A
+    block whose reference count drops to zero goes back to the free list but keeps its contents and hash until it
+    is handed out again, so a preempted sequence, or a later prompt with the same prefix, finds it again (least
+    recently freed is reused first).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -33,7 +60,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[bytes, int] = {}  # digest -> block id
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,12 +86,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         hits: list[int] = []
-        parent: int | None = None
+        parent = root_hash(seq.params.cache_salt)
         for start in range(0, len(seq) - self.block_size + 1, self.block_size):
-            tokens = tuple(seq.token_ids[start : start + self.block_size])
-            parent = hash((parent, tokens))
+            parent = block_hash(parent, seq.token_ids[start : start + self.block_size])
             block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
             hits.append(block_id)
         if hits and len(hits) * self.block_size >= len(seq):
@@ -87,7 +113,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash = None
             self._take(block_id)
             seq.block_table.append(block_id)
         if self.enable_prefix_caching:
@@ -111,11 +137,10 @@ class BlockManager:
     def _publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         # Blocks before the computed prefix were published when they filled, so start after them.
         first = seq.num_computed_tokens // self.block_size
-        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
+        parent = self.blocks[seq.block_table[first - 1]].hash if first else root_hash(seq.params.cache_salt)
         for i in range(first, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                block.hash = hash((parent, block.token_ids))
+                block.hash = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash

@@ -7,8 +7,8 @@ from spindle.backend.sequence import Sequence
 BS = 4
 
 
-def make_seq(tokens: list[int]) -> Sequence:
-    return Sequence("r", 0, tokens, SamplingParams(), 0.0)
+def make_seq(tokens: list[int], cache_salt: str | None = None) -> Sequence:
+    return Sequence("r", 0, tokens, SamplingParams(cache_salt=cache_salt), 0.0)
 
 
 def admit(bm: BlockManager, seq: Sequence) -> int:
@@ -83,3 +83,45 @@ def test_prefix_caching_off_shares_nothing():
     admit(bm, make_seq(list(range(12))))
     assert admit(bm, make_seq(list(range(12)))) == 0
     assert bm.num_free_blocks == 10
+
+
+@pytest.mark.parametrize(
+    "first_salt,second_salt,shared",
+    [("a", "b", 0), ("a", "a", 8), ("a", None, 0), (None, "a", 0), (None, None, 8)],
+)
+def test_cache_salt_isolates_the_prefix_cache(first_salt, second_salt, shared):
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    first, second = make_seq(list(range(10)), first_salt), make_seq(list(range(10)), second_salt)
+    admit(bm, first)
+    assert admit(bm, second) == second.num_cached_tokens == shared
+    assert len(set(first.block_table) & set(second.block_table)) == shared // BS
+    bm.free_blocks(first)
+    bm.free_blocks(second)  # freed but still cached: a third request finds only its own salt's blocks
+    assert bm.match_prefix(make_seq(list(range(10)), "c")) == 0
+
+
+BASE = dict(parent_tokens=[1, 2, 3, 4], tokens=[5, 6, 7, 8], cache_salt="s")
+
+
+def second_block_hash(parent_tokens: list[int], tokens: list[int], cache_salt: str | None) -> bytes:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    seq = make_seq(parent_tokens + tokens, cache_salt)
+    admit(bm, seq)
+    return bm.blocks[seq.block_table[1]].hash
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(parent_tokens=[1, 2, 3, 9]),
+        dict(tokens=[5, 6, 7, 9]),
+        dict(tokens=[5, 6, 7, 2**40]),  # ids are 8 bytes each: no truncation to 32 bits
+        dict(cache_salt="t"),
+        dict(cache_salt=None),
+    ],
+    ids=lambda change: ",".join(change),
+)
+def test_a_block_hash_depends_on_its_parent_its_tokens_and_the_salt(change):
+    digest = second_block_hash(**BASE)
+    assert len(digest) == 32 and second_block_hash(**BASE) == digest  # a SHA-256 digest, the same every time
+    assert second_block_hash(**{**BASE, **change}) != digest
