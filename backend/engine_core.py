@@ -10,7 +10,9 @@ from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler import Scheduler
 from spindle.backend.sequence import Sequence
+from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
 
 logger = logging.getLogger(__name__)
@@ -32,9 +34,11 @@ TOKENIZER_FILES = (
 class EngineCore:
     """Scheduler, block manager and model runner behind one ``step()``.
 
-    One step schedules, runs the model over the flat batch, samples, appends the new tokens, ends the sequences
-    that hit eos, a stop token or their length limit, and frees their blocks. It knows token ids only: stop
-    strings are the frontend's business, which ends such a sequence with :meth:`finish_sequence`.
+    One step schedules, has the model runner run the flat batch and sample (it only reads the sequences), then
+    applies the runner's :class:`~spindle.backend.model_runner.RunnerOutput`: it extends the prompt
+    log-probabilities, appends the new tokens, ends the sequences that hit eos, a stop token or their length limit,
+    and frees their blocks. It knows token ids only: stop strings are the frontend's business, which ends such a
+    sequence with :meth:`finish_sequence`.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -67,13 +71,19 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks."""
+        """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks.
+
+        Raises:
+            InvalidRequestError: the request id is in use, or the prompt leaves no room for a completion.
+
+        """
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
         if len(request.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
+                "prompt",
                 f"the prompt has {len(request.prompt_token_ids)} tokens, but max_model_len={self.max_model_len} "
-                "leaves no room for a completion"
+                "leaves no room for a completion",
             )
         seqs = [
             Sequence(request.request_id, i, request.prompt_token_ids, request.params, request.arrival_time)
@@ -88,7 +98,7 @@ class EngineCore:
         for request_id in request_ids:
             for seq in self.requests.pop(request_id, []):
                 if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
+                    self.scheduler.finish(seq, FinishReason.ABORT)
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         """End one completion of a request (the frontend matched a stop string) and free its blocks."""
@@ -96,7 +106,7 @@ class EngineCore:
         if seqs is None:
             return
         if not seqs[index].is_finished:
-            self.scheduler.finish(seqs[index], "stop")
+            self.scheduler.finish(seqs[index], FinishReason.STOP)
         self._forget_if_done(request_id)
 
     def stats(self) -> EngineStats:
@@ -114,7 +124,7 @@ class EngineCore:
         return bool(self.requests)
 
     def step(self) -> list[SequenceDelta]:
-        """Schedule, execute, sample, update; return what changed for each sequence that got a token."""
+        """Schedule, run, sample, apply the runner's output; return what changed for each sequence that got a token."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -122,11 +132,12 @@ class EngineCore:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        sampled, out = self.runner.execute(batch)
+        out = self.runner.execute(batch)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.prompt_logprobs.extend(out.prompt_logprobs.get(seq.seq_id, ()))
             seq.num_computed_tokens += num_new
         deltas = []
-        for seq, token_id, logprobs in zip(sampled, out.token_ids, out.logprobs, strict=True):
+        for seq, token_id, logprobs in zip(out.sampled_seqs, out.token_ids, out.logprobs, strict=True):
             seq.token_ids.append(token_id)
             self._check_stop(seq, token_id)
             first = seq.num_output_tokens == 1
@@ -157,8 +168,8 @@ class EngineCore:
         max_tokens = params.max_tokens or self.max_model_len
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                return self.scheduler.finish(seq, "stop")
+                return self.scheduler.finish(seq, FinishReason.STOP)
             if params.stop_token_ids and token_id in params.stop_token_ids:
-                return self.scheduler.finish(seq, "stop", token_id)
+                return self.scheduler.finish(seq, FinishReason.STOP, token_id)
         if seq.num_output_tokens >= max_tokens or len(seq) >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self.scheduler.finish(seq, FinishReason.LENGTH)

@@ -21,7 +21,9 @@ import msgspec
 import zmq
 
 from spindle.backend.engine_core import EngineCore
+from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args
+from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
     HEARTBEAT_INTERVAL,
@@ -71,11 +73,23 @@ def prepare_address(address: str) -> str:
     raise ValueError(f"{address!r} is not a ZeroMQ address: use ipc:///path/engine.sock or tcp://127.0.0.1:PORT")
 
 
+def remove_socket_dir(address: str) -> None:
+    """Remove an ipc socket's directory if it is empty (``--remove-socket-dir``: the frontend made it for us).
+
+    A directory that still holds anything, such as another backend's socket, is left alone.
+    """
+    if address.startswith("ipc://"):
+        try:
+            Path(address.removeprefix("ipc://")).parent.rmdir()
+        except OSError:
+            pass
+
+
 class EngineProcess:
     """Runs :class:`EngineCore` for the frontends connected to ``address`` until SIGTERM or SIGINT.
 
     On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds,
-    aborts what is left (the frontends see ``finish_reason="abort"``) and returns.
+    aborts what is left (the frontends see ``FinishReason.ABORT``) and returns.
     """
 
     def __init__(self, config: EngineConfig, address: str, grace_period: float = 30.0) -> None:
@@ -90,6 +104,7 @@ class EngineProcess:
         self.stop_io = False
         self.io_ready = threading.Event()
         self.io_thread = threading.Thread(target=self._io_loop, name="spindle-io", daemon=True)
+        self.socket_file: tuple[Path, tuple[int, int]] | None = None  # an ipc socket we bound, (device, inode)
 
     def run(self) -> None:
         """The busy loop: drain inputs, step, hand outputs to the I/O thread; returns once drained after SIGTERM."""
@@ -118,6 +133,18 @@ class EngineProcess:
             self.stop_io = True
             self.io_thread.join(timeout=2)
             self.context.term()
+            self._unlink_socket_file()
+
+    def _unlink_socket_file(self) -> None:
+        """Remove the ipc socket file this process bound (ZeroMQ leaves it), unless another bind replaced it since."""
+        if self.socket_file is not None:
+            path, identity = self.socket_file
+            try:
+                status = path.stat()
+                if (status.st_dev, status.st_ino) == identity:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
 
     def drain(self, *_: object) -> None:
         """Start the graceful shutdown (the SIGTERM handler)."""
@@ -140,13 +167,12 @@ class EngineProcess:
     def _handle(self, identity: bytes, message: object) -> None:
         match message:
             case AddRequest(request=request):
-                if self.draining_since is not None:
-                    self.outputs.put((identity, RequestError(request.request_id, "the engine is shutting down")))
-                    return
                 try:
+                    if self.draining_since is not None:
+                        raise EngineUnavailableError("the engine is shutting down: retry on another replica")
                     self.core.add_request(request)
-                except ValueError as e:
-                    self.outputs.put((identity, RequestError(request.request_id, str(e))))
+                except RequestRefusedError as error:
+                    self.outputs.put((identity, RequestError.from_exception(request.request_id, error)))
                     return
                 self.owners[request.request_id] = identity
             case Abort(request_ids=request_ids):
@@ -184,7 +210,7 @@ class EngineProcess:
     def _abort_all(self, wake: zmq.Socket) -> None:
         """Abort what is still in flight, telling each owner, before the process exits."""
         deltas = [
-            SequenceDelta(seq.request_id, seq.index, [], finish_reason="abort")
+            SequenceDelta(seq.request_id, seq.index, [], finish_reason=FinishReason.ABORT)
             for seqs in self.core.requests.values()
             for seq in seqs
             if not seq.is_finished
@@ -204,6 +230,10 @@ class EngineProcess:
         router.setsockopt(zmq.SNDHWM, 0)  # never drop outputs for a slow frontend: zmq buffers them
         router.setsockopt(zmq.RCVHWM, 0)
         router.bind(self.address)
+        path = Path(self.address.removeprefix("ipc://"))
+        if self.address.startswith("ipc://") and path.is_socket():  # not an abstract (ipc://@name) socket
+            status = path.stat()
+            self.socket_file = path, (status.st_dev, status.st_ino)
         wake = self.context.socket(zmq.PULL)
         wake.bind(_WAKE_ADDRESS)
         poller = zmq.Poller()
@@ -284,10 +314,14 @@ def run_backend(args: argparse.Namespace) -> int:
     """Run the backend process until SIGTERM (graceful) or SIGINT; returns the exit code."""
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
-    process = EngineProcess(config_from_args(args), args.listen, args.grace_period)
-    signal.signal(signal.SIGTERM, process.drain)
-    signal.signal(signal.SIGINT, process.drain)
-    process.run()
+    try:
+        process = EngineProcess(config_from_args(args), args.listen, args.grace_period)
+        signal.signal(signal.SIGTERM, process.drain)
+        signal.signal(signal.SIGINT, process.drain)
+        process.run()
+    finally:
+        if args.remove_socket_dir:
+            remove_socket_dir(args.listen)
     logger.info("Engine stopped")
     return 0
 

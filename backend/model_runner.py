@@ -3,6 +3,7 @@
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
 from pathlib import Path
@@ -11,10 +12,11 @@ import torch
 
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import load_model, resolve_dtype
-from spindle.backend.sampler import Sampler, SamplerOutput
+from spindle.backend.sampler import Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
 from spindle.kernels import AttentionMetadata
+from spindle.shared import TokenLogprobs
 from spindle.shared.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,30 @@ class DecodeGraphs:
 def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> torch.Tensor:
     graph.replay()
     return output
+
+
+@dataclass
+class RunnerOutput:
+    """What one :meth:`ModelRunner.execute` computed, for :class:`~spindle.backend.engine_core.EngineCore` to apply.
+
+    The runner only reads the sequences; the engine core appends the sampled tokens, extends the prompt
+    log-probabilities and checks the stop conditions.
+
+    Attributes:
+        sampled_seqs: the sequences whose known tokens are all computed after this step, each of which sampled one
+            token.
+        token_ids: the token sampled for each of ``sampled_seqs``, row for row.
+        logprobs: per row, the log-probabilities the sequence asked for (``params.logprobs``), else ``None``.
+        prompt_logprobs: by ``seq_id``, the prompt log-probabilities of the positions computed this step that the
+            sequence does not have yet, in order: they extend ``seq.prompt_logprobs``. Only sequences that asked for
+            them and got new positions appear.
+
+    """
+
+    sampled_seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -244,11 +270,13 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput]:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run one step: forward over the batch, then sample for every sequence whose known tokens are all computed.
 
-        Prompt log-probabilities, when asked, are appended to ``seq.prompt_logprobs`` as their chunk is computed.
-        Returns the sampled sequences and the sampler's output, row for row.
+        Prompt log-probabilities, when asked, are computed for the positions of the chunk just run. Nothing in the
+        sequences changes (their ``num_computed_tokens`` is still the one before this step); the returned
+        :class:`RunnerOutput` holds the sampled tokens and the new prompt log-probabilities for the engine core to
+        apply.
         """
         # Decodes (one query token) go first: the CPU attention path batches them together.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
@@ -277,16 +305,22 @@ class ModelRunner:
                 meta,
                 self.kv_caches,
             )
-        self._record_prompt_logprobs(seqs, query_start_loc, hidden)
+        output = RunnerOutput(prompt_logprobs=self._prompt_logprobs(seqs, query_start_loc, hidden))
         done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end == len(seq)]
-        sampled = [seqs[i] for i in done]
-        if not sampled:
-            return [], SamplerOutput([], [])
+        if not done:
+            return output
+        output.sampled_seqs = [seqs[i] for i in done]
         rows = torch.tensor([query_start_loc[i + 1] - 1 for i in done], device=device)
         logits = self.model.compute_logits(hidden[rows])
-        return sampled, self.sampler(logits, sampled)
+        sampled = self.sampler(logits, output.sampled_seqs)
+        output.token_ids, output.logprobs = sampled.token_ids, sampled.logprobs
+        return output
 
-    def _record_prompt_logprobs(self, seqs: list[Sequence], query_start_loc: list[int], hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(
+        self, seqs: list[Sequence], query_start_loc: list[int], hidden: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs]]:
+        """By ``seq_id``, the prompt log-probabilities of this step's positions that each sequence lacks."""
+        computed: dict[int, list[TokenLogprobs]] = {}
         for i, seq in enumerate(seqs):
             num = seq.params.prompt_logprobs
             # A recomputed (preempted) sequence already has them: positions are recorded in order, once.
@@ -297,4 +331,5 @@ class ModelRunner:
             offset = query_start_loc[i] - seq.num_computed_tokens
             logits = self.model.compute_logits(hidden[offset + start : offset + end])
             targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
-            seq.prompt_logprobs.extend(self.sampler.prompt_logprobs(logits, targets, num))
+            computed[seq.seq_id] = self.sampler.prompt_logprobs(logits, targets, num)
+        return computed

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.sequence import Sequence, SequenceStatus
+from spindle.shared import FinishReason
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Scheduler:
             budget -= num_new
         return batch
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | None = None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End ``seq`` (eos, stop token, length or abort) and free its blocks at once."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)

@@ -5,7 +5,7 @@ from itertools import count
 
 import torch
 
-from spindle.shared import SamplingParams, TokenLogprobs
+from spindle.shared import FinishReason, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -39,7 +39,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         # n > 1 completions of a seeded request must differ, so each gets seed + index.
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)

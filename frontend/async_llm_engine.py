@@ -12,8 +12,9 @@ from spindle.frontend.core_client import BackendConnection, EngineDeadError
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.output_processor import OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.shared import FinishReason, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, Heartbeat, RequestError, StepOutputs
 
 
@@ -87,7 +88,8 @@ class AsyncLLMEngine:
         aborts the request in the backend.
 
         Raises:
-            ValueError: bad inputs or parameters, or a request id already in use; nothing is queued.
+            InvalidRequestError: bad inputs or parameters, or a request id already in use; nothing is queued.
+            EngineUnavailableError: the backend is shutting down and refused the request.
             EngineDeadError: the backend died (before or during the request).
 
         """
@@ -111,13 +113,13 @@ class AsyncLLMEngine:
             yield output
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request: its stream ends with a final output whose unfinished completions say ``"abort"``."""
+        """Abort a request: its stream ends with a final output whose unfinished completions end with ``ABORT``."""
         state = self.output_processor.requests.get(request_id)
         if state is None:
             return
         self._abort(request_id)
         for completion in state.completions:
-            completion.finish_reason = completion.finish_reason or "abort"
+            completion.finish_reason = completion.finish_reason or FinishReason.ABORT
         queue = self.queues.get(request_id)
         if queue is not None:
             queue.put_nowait(state.output())
@@ -142,7 +144,7 @@ class AsyncLLMEngine:
         self._start_output_task()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         state = RequestState(
@@ -207,7 +209,7 @@ class AsyncLLMEngine:
                     self.output_processor.abort_requests([message.request_id])
                     queue = self.queues.get(message.request_id)
                     if queue is not None:
-                        queue.put_nowait(ValueError(message.message))
+                        queue.put_nowait(message.to_exception())
                 self.connection.check_alive()
         except EngineDeadError as dead:
             self._stats_updated.set()  # get_stats() callers see the error through check_alive

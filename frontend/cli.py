@@ -10,13 +10,14 @@ import argparse
 import asyncio
 import os
 
-from spindle.frontend.grpc_server import add_server_args
+from spindle.frontend.grpc_args import add_server_args
 from spindle.shared.config import add_backend_args, add_engine_args, config_from_args
 
 
 def _serve(args: argparse.Namespace) -> int:
     from spindle.frontend.async_llm_engine import AsyncLLMEngine
-    from spindle.frontend.grpc_server import serve, server_config_from_args
+    from spindle.frontend.grpc_args import server_config_from_args
+    from spindle.frontend.grpc_server import serve
 
     server_config = server_config_from_args(args)
     engine = AsyncLLMEngine.from_args(backend_address=args.backend_address, **vars(config_from_args(args)))

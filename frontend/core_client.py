@@ -5,8 +5,10 @@ so silence for ``HEARTBEAT_TIMEOUT`` seconds, or the exit of a backend we starte
 call raises :class:`EngineDeadError` from then on. This module imports no torch.
 """
 
+import atexit
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,16 +47,76 @@ class EngineDeadError(RuntimeError):
     """The backend process exited or stopped answering; requests in flight are lost and new ones fail fast."""
 
 
+class BackendProcess(subprocess.Popen):
+    """A backend child process started by :func:`start_backend`, which cleans up after itself.
+
+    Once it is seen to have exited (:meth:`poll` or :meth:`wait` returns its exit code, whether it stopped or was
+    killed), the temporary socket directory made for it is removed. If this process exits first without stopping
+    it, an ``atexit`` hook does: SIGTERM, SIGKILL after ``EXIT_TIMEOUT`` seconds, then the directory.
+
+    Attributes:
+        socket_dir: the private temporary directory holding its ipc socket, or ``None`` for an address it was given.
+
+    """
+
+    EXIT_TIMEOUT = 5.0
+
+    def __init__(self, args: list[str], socket_dir: str | None = None) -> None:
+        self.socket_dir = socket_dir
+        self._exit_hook_registered = False
+        super().__init__(args)
+        atexit.register(self._stop_at_exit)
+        self._exit_hook_registered = True
+
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while it runs; the first time it is known, the socket directory goes."""
+        returncode = super().poll()
+        if returncode is not None:
+            self._exited()
+        return returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit (``subprocess.TimeoutExpired`` after ``timeout``), then remove the socket directory."""
+        returncode = super().wait(timeout)
+        self._exited()
+        return returncode
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (it drains in-flight requests for its grace period), SIGKILL after ``timeout``; the exit code."""
+        if self.poll() is None:
+            self.terminate()
+            try:
+                return self.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("The backend did not stop within %.0f s: killing it", timeout)
+                self.kill()
+        return self.wait()
+
+    def _stop_at_exit(self) -> None:
+        self._exit_hook_registered = False  # atexit is running it: nothing to unregister
+        self.stop(self.EXIT_TIMEOUT)
+
+    def _exited(self) -> None:
+        if self._exit_hook_registered:
+            self._exit_hook_registered = False
+            atexit.unregister(self._stop_at_exit)  # also drops atexit's reference to this object
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
 def start_backend(
     config: EngineConfig, address: str | None = None, grace_period: float = 30.0
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[BackendProcess, str]:
     """Start ``spindle backend`` as a child that dies with this process; returns it and its address.
 
-    Without an address it listens on an ipc socket in a new private (0700) temporary directory. ``grace_period``
-    is how long it lets in-flight requests finish after SIGTERM.
+    Without an address it listens on an ipc socket in a new private (0700) temporary directory, which goes away
+    with the backend (see :class:`BackendProcess`; the backend removes it too if this process is killed).
+    ``grace_period`` is how long it lets in-flight requests finish after SIGTERM.
     """
+    socket_dir = None
     if address is None:
-        address = f"ipc://{tempfile.mkdtemp(prefix='spindle-')}/engine.sock"
+        socket_dir = tempfile.mkdtemp(prefix="spindle-")
+        address = f"ipc://{socket_dir}/engine.sock"
     argv = [
         sys.executable,
         "-m",
@@ -65,7 +127,14 @@ def start_backend(
         str(os.getpid()),
     ]
     argv += ["--grace-period", str(grace_period)]
-    process = subprocess.Popen([*argv, *config_to_argv(config)])
+    if socket_dir is not None:
+        argv.append("--remove-socket-dir")
+    try:
+        process = BackendProcess([*argv, *config_to_argv(config)], socket_dir)
+    except BaseException:
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+        raise
     return process, address
 
 
@@ -82,7 +151,8 @@ class BackendConnection:
         info: the engine's description from the handshake (model, limits, tokenizer files).
         socket: the DEALER socket (an asyncio socket with ``use_asyncio``).
         sync_socket: a blocking view of the same socket.
-        process: the backend child this connection started, else ``None``.
+        process: the backend child this connection started (stopped, and its socket directory removed, by
+            :meth:`close`), else ``None``.
 
     Raises:
         EngineDeadError: the backend exited or did not answer in time.
@@ -97,7 +167,7 @@ class BackendConnection:
         use_asyncio: bool = False,
         startup_timeout: float = 600.0,
     ) -> None:
-        self.process: subprocess.Popen | None = None
+        self.process: BackendProcess | None = None
         if address is None:
             self.process, address = start_backend(config or EngineConfig())
         self.address = address
@@ -191,14 +261,8 @@ class BackendConnection:
             self._heartbeats.join()
         self.socket.close(linger=0)
         self.context.term()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("The backend did not stop within %.0f s: killing it", timeout)
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            self.process.stop(timeout)
 
 
 class SyncCoreClient:
@@ -227,7 +291,8 @@ class SyncCoreClient:
         """Wait for the backend's next step and return its deltas ([] after a heartbeat with nothing new).
 
         Raises:
-            ValueError: the backend refused a request.
+            InvalidRequestError: the backend refused a request as invalid (a note names the request).
+            EngineUnavailableError: the backend refused a request because it is shutting down.
             EngineDeadError: the backend died.
 
         """
@@ -239,7 +304,9 @@ class SyncCoreClient:
             if isinstance(message, StepOutputs):
                 return message.deltas
             if isinstance(message, RequestError):
-                raise ValueError(f"request {message.request_id!r}: {message.message}")
+                error = message.to_exception()
+                error.add_note(f"(the refused request is {message.request_id!r})")
+                raise error
             return []
 
     def close(self) -> None:

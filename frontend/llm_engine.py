@@ -11,6 +11,7 @@ from spindle.frontend.output_processor import OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import EngineRequest
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ class LLMEngine:
         """Validate and tokenize ``inputs`` and queue the request; returns its id (generated when ``None``).
 
         With ``delta=True`` each output carries only the text and tokens that are new since the previous one.
-        Raises :class:`ValueError` for bad inputs or a request id already in use; nothing is queued then.
+        Raises :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for bad inputs or a request
+        id already in use; nothing is queued then.
         """
         params = params or SamplingParams()
         return self._enqueue(request_id, self.input_processor.process(inputs, params), params, arrival_time, delta)
@@ -113,7 +115,7 @@ class LLMEngine:
     ) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         arrival_time = arrival_time or time.time()
         self.core.add_request(EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time))
         self.output_processor.add_request(

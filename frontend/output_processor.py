@@ -5,7 +5,15 @@ from dataclasses import dataclass, field
 
 from spindle.frontend.detokenizer import IncrementalDetokenizer
 from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+from spindle.shared import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
 from spindle.shared.protocol import SequenceDelta
 
 
@@ -15,7 +23,7 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     text: str = ""
     num_sent_tokens: int = 0
@@ -137,7 +145,7 @@ class OutputProcessor:
                 c.cumulative_logprob += lp.logprobs[0]
             stop_str = c.detokenizer.update(delta.new_token_ids)
             if stop_str is not None:
-                c.finish_reason, c.stop_reason = "stop", stop_str
+                c.finish_reason, c.stop_reason = FinishReason.STOP, stop_str
                 if delta.finish_reason is None:
                     stopped.append((delta.request_id, delta.index))
             elif delta.finish_reason is not None:

@@ -125,3 +125,5 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM before they are aborted",
     )
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    # start_backend made the ipc socket's directory for this backend: remove it (if empty) on exit.
+    parser.add_argument("--remove-socket-dir", action="store_true", help=argparse.SUPPRESS)

@@ -1,6 +1,24 @@
 """What the engines return: one :class:`RequestOutput` per request per step, vLLM-shaped."""
 
+import enum
+
 import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended, as both processes and the wire name it.
+
+    A :class:`str` subclass: a member equals its value (``FinishReason.STOP == "stop"``), prints as it, and msgpack
+    carries the value, so code written against vLLM's string finish reasons keeps working, while a decoder refuses
+    any other string.
+    """
+
+    STOP = "stop"
+    """Eos, a stop token id (``stop_reason`` names it) or a stop string (``stop_reason`` names that)."""
+    LENGTH = "length"
+    """``max_tokens``, or the context reached ``max_model_len``."""
+    ABORT = "abort"
+    """The request was aborted, or the engine shut down before it finished."""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -37,7 +55,8 @@ class CompletionOutput(msgspec.Struct):
         token_ids: generated token ids (cumulative, or the new ones).
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when logprobs were asked.
         logprobs: per generated token, the requested log-probabilities.
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished, else ``None``.
+        finish_reason: a :class:`FinishReason` (equal to ``"stop"``, ``"length"`` or ``"abort"``) once finished, else
+            ``None``.
         stop_reason: the stop string or stop token id that ended it, ``None`` for eos or length.
 
     """
@@ -47,7 +66,7 @@ class CompletionOutput(msgspec.Struct):
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:

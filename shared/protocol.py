@@ -7,12 +7,15 @@ prompt takes ~17 us as a list against ~117 us through a little-endian buffer, an
 way once the ids are back in the Python list the scheduler needs, so raw buffers would not be faster here.
 """
 
+import enum
+
 import msgspec
 
-from spindle.shared.outputs import TokenLogprobs
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
+from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -37,8 +40,9 @@ class EngineRequest(msgspec.Struct):
 class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step did for one completion of a request: its new tokens and, at the end, why it finished.
 
-    ``prompt_logprobs`` comes once, with the first generated token. ``finish_reason`` is ``"stop"`` (eos or a stop
-    token, named by ``stop_reason`` for the latter), ``"length"`` or ``"abort"``.
+    ``prompt_logprobs`` comes once, with the first generated token. ``finish_reason`` is a :class:`FinishReason`:
+    ``STOP`` (eos or a stop token, named by ``stop_reason`` for the latter), ``LENGTH`` or ``ABORT``; it travels as
+    its string value, and any other string fails to decode.
     """
 
     request_id: str
@@ -46,7 +50,7 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
@@ -134,11 +138,40 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     stats: EngineStats
 
 
+class RequestErrorKind(enum.StrEnum):
+    """Which :class:`~spindle.shared.errors.RequestRefusedError` a :class:`RequestError` carries."""
+
+    INVALID = "invalid"
+    """An :class:`~spindle.shared.errors.InvalidRequestError`."""
+    UNAVAILABLE = "unavailable"
+    """An :class:`~spindle.shared.errors.EngineUnavailableError`."""
+
+
 class RequestError(msgspec.Struct, tag="error"):
-    """The engine core refused a request (it is not queued)."""
+    """The engine core refused a request (it is not queued): the exception it raised, rebuilt by the frontend.
+
+    ``kind`` names the exception type, ``reason`` is its message, ``fields`` the fields of an invalid request
+    (its ``field`` first; empty for an unavailable engine).
+    """
 
     request_id: str
-    message: str
+    kind: RequestErrorKind
+    reason: str
+    fields: list[str] = []
+
+    @classmethod
+    def from_exception(cls, request_id: str, error: RequestRefusedError) -> "RequestError":
+        """The message that carries ``error``, the refusal of request ``request_id``, to its frontend."""
+        if isinstance(error, InvalidRequestError):
+            return cls(request_id, RequestErrorKind.INVALID, error.reason, list(error.fields))
+        return cls(request_id, RequestErrorKind.UNAVAILABLE, str(error))
+
+    def to_exception(self) -> RequestRefusedError:
+        """The exception the engine core raised, of the same type, fields and message."""
+        if self.kind is RequestErrorKind.INVALID:
+            field, *also = self.fields or [""]
+            return InvalidRequestError(field, self.reason, also=also)
+        return EngineUnavailableError(self.reason)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -1,14 +1,19 @@
 """Sampling parameters of one request, validated when they are built."""
 
+import math
+
 import msgspec
+
+from spindle.shared.errors import InvalidRequestError
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample the completion(s) of one prompt; the fields mean what they mean in vLLM.
 
-    Every value is checked at construction; a bad one raises :class:`ValueError` naming the field,
-    the value given and the allowed range. The struct is a msgspec struct so that it crosses the
-    frontend/backend socket as msgpack.
+    Every value is checked at construction (every float must be finite); a bad one raises
+    :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for the field
+    ``sampling_params.<name>``, naming the value given and the allowed range. The struct is a msgspec struct so
+    that it crosses the frontend/backend socket as msgpack.
 
     Attributes:
         n: number of completions returned for the prompt.
@@ -60,6 +65,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(name, value, math.isfinite(value), "a finite number")
         _check("n", self.n, self.n >= 1, "an integer >= 1")
         _check("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)")
         _check("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]")
@@ -113,6 +121,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature == 0
 
 
+_FLOAT_FIELDS = tuple(field.name for field in msgspec.structs.fields(SamplingParams) if field.type is float)
+
+
 def _check(field: str, value: object, ok: bool, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field}={value!r} is invalid: it must be {allowed}")
+        raise InvalidRequestError(
+            f"sampling_params.{field}", f"SamplingParams.{field}={value!r} is invalid: it must be {allowed}"
+        )

@@ -233,7 +233,7 @@ def test_kubernetes_manifest_matches_the_code():
     """Every variable is a flag of its container's command, the socket is shared, the probes hit the served port."""
     import argparse
 
-    from spindle.frontend.grpc_server import add_server_args
+    from spindle.frontend.grpc_args import add_server_args
     from spindle.shared.config import add_backend_args, add_engine_args
 
     containers = _pod_containers()

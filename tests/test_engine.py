@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from spindle import LLM, LLMEngine, SamplingParams
+from spindle import LLM, FinishReason, LLMEngine, SamplingParams
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 5, 15, 16, 17, 33, 48, 70, 101]
@@ -99,6 +99,22 @@ def test_n_completions_share_the_prompt_blocks(tiny_llm_dir, prompts):
     assert final.num_cached_tokens == 96
     assert len({tuple(c.token_ids) for c in final.outputs}) == 3  # seed + index: the samples differ
     assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_cache_salt_isolates_the_prefix_cache(tiny_llm_dir):
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")  # block_size 16
+    prompt = {"prompt_token_ids": [random.Random(7).randrange(3, 256) for _ in range(40)]}
+
+    def run(salt: str | None) -> tuple[int, list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=4, cache_salt=salt)
+        output = llm.generate(prompt, params, use_tqdm=False)[0]
+        return output.num_cached_tokens, output.outputs[0].token_ids
+
+    cached, tokens = zip(*(run(salt) for salt in ("a", "a", "b", None, None, "b")), strict=True)
+    assert cached == (0, 32, 0, 0, 32, 32)  # two full blocks shared only under the same salt
+    assert len(set(map(tuple, tokens))) == 1  # the salt changes what is shared, never what is generated
+    core = llm.llm_engine.core
+    assert core.block_manager.num_free_blocks == core.num_blocks
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm_dir, prompts):
@@ -192,6 +208,21 @@ def test_deprecated_keywords_still_work_and_name_the_replacement(tiny_llm, legac
         old = tiny_llm.generate(sampling_params=GREEDY, use_tqdm=False, **legacy)
     new = tiny_llm.generate(inputs, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in old] == [o.outputs[0].token_ids for o in new]
+
+
+def test_finish_reasons_are_finish_reason_members_that_equal_vllm_strings(tiny_llm, prompts, expected):
+    stop_at = expected[3][2]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_at]),
+    ]
+    inputs = [{"prompt_token_ids": prompts[3]}] * 2
+    length, stop = (o.outputs[0] for o in tiny_llm.generate(inputs, params, use_tqdm=False))
+    assert type(length.finish_reason) is FinishReason and length.finish_reason is FinishReason.LENGTH
+    assert type(stop.finish_reason) is FinishReason and stop.finish_reason is FinishReason.STOP
+    # The compatibility promise: vLLM's string finish reasons still compare, format and hash as before.
+    assert length.finish_reason == "length" and f"{stop.finish_reason}" == "stop"
+    assert {"stop": 1}[stop.finish_reason] == 1
 
 
 def test_multi_modal_data_is_refused_by_a_text_only_model(tiny_llm):

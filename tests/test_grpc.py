@@ -13,16 +13,23 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
 from spindle import LLM
 from spindle.client import SpindleClient
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.grpc_server import GrpcServer, ServerConfig
+from spindle.frontend.core_client import EngineDeadError, start_backend
+from spindle.frontend.grpc_args import ServerConfig
+from spindle.frontend.grpc_mapping import sampling_params_from_proto
+from spindle.frontend.grpc_server import GrpcServer
+from spindle.frontend.grpc_servicer import QueueFullError, status_for
+from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.v1 import spindle_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,8 +128,6 @@ PROMPTS = ["hello world", "The quick brown fox", "a"]
     ids=["greedy", "n3-seeded", "logprobs"],
 )
 def test_streams_equal_llm_generate(client, tiny_llm_dir, params):
-    from spindle import SamplingParams
-
     llm = LLM(**vars(tiny_config(tiny_llm_dir)))
     expected = llm.generate(PROMPTS, SamplingParams(**params), use_tqdm=False)
     for prompt, reference in zip(PROMPTS, expected, strict=True):
@@ -147,6 +152,16 @@ def test_streams_equal_llm_generate(client, tiny_llm_dir, params):
             sent = [m for m in messages if m.prompt_logprobs]
             assert len(sent) == 1 and len(sent[0].prompt_logprobs) == len(reference.prompt_token_ids)
             assert [p.tokens[0].token_id for p in sent[0].prompt_logprobs[1:]] == reference.prompt_token_ids[1:]
+
+
+def test_cache_salt_isolates_the_prefix_cache(client):
+    prompt = [3 + (11 * i) % 250 for i in range(40)]  # two full blocks of 16 tokens
+
+    def cached_tokens(salt: str) -> int:
+        _, messages = collect(client.generate(prompt, temperature=0, max_tokens=2, cache_salt=salt))
+        return messages[-1].usage.cached_tokens
+
+    assert [cached_tokens(salt) for salt in ("a", "a", "b")] == [0, 32, 0]
 
 
 def test_chat_tokenize_detokenize_and_info(client, server):
@@ -198,24 +213,123 @@ def violated_fields(error: grpc.RpcError) -> list[str]:
     return fields
 
 
-@pytest.mark.parametrize(
-    "prompt,params,fields,message",
-    [
-        ("hi", {"temperature": -1}, ["sampling_params.temperature"], "temperature=-1"),
-        ("hi", {"top_p": 0}, ["sampling_params.top_p"], "top_p"),
-        ("hi", {"n": 5}, ["sampling_params.n"], "limit of 4"),
-        ("hi", {"max_tokens": 451}, ["sampling_params.max_tokens"], "limit of 450"),
-        ([1, 999], {}, ["prompt"], "outside the vocabulary"),
-        ("", {}, ["prompt"], "empty"),
-        ("x" * 300, {"max_tokens": 300}, ["prompt", "sampling_params.max_tokens"], "has 300 tokens and max_tokens=300"),
-    ],
-    ids=["temperature", "top_p", "n-limit", "max-tokens-limit", "token-id", "empty", "too-long"],
-)
-def test_bad_fields_are_invalid_argument_with_field_violations(client, prompt, params, fields, message):
+def refusal(call) -> grpc.RpcError:
+    """The error that ends ``call()`` (a unary call, or a stream read to its end)."""
     with pytest.raises(grpc.RpcError) as error:
-        list(client.generate(prompt, **params))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in error.value.details() and violated_fields(error.value) == fields
+        list(call())  # a unary call raises before its result would be listed
+    return error.value
+
+
+def assert_invalid(error: grpc.RpcError, fields: list[str], message: str) -> None:
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.details() and violated_fields(error) == fields
+
+
+@pytest.mark.parametrize(
+    "call,fields,message",
+    [
+        (lambda c: c.generate("hi", temperature=-1), ["sampling_params.temperature"], "temperature=-1"),
+        (lambda c: c.generate("hi", temperature=float("inf")), ["sampling_params.temperature"], "finite"),
+        (lambda c: c.generate("hi", top_p=0), ["sampling_params.top_p"], "top_p"),
+        (lambda c: c.generate("hi", logit_bias={300: 1.0}), ["sampling_params.logit_bias"], "outside the vocabulary"),
+        (lambda c: c.generate("hi", n=5), ["sampling_params.n"], "limit of 4"),
+        (lambda c: c.generate("hi", max_tokens=451), ["sampling_params.max_tokens"], "limit of 450"),
+        (lambda c: c.generate([1, 999]), ["prompt.token_ids[1]"], "outside the vocabulary"),
+        (lambda c: c.generate(""), ["prompt"], "empty"),
+        (
+            lambda c: c.generate("x" * 300, max_tokens=300),
+            ["prompt", "sampling_params.max_tokens"],
+            "has 300 tokens and max_tokens=300",
+        ),
+        (lambda c: c.chat([]), ["messages"], "non-empty list"),
+        (lambda c: c.detokenize([5, 256]), ["token_ids"], "outside the vocabulary"),
+    ],
+    ids=[
+        "temperature",
+        "temperature-inf",
+        "top_p",
+        "logit-bias",
+        "n-limit",
+        "max-tokens-limit",
+        "token-id",
+        "empty",
+        "too-long",
+        "no-messages",
+        "detokenize",
+    ],
+)
+def test_bad_fields_are_invalid_argument_with_field_violations(client, call, fields, message):
+    assert_invalid(refusal(lambda: call(client)), fields, message)
+
+
+def test_a_request_id_in_use_is_a_field_violation(client):
+    busy = client.generate("busy", request_id="busy", **LONG)
+    next(busy)
+    try:
+        assert_invalid(refusal(lambda: client.generate("again", request_id="busy")), ["request_id"], "already in use")
+    finally:
+        busy.cancel()
+
+
+@pytest.mark.parametrize(
+    "method,kind",
+    [("/spindle.v1.SpindleService/Generate", "unary_stream"), ("/spindle.v1.SpindleService/Tokenize", "unary_unary")],
+)
+@pytest.mark.parametrize("api_key", [None, "s3cret"])
+def test_a_request_that_does_not_parse_is_invalid_argument(backend, server, method, kind, api_key):
+    garbage = b"\x0a\xff\xff\xff\x0fnot a message"  # field 1, with a length far beyond the message's end
+    target = server if api_key is None else ServerThread(backend, api_key=api_key)
+    try:
+        with target.client(api_key=api_key) as client:
+            call = getattr(client.channel, kind)(method)  # no serializers: the bytes go out as they are
+            error = refusal(lambda: call(garbage, metadata=client.metadata, timeout=30))
+    finally:
+        if target is not server:
+            target.close()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "does not parse as a spindle.v1." in error.details()
+
+
+@pytest.mark.parametrize(
+    "error,code,fields",
+    [
+        (
+            InvalidRequestError("prompt", "too long", also=["sampling_params.max_tokens"]),
+            "INVALID_ARGUMENT",
+            ["prompt", "sampling_params.max_tokens"],
+        ),
+        (EngineUnavailableError("draining"), "UNAVAILABLE", []),
+        (EngineDeadError("gone"), "UNAVAILABLE", []),
+        (QueueFullError("full"), "RESOURCE_EXHAUSTED", []),
+        (KeyError("boom"), "INTERNAL", []),
+    ],
+    ids=["invalid", "unavailable", "dead", "queue-full", "bug"],
+)
+def test_status_for_maps_exception_types_to_codes(error, code, fields):
+    status, message, violations = status_for(error)
+    assert status == getattr(grpc.StatusCode, code) and message
+    assert [v.field for v in violations] == fields and all(v.description == str(error) for v in violations)
+
+
+def test_every_proto_sampling_param_is_a_sampling_params_attribute():
+    # sampling_params_from_proto passes every proto field by its name: a field SamplingParams lacks would fail there.
+    proto_fields = [field.name for field in spindle_pb2.SamplingParams.DESCRIPTOR.fields]
+    assert set(proto_fields) - set(SamplingParams.__struct_fields__) == set()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},  # unset optional fields keep the defaults (temperature 1, max_tokens 16, ...), not zero
+        {"cache_salt": "tenant-a"},
+        {"temperature": 0, "max_tokens": 5, "top_k": 3, "seed": 0},
+        {"stop": ["a", "b"], "stop_token_ids": [7]},
+        {"logit_bias": {3: 2.5}, "skip_special_tokens": False},
+    ],
+    ids=["defaults", "cache-salt", "scalars", "repeated", "map-and-bool"],
+)
+def test_sampling_params_from_proto(fields):
+    assert sampling_params_from_proto(spindle_pb2.SamplingParams(**fields)) == SamplingParams(**fields)
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(client):
@@ -298,6 +412,55 @@ def test_a_full_queue_is_resource_exhausted_and_a_dead_backend_flips_health(tiny
         process.wait(10)
 
 
+SERVICES = [
+    "spindle.v1.SpindleService",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+]
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_as_v1_and_v1alpha(server, version):
+    # The two protos are wire-identical, so v1alpha's message classes speak v1 too; only the method path differs.
+    info = grpc.insecure_channel(server.address).stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    symbols = ["spindle.v1.SpindleService", f"grpc.reflection.{version}.ServerReflection"]
+    requests = [reflection_pb2.ServerReflectionRequest(list_services="")]
+    requests += [reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol) for symbol in symbols]
+    listed, *files = list(info(iter(requests), timeout=30))
+    assert sorted(service.name for service in listed.list_services_response.service) == sorted(SERVICES)
+    for symbol, response in zip(symbols, files, strict=True):
+        assert response.WhichOneof("message_response") == "file_descriptor_response", response
+        descriptor = descriptor_pb2.FileDescriptorProto.FromString(
+            response.file_descriptor_response.file_descriptor_proto[0]
+        )
+        package, service = symbol.rsplit(".", 1)
+        assert descriptor.package == package and service in [s.name for s in descriptor.service]
+
+
+def test_a_draining_backend_makes_new_streams_unavailable(tiny_llm_dir):
+    process, address = start_backend(tiny_config(tiny_llm_dir), grace_period=30)
+    server = ServerThread(address)
+    try:
+        with server.client(timeout=60) as client:
+            running = client.generate("first", **LONG)
+            next(running)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            error = refusal(lambda: client.generate("late"))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "engine is shutting down" in error.details()
+            assert violated_fields(error) == []
+            choices, _ = collect(running)  # the stream in flight still finishes
+            assert choices[0]["finish"] == [(spindle_pb2.FINISH_REASON_LENGTH, None)]
+    finally:
+        server.close()
+        process.wait(30)
+
+
 def grpcurl(*args: str) -> str:
     binary = shutil.which("grpcurl", path=str(REPO / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
     result = subprocess.run([binary, "-plaintext", *args], capture_output=True, text=True, timeout=60)
@@ -307,9 +470,7 @@ def grpcurl(*args: str) -> str:
 
 def test_grpcurl_lists_describes_and_streams_without_proto_files(server):
     services = grpcurl(server.address, "list").split()
-    assert {"spindle.v1.SpindleService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
-        services
-    )
+    assert set(SERVICES) <= set(services)
     assert "rpc Generate ( .spindle.v1.GenerateRequest ) returns ( stream .spindle.v1.GenerateResponse )" in grpcurl(
         server.address, "describe", "spindle.v1.SpindleService"
     )
@@ -323,8 +484,6 @@ def test_grpcurl_lists_describes_and_streams_without_proto_files(server):
 
 
 async def reference_completion(engine: AsyncLLMEngine, prompt: str, max_tokens: int):
-    from spindle import SamplingParams
-
     final = None
     async for output in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)):
         final = output

@@ -5,6 +5,7 @@ import pytest
 from spindle import SamplingParams
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared.errors import InvalidRequestError
 
 pytest_plugins = ["fixtures_tokenizer"]
 
@@ -29,28 +30,39 @@ def test_token_prompts_pass_through_unchanged(processor):
     assert processed == ProcessedPrompt(None, ids)
 
 
+def refused(call, fields: tuple[str, ...], message: str) -> InvalidRequestError:
+    """``call()`` raises an InvalidRequestError (a ValueError) for ``fields``, with ``message`` in its text."""
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
+        call()
+    assert isinstance(error.value, ValueError) and error.value.fields == fields
+    return error.value
+
+
 @pytest.mark.parametrize(
-    "inputs,message",
+    "inputs,field,message",
     [
-        (42, "a prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, not int"),
-        (["a list"], "not list"),
-        ({}, "exactly one of 'prompt' and 'prompt_token_ids', got []"),
-        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt' and 'prompt_token_ids'"),
-        ({"prompt": "a", "max_tokens": 5}, "unknown prompt keys ['max_tokens']: the allowed keys are"),
-        ({"prompt": b"bytes"}, "'prompt' must be a str, not bytes"),
-        ({"prompt_token_ids": "1 2"}, "'prompt_token_ids' must be a list of ints, not str"),
-        ({"prompt_token_ids": [1, 2.0]}, "prompt_token_ids[1] = 2.0 is not an int"),
-        ({"prompt_token_ids": [True]}, "prompt_token_ids[0] = True is not an int"),
-        ({"prompt_token_ids": [5, -1]}, "prompt_token_ids[1] = -1 is outside the vocabulary"),
-        ({"prompt_token_ids": [49152]}, "token ids must be in [0, 49152)"),
-        ("", "the prompt is empty"),
-        ({"prompt_token_ids": []}, "the prompt is empty"),
-        ({"prompt": "hi", "multi_modal_data": {"image": "cat.png"}}, "takes text only: remove 'multi_modal_data'"),
+        (42, "prompt", "a prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, not int"),
+        (["a list"], "prompt", "not list"),
+        ({}, "prompt", "exactly one of 'prompt' and 'prompt_token_ids', got []"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "prompt", "exactly one of 'prompt' and 'prompt_token_ids'"),
+        ({"prompt": "a", "max_tokens": 5}, "prompt", "unknown prompt keys ['max_tokens']: the allowed keys are"),
+        ({"prompt": b"bytes"}, "prompt.text", "'prompt' must be a str, not bytes"),
+        ({"prompt_token_ids": "1 2"}, "prompt.token_ids", "'prompt_token_ids' must be a list of ints, not str"),
+        ({"prompt_token_ids": [1, 2.0]}, "prompt.token_ids[1]", "prompt_token_ids[1] = 2.0 is not an int"),
+        ({"prompt_token_ids": [True]}, "prompt.token_ids[0]", "prompt_token_ids[0] = True is not an int"),
+        ({"prompt_token_ids": [5, -1]}, "prompt.token_ids[1]", "prompt_token_ids[1] = -1 is outside the vocabulary"),
+        ({"prompt_token_ids": [49152]}, "prompt.token_ids[0]", "token ids must be in [0, 49152)"),
+        ("", "prompt", "the prompt is empty"),
+        ({"prompt_token_ids": []}, "prompt", "the prompt is empty"),
+        (
+            {"prompt": "hi", "multi_modal_data": {"image": "cat.png"}},
+            "prompt.multi_modal_data",
+            "takes text only: remove 'multi_modal_data'",
+        ),
     ],
 )
-def test_malformed_prompts_are_refused(processor, inputs, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        processor.process(inputs, SamplingParams())
+def test_malformed_prompts_are_refused(processor, inputs, field, message):
+    refused(lambda: processor.process(inputs, SamplingParams()), (field,), message)
 
 
 def test_a_multimodal_model_keeps_the_data(tokenizer):
@@ -61,37 +73,39 @@ def test_a_multimodal_model_keeps_the_data(tokenizer):
 
 
 @pytest.mark.parametrize(
-    "num_prompt_tokens,max_tokens,message",
+    "num_prompt_tokens,max_tokens,fields,message",
     [
-        (10, 6, None),
+        (10, 6, (), None),
         (
             10,
             7,
+            ("prompt", "sampling_params.max_tokens"),
             "the prompt has 10 tokens and max_tokens=7, together 17, more than max_model_len=16: shorten the "
             "prompt or lower max_tokens to at most 6",
         ),
         (
             16,
             1,
+            ("prompt", "sampling_params.max_tokens"),
             "the prompt has 16 tokens and max_tokens=1, together 17, more than max_model_len=16: shorten the prompt",
         ),
-        (15, None, None),
+        (15, None, (), None),
         (
             16,
             None,
+            ("prompt",),
             "the prompt has 16 tokens, which leaves no room to generate in the model's context of "
             "max_model_len=16 tokens: shorten the prompt",
         ),
     ],
 )
-def test_prompt_and_max_tokens_must_fit_the_context(processor, num_prompt_tokens, max_tokens, message):
+def test_prompt_and_max_tokens_must_fit_the_context(processor, num_prompt_tokens, max_tokens, fields, message):
     inputs = {"prompt_token_ids": [7] * num_prompt_tokens}
     params = SamplingParams(max_tokens=max_tokens)
     if message is None:
         assert len(processor.process(inputs, params).prompt_token_ids) == num_prompt_tokens
     else:
-        with pytest.raises(ValueError, match=re.escape(message) + "$"):
-            processor.process(inputs, params)
+        assert str(refused(lambda: processor.process(inputs, params), fields, message)) == message
 
 
 def test_the_vocab_size_given_bounds_the_ids(tokenizer):
@@ -122,29 +136,47 @@ def test_chat_prompts_get_no_second_bos(llama_style_tokenizer):
 
 
 @pytest.mark.parametrize(
-    "messages,message",
+    "messages,field,message",
     [
-        ([], "messages must be a non-empty list of {'role': str, 'content': str} dicts"),
-        ("hi", "messages must be a non-empty list"),
-        (["hi"], "messages[0] must be a dict with 'role' and 'content', not 'hi'"),
-        ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1] needs a str 'content', got None"),
-        ([{"role": 3, "content": "a"}], "messages[0] needs a str 'role', got 3"),
-        ([{"role": "user", "content": ["parts"]}], "messages[0] needs a str 'content', got ['parts']"),
+        ([], "messages", "messages must be a non-empty list of {'role': str, 'content': str} dicts"),
+        ("hi", "messages", "messages must be a non-empty list"),
+        (["hi"], "messages[0]", "messages[0] must be a dict with 'role' and 'content', not 'hi'"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user"}],
+            "messages[1].content",
+            "messages[1] needs a str 'content', got None",
+        ),
+        ([{"role": 3, "content": "a"}], "messages[0].role", "messages[0] needs a str 'role', got 3"),
+        (
+            [{"role": "user", "content": ["parts"]}],
+            "messages[0].content",
+            "messages[0] needs a str 'content', got ['parts']",
+        ),
     ],
 )
-def test_malformed_conversations_are_refused(processor, messages, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        processor.process_chat(messages, SamplingParams())
+def test_malformed_conversations_are_refused(processor, messages, field, message):
+    refused(lambda: processor.process_chat(messages, SamplingParams()), (field,), message)
 
 
-def test_chat_without_a_template_is_refused(llama_style_tokenizer):
-    processor = InputProcessor(llama_style_tokenizer, MAX_MODEL_LEN, llama_style_tokenizer.vocab_size)
-    with pytest.raises(ValueError, match="no chat template"):
-        processor.process_chat([{"role": "user", "content": "hi"}], SamplingParams())
+@pytest.mark.parametrize(
+    "template,message",
+    [(None, "no chat template"), ("{{ raise_exception('no system role') }}", "rejected the conversation: no system")],
+    ids=["no-template", "template-refuses"],
+)
+def test_chat_the_template_cannot_render_is_refused(llama_style_tokenizer, template, message):
+    tokenizer = Tokenizer(llama_style_tokenizer.backend, template, llama_style_tokenizer.special_tokens)
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, tokenizer.vocab_size)
+    refused(
+        lambda: processor.process_chat([{"role": "user", "content": "hi"}], SamplingParams()), ("messages",), message
+    )
 
 
 @pytest.mark.parametrize("field,value", [("logit_bias", {100: 1.0}), ("stop_token_ids", [5, 100, 120])])
 def test_sampling_token_ids_must_be_in_the_vocabulary(tokenizer, field, value):
     processor = InputProcessor(tokenizer, MAX_MODEL_LEN, vocab_size=100)
-    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.{field} names token ids")):
-        processor.process({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1, **{field: value}))
+    params = SamplingParams(max_tokens=1, **{field: value})
+    refused(
+        lambda: processor.process({"prompt_token_ids": [1]}, params),
+        (f"sampling_params.{field}",),
+        f"SamplingParams.{field} names token ids",
+    )

@@ -3,20 +3,23 @@
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from spindle import LLM, LLMEngine, SamplingParams
+from spindle import LLM, FinishReason, LLMEngine, SamplingParams
 from spindle.backend.engine_process import prepare_address
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import BackendConnection, EngineDeadError, start_backend
+from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.shared.protocol import FRONTEND_TIMEOUT
 
 NUM_STREAMS = 32
@@ -135,13 +138,21 @@ def test_closing_a_stream_or_matching_a_stop_string_frees_the_backend(backend):
 
 def test_bad_requests_fail_alone(backend):
     async def scenario(engine):
-        with pytest.raises(ValueError, match="outside the vocabulary"):
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
             await anext(engine.generate({"prompt_token_ids": [1, 999]}))
         ok = await collect(engine, prompts_for(1)[0], GREEDY, "dup")
         good = engine.generate(prompts_for(1)[0], LONG, "busy")
         await anext(good)
-        with pytest.raises(ValueError, match="already in use"):
-            await anext(engine.generate(prompts_for(1)[0], GREEDY, "busy"))
+        other = AsyncLLMEngine.from_args(backend_address=backend)
+        try:
+            # The first refusal comes from this frontend, the second from the backend (the id is another
+            # frontend's): both are the same typed error, naming the field.
+            for frontend in (engine, other):
+                with pytest.raises(InvalidRequestError, match="already in use") as refused:
+                    await anext(frontend.generate(prompts_for(1)[0], GREEDY, "busy"))
+                assert refused.value.fields == ("request_id",)
+        finally:
+            other.shutdown()
         await good.aclose()
         return ok
 
@@ -181,6 +192,21 @@ def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_di
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+@pytest.fixture
+def private_tmp(monkeypatch) -> Path:
+    """Point tempfile, here and in child processes, at a new short directory (ipc paths are limited to 107 bytes)."""
+    directory = Path(tempfile.mkdtemp(prefix="spt"))
+    monkeypatch.setenv("TMPDIR", str(directory))
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def socket_dirs(tmp: Path) -> list[Path]:
+    """The socket directories start_backend made under ``tmp``."""
+    return sorted(tmp.glob("spindle-*"))
 
 
 FRONTEND_SCRIPT = """
@@ -226,9 +252,10 @@ def test_the_frontend_process_never_imports_model_code_and_a_lost_frontend_is_cl
     assert time.monotonic() - lost_at < FRONTEND_TIMEOUT + 3
 
 
-def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir):
+def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir, private_tmp):
     process, report = start_frontend(tiny_llm_dir)
     child = report["child"]
+    assert len(socket_dirs(private_tmp)) == 1
     process.kill()
     process.wait()
     deadline = time.monotonic() + 10
@@ -236,6 +263,7 @@ def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir):
         try:
             os.kill(child, 0)
         except ProcessLookupError:
+            assert socket_dirs(private_tmp) == []  # the backend removed the directory its killed frontend made
             return
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
@@ -254,7 +282,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llm_dir, grace_p
         process.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.1)
         if finish_reason == "length":
-            with pytest.raises(ValueError, match="shutting down"):
+            with pytest.raises(EngineUnavailableError, match="shutting down"):
                 await anext(engine.generate("late"))
         finals = []
         for first, stream in zip(firsts, streams, strict=True):
@@ -264,6 +292,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llm_dir, grace_p
 
     finals = run_engine(address, scenario)
     assert [f.finish_reason for f in finals] == [finish_reason] * 4
+    assert all(type(f.finish_reason) is FinishReason for f in finals)  # ABORT here comes over the wire too
     assert all(len(f.token_ids) == 450 for f in finals) == (finish_reason == "length")
     assert process.wait(30) == 0
 
@@ -297,6 +326,25 @@ def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in expected.outputs]
 
 
+def test_finish_reasons_cross_the_split_as_finish_reason_members(backend):
+    async def scenario(engine):
+        prompt = prompts_for(1)[0]
+        tokens = await collect(engine, prompt, GREEDY, "full")
+        stop_at = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, stop_token_ids=[tokens[2]])
+        finals = []
+        for request_id, params in (("length", GREEDY), ("stop", stop_at)):
+            async for output in engine.generate(prompt, params, request_id):
+                final = output
+            finals.append(final.outputs[0])
+        return finals
+
+    length, stop = run_engine(backend, scenario)
+    # The backend decided both; they crossed the socket as strings and decoded as FinishReason members.
+    assert type(length.finish_reason) is FinishReason and length.finish_reason is FinishReason.LENGTH
+    assert type(stop.finish_reason) is FinishReason and stop.finish_reason == "stop"
+    assert stop.stop_reason in (stop.token_ids[-1], None)  # the stop token, or an eos before it
+
+
 def test_one_engine_serves_successive_event_loops(backend):
     engine = AsyncLLMEngine.from_args(backend_address=backend)
     try:
@@ -305,3 +353,70 @@ def test_one_engine_serves_successive_event_loops(backend):
     finally:
         engine.shutdown()
     assert first == second and len(first) == GREEDY.max_tokens
+
+
+ENGINES = {
+    "LLM": lambda config: LLM(multiprocess=True, **vars(config)),
+    "LLMEngine": lambda config: LLMEngine(config, multiprocess=True),
+    "AsyncLLMEngine": lambda config: AsyncLLMEngine.from_args(**vars(config)),
+}
+
+
+def backend_process(engine) -> BackendProcess:
+    engine = getattr(engine, "llm_engine", engine)
+    return engine.connection.process if isinstance(engine, AsyncLLMEngine) else engine.core.connection.process
+
+
+@pytest.mark.parametrize("make_engine", ENGINES.values(), ids=ENGINES.keys())
+def test_stopping_an_engine_removes_its_socket_directory(tiny_llm_dir, private_tmp, make_engine):
+    engine = make_engine(tiny_config(tiny_llm_dir))
+    process = backend_process(engine)
+    assert socket_dirs(private_tmp) == [Path(process.socket_dir)]
+    assert (Path(process.socket_dir) / "engine.sock").is_socket()
+    engine.shutdown()
+    assert process.returncode == 0 and socket_dirs(private_tmp) == []
+
+
+def test_a_killed_backend_leaves_no_socket_directory(tiny_llm_dir, private_tmp):
+    engine = LLMEngine(tiny_config(tiny_llm_dir), multiprocess=True)
+    try:
+        engine.add_request("r", prompts_for(1)[0], LONG)
+        os.kill(backend_process(engine).pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            while True:
+                engine.step()
+        assert socket_dirs(private_tmp) == []  # gone once the exit was seen, before any shutdown
+    finally:
+        engine.shutdown()
+    assert socket_dirs(private_tmp) == []
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import json
+from spindle import LLM, SamplingParams
+
+llm = LLM({model!r}, multiprocess=True, dtype="float32", kv_cache_memory="4MiB")
+llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+process = llm.llm_engine.core.connection.process
+print(json.dumps({{"child": process.pid, "socket_dir": process.socket_dir}}), flush=True)
+"""
+
+
+def test_a_frontend_that_exits_without_shutdown_stops_its_backend_and_removes_the_directory(tiny_llm_dir, private_tmp):
+    script = EXIT_WITHOUT_SHUTDOWN.format(model=str(tiny_llm_dir))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(done.stdout)
+    assert Path(report["socket_dir"]).parent == private_tmp and socket_dirs(private_tmp) == []
+    with pytest.raises(ProcessLookupError):  # stopped and reaped at exit, not left to die with its parent
+        os.kill(report["child"], 0)
+
+
+def test_a_backend_on_a_given_socket_removes_the_socket_file_but_not_the_directory(tiny_llm_dir, private_tmp):
+    run_dir = private_tmp / "run"
+    run_dir.mkdir(mode=0o700)
+    process, address = start_backend(tiny_config(tiny_llm_dir), address=f"ipc://{run_dir}/engine.sock")
+    assert process.socket_dir is None
+    BackendConnection(address).close()  # the handshake: the backend is bound
+    assert [p.name for p in run_dir.iterdir()] == ["engine.sock"]
+    assert process.stop() == 0
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == [] and socket_dirs(private_tmp) == []

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from spindle.frontend.llm import LLM as LLM
     from spindle.frontend.llm_engine import LLMEngine as LLMEngine
     from spindle.shared.config import EngineConfig as EngineConfig
+    from spindle.shared.errors import EngineUnavailableError as EngineUnavailableError
+    from spindle.shared.errors import InvalidRequestError as InvalidRequestError
     from spindle.shared.inputs import (
         PromptInputs as PromptInputs,
     )
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
         TokensPrompt as TokensPrompt,
     )
     from spindle.shared.outputs import CompletionOutput as CompletionOutput
+    from spindle.shared.outputs import FinishReason as FinishReason
     from spindle.shared.outputs import RequestOutput as RequestOutput
     from spindle.shared.sampling_params import SamplingParams as SamplingParams
 
@@ -45,9 +48,12 @@ _PUBLIC = {
     "SamplingParams": "spindle.shared.sampling_params",
     "RequestOutput": "spindle.shared.outputs",
     "CompletionOutput": "spindle.shared.outputs",
+    "FinishReason": "spindle.shared.outputs",
     "PromptInputs": "spindle.shared.inputs",
     "TextPrompt": "spindle.shared.inputs",
     "TokensPrompt": "spindle.shared.inputs",
+    "InvalidRequestError": "spindle.shared.errors",
+    "EngineUnavailableError": "spindle.shared.errors",
     "SpindleClient": "spindle.client",
 }
 

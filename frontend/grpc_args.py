@@ -1,0 +1,64 @@
+"""The gRPC server's settings, :class:`ServerConfig`, and the ``spindle serve`` flags that set them."""
+
+import argparse
+import dataclasses
+import os
+
+from spindle.shared.config import attribute_help
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """How the gRPC server listens and what it accepts.
+
+    Attributes:
+        host: interface to listen on (``0.0.0.0`` in a container).
+        port: TCP port; ``0`` picks a free one (:meth:`GrpcServer.start` returns it).
+        api_key: when set, every call but health checks needs ``authorization: Bearer <api_key>`` metadata.
+        tls_cert: PEM certificate chain file; with ``tls_key``, the server speaks TLS only.
+        tls_key: PEM private key file.
+        max_message_bytes: largest request or response message.
+        max_queued_requests: most requests accepted but not yet streaming (waiting for the backend to schedule
+            them); one more is refused with ``RESOURCE_EXHAUSTED``.
+        max_n: largest ``n`` (completions per request).
+        max_tokens_limit: largest ``max_tokens``; ``0`` allows up to the model's context length.
+        grace_period: seconds that streams in flight may take to finish after SIGTERM.
+
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    api_key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_bytes: int = 4 * 2**20
+    max_queued_requests: int = 256
+    max_n: int = 16
+    max_tokens_limit: int = 0
+    grace_period: float = 30.0
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        for name in ("max_message_bytes", "max_queued_requests", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per :class:`ServerConfig` field, defaulting to ``SPINDLE_<FIELD>`` from the environment."""
+    helps = attribute_help(ServerConfig)
+    for field in dataclasses.fields(ServerConfig):
+        default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
+        kind = {"int": int, "float": float}.get(type(field.default).__name__, str)
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=kind,
+            default=None if default is None else kind(default),
+            help=helps[field.name],
+        )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Build the :class:`ServerConfig` from flags added by :func:`add_server_args`."""
+    return ServerConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerConfig)})

@@ -1,0 +1,139 @@
+"""Between ``spindle.v1`` messages and the engine's types: requests in, ``GenerateResponse`` deltas out.
+
+Nothing here knows the server's limits or status codes; a value the engine cannot take raises
+:class:`~spindle.shared.errors.InvalidRequestError` naming its field, as everywhere else.
+"""
+
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+
+from spindle.shared import CompletionOutput, Logprob, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.errors import InvalidRequestError
+from spindle.v1 import spindle_pb2
+
+FINISH_REASONS = {
+    "stop": spindle_pb2.FINISH_REASON_STOP,
+    "length": spindle_pb2.FINISH_REASON_LENGTH,
+    "abort": spindle_pb2.FINISH_REASON_ABORT,
+}
+"""The engine's finish reasons as the proto enum."""
+
+
+def _proto_value(message: Any, field: FieldDescriptor) -> tuple[bool, Any]:
+    """Whether the field was given, and its value as a Python keyword argument takes it."""
+    value = getattr(message, field.name)
+    if field.has_presence:  # proto3 ``optional``: unset means the SamplingParams default, not zero
+        return message.HasField(field.name), value
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        return True, dict(value) or None
+    if field.is_repeated:
+        return True, list(value) or None
+    return True, value
+
+
+def sampling_params_from_proto(message: spindle_pb2.SamplingParams) -> SamplingParams:
+    """Build (and so validate) :class:`~spindle.shared.SamplingParams` from every field of the proto message.
+
+    The fields are read from the message's descriptor, so a field added to the proto reaches the SamplingParams
+    attribute of the same name (a test checks that each one has one): an ``optional`` field only when it is set
+    (unset keeps the default), an empty repeated field or map as ``None``, any other scalar as it is.
+
+    Raises:
+        InvalidRequestError: a value is out of range (the field is ``sampling_params.<name>``).
+
+    """
+    kwargs = {}
+    for field in message.DESCRIPTOR.fields:
+        given, value = _proto_value(message, field)
+        if given:
+            kwargs[field.name] = value
+    return SamplingParams(**kwargs)
+
+
+def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
+    """The :data:`~spindle.shared.PromptInputs` of a ``Prompt`` message (text or token ids, and any media).
+
+    Raises:
+        InvalidRequestError: neither ``prompt.text`` nor ``prompt.token_ids`` is set.
+
+    """
+    kind = prompt.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("prompt", "the prompt is empty: set prompt.text or prompt.token_ids")
+    inputs: dict[str, Any] = (
+        {"prompt": prompt.text} if kind == "text" else {"prompt_token_ids": list(prompt.token_ids.ids)}
+    )
+    if prompt.multi_modal_data:
+        data: dict[str, list[bytes]] = {}
+        for item in prompt.multi_modal_data:
+            data.setdefault(item.mime_type.split("/")[0], []).append(item.data)
+        inputs["multi_modal_data"] = data
+    return inputs
+
+
+def messages_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, str]]:
+    """A ``ChatRequest``'s conversation as the engine takes it."""
+    return [{"role": message.role, "content": message.content} for message in request.messages]
+
+
+def _position_logprobs(logprobs: dict[int, Logprob] | None) -> spindle_pb2.PositionLogprobs:
+    return spindle_pb2.PositionLogprobs(
+        tokens=[
+            spindle_pb2.TokenLogprob(token_id=token_id, logprob=lp.logprob, rank=lp.rank or 0, text=lp.decoded_token)
+            for token_id, lp in (logprobs or {}).items()
+        ]
+    )
+
+
+def _completion_delta(completion: CompletionOutput, finish_reason: str | None) -> spindle_pb2.CompletionDelta:
+    delta = spindle_pb2.CompletionDelta(
+        index=completion.index,
+        text=completion.text,
+        token_ids=completion.token_ids,
+        logprobs=[_position_logprobs(lp) for lp in completion.logprobs or []],
+        finish_reason=FINISH_REASONS.get(finish_reason, spindle_pb2.FINISH_REASON_UNSPECIFIED),
+    )
+    if completion.cumulative_logprob is not None:
+        delta.cumulative_logprob = completion.cumulative_logprob
+    if finish_reason is not None and isinstance(completion.stop_reason, str):
+        delta.stop_string = completion.stop_reason
+    elif finish_reason is not None and isinstance(completion.stop_reason, int):
+        delta.stop_token_id = completion.stop_reason
+    return delta
+
+
+class ResponseBuilder:
+    """Turns one request's delta-mode ``RequestOutput`` stream into ``GenerateResponse`` messages.
+
+    Each finished completion's end is reported once (finished completions keep appearing in later outputs), the
+    prompt log-probabilities once, and the usage with the last message.
+    """
+
+    def __init__(self) -> None:
+        self.reported_finished: set[int] = set()
+        self.completion_tokens = 0
+        self.sent_prompt_logprobs = False
+
+    def build(self, output: RequestOutput) -> spindle_pb2.GenerateResponse:
+        """The message for one delta-mode output of the request."""
+        response = spindle_pb2.GenerateResponse(request_id=output.request_id, finished=output.finished)
+        for completion in output.outputs:
+            finish = completion.finish_reason if completion.index not in self.reported_finished else None
+            if completion.token_ids or completion.text or finish is not None:
+                response.choices.append(_completion_delta(completion, finish))
+                self.completion_tokens += len(completion.token_ids)
+            if finish is not None:
+                self.reported_finished.add(completion.index)
+        if output.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            response.prompt_logprobs.extend(_position_logprobs(lp) for lp in output.prompt_logprobs)
+            self.sent_prompt_logprobs = True
+        if output.finished:
+            response.usage.CopyFrom(
+                spindle_pb2.Usage(
+                    prompt_tokens=len(output.prompt_token_ids),
+                    completion_tokens=self.completion_tokens,
+                    cached_tokens=output.num_cached_tokens,
+                )
+            )
+        return response

@@ -1,0 +1,298 @@
+"""``spindle.v1.SpindleService`` over an :class:`AsyncLLMEngine`, and the one mapping of exceptions to status codes.
+
+Errors are status codes a caller can act on, chosen by the exception's type in :func:`status_for` and nowhere
+else: ``INVALID_ARGUMENT`` (with a ``google.rpc.BadRequest`` field violation per field at fault) for bad inputs and
+parameters, ``RESOURCE_EXHAUSTED`` when the waiting queue is full, ``UNAVAILABLE`` when the backend is down or the
+server or engine drains, ``INTERNAL`` (logged) for a bug of ours. gRPC itself answers ``RESOURCE_EXHAUSTED`` for a
+message over the size limit, ``CANCELLED`` and ``DEADLINE_EXCEEDED`` (which abort the request in the backend: the
+handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc_server` adds
+``UNAUTHENTICATED`` without the API key and ``INVALID_ARGUMENT`` for a request message that does not parse.
+"""
+
+import asyncio
+import functools
+import importlib.metadata
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.core_client import EngineDeadError
+from spindle.frontend.grpc_args import ServerConfig
+from spindle.frontend.grpc_mapping import (
+    ResponseBuilder,
+    messages_from_proto,
+    prompt_inputs_from_proto,
+    sampling_params_from_proto,
+)
+from spindle.shared import RequestOutput, SamplingParams
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
+from spindle.v1 import spindle_pb2, spindle_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+FieldViolation = error_details_pb2.BadRequest.FieldViolation
+
+
+class QueueFullError(Exception):
+    """The server already holds ``max_queued_requests`` requests that wait for the backend: retry with backoff."""
+
+
+def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolation]]:
+    """The status code, message and field violations that end a call which raised ``error``.
+
+    Args:
+        error: what an RPC method raised.
+
+    Returns:
+        ``INVALID_ARGUMENT`` with one violation per :attr:`~spindle.shared.errors.InvalidRequestError.fields` entry
+        for an :class:`~spindle.shared.errors.InvalidRequestError`; ``UNAVAILABLE`` for an
+        :class:`~spindle.shared.errors.EngineUnavailableError` or an
+        :class:`~spindle.frontend.core_client.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
+        :class:`QueueFullError`; ``INTERNAL`` for anything else, a bug (the caller logs it).
+
+    """
+    if isinstance(error, InvalidRequestError):
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            str(error),
+            [FieldViolation(field=field, description=error.reason) for field in error.fields],
+        )
+    if isinstance(error, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(error), []
+    if isinstance(error, EngineDeadError):
+        message = f"the model backend is down ({error}): retry against another replica, or restart this one"
+        return grpc.StatusCode.UNAVAILABLE, message, []
+    if isinstance(error, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), []
+    message = f"internal error ({type(error).__name__}: {error}): a bug in Spindle, please report it"
+    return grpc.StatusCode.INTERNAL, message, []
+
+
+async def _abort_with(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, violations: Sequence[FieldViolation] = ()
+) -> None:
+    """End the call with ``code`` and ``message``; ``violations`` travel as a ``google.rpc.BadRequest`` detail."""
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message)
+    if violations:
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=violations))
+        status.details.append(detail)
+    await context.abort_with_status(rpc_status.to_status(status))
+
+
+def _ends_with_status(method: Callable) -> Callable:
+    """Turn any exception of an RPC method into the status :func:`status_for` gives it (gRPC would say UNKNOWN)."""
+
+    async def fail(context: grpc.aio.ServicerContext, error: Exception) -> None:
+        code, message, violations = status_for(error)
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("Bug in %s", method.__name__, exc_info=error)
+        await _abort_with(context, code, message, violations)
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self: "SpindleServicer", request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as error:
+                await fail(context, error)
+
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self: "SpindleServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:
+            await fail(context, error)
+
+    return unary
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("spindle-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
+    """Implements ``spindle.v1.SpindleService`` on an :class:`AsyncLLMEngine`.
+
+    Each method raises what goes wrong; :func:`status_for` alone turns it into the call's status.
+
+    Args:
+        engine: the engine, connected to its backend.
+        config: the server's limits.
+
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.started = time.monotonic()
+        self.draining = False
+        self.num_queued = 0
+        self.num_streams = 0
+        self.streams_done = asyncio.Event()
+        self.streams_done.set()
+
+    @_ends_with_status
+    async def Generate(  # noqa: N802 - gRPC method names are CamelCase
+        self, request: spindle_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
+        """Stream the completions of one prompt."""
+
+        def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+            return self.engine.generate(prompt_inputs_from_proto(request.prompt), params, request_id, delta=True)
+
+        async for response in self._stream(request, start):
+            yield response
+
+    @_ends_with_status
+    async def Chat(  # noqa: N802
+        self, request: spindle_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
+        """Stream the model's reply to a conversation."""
+        messages = messages_from_proto(request)
+        add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+
+        def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+            return self.engine.chat(
+                messages, params, request_id, add_generation_prompt=add_generation_prompt, delta=True
+            )
+
+        async for response in self._stream(request, start):
+            yield response
+
+    @_ends_with_status
+    async def Tokenize(  # noqa: N802
+        self, request: spindle_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.TokenizeResponse:
+        """Tokenize text."""
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        token_ids = self.engine.tokenizer.encode(request.text, add_special_tokens=add_special)
+        tokens = self.engine.tokenizer.convert_ids_to_tokens(token_ids)
+        return spindle_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokens)
+
+    @_ends_with_status
+    async def Detokenize(  # noqa: N802
+        self, request: spindle_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.DetokenizeResponse:
+        """Decode token ids."""
+        vocab_size = self.engine.info.vocab_size
+        outside = sorted({t for t in request.token_ids if not 0 <= t < vocab_size})
+        if outside:
+            raise InvalidRequestError(
+                "token_ids", f"token ids {outside} are outside the vocabulary: token ids must be in [0, {vocab_size})"
+            )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return spindle_pb2.DetokenizeResponse(
+            text=self.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        )
+
+    @_ends_with_status
+    async def Abort(  # noqa: N802
+        self, request: spindle_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.AbortResponse:
+        """Abort a request in flight."""
+        aborted = request.request_id in self.engine.output_processor.requests
+        await self.engine.abort(request.request_id)
+        return spindle_pb2.AbortResponse(aborted=aborted)
+
+    @_ends_with_status
+    async def GetModelInfo(  # noqa: N802
+        self, request: spindle_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.GetModelInfoResponse:
+        """Describe the served model."""
+        info, tokenizer = self.engine.info, self.engine.tokenizer
+        special = [
+            spindle_pb2.SpecialToken(name=name, text=text, token_id=_token_id(tokenizer.backend.token_to_id(text)))
+            for name, text in sorted(tokenizer.special_tokens.items())
+        ]
+        return spindle_pb2.GetModelInfoResponse(
+            model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            special_tokens=special,
+            has_chat_template=tokenizer.has_chat_template,
+        )
+
+    @_ends_with_status
+    async def GetServerInfo(  # noqa: N802
+        self, request: spindle_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.GetServerInfoResponse:
+        """Report version, uptime and load."""
+        stats = await self.engine.get_stats()
+        return spindle_pb2.GetServerInfoResponse(
+            version=_version(),
+            uptime_seconds=time.monotonic() - self.started,
+            num_running_requests=stats.num_running,
+            num_waiting_requests=stats.num_waiting,
+            num_free_kv_blocks=stats.num_free_blocks,
+            num_total_kv_blocks=stats.num_total_blocks,
+            num_preemptions=stats.num_preemptions,
+        )
+
+    def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:
+        """The request's SamplingParams, within this server's ``max_n`` and ``max_tokens_limit``."""
+        if message.HasField("n") and message.n > self.config.max_n:
+            raise InvalidRequestError(
+                "sampling_params.n", f"n={message.n} is above this server's limit of {self.config.max_n}"
+            )
+        limit = self.config.max_tokens_limit
+        if limit and message.HasField("max_tokens") and message.max_tokens > limit:
+            raise InvalidRequestError(
+                "sampling_params.max_tokens", f"max_tokens={message.max_tokens} is above this server's limit of {limit}"
+            )
+        return sampling_params_from_proto(message)
+
+    async def _stream(
+        self,
+        request: spindle_pb2.GenerateRequest | spindle_pb2.ChatRequest,
+        start: Callable[[SamplingParams, str], AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
+        if self.draining:
+            raise EngineUnavailableError("the server is shutting down: retry elsewhere")
+        if self.num_queued >= self.config.max_queued_requests:
+            raise QueueFullError(
+                f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}):"
+                " retry later with backoff"
+            )
+        self.num_queued += 1
+        self.num_streams += 1
+        self.streams_done.clear()
+        queued = True
+        builder = ResponseBuilder()
+        try:
+            params = self._sampling_params(request.sampling_params)
+            async for output in start(params, request.request_id or uuid.uuid4().hex):
+                if queued:
+                    self.num_queued -= 1
+                    queued = False
+                yield builder.build(output)
+        finally:
+            self.num_queued -= queued
+            self.num_streams -= 1
+            if not self.num_streams:
+                self.streams_done.set()
+
+
+def _token_id(token_id: int | None) -> int:
+    return -1 if token_id is None else token_id

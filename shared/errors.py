@@ -1,0 +1,54 @@
+"""Why a request was refused, as types: both processes raise them, the gRPC server maps each to one status code.
+
+A refused request left nothing queued. :class:`InvalidRequestError` is a :class:`ValueError` (the request itself is
+wrong: fix it before sending it again), :class:`EngineUnavailableError` a :class:`RuntimeError` (the request may be
+fine, but this engine takes no new ones: send it to another replica).
+
+Field names follow the gRPC API: an :attr:`InvalidRequestError.field` is the path of the field in a
+``GenerateRequest`` or ``ChatRequest``, with ``[i]`` for an element of a repeated field, as ``google.rpc.BadRequest``
+field violations write it: ``prompt``, ``prompt.text``, ``prompt.token_ids[3]``, ``prompt.multi_modal_data``,
+``messages``, ``messages[0].content``, ``sampling_params.temperature``, ``request_id``. The Python API's arguments
+map to them one to one: ``prompt.text`` is a :class:`~spindle.shared.TextPrompt`'s ``prompt``, ``prompt.token_ids`` a
+:class:`~spindle.shared.TokensPrompt`'s ``prompt_token_ids``, ``sampling_params.X`` is ``SamplingParams.X``.
+"""
+
+from collections.abc import Sequence
+
+
+class RequestRefusedError(Exception):
+    """The engine did not accept a request; nothing of it was queued. The base of the two kinds below."""
+
+
+class InvalidRequestError(RequestRefusedError, ValueError):
+    """A request field has a value the engine cannot take; ``str(error)`` says which, why, and how to fix it.
+
+    Args:
+        field: the field at fault, named as the gRPC API names it (see the module docstring).
+        reason: the human message: the field, the value given and what would be accepted.
+        also: further fields that share the fault (``sampling_params.max_tokens`` next to a ``prompt`` too long
+            for the context with it).
+
+    Attributes:
+        field: the field at fault.
+        reason: the human message (also ``str(error)``).
+        fields: ``field`` followed by ``also``: one ``google.rpc.BadRequest`` field violation each.
+
+    """
+
+    def __init__(self, field: str, reason: str, *, also: Sequence[str] = ()) -> None:
+        super().__init__(reason)
+        self.field = field
+        self.reason = reason
+        self.fields = (field, *also)
+
+    def __reduce__(self) -> tuple:
+        # Exceptions pickle (and copy) by calling the class with ``args``; ours takes more than the message.
+        return _rebuild_invalid, (self.fields, self.reason)
+
+
+def _rebuild_invalid(fields: tuple[str, ...], reason: str) -> InvalidRequestError:
+    return InvalidRequestError(fields[0], reason, also=fields[1:])
+
+
+class EngineUnavailableError(RequestRefusedError, RuntimeError):
+    """The engine is draining or shutting down and takes no new requests: retry them on another replica."""
