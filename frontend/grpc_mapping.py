@@ -8,14 +8,14 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from spindle.shared import CompletionOutput, Logprob, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared import CompletionOutput, FinishReason, Logprob, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.errors import InvalidRequestError
 from spindle.v1 import spindle_pb2
 
-FINISH_REASONS = {
-    "stop": spindle_pb2.FINISH_REASON_STOP,
-    "length": spindle_pb2.FINISH_REASON_LENGTH,
-    "abort": spindle_pb2.FINISH_REASON_ABORT,
+_FINISH_REASONS = {
+    FinishReason.STOP: spindle_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: spindle_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: spindle_pb2.FINISH_REASON_ABORT,
 }
 """The engine's finish reasons as the proto enum."""
 
@@ -86,13 +86,13 @@ def _position_logprobs(logprobs: dict[int, Logprob] | None) -> spindle_pb2.Posit
     )
 
 
-def _completion_delta(completion: CompletionOutput, finish_reason: str | None) -> spindle_pb2.CompletionDelta:
+def _completion_delta(completion: CompletionOutput, finish_reason: FinishReason | None) -> spindle_pb2.CompletionDelta:
     delta = spindle_pb2.CompletionDelta(
         index=completion.index,
         text=completion.text,
         token_ids=completion.token_ids,
         logprobs=[_position_logprobs(lp) for lp in completion.logprobs or []],
-        finish_reason=FINISH_REASONS.get(finish_reason, spindle_pb2.FINISH_REASON_UNSPECIFIED),
+        finish_reason=_FINISH_REASONS.get(finish_reason, spindle_pb2.FINISH_REASON_UNSPECIFIED),
     )
     if completion.cumulative_logprob is not None:
         delta.cumulative_logprob = completion.cumulative_logprob
