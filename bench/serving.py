@@ -107,7 +107,7 @@ def main() -> None:
     backend, address = start_backend(config)
     env = {**os.environ, "SPINDLE_PORT": str(args.port), "SPINDLE_BACKEND_ADDRESS": address}
     server = subprocess.Popen(
-        [sys.executable, "-m", "spindle.frontend.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+        [sys.executable, "-m", "spindle.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     try:
         banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
