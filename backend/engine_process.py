@@ -7,6 +7,7 @@ passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O
 """
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -79,10 +80,8 @@ def remove_socket_dir(address: str) -> None:
     A directory that still holds anything, such as another backend's socket, is left alone.
     """
     if address.startswith("ipc://"):
-        try:
+        with contextlib.suppress(OSError):  # not empty, or already gone
             Path(address.removeprefix("ipc://")).parent.rmdir()
-        except OSError:
-            pass
 
 
 class EngineProcess:
@@ -139,12 +138,10 @@ class EngineProcess:
         """Remove the ipc socket file this process bound (ZeroMQ leaves it), unless another bind replaced it since."""
         if self.socket_file is not None:
             path, identity = self.socket_file
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 status = path.stat()
                 if (status.st_dev, status.st_ino) == identity:
                     path.unlink()
-            except FileNotFoundError:
-                pass
 
     def drain(self, *_: object) -> None:
         """Start the graceful shutdown (the SIGTERM handler)."""
