@@ -9,6 +9,7 @@ This module runs in the frontend process and never imports torch.
 """
 
 import asyncio
+import contextlib
 import hmac
 import inspect
 import logging
@@ -46,11 +47,9 @@ def _add_reflection_v1_to_pool(pool: descriptor_pool.DescriptorPool) -> None:
 
     grpcio-reflection ships only the v1alpha proto; v1 is the same file in another package, so it is built from it.
     """
-    try:
+    with contextlib.suppress(KeyError):  # KeyError: not there yet
         pool.FindServiceByName(REFLECTION_V1)
         return  # already there (a v1 reflection_pb2 module is loaded, or a server started before)
-    except KeyError:
-        pass
     proto = descriptor_pb2.FileDescriptorProto()
     reflection_pb2.DESCRIPTOR.CopyToProto(proto)
     old, new = f".{proto.package}.", f".{REFLECTION_V1.rsplit('.', 1)[0]}."
