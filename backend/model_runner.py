@@ -168,7 +168,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
-        logger.info("Loaded %s (%s) in %.1f s", model_dir, self.dtype, time.perf_counter() - start)
+        packed = self.model.pack_weights()
+        logger.info(
+            "Loaded %s (%s%s) in %.1f s",
+            model_dir,
+            self.dtype,
+            ", projections pre-packed for oneDNN" if packed else "",
+            time.perf_counter() - start,
+        )
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None

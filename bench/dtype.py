@@ -94,7 +94,6 @@ def run_step(
     last: torch.Tensor,
 ) -> torch.Tensor:
     """One engine step: forward, then the logits of each sequence's last token."""
-    meta.workspace.clear()  # a fresh step
     return model.compute_logits(model(input_ids, positions, meta, caches)[last])
 
 

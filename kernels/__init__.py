@@ -13,12 +13,16 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import ParamSpec, TypeVar
 
+import torch
+
 from spindle.kernels import activation, attention, norm, rotary
 from spindle.kernels.attention import AttentionMetadata
 from spindle.kernels.rotary import build_cos_sin_cache
 
 __all__ = [
     "AttentionMetadata",
+    "attend",
+    "attention_metadata",
     "build_cos_sin_cache",
     "force_triton",
     "paged_attention",
@@ -70,3 +74,91 @@ reshape_and_cache = _dispatch(attention.reshape_and_cache)
 rms_norm = _dispatch(norm.rms_norm)
 rotary_embedding = _dispatch(rotary.rotary_embedding)
 silu_and_mul = _dispatch(activation.silu_and_mul)
+
+
+_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Within the block, :func:`attend` reads the step's batch layout from ``meta``.
+
+    The layout reaches the attention this way, not as an argument of every layer, so that a compiled layer sees
+    tensors only: host lists and step-dependent ints among its inputs would make ``torch.compile`` guard on them
+    and recompile for every new batch.
+    """
+    global _metadata
+    previous, _metadata = _metadata, meta
+    try:
+        yield
+    finally:
+        _metadata = previous
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if _metadata is None:
+        raise RuntimeError("attend() runs inside `with attention_metadata(meta):` only")
+    reshape_and_cache(key, value, k_cache, v_cache, _metadata.slot_mapping)
+    return paged_attention(query, k_cache, v_cache, _metadata, scale)
+
+
+@torch.library.custom_op("spindle::attend", mutates_args=("k_cache", "v_cache"))
+def _attend_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return _attend(query, key, value, k_cache, v_cache, scale)
+
+
+@_attend_op.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new tokens' K/V into the cache, then attend every query over its context (the step's whole attention).
+
+    The batch layout is the one set by :func:`attention_metadata`. Under ``torch.compile`` this is one opaque
+    custom op (``spindle::attend``), which the compiler neither traces nor specialises; run eagerly it is a plain
+    call, since a custom op's dispatch costs tens of microseconds per layer.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``.
+        key: ``[num_tokens, num_kv_heads, head_size]``, written to the cache.
+        value: same shape as ``key``, written to the cache.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
+        v_cache: same shape as ``k_cache``.
+        scale: the softmax scale.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]``.
+
+    """
+    if torch.compiler.is_compiling():
+        return _attend_op(query, key, value, k_cache, v_cache, scale)
+    return _attend(query, key, value, k_cache, v_cache, scale)

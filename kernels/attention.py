@@ -6,11 +6,13 @@ a list of blocks (its block table) and the K/V of its token at position ``p`` li
 (one query token each), then the prefill chunks, each of which may continue after a cached prefix.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+
+from spindle.kernels.cpu import cpu_ops
 
 
 @dataclass
@@ -26,8 +28,6 @@ class AttentionMetadata:
         max_seq_len: the largest of ``seq_lens``.
         query_lens_list: host copy of the query lengths, so the CPU path needs no ``.tolist()`` per layer.
         seq_lens_list: host copy of ``seq_lens``.
-        workspace: scratch tensors the kernels build on the first layer and reuse on the others (gather buffers,
-            masks); filled lazily, so build a new metadata object for every step.
 
     """
 
@@ -39,7 +39,6 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_list: list[int]
     seq_lens_list: list[int]
-    workspace: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_lists(
@@ -115,8 +114,8 @@ def paged_attention(
 
     The new tokens' K/V must already be in the cache (:func:`reshape_and_cache`). A query token at absolute position
     ``p`` attends to positions ``0..p`` of its sequence, so a prefill chunk may start after a cached prefix.
-    The decodes are batched over a padded gather that also reads slots past each context (masked out with a zero
-    weight), so every cache slot must hold finite values: allocate the cache with ``torch.zeros``, not ``empty``.
+    The decodes run in one call of the C++ kernel (:mod:`spindle.kernels.cpu`), which reads each context where it
+    lies; each prefill chunk is one SDPA call over its gathered context.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``; ``num_heads`` is a multiple of the cache's ``num_kv_heads``.
@@ -145,38 +144,13 @@ def paged_attention(
 def _decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    num_decodes, num_heads, head_size = query.shape
-    block_size, num_kv_heads = k_cache.shape[1:3]
-    max_len = max(meta.seq_lens_list[:num_decodes])
-    blocks = meta.block_tables[:num_decodes, : -(-max_len // block_size)].flatten()
-    # K/V as [num_decodes, num_kv_heads, max_len, head_size], padded to the longest context. Every layer gathers the
-    # same shape, so one buffer per step serves them all (a fresh multi-MB tensor per layer costs page faults), and
-    # index_select is several times faster than advanced indexing on CPU.
-    key, value = (
-        torch.index_select(cache, 0, blocks, out=_scratch(meta, name, (blocks.numel(), *cache.shape[1:]), cache))
-        .view(num_decodes, -1, num_kv_heads, head_size)[:, :max_len]
-        .transpose(1, 2)
-        for name, cache in (("decode_key", k_cache), ("decode_value", v_cache))
+    # Each context is read in place from the paged cache, no padding to the longest: measured on 2 cores against the
+    # earlier gather + padded SDPA (bf16, SmolLM2's 9/3 heads, ms per layer): 64 contexts of 40-104 tokens 0.58 vs
+    # 1.5-2.6; one 2,000-token context beside 63 of 60 tokens 0.60 vs 60; 256 contexts of 40-300 tokens 3.3 vs 45.
+    num_decodes = meta.num_decodes
+    return cpu_ops().decode_attention(
+        query, k_cache, v_cache, meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes], scale
     )
-    bias = meta.workspace.get("decode_bias")
-    if bias is None or bias.dtype != query.dtype:
-        # Additive mask over the padding past each sequence's length (SDPA on CPU is faster with it than a bool one).
-        padding = torch.arange(max_len, device=query.device) >= meta.seq_lens[:num_decodes, None]
-        bias = torch.zeros(num_decodes, 1, 1, max_len, dtype=query.dtype, device=query.device)
-        bias.masked_fill_(padding.view(num_decodes, 1, 1, max_len), -torch.inf)
-        meta.workspace["decode_bias"] = bias
-    # The query heads sharing one KV head become query rows of that head: GQA without repeating K/V.
-    query = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_size)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
-    return out.view(num_decodes, num_heads, head_size)
-
-
-def _scratch(meta: AttentionMetadata, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Return the step's scratch tensor ``name`` of this shape, dtype and device, allocating it on first use."""
-    buffer = meta.workspace.get(name)
-    if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype or buffer.device != like.device:
-        buffer = meta.workspace[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
-    return buffer
 
 
 def _prefill_attention(

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -14,10 +15,11 @@ from spindle.kernels import (
     rotary_embedding,
     silu_and_mul,
 )
+from spindle.kernels.linear import linear, pack_weight
 
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
-NUM_BLOCKS = 48
+NUM_BLOCKS = 256
 
 # Sequences as (cached tokens, new tokens), in multiples of the block size `b` so that they cross block boundaries.
 BATCHES = {
@@ -25,6 +27,8 @@ BATCHES = {
     "prefills": lambda b: [(0, 5), (0, b), (0, 2 * b + 3)],
     "cached_prefills": lambda b: [(b, 3), (b - 1, b + 2), (2 * b + 1, 2)],
     "mixed": lambda b: [(b + 4, 1), (2 * b - 1, 1), (0, b + 5), (b + 2, 2 * b + 3)],
+    # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
+    "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
 }
 
 # Against a float64 reference on the same inputs. bf16 rounds the output to 8 bits of mantissa (values are O(1)).
@@ -185,3 +189,15 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
     assert out.shape == (5, 3, 48) and out.dtype == dtype
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_linear_equals_plain(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    packed = pack_weight(weight)
+
+    assert torch.equal(linear(x, weight, bias, packed), F.linear(x, weight, bias))
+    assert torch.equal(linear(x, torch.empty(0, dtype=torch.bfloat16), packed=packed), F.linear(x, weight))

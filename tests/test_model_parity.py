@@ -221,3 +221,18 @@ def test_smollm2_matches_transformers_on_the_gguf(
             t for t, keep in zip(tokens[prompt_len:], clear, strict=True) if keep
         ]
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama3_tied"])
+def test_packed_weights_give_the_same_logits(
+    variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
+) -> None:
+    """bf16 projections pre-packed for oneDNN (the CPU serving path) compute exactly what plain F.linear does."""
+    model_dir = make_tiny_model(variant)
+    plain = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    packed = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    assert packed.pack_weights() and not plain.packed
+
+    expected = run_schedule(plain, prompts, SCHEDULES["mixed"])
+    for want, got in zip(expected, run_schedule(packed, prompts, SCHEDULES["mixed"]), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -9,13 +9,14 @@ from torch import nn
 from spindle.backend.models.config import ModelConfig
 from spindle.kernels import (
     AttentionMetadata,
+    attend,
+    attention_metadata,
     build_cos_sin_cache,
-    paged_attention,
-    reshape_and_cache,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
 )
+from spindle.kernels.linear import can_pack, linear, pack_weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_size]``."""
@@ -40,18 +41,18 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size, dtype=dtype) if config.qkv_bias else None
         self.o_proj = _weight(config.hidden_size, self.q_size, dtype=dtype)
+        self.packed: dict[str, torch.Tensor] = {}
 
     def forward(
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        meta: AttentionMetadata,
         kv_cache: KVCache,
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Attend the flat batch ``hidden [T, hidden_size]`` over the cache; returns ``[T, hidden_size]``."""
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rotary_embedding(
             positions,
@@ -59,10 +60,9 @@ class LlamaAttention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             cos_sin_cache,
         )
-        k_cache, v_cache = kv_cache
-        reshape_and_cache(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.view(num_tokens, self.q_size), self.o_proj)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        out = attend(q, k, v, *kv_cache, self.scale)
+        return linear(out.view(num_tokens, self.q_size), self.o_proj, packed=self.packed.get("o_proj"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,13 +76,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.gate_up_proj = _weight(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _weight(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.packed: dict[str, torch.Tensor] = {}
 
     def forward(
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        meta: AttentionMetadata,
         kv_cache: KVCache,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +92,10 @@ class LlamaDecoderLayer(nn.Module):
             hidden = rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin_cache)
+        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
         hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        hidden = F.linear(silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        gate_up = linear(hidden, self.gate_up_proj, packed=self.packed.get("gate_up_proj"))
+        hidden = linear(silu_and_mul(gate_up), self.down_proj, packed=self.packed.get("down_proj"))
         return hidden, residual
 
 
@@ -104,7 +105,8 @@ class LlamaForCausalLM(nn.Module):
     Parameters are created uninitialised on the current default device (build it under ``with torch.device(...)``)
     and filled by :meth:`load_weights`. Their names are the Hugging Face ones, except that each layer's q/k/v
     projections are stacked into ``self_attn.qkv_proj`` (bias ``self_attn.qkv_bias``) and its gate/up projections
-    into ``gate_up_proj``.
+    into ``gate_up_proj``. On the CPU in bf16 the model runner calls :meth:`pack_weights` after loading; every
+    ``packed`` dict then holds the oneDNN copies that the forward uses instead of the plain weights.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -120,6 +122,28 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def pack_weights(self) -> bool:
+        """Pre-pack every projection and the lm head into oneDNN's layout (:func:`~spindle.kernels.linear.pack_weight`).
+
+        Only for bf16 weights on the CPU; returns whether it packed. The plain copies of the projections are
+        released (they would double the weights' memory), so load weights before packing; the embedding table
+        stays, and a tied lm head gets its own packed copy.
+        """
+        if not can_pack(self.embed_tokens):
+            return False
+        projections = [(layer.self_attn, ("qkv_proj", "o_proj")) for layer in self.layers]
+        projections += [(layer, ("gate_up_proj", "down_proj")) for layer in self.layers]
+        for module, names in projections:
+            for name in names:
+                weight = getattr(module, name)
+                module.packed[name] = pack_weight(weight)
+                weight.data = torch.empty(0, dtype=weight.dtype)
+        self.packed["lm_head"] = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
+        if self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        return True
 
     def forward(
         self,
@@ -142,15 +166,16 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, meta, kv_cache, self.cos_sin_cache)
+        with attention_metadata(meta):
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache)
         hidden, _ = rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[N, hidden_size]`` to float32 logits ``[N, vocab_size]``."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head, packed=self.packed.get("lm_head")).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters, stacking q/k/v and gate/up.

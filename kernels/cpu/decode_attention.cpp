@@ -1,0 +1,167 @@
+// Decode attention over the paged KV cache on the CPU: one query token per sequence, every context read in place.
+//
+// Work items are (sequence, partition of PARTITION tokens), spread over OpenMP threads with dynamic
+// scheduling, so a batch of very different context lengths costs the sum of its contexts (no padding to the
+// longest) and one long context still keeps every core busy. Each item computes, for the query heads of its kv
+// head, the partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second
+// pass merges the partitions of each (sequence, query head) with the usual log-sum-exp rescaling.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t PARTITION = 256;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                           torch::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q = query.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t token_stride = num_kv_heads * head_size;  // one cache slot
+  const float fscale = static_cast<float>(scale);
+
+  // Work item i covers sequence item_seq[i], partition item_part[i]; partials go to slot i.
+  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t parts = std::max<int64_t>(1, (lens[s] + PARTITION - 1) / PARTITION);
+    first_item[s + 1] = first_item[s] + parts;
+  }
+  const int64_t num_items = first_item[num_seqs];
+  std::vector<int64_t> item_seq(num_items);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) item_seq[i] = s;
+  // Partials, per (item, query head): max score, sum of exp, and the exp-weighted V sum.
+  std::vector<float> part_max(num_items * num_heads), part_sum(num_items * num_heads);
+  std::vector<float> part_acc(num_items * num_heads * head_size);
+
+#pragma omp parallel
+  {
+    // Per query head: its scaled query, then the partition's scores (exponentiated in place).
+    std::vector<float> qf(num_heads * head_size), row(head_size), scores(num_heads * PARTITION), maxes(num_heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t s = item_seq[item];
+      const int64_t start = (item - first_item[s]) * PARTITION;
+      const int64_t end = std::min<int64_t>(lens[s], start + PARTITION);
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* src = q + s * q_seq_stride + h * q_head_stride;
+        for (int64_t d = 0; d < head_size; ++d) qf[h * head_size + d] = to_float(src[d]) * fscale;
+      }
+      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
+      // A cache slot holds every kv head of a token side by side: read each slot whole, once, for all heads.
+      // Partitions start on block boundaries (PARTITION is a multiple of block_size), so walk whole blocks.
+      for (int64_t t0 = start; t0 < end; t0 += block_size) {
+        const T* kblock = kc + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
+        const int64_t n = std::min(block_size, end - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            load_row(kblock + j * token_stride + kvh * head_size, row.data(), head_size);
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+              float dot = 0.f;
+              const float* qh = qf.data() + h * head_size;
+              for (int64_t d = 0; d < head_size; ++d) dot += qh[d] * row[d];
+              scores[h * PARTITION + t0 + j - start] = dot;
+              maxes[h] = std::max(maxes[h], dot);
+            }
+          }
+        }
+      }
+      float* acc_item = part_acc.data() + item * num_heads * head_size;
+      std::fill_n(acc_item, num_heads * head_size, 0.f);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float total = 0.f;
+        float* sh = scores.data() + h * PARTITION;
+        for (int64_t t = 0; t < end - start; ++t) {
+          sh[t] = std::exp(sh[t] - maxes[h]);
+          total += sh[t];
+        }
+        part_max[item * num_heads + h] = maxes[h];
+        part_sum[item * num_heads + h] = total;
+      }
+      for (int64_t t0 = start; t0 < end; t0 += block_size) {
+        const T* vblock = vc + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
+        const int64_t n = std::min(block_size, end - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            load_row(vblock + j * token_stride + kvh * head_size, row.data(), head_size);
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+              const float p = scores[h * PARTITION + t0 + j - start];
+              float* acc = acc_item + h * head_size;
+              for (int64_t d = 0; d < head_size; ++d) acc[d] += p * row[d];
+            }
+          }
+        }
+      }
+    }
+#pragma omp for collapse(2)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float global_max = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i)
+          global_max = std::max(global_max, part_max[i * num_heads + h]);
+        std::vector<float>& acc = row;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) {
+          const float w = std::exp(part_max[i * num_heads + h] - global_max);
+          total += w * part_sum[i * num_heads + h];
+          const float* pa = part_acc.data() + (i * num_heads + h) * head_size;
+          for (int64_t d = 0; d < head_size; ++d) acc[d] += w * pa[d];
+        }
+        T* dst = out.data_ptr<T>() + (s * num_heads + h) * head_size;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_heads, head_size], last dim dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables: int32, contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: int32, contiguous");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
