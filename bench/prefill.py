@@ -1,0 +1,111 @@
+"""Long-prompt prefill: time to first token of one fresh prompt against transformers' single forward, and what a
+long prefill does to the decode streams running beside it.
+
+Part 1: one prompt of ``--lengths`` tokens (fresh random ids each run, so no prefix-cache hit) through
+``LLM.generate`` with ``max_tokens=1``, against Hugging Face transformers' one bf16 forward over the same ids
+(``logits_to_keep=1``: the last position's logits only, as we compute). Prints tokens per second of each (medians of
+``--repeats``) and the ratio.
+
+Part 2: ``--streams`` greedy decode streams run alone, then beside one ``--beside``-token prompt. Prints their
+median inter-token latency (one engine step yields one token per stream) alone and during the prefill, and the ratio.
+
+    .venv/bin/python -m bench.prefill --lengths 1024 7680
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from spindle import LLM, LLMEngine, SamplingParams
+from spindle.backend.models.loader import resolve_model
+
+DTYPE = "bfloat16"
+
+
+def fresh_ids(length: int, seed: int) -> list[int]:
+    """Random token ids from the ordinary part of the vocabulary, different for every seed."""
+    return torch.randint(1000, 40000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def spindle_prefill(llm: LLM, length: int, repeats: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1)
+    rates = []
+    for seed in range(repeats):
+        ids = fresh_ids(length, seed)
+        start = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+        rates.append(length / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def transformers_prefill(model: torch.nn.Module, length: int, repeats: int) -> float:
+    rates = []
+    with torch.inference_mode():
+        for seed in range(repeats):
+            ids = torch.tensor([fresh_ids(length, seed)])
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            rates.append(length / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> tuple[float, float]:
+    """Median step time of ``streams`` decodes alone, then while a ``beside``-token prompt is prefilled."""
+    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    for i in range(streams):
+        engine.add_request(f"stream-{i}", {"prompt_token_ids": fresh_ids(32, 100 + i)}, params)
+    while any(not o.outputs[0].token_ids for o in engine.step()):
+        pass  # the streams' prefills
+    alone = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        alone.append(time.perf_counter() - start)
+    engine.add_request("long", {"prompt_token_ids": fresh_ids(beside, 999)}, SamplingParams(max_tokens=1))
+    during = []
+    while True:
+        start = time.perf_counter()
+        outputs = engine.step()
+        during.append(time.perf_counter() - start)
+        if any(o.request_id == "long" for o in outputs):
+            break
+    engine.abort_request([f"stream-{i}" for i in range(streams)])
+    return statistics.median(alone), statistics.median(during)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 7680])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--beside", type=int, default=7680)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    args = parser.parse_args()
+    engine_args = {"dtype": DTYPE, "max_model_len": 8192, "kv_cache_memory": "2GiB"}
+    if args.max_num_batched_tokens:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(**engine_args)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=getattr(torch, DTYPE)).eval()
+    spindle_prefill(llm, 256, 1)  # warm-up
+    transformers_prefill(model, 256, 1)
+    print(f"prefill, {DTYPE}, threads={torch.get_num_threads()}, {engine_args}")
+    for length in args.lengths:
+        ours = spindle_prefill(llm, length, args.repeats)
+        theirs = transformers_prefill(model, length, args.repeats)
+        print(
+            f"  {length:5d} tokens  spindle {ours:7.1f} tok/s ({length / ours:5.2f} s to first token)  "
+            f"transformers {theirs:7.1f} tok/s  ratio {ours / theirs:4.2f}x  (medians of {args.repeats})"
+        )
+    del model
+    alone, during = decode_latency(llm.llm_engine, args.streams, args.beside, steps=20)
+    print(
+        f"  {args.streams} decode streams: inter-token latency {alone * 1e3:6.1f} ms alone, {during * 1e3:6.1f} ms "
+        f"beside a {args.beside}-token prefill: {during / alone:4.1f}x (medians)"
+    )
+
+
+if __name__ == "__main__":
+    main()
