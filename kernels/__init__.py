@@ -109,28 +109,9 @@ def _attend(
     return paged_attention(query, k_cache, v_cache, _metadata, scale)
 
 
-@torch.library.custom_op("spindle::attend", mutates_args=("k_cache", "v_cache"))
-def _attend_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return _attend(query, key, value, k_cache, v_cache, scale)
-
-
-@_attend_op.register_fake
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(query)
+_attend_op = torch.library.custom_op("spindle::attend", _attend, mutates_args=("k_cache", "v_cache"))
+# What the compiler needs to know of the op's output: the query's shape and dtype.
+_attend_op.register_fake(lambda query, *_: torch.empty_like(query))
 
 
 def attend(

@@ -8,6 +8,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from spindle.kernels import (
     AttentionMetadata,
+    attend,
+    attention_metadata,
     build_cos_sin_cache,
     paged_attention,
     reshape_and_cache,
@@ -201,3 +203,22 @@ def test_packed_linear_equals_plain(rows: int) -> None:
 
     assert torch.equal(linear(x, weight, bias, packed), F.linear(x, weight, bias))
     assert torch.equal(linear(x, torch.empty(0, dtype=torch.bfloat16), packed=packed), F.linear(x, weight))
+
+
+def test_attend_under_torch_compile_matches_eager() -> None:
+    """A compiled caller (the custom op, fullgraph) gets the same output and cache writes as an eager one."""
+    meta = AttentionMetadata.from_lists([1, 3], [5, 3], [[0], [1]], block_size=16)
+    query, key, value = torch.randn(3, 4, 4, HEAD_SIZE).unbind(0)
+    key, value = key[:, :NUM_KV_HEADS], value[:, :NUM_KV_HEADS]
+    caches = torch.randn(2, 2, 16, NUM_KV_HEADS, HEAD_SIZE)
+
+    def layer(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return attend(query, key, value, k_cache, v_cache, HEAD_SIZE**-0.5) * 2
+
+    eager_caches = caches.clone()
+    with attention_metadata(meta):
+        expected = layer(query, *eager_caches.unbind(0))
+        got = torch.compile(layer, backend="aot_eager", fullgraph=True)(query, *caches.unbind(0))
+
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(caches, eager_caches)
