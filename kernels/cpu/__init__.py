@@ -1,29 +1,70 @@
 """C++ kernels for the CPU path, built on first use with torch's JIT extension builder and cached across runs.
 
-The build takes about 40 s the first time on a 2-core machine; torch keeps the library under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), keyed by the source and flags, so later starts
-load it in milliseconds. It is compiled for the machine it runs on (``-march=native``): that cache is per machine.
+The build takes about 35 s on a 2-core machine. The library is kept as
+``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>.so`` (default ``~/.cache/spindle``, the variable the model
+loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's versions: every
+checkout and virtualenv with the same build shares it, and a changed source builds anew. It is compiled for the
+machine it runs on (``-march=native``), so the cache is per machine.
+
+Each build runs in a private temporary directory and moves the library into place with one atomic rename, so
+processes that build at the same time do not wait on each other, and one killed mid-build leaves nothing behind
+that blocks the next (torch's own shared build directory keeps a lock file that does).
 """
 
 import functools
+import hashlib
+import importlib.util
 import os
+import platform
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
+_NAME = "spindle_cpu_ops"
 _SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
 def cpu_ops() -> ModuleType:
-    """The compiled extension (``decode_attention``), built the first time a process asks for it."""
+    """The compiled extension (``decode_attention``): loaded from the cache, or built there first."""
+    key = hashlib.sha256()
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine()):
+        key.update(part.encode() + b"\0")
+    for source in _SOURCES:
+        key.update(source.read_bytes())
+    cache_dir = Path(os.environ.get("SPINDLE_CACHE_DIR") or Path.home() / ".cache" / "spindle") / "kernels"
+    library = cache_dir / f"{_NAME}-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        spec = importlib.util.spec_from_file_location(_NAME, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return _build(library)
+
+
+def _build(library: Path) -> ModuleType:
     import ninja
     from torch.utils.cpp_extension import load
 
     # torch looks for ninja on PATH; the ninja wheel's binary sits in the venv, which need not be on it.
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    return load(
-        name="spindle_cpu_ops",
-        sources=[str(path) for path in _SOURCES],
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-    )
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{_NAME}-") as build_dir:
+        module = load(
+            name=_NAME,
+            sources=[str(path) for path in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=build_dir,
+        )
+        # Copied beside the target first: the rename into place must not cross file systems to stay atomic.
+        staged = library.with_name(f"{library.name}.{os.getpid()}")
+        shutil.copyfile(Path(build_dir) / f"{_NAME}.so", staged)
+        os.replace(staged, library)
+    return module
