@@ -16,6 +16,7 @@ from spindle.backend.sampler import Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
 from spindle.kernels import AttentionMetadata
+from spindle.kernels.cpu import cpu_ops
 from spindle.shared import TokenLogprobs
 from spindle.shared.config import EngineConfig
 
@@ -176,6 +177,12 @@ class ModelRunner:
             ", projections pre-packed for oneDNN" if packed else "",
             time.perf_counter() - start,
         )
+        if self.device.type == "cpu":
+            # Build (first start on a machine: ~35 s) or load the C++ decode kernel now, before the engine reports
+            # ready, rather than in the first decode step, where it would stall the first requests.
+            start = time.perf_counter()
+            cpu_ops()
+            logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
