@@ -53,7 +53,9 @@ class EngineCore:
         self.runner = ModelRunner(config, self.model_config, self.model_dir)
         self.num_blocks = self.runner.init_cache(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_decode_slowdown
+        )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.info = EngineInfo(

@@ -1,11 +1,20 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each contributes."""
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.sequence import Sequence, SequenceStatus
 from spindle.shared import FinishReason
+
+# The cost model of the decode-latency bound, in units of one prompt token's projections and MLP: a chunk of n tokens
+# after c cached ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN), and a step of decodes alone costs STEP_OVERHEAD
+# plus one unit per decode. Measured on 2 EPYC cores, SmolLM2-135M bf16, 8 decode streams beside a 4,096-token prompt
+# chunked at 32, 128 and 512 tokens: 8 decodes alone 34-40 ms (64 alone ~100 ms), each added prompt token 1.2-1.5 ms,
+# each (query, cached key) pair of a chunk 0.8-1.5 us (SDPA over the gathered prefix).
+KEYS_PER_TOKEN = 1000
+STEP_OVERHEAD = 24
 
 
 @dataclass
@@ -31,12 +40,25 @@ class Scheduler:
     waiting queue to be recomputed later (its full blocks usually come back from the prefix cache). Waiting
     sequences are admitted while the budget, ``max_num_seqs`` and the free blocks allow, and never in a step that
     had to preempt.
+
+    With ``max_decode_slowdown`` > 1, a step that carries decodes takes only as much prefill work as keeps its
+    estimated cost within that factor of the decodes' own (the cost model above), so streams keep their inter-token
+    latency while a long prompt is prefilled beside them, at the price of that prompt's time to first token. Each
+    such step still advances the first prefill by at least one token. 0 turns the bound off: prefill chunks fill
+    the token budget (best throughput).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_decode_slowdown: float = 0.0,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_decode_slowdown = max_decode_slowdown
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -53,10 +75,17 @@ class Scheduler:
         """Pick this step's sequences and token counts, allocating their blocks."""
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
-        i = 0
+        prefill_cost = self._prefill_cost_budget()
+        prefills = i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if num_new > 1:
+                num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills)
+                prefills += 1
+                if not num_new:
+                    i += 1
+                    continue
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -75,7 +104,9 @@ class Scheduler:
                 # Prompt logprobs need logits at every prompt position, so those prompts skip the prefix cache.
                 self.block_manager.match_prefix(seq)
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills)
+            prefills += 1
+            if not num_new or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free_blocks(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
@@ -87,6 +118,32 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _prefill_cost_budget(self) -> float:
+        """The prefill work this step may carry beside its decodes (infinite without decodes or without the bound)."""
+        if self.max_decode_slowdown <= 1:
+            return math.inf
+        decode_contexts = [len(s) for s in self.running if len(s) - s.num_computed_tokens == 1]
+        if not decode_contexts:
+            return math.inf
+        decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
+        return (self.max_decode_slowdown - 1) * decode_cost
+
+    @staticmethod
+    def _bounded_chunk(seq: Sequence, num_new: int, cost_left: float, first: bool) -> tuple[int, float]:
+        """The largest chunk of at most ``num_new`` tokens that ``cost_left`` pays for, and the cost then left.
+
+        A chunk of n tokens after c computed ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN). The ``first`` chunk of
+        a step gets a token even when the budget pays for none, so that a prompt always advances.
+        """
+        if cost_left == math.inf:
+            return num_new, cost_left
+        per_token = 1 + seq.num_computed_tokens / KEYS_PER_TOKEN
+        # The largest n with n * (per_token + n / (2 * KEYS_PER_TOKEN)) <= cost_left: that quadratic's positive root.
+        root = math.sqrt(per_token * per_token + 2 * max(cost_left, 0) / KEYS_PER_TOKEN)
+        affordable = int(KEYS_PER_TOKEN * (root - per_token))
+        num_new = min(num_new, max(affordable, int(first)))
+        return num_new, cost_left - num_new * (per_token + num_new / (2 * KEYS_PER_TOKEN))
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End ``seq`` (eos, stop token, length or abort) and free its blocks at once."""

@@ -6,8 +6,10 @@ Part 1: one prompt of ``--lengths`` tokens (fresh random ids each run, so no pre
 (``logits_to_keep=1``: the last position's logits only, as we compute). Prints tokens per second of each (medians of
 ``--repeats``) and the ratio.
 
-Part 2: ``--streams`` greedy decode streams run alone, then beside one ``--beside``-token prompt. Prints their
-median inter-token latency (one engine step yields one token per stream) alone and during the prefill, and the ratio.
+Part 2: ``--streams`` greedy decode streams run alone, then beside one ``--beside``-token prompt, in an engine with
+the serving default ``max_decode_slowdown=2`` and in one without the bound (``0``, as ``LLM`` runs). Prints the
+streams' median inter-token latency (one engine step yields one token per stream) alone and during the prefill, the
+ratio, and the long prompt's time to first token beside them.
 
     .venv/bin/python -m bench.prefill --lengths 1024 7680
 """
@@ -21,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from spindle import LLM, LLMEngine, SamplingParams
 from spindle.backend.models.loader import resolve_model
+from spindle.shared.config import EngineConfig
 
 DTYPE = "bfloat16"
 
@@ -52,8 +55,9 @@ def transformers_prefill(model: torch.nn.Module, length: int, repeats: int) -> f
     return statistics.median(rates)
 
 
-def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> tuple[float, float]:
-    """Median step time of ``streams`` decodes alone, then while a ``beside``-token prompt is prefilled."""
+def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> tuple[float, float, float]:
+    """Median step time of ``streams`` decodes alone, then while a ``beside``-token prompt is prefilled, and the
+    seconds that prompt waited for its first token."""
     params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
     for i in range(streams):
         engine.add_request(f"stream-{i}", {"prompt_token_ids": fresh_ids(32, 100 + i)}, params)
@@ -66,14 +70,16 @@ def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> 
         alone.append(time.perf_counter() - start)
     engine.add_request("long", {"prompt_token_ids": fresh_ids(beside, 999)}, SamplingParams(max_tokens=1))
     during = []
+    begin = time.perf_counter()
     while True:
         start = time.perf_counter()
         outputs = engine.step()
         during.append(time.perf_counter() - start)
         if any(o.request_id == "long" for o in outputs):
             break
+    ttft = time.perf_counter() - begin
     engine.abort_request([f"stream-{i}" for i in range(streams)])
-    return statistics.median(alone), statistics.median(during)
+    return statistics.median(alone), statistics.median(during), ttft
 
 
 def main() -> None:
@@ -99,12 +105,16 @@ def main() -> None:
             f"  {length:5d} tokens  spindle {ours:7.1f} tok/s ({length / ours:5.2f} s to first token)  "
             f"transformers {theirs:7.1f} tok/s  ratio {ours / theirs:4.2f}x  (medians of {args.repeats})"
         )
-    del model
-    alone, during = decode_latency(llm.llm_engine, args.streams, args.beside, steps=20)
-    print(
-        f"  {args.streams} decode streams: inter-token latency {alone * 1e3:6.1f} ms alone, {during * 1e3:6.1f} ms "
-        f"beside a {args.beside}-token prefill: {during / alone:4.1f}x (medians)"
-    )
+    del model, llm
+    for slowdown in (0, 2):
+        engine = LLMEngine(EngineConfig(**engine_args, max_decode_slowdown=slowdown))
+        alone, during, ttft = decode_latency(engine, args.streams, args.beside, steps=20)
+        print(
+            f"  max_decode_slowdown={slowdown}: {args.streams} decode streams' inter-token latency {alone * 1e3:6.1f} ms "
+            f"alone, {during * 1e3:6.1f} ms beside a {args.beside}-token prefill ({during / alone:4.1f}x, medians); "
+            f"that prompt's first token after {ttft:5.1f} s"
+        )
+        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ class LLM:
         multiprocess: run the engine core in a backend child process (as ``spindle serve`` does) instead of here.
         **engine_args: any other :class:`~spindle.shared.config.EngineConfig` field (``dtype``, ``max_model_len``,
             ``kv_cache_memory``, ``gpu_memory_utilization``, ``block_size``, ``max_num_seqs``,
-            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``).
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``). ``max_decode_slowdown`` defaults to
+            0 here: an offline batch wants throughput, not the inter-token latency of its first streams.
 
     Example::
 
@@ -33,6 +34,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, multiprocess: bool = False, **engine_args: object) -> None:
+        engine_args.setdefault("max_decode_slowdown", 0)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), multiprocess)
         self._next_id = 0
 

@@ -35,6 +35,10 @@ class EngineConfig:
         block_size: tokens per KV cache block.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: the per-step token budget that chunked prefill splits long prompts against.
+        max_decode_slowdown: how much slower than its decodes alone a step may get from the prefill chunks beside
+            them (an estimate from a cost model): bounds the inter-token latency of running streams while a long
+            prompt is prefilled, at the price of that prompt's time to first token. ``0`` turns the bound off, so
+            chunks fill ``max_num_batched_tokens`` (best throughput; ``LLM``'s default).
         kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
         gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
         enable_prefix_caching: share full KV blocks between sequences with the same prefix.
@@ -48,6 +52,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
+    max_decode_slowdown: float = 2.0
     kv_cache_memory: int | str = "2GiB"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -62,6 +67,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_decode_slowdown != 0 and self.max_decode_slowdown < 1:
+            raise ValueError(f"max_decode_slowdown={self.max_decode_slowdown} must be 0 (no bound) or >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -1,11 +1,13 @@
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
-from spindle.backend.scheduler import ScheduledBatch, Scheduler
+from spindle.backend.scheduler import KEYS_PER_TOKEN, STEP_OVERHEAD, ScheduledBatch, Scheduler
 from spindle.backend.sequence import Sequence, SequenceStatus
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget)
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32, slowdown: float = 0.0
+) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, slowdown)
 
 
 def add(sched: Scheduler, prompt_len: int, max_tokens: int = 4, first_token: int = 0) -> Sequence:
@@ -91,3 +93,47 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
         sched.finish(seq, "abort")
         assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort"
     assert sched.block_manager.num_free_blocks == 16 and not sched.has_unfinished()
+
+
+def chunk_cost(computed: int, n: int) -> float:
+    return n * (1 + (computed + n / 2) / KEYS_PER_TOKEN)
+
+
+def test_decode_slowdown_bounds_the_prefill_beside_decodes():
+    sched = make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0)
+    streams = [add(sched, 40, max_tokens=5000, first_token=10_000 * (i + 1)) for i in range(4)]
+    fake_step(sched)  # the streams' prefills: no decodes yet, so no bound
+    long = add(sched, 6000, max_tokens=1)
+    chunks = []
+    while long.num_output_tokens == 0:
+        computed = long.num_computed_tokens
+        decode_cost = STEP_OVERHEAD + sum(1 + len(s) / KEYS_PER_TOKEN for s in streams)
+        batch = fake_step(sched)
+        assert batch.seqs[:4] == streams and batch.num_new_tokens[:4] == [1] * 4  # every stream decodes each step
+        n = batch.num_new_tokens[4]
+        # The largest chunk the budget pays for, or one token when it pays for none.
+        assert chunk_cost(computed, n) <= max(decode_cost, chunk_cost(computed, 1))
+        assert n == 6000 - computed or chunk_cost(computed, n + 1) > decode_cost
+        chunks.append(n)
+    assert chunks[0] > 20 and chunks[-1] <= 5 and chunks == sorted(chunks, reverse=True)
+
+
+def test_prefill_fills_the_token_budget_without_decodes_or_without_the_bound():
+    for slowdown, streams in ((2.0, 0), (0.0, 4)):
+        sched = make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=slowdown)
+        for i in range(streams):
+            add(sched, 40, max_tokens=200, first_token=10_000 * (i + 1))
+        fake_step(sched)
+        add(sched, 3000, max_tokens=1)
+        assert sum(fake_step(sched).num_new_tokens) == 512
+
+
+def test_waiting_prompts_beside_decodes_share_one_bounded_budget():
+    sched = make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0)
+    add(sched, 40, max_tokens=200)
+    fake_step(sched)
+    prompts = [add(sched, 300, max_tokens=1, first_token=1000 * (i + 1)) for i in range(3)]
+    batch = fake_step(sched)
+    assert batch.num_new_tokens[0] == 1
+    assert sum(chunk_cost(0, n) for n in batch.num_new_tokens[1:]) <= STEP_OVERHEAD + 1 + 41 / KEYS_PER_TOKEN
+    assert 0 < len(batch) - 1 < len(prompts)  # the budget admits the first prompt, not all three
