@@ -29,6 +29,8 @@ BATCHES = {
     "prefills": lambda b: [(0, 5), (0, b), (0, 2 * b + 3)],
     "cached_prefills": lambda b: [(b, 3), (b - 1, b + 2), (2 * b + 1, 2)],
     "mixed": lambda b: [(b + 4, 1), (2 * b - 1, 1), (0, b + 5), (b + 2, 2 * b + 3)],
+    # The CPU prefill kernel walks keys in tiles of 32 for tiles of 16-64 query positions: chunks that span several.
+    "long_chunks": lambda b: [(0, 150), (300, 70), (5 * b + 1, 33)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
     "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
 }

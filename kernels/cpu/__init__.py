@@ -25,18 +25,19 @@ from types import ModuleType
 import torch
 
 _NAME = "spindle_cpu_ops"
-_SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp")]
+_HEADERS = [Path(__file__).with_name("convert.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
 def cpu_ops() -> ModuleType:
-    """The compiled extension (``decode_attention``): loaded from the cache, or built there first."""
+    """The compiled extension (``decode_attention``, ``prefill_attention``): loaded from the cache, or built first."""
     key = hashlib.sha256()
     for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine()):
         key.update(part.encode() + b"\0")
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     cache_dir = Path(os.environ.get("SPINDLE_CACHE_DIR") or Path.home() / ".cache" / "spindle") / "kernels"
     library = cache_dir / f"{_NAME}-{key.hexdigest()[:16]}.so"

@@ -5,27 +5,19 @@
 // longest) and one long context still keeps every core busy. Each item computes, for the query heads of its kv
 // head, the partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second
 // pass merges the partitions of each (sequence, query head) with the usual log-sum-exp rescaling.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "convert.h"
 
 namespace {
 
 constexpr int64_t PARTITION = 256;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
 void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
@@ -52,9 +44,9 @@ void for_each_row(const T* cache, const int32_t* table, int64_t start, int64_t e
 }
 
 template <typename T>
-void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                           torch::Tensor& out) {
+void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                           at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -152,20 +144,18 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& k_ca
 
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_heads, head_size], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
               "query and caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables: int32, contiguous");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens: int32, contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32, contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32, contiguous");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, scale, out);
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
