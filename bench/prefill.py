@@ -110,9 +110,9 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(**engine_args, max_decode_slowdown=slowdown))
         alone, during, ttft = decode_latency(engine, args.streams, args.beside, steps=20)
         print(
-            f"  max_decode_slowdown={slowdown}: {args.streams} decode streams' inter-token latency {alone * 1e3:6.1f} ms "
-            f"alone, {during * 1e3:6.1f} ms beside a {args.beside}-token prefill ({during / alone:4.1f}x, medians); "
-            f"that prompt's first token after {ttft:5.1f} s"
+            f"  max_decode_slowdown={slowdown}: {args.streams} decode streams' inter-token latency "
+            f"{alone * 1e3:6.1f} ms alone, {during * 1e3:6.1f} ms beside a {args.beside}-token prefill "
+            f"({during / alone:4.1f}x, medians); that prompt's first token after {ttft:5.1f} s"
         )
         engine.shutdown()
 

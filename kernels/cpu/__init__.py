@@ -1,6 +1,6 @@
 """C++ kernels for the CPU path, built on first use with torch's JIT extension builder and cached across runs.
 
-The build takes about 35 s on a 2-core machine. The library is kept as
+The build takes about 50 s on a 2-core machine. The library is kept as
 ``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>.so`` (default ``~/.cache/spindle``, the variable the model
 loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's versions: every
 checkout and virtualenv with the same build shares it, and a changed source builds anew. It is compiled for the
@@ -25,7 +25,9 @@ from types import ModuleType
 import torch
 
 _NAME = "spindle_cpu_ops"
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp")
+]
 _HEADERS = [Path(__file__).with_name("convert.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
