@@ -31,6 +31,8 @@ BATCHES = {
     "mixed": lambda b: [(b + 4, 1), (2 * b - 1, 1), (0, b + 5), (b + 2, 2 * b + 3)],
     # The CPU prefill kernel walks keys in tiles of 32 for tiles of 16-64 query positions: chunks that span several.
     "long_chunks": lambda b: [(0, 150), (300, 70), (5 * b + 1, 33)],
+    # A short chunk after a long prefix: too few tiles for the threads, so its keys split and the partials merge.
+    "split_keys": lambda b: [(2 * b, 1), (1500, 3)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
     "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
 }

@@ -27,6 +27,9 @@ namespace {
 constexpr int64_t MAX_QUERY_TILE = 64;
 constexpr int64_t MIN_QUERY_TILE = 16;
 constexpr int64_t ITEMS_PER_THREAD = 4;
+// When the tiles are still too few for the threads (a short chunk after a long prefix), each tile's keys split into
+// ranges of at least this many, whose partial softmax states are merged afterwards, as flash-decoding does.
+constexpr int64_t MIN_SPLIT_KEYS = 512;
 constexpr int64_t KEY_TILE = 32;
 constexpr int64_t ROW_BLOCK = 4;
 // The head size of the generic instantiation's buffers: the largest it accepts.
@@ -67,24 +70,43 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t r = (starts[c + 1] - starts[c] - 1) / query_tile * query_tile; r >= 0; r -= query_tile)
       for (int64_t g = 0; g < num_kv_heads; ++g) items.push_back({c, g, r});
+  if (items.empty()) return;
+  const int64_t longest = *std::max_element(lens, lens + num_chunks);
+  const int64_t splits = std::clamp<int64_t>(wanted_items / static_cast<int64_t>(items.size()), 1,
+                                             std::max<int64_t>(1, longest / MIN_SPLIT_KEYS));
+  const int64_t num_work = static_cast<int64_t>(items.size()) * splits;
+  // Row r of an item is query position first_row + r / group, head kv_head * group + r % group.
+  auto output_row = [&](const Item& item, int64_t r) {
+    return o + (starts[item.chunk] - starts[0] + item.first_row + r / group) * num_heads * head_size +
+           (item.kv_head * group + r % group) * head_size;
+  };
+  auto item_rows = [&](const Item& item) {
+    return std::min(query_tile, starts[item.chunk + 1] - starts[item.chunk] - item.first_row) * group;
+  };
 
   // Rows are processed ROW_BLOCK at a time, so that one load of a key tile's values serves that many rows and the
   // block's scores and outputs stay in registers; the query rows are padded to whole blocks with zeros.
   const int64_t max_rows = (query_tile * group + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+  // Partial states of split work, per (work, row): the running max, the sum of exponentials, the unnormalized output.
+  std::vector<float> part_max, part_sum, part_acc;
+  if (splits > 1) {
+    part_max.resize(num_work * max_rows);
+    part_sum.resize(num_work * max_rows);
+    part_acc.resize(num_work * max_rows * HEAD);
+  }
 #pragma omp parallel
   {
     std::vector<float> qf(max_rows * HEAD), acc(max_rows * HEAD), row_max(max_rows), row_sum(max_rows);
     std::vector<float> kt(HEAD * KEY_TILE), vf(KEY_TILE * HEAD);
 #pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < items.size(); ++i) {
-      const Item item = items[i];
+    for (int64_t work = 0; work < num_work; ++work) {
+      const Item item = items[work / splits];
       const int64_t chunk_len = starts[item.chunk + 1] - starts[item.chunk];
       const int64_t context = lens[item.chunk] - chunk_len;  // tokens cached before the chunk
       const int64_t num_positions = std::min(query_tile, chunk_len - item.first_row);
-      const int64_t rows = num_positions * group;
+      const int64_t rows = item_rows(item);
       const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
       const int32_t* table = tables + item.chunk * max_blocks;
-      // Row r is query position first_row + r / group, head kv_head * group + r % group.
       std::fill_n(qf.data(), padded_rows * HEAD, 0.f);
       for (int64_t r = 0; r < rows; ++r) {
         const T* src = q + (starts[item.chunk] - starts[0] + item.first_row + r / group) * q_token_stride +
@@ -94,9 +116,13 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
       std::fill_n(acc.data(), padded_rows * HEAD, 0.f);
       std::fill_n(row_max.data(), padded_rows, -std::numeric_limits<float>::infinity());
       std::fill_n(row_sum.data(), padded_rows, 0.f);
+      // This work's share of the keys up to the tile's last position: a range of whole key tiles.
       const int64_t key_end = context + item.first_row + num_positions;
-      for (int64_t k0 = 0; k0 < key_end; k0 += KEY_TILE) {
-        const int64_t num_keys = std::min(KEY_TILE, key_end - k0);
+      const int64_t num_key_tiles = (key_end + KEY_TILE - 1) / KEY_TILE, split = work % splits;
+      const int64_t k_begin = split * num_key_tiles / splits * KEY_TILE;
+      const int64_t k_stop = std::min(key_end, (split + 1) * num_key_tiles / splits * KEY_TILE);
+      for (int64_t k0 = k_begin; k0 < k_stop; k0 += KEY_TILE) {
+        const int64_t num_keys = std::min(KEY_TILE, k_stop - k0);
         for (int64_t j = 0; j < num_keys; ++j) {
           const int64_t token = k0 + j;
           const int64_t slot = static_cast<int64_t>(table[token / block_size]) * block_size + token % block_size;
@@ -157,11 +183,39 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
             for (int64_t d = 0; d < HEAD; ++d) acc[(r0 + b) * HEAD + d] = out_block[b][d];
         }
       }
+      if (splits > 1) {
+        std::copy_n(row_max.data(), rows, part_max.data() + work * max_rows);
+        std::copy_n(row_sum.data(), rows, part_sum.data() + work * max_rows);
+        std::copy_n(acc.data(), rows * HEAD, part_acc.data() + work * max_rows * HEAD);
+        continue;
+      }
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = o + (starts[item.chunk] - starts[0] + item.first_row + r / group) * num_heads * head_size +
-                 (item.kv_head * group + r % group) * head_size;
         const float inv = 1.f / row_sum[r];  // every row sees at least its own key
+        T* dst = output_row(item, r);
         for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[r * HEAD + d] * inv);
+      }
+    }
+    if (splits > 1) {
+      // A split past a row's position saw none of its keys: its max is -inf and its weight below is 0.
+#pragma omp for schedule(dynamic, 1)
+      for (size_t i = 0; i < items.size(); ++i) {
+        const int64_t rows = item_rows(items[i]);
+        for (int64_t r = 0; r < rows; ++r) {
+          float global_max = -std::numeric_limits<float>::infinity();
+          for (int64_t sp = 0; sp < splits; ++sp)
+            global_max = std::max(global_max, part_max[(i * splits + sp) * max_rows + r]);
+          float total = 0.f;
+          float* merged = acc.data();
+          std::fill_n(merged, head_size, 0.f);
+          for (int64_t sp = 0; sp < splits; ++sp) {
+            const int64_t at = (i * splits + sp) * max_rows + r;
+            const float weight = std::exp(part_max[at] - global_max);
+            total += weight * part_sum[at];
+            for (int64_t d = 0; d < head_size; ++d) merged[d] += weight * part_acc[at * HEAD + d];
+          }
+          T* dst = output_row(items[i], r);
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(merged[d] / total);
+        }
       }
     }
   }
