@@ -26,7 +26,8 @@ import torch
 
 _NAME = "spindle_cpu_ops"
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp")
+    Path(__file__).with_name(name)
+    for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("convert.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -35,7 +36,7 @@ _LDFLAGS = ["-fopenmp"]
 
 @functools.cache
 def cpu_ops() -> ModuleType:
-    """The compiled extension (``decode_attention``, ``prefill_attention``): loaded from the cache, or built first."""
+    """The compiled extension (the attention kernels and the ops below): loaded from the cache, or built first."""
     key = hashlib.sha256()
     for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine()):
         key.update(part.encode() + b"\0")
@@ -71,3 +72,27 @@ def _build(library: Path) -> ModuleType:
         shutil.copyfile(Path(build_dir) / f"{_NAME}.so", staged)
         os.replace(staged, library)
     return module
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in one pass per token, with the residual add fused in; the contract of ``spindle.kernels.norm``'s."""
+    rows = x.reshape(-1, x.shape[-1])
+    if residual is None:
+        return cpu_ops().rms_norm(rows, weight, eps).view(x.shape)
+    out, summed = cpu_ops().add_rms_norm(rows, residual.reshape(rows.shape), weight, eps)
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding of the query and key heads in one pass; the contract of ``spindle.kernels.rotary``'s."""
+    return cpu_ops().rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU in one pass per token; the contract of ``spindle.kernels.activation``'s."""
+    rows = x.reshape(-1, x.shape[-1])
+    return cpu_ops().silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)

@@ -1,13 +1,25 @@
 // The Python module of the CPU kernels: one entry per kernel, each defined in its own file.
 #include <torch/extension.h>
 
+#include <tuple>
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                 const at::Tensor& seq_lens, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps);
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                                    const at::Tensor& key, const at::Tensor& cos_sin_cache);
+at::Tensor silu_and_mul(const at::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "One query token per sequence over its paged context.");
   m.def("prefill_attention", &prefill_attention, "Causal attention of prefill chunks over their paged context.");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, weighted.");
+  m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normalised, sum).");
+  m.def("rotary_embedding", &rotary_embedding, "Neox rotary embedding of query and key heads.");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up row.");
 }

@@ -1,0 +1,158 @@
+// The small per-token ops of a decoder layer on the CPU, each one pass over its tokens: RMSNorm (with the residual
+// add fused in), rotary embedding of the query and key heads, and SwiGLU. In eager torch each is a chain of 4 to 10
+// ops, each a dispatch plus a full pass over memory; here each token is read once and written once, in float.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "convert.h"
+
+namespace {
+
+// Below this many tokens a step's ops take microseconds, less than waking the OpenMP threads.
+constexpr int64_t PARALLEL_TOKENS = 32;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [num_tokens, width] with a dense last dimension");
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                   at::Tensor& out, at::Tensor* sum) {
+  const int64_t tokens = x.size(0), width = x.size(1);
+  const T* w = weight.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+#pragma omp parallel for if (tokens >= PARALLEL_TOKENS)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<float> row(width);
+    const T* xt = x.data_ptr<T>() + t * x.stride(0);
+    if (residual != nullptr) {
+      // The sum is rounded to the dtype before the statistics, as the torch reference adds in the dtype.
+      const T* rt = residual->data_ptr<T>() + t * residual->stride(0);
+      T* st = sum->data_ptr<T>() + t * width;
+      for (int64_t i = 0; i < width; ++i) {
+        st[i] = static_cast<T>(to_float(xt[i]) + to_float(rt[i]));
+        row[i] = to_float(st[i]);
+      }
+    } else {
+      for (int64_t i = 0; i < width; ++i) row[i] = to_float(xt[i]);
+    }
+    float square_sum = 0.f;
+    for (int64_t i = 0; i < width; ++i) square_sum += row[i] * row[i];
+    const float inv = 1.f / std::sqrt(square_sum / static_cast<float>(width) + feps);
+    T* ot = out.data_ptr<T>() + t * width;
+    // Normalised, rounded to the dtype, then weighted: Llama's reference order.
+    for (int64_t i = 0; i < width; ++i) ot[i] = static_cast<T>(to_float(w[i]) * to_float(static_cast<T>(row[i] * inv)));
+  }
+}
+
+template <typename T>
+void rotate_impl(const int64_t* positions, const at::Tensor& x, const T* cache, int64_t rot_half, at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), head_size = x.size(2);
+  const int64_t half = head_size / 2;
+#pragma omp parallel for if (tokens >= PARALLEL_TOKENS)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* cos = cache + positions[t] * 2 * rot_half;
+    const T* sin = cos + rot_half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
+      T* dst = out.data_ptr<T>() + (t * heads + h) * head_size;
+      // Each product is rounded to the dtype before the sum, as transformers' and our torch reference's ops do, so
+      // that reduced-precision results match them bit for bit.
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+        const float c = to_float(cos[i]), s = to_float(sin[i]);
+        dst[i] = static_cast<T>(to_float(static_cast<T>(x1 * c)) - to_float(static_cast<T>(x2 * s)));
+        dst[i + half] = static_cast<T>(to_float(static_cast<T>(x2 * c)) + to_float(static_cast<T>(x1 * s)));
+      }
+    }
+  }
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t tokens = x.size(0), d = x.size(1) / 2;
+#pragma omp parallel for if (tokens >= PARALLEL_TOKENS)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* gate = x.data_ptr<T>() + t * x.stride(0);
+    const T* up = gate + d;
+    T* ot = out.data_ptr<T>() + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+      const float g = to_float(gate[i]);
+      ot[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+    }
+  }
+}
+
+}  // namespace
+
+// x [num_tokens, hidden] (rows may be strided), weight [hidden]: the normalised rows, weighted.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be a dense [hidden] of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, nullptr, weight, eps, out, nullptr);
+  });
+  return out;
+}
+
+// As rms_norm, of x + residual; returns (normalised, x + residual).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x's shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be a dense [hidden] of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, &residual, weight, eps, out, &sum);
+  });
+  return {out, sum};
+}
+
+// positions [num_tokens] int64; query [num_tokens, heads, head_size] and key [num_tokens, kv_heads, head_size] (views
+// with a dense last dimension); cos_sin_cache [max_position, head_size] (cos then sin halves). Neox layout.
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                                    const at::Tensor& key, const at::Tensor& cos_sin_cache) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
+              "positions: int64 [num_tokens]");
+  for (const at::Tensor* x : {&query, &key}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == positions.size(0), "query and key must be ",
+                "[num_tokens, heads, head_size] with a dense last dimension");
+    TORCH_CHECK(x->size(2) == cos_sin_cache.size(1) && x->scalar_type() == cos_sin_cache.scalar_type(),
+                "the cache's width and dtype must match the heads'");
+  }
+  TORCH_CHECK(cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) % 2 == 0, "cos_sin_cache: dense, even width");
+  const int64_t max_position = cos_sin_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " is outside the rotary cache");
+  auto q_out = at::empty(query.sizes(), query.options());
+  auto k_out = at::empty(key.sizes(), key.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
+    const scalar_t* cache = cos_sin_cache.data_ptr<scalar_t>();
+    rotate_impl<scalar_t>(pos, query, cache, cos_sin_cache.size(1) / 2, q_out);
+    rotate_impl<scalar_t>(pos, key, cache, cos_sin_cache.size(1) / 2, k_out);
+  });
+  return {q_out, k_out};
+}
+
+// x [num_tokens, 2 * d] (gate, then up): silu(gate) * up, [num_tokens, d].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x's width must be even (gate and up halves)");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(x, out);
+  });
+  return out;
+}
