@@ -1,7 +1,9 @@
-"""Attention and hot ops, each with a torch reference (the CPU serving path) and a Triton kernel (the CUDA path).
+"""Attention and hot ops: a CPU path, a Triton kernel for CUDA, and torch references that the tests hold both to.
 
 Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`spindle.kernels.triton`,
-CPU tensors to the torch references, whose signatures the Triton versions share. :func:`force_triton` sends CPU
+CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention, norms, rotary, SwiGLU; the cache write is torch's
+``index_copy_``). The torch versions of the norm, rotary and SwiGLU stay as references, and all three paths share
+their signatures. :func:`force_triton` sends CPU
 tensors to Triton too, which runs them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was
 first imported: that is how the tests prove the kernels without a GPU. Triton is imported on first use only, so the
 CPU path neither needs it installed nor pays for importing it.
@@ -57,8 +59,11 @@ def _triton_kernels() -> ModuleType:
 
 
 def _dispatch(reference: Callable[P, R], cpu: Callable[P, R] | None = None) -> Callable[P, R]:
-    """Wrap a torch reference so that CUDA tensors (or all of them, under :func:`force_triton`) go to Triton, and
-    CPU tensors to ``cpu`` (a C++ op of :mod:`spindle.kernels.cpu`) when there is one."""
+    """Route a call to Triton, the CPU op, or the torch reference.
+
+    CUDA tensors (or all of them, under :func:`force_triton`) go to Triton; CPU tensors go to ``cpu`` (a C++ op of
+    ``spindle.kernels.cpu``) when there is one, else to the reference.
+    """
     name = reference.__name__
     on_cpu = cpu or reference
 
@@ -71,8 +76,9 @@ def _dispatch(reference: Callable[P, R], cpu: Callable[P, R] | None = None) -> C
     return kernel
 
 
-# The norms, rotary and SwiGLU run as single-pass C++ ops on the CPU: in eager torch they were ~14 ms of a 64-token
-# decode step's ~80 (SmolLM2 bf16, 2 cores: ~1,900 small ops at a few microseconds each, each a pass over memory).
+# The norms, rotary and SwiGLU run as single-pass C++ ops on the CPU, in place of ~60 small torch ops per layer.
+# Measured on a decode forward of SmolLM2 bf16 on 2 cores, eager torch against them: batch 1 27.1 vs 22.1 ms, batch 8
+# 28.5 vs 26.3, batch 64 91.7 vs 91.4, batch 256 398 vs 388: the win is the per-op overhead of small batches.
 paged_attention = _dispatch(attention.paged_attention)
 reshape_and_cache = _dispatch(attention.reshape_and_cache)
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
