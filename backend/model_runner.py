@@ -202,7 +202,7 @@ class ModelRunner:
         next; their memory pool comes out of the profiled peak's reserve, since a decode step never has more
         tokens than the profiled pass. Returns the number of blocks.
         """
-        peak_activations = self._profile_run()
+        peak_activations = self._profile_run(max_model_len)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info()
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak_activations
@@ -259,20 +259,27 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
 
-    def _profile_run(self) -> int:
-        """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak."""
+    def _profile_run(self, max_model_len: int) -> int:
+        """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak.
+
+        The tokens form sequences of at most ``max_model_len``, as a real step's do: a budget larger than the
+        model's context must not ask for positions past it.
+        """
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = min(self.config.max_num_seqs, num_tokens)
-        num_blocks = -(-num_tokens // self.block_size)
+        full, rest = divmod(num_tokens, max_model_len)
+        lens = sorted([max_model_len] * full + [rest] * (rest > 0), key=lambda n: n != 1)  # a 1-token one decodes
+        tables, num_blocks = [], 0
+        for n in lens:
+            tables.append(list(range(num_blocks, num_blocks + -(-n // self.block_size))))
+            num_blocks += len(tables[-1])
         caches = self._allocate_kv_caches(num_blocks)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
-        positions = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata.from_lists(
-            [num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device
-        )
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        meta = AttentionMetadata.from_lists(lens, lens, tables, self.block_size, self.device)
         with torch.inference_mode():
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)
             self.model.compute_logits(hidden[:num_seqs]).argmax(dim=-1)

@@ -45,6 +45,8 @@ SCENARIOS = {
     "chunked_prefill": dict(max_num_batched_tokens=8),
     "preemption": dict(kv_cache_memory=12 * 8192, max_model_len=128),
     "no_prefix_caching_small_blocks": dict(enable_prefix_caching=False, block_size=8),
+    # A step budget past the context: the start-up profile pass splits it into sequences the model can hold.
+    "budget_past_the_context": dict(max_model_len=128, max_num_batched_tokens=1000),
 }
 
 
