@@ -97,7 +97,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=getattr(torch, DTYPE)).eval()
     spindle_prefill(llm, 256, 1)  # warm-up
     transformers_prefill(model, 256, 1)
-    print(f"prefill, {DTYPE}, threads={torch.get_num_threads()}, {engine_args}")
+    budget = llm.llm_engine.config.max_num_batched_tokens
+    print(f"prefill, {DTYPE}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
     for length in args.lengths:
         ours = spindle_prefill(llm, length, args.repeats)
         theirs = transformers_prefill(model, length, args.repeats)
