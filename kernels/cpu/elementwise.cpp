@@ -25,27 +25,31 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
   const int64_t tokens = x.size(0), width = x.size(1);
   const T* w = weight.data_ptr<T>();
   const float feps = static_cast<float>(eps);
-#pragma omp parallel for if (tokens >= PARALLEL_TOKENS)
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<float> row(width);
-    const T* xt = x.data_ptr<T>() + t * x.stride(0);
-    if (residual != nullptr) {
-      // The sum is rounded to the dtype before the statistics, as the torch reference adds in the dtype.
-      const T* rt = residual->data_ptr<T>() + t * residual->stride(0);
-      T* st = sum->data_ptr<T>() + t * width;
-      for (int64_t i = 0; i < width; ++i) {
-        st[i] = static_cast<T>(to_float(xt[i]) + to_float(rt[i]));
-        row[i] = to_float(st[i]);
+#pragma omp parallel if (tokens >= PARALLEL_TOKENS)
+  {
+    std::vector<float> row(width);  // one per thread
+#pragma omp for
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* xt = x.data_ptr<T>() + t * x.stride(0);
+      if (residual != nullptr) {
+        // The sum is rounded to the dtype before the statistics, as the torch reference adds in the dtype.
+        const T* rt = residual->data_ptr<T>() + t * residual->stride(0);
+        T* st = sum->data_ptr<T>() + t * width;
+        for (int64_t i = 0; i < width; ++i) {
+          st[i] = static_cast<T>(to_float(xt[i]) + to_float(rt[i]));
+          row[i] = to_float(st[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < width; ++i) row[i] = to_float(xt[i]);
       }
-    } else {
-      for (int64_t i = 0; i < width; ++i) row[i] = to_float(xt[i]);
+      float square_sum = 0.f;
+      for (int64_t i = 0; i < width; ++i) square_sum += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(square_sum / static_cast<float>(width) + feps);
+      T* ot = out.data_ptr<T>() + t * width;
+      // Normalised, rounded to the dtype, then weighted: Llama's reference order.
+      for (int64_t i = 0; i < width; ++i)
+        ot[i] = static_cast<T>(to_float(w[i]) * to_float(static_cast<T>(row[i] * inv)));
     }
-    float square_sum = 0.f;
-    for (int64_t i = 0; i < width; ++i) square_sum += row[i] * row[i];
-    const float inv = 1.f / std::sqrt(square_sum / static_cast<float>(width) + feps);
-    T* ot = out.data_ptr<T>() + t * width;
-    // Normalised, rounded to the dtype, then weighted: Llama's reference order.
-    for (int64_t i = 0; i < width; ++i) ot[i] = static_cast<T>(to_float(w[i]) * to_float(static_cast<T>(row[i] * inv)));
   }
 }
 
