@@ -178,8 +178,8 @@ class ModelRunner:
             time.perf_counter() - start,
         )
         if self.device.type == "cpu":
-            # Build (first start on a machine: ~35 s) or load the C++ decode kernel now, before the engine reports
-            # ready, rather than in the first decode step, where it would stall the first requests.
+            # Build (first start on a machine: ~50 s) or load the C++ kernels now, before the engine reports ready,
+            # rather than in the first step, where it would stall the first requests.
             start = time.perf_counter()
             cpu_ops()
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)

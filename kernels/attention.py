@@ -129,7 +129,8 @@ def paged_attention(
     """
     # The chunks' kernel against the earlier gather + masked SDPA per chunk (bf16, SmolLM2's 9/3 heads, 2 cores, ms
     # per layer, chunk of n after c cached): n=512 c=500 12 vs 14, c=7,000 112-123 vs 100-119; n=16 c=2,000 1.2-1.9
-    # vs 1.3-2.3; n=4 c=7,000 2.3 vs 2.3-5.9 (SDPA's cost there is the gather of the whole prefix).
+    # vs 1.3-2.3; n=4 c=7,000 1.6-1.8 (keys split across the threads) vs 2.3-5.9 (SDPA's cost there is the gather
+    # of the whole prefix).
     num_decodes = meta.num_decodes
     if num_decodes == len(meta.query_lens_list):
         return _decode_attention(query, k_cache, v_cache, meta, scale)

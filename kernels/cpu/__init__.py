@@ -29,7 +29,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp")
 ]
-_HEADERS = [Path(__file__).with_name("convert.h")]
+_HEADERS = [Path(__file__).with_name("common.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 

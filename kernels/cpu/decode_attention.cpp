@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "convert.h"
+#include "common.h"
 
 namespace {
 
@@ -122,21 +122,11 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
 #pragma omp for collapse(2)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < num_heads; ++h) {
-        float global_max = -std::numeric_limits<float>::infinity();
-        for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i)
-          global_max = std::max(global_max, part_max[i * num_heads + h]);
-        std::vector<float>& acc = row;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float total = 0.f;
-        for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) {
-          const float w = std::exp(part_max[i * num_heads + h] - global_max);
-          total += w * part_sum[i * num_heads + h];
-          const float* pa = part_acc.data() + (i * num_heads + h) * head_size;
-          for (int64_t d = 0; d < head_size; ++d) acc[d] += w * pa[d];
-        }
-        T* dst = out.data_ptr<T>() + (s * num_heads + h) * head_size;
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+        const int64_t first = first_item[s];
+        merge_partials(first_item[s + 1] - first, part_max.data() + first * num_heads + h,
+                       part_sum.data() + first * num_heads + h, num_heads,
+                       part_acc.data() + (first * num_heads + h) * head_size, num_heads * head_size, head_size,
+                       row.data(), out.data_ptr<T>() + (s * num_heads + h) * head_size);
       }
     }
   }

@@ -8,7 +8,7 @@
 #include <tuple>
 #include <vector>
 
-#include "convert.h"
+#include "common.h"
 
 namespace {
 

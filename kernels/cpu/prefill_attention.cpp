@@ -16,7 +16,7 @@
 
 #include <omp.h>
 
-#include "convert.h"
+#include "common.h"
 
 namespace {
 
@@ -196,25 +196,14 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
       }
     }
     if (splits > 1) {
-      // A split past a row's position saw none of its keys: its max is -inf and its weight below is 0.
+      // A split past a row's position saw none of its keys: its max stayed -inf and it weighs nothing.
 #pragma omp for schedule(dynamic, 1)
       for (size_t i = 0; i < items.size(); ++i) {
         const int64_t rows = item_rows(items[i]);
         for (int64_t r = 0; r < rows; ++r) {
-          float global_max = -std::numeric_limits<float>::infinity();
-          for (int64_t sp = 0; sp < splits; ++sp)
-            global_max = std::max(global_max, part_max[(i * splits + sp) * max_rows + r]);
-          float total = 0.f;
-          float* merged = acc.data();
-          std::fill_n(merged, head_size, 0.f);
-          for (int64_t sp = 0; sp < splits; ++sp) {
-            const int64_t at = (i * splits + sp) * max_rows + r;
-            const float weight = std::exp(part_max[at] - global_max);
-            total += weight * part_sum[at];
-            for (int64_t d = 0; d < head_size; ++d) merged[d] += weight * part_acc[at * HEAD + d];
-          }
-          T* dst = output_row(items[i], r);
-          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(merged[d] / total);
+          const int64_t at = i * splits * max_rows + r;
+          merge_partials(splits, part_max.data() + at, part_sum.data() + at, max_rows, part_acc.data() + at * HEAD,
+                         max_rows * HEAD, head_size, acc.data(), output_row(items[i], r));
         }
       }
     }

@@ -1,0 +1,38 @@
+// What the CPU kernels share: loads of the cache's element types as float, and the merge of partial softmax states.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// Merges the partial softmax states of one output row, computed over disjoint key ranges (flash-decoding): part p has
+// its running max at max[p * stride], its sum of exponentials at sum[p * stride] and its unnormalised output at
+// acc[p * acc_stride], head_size floats. A part that saw no key has a max far below the others and weighs nothing.
+// Writes the normalised row to dst; `merged` is head_size floats of scratch.
+template <typename T>
+void merge_partials(int64_t num_parts, const float* max, const float* sum, int64_t stride, const float* acc,
+                    int64_t acc_stride, int64_t head_size, float* merged, T* dst) {
+  float global_max = max[0];
+  for (int64_t p = 1; p < num_parts; ++p) global_max = std::max(global_max, max[p * stride]);
+  std::fill_n(merged, head_size, 0.f);
+  float total = 0.f;
+  for (int64_t p = 0; p < num_parts; ++p) {
+    const float weight = std::exp(max[p * stride] - global_max);
+    total += weight * sum[p * stride];
+    for (int64_t d = 0; d < head_size; ++d) merged[d] += weight * acc[p * acc_stride + d];
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(merged[d] * inv);
+}
