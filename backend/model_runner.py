@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from spindle.backend.models.config import ModelConfig
-from spindle.backend.models.loader import load_model, resolve_dtype
+from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
 from spindle.backend.sampler import Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
@@ -169,12 +169,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
-        packed = self.model.pack_weights()
+        self.quantization_bits = resolve_quantization(config.quantization, model_dir)
+        bits = self.quantization_bits
+        self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
         logger.info(
-            "Loaded %s (%s%s) in %.1f s",
+            "Loaded %s (%s, %s) in %.1f s",
             model_dir,
             self.dtype,
-            ", projections pre-packed for oneDNN" if packed else "",
+            f"int{bits} weight-only projections" if bits else "unquantized",
             time.perf_counter() - start,
         )
         if self.device.type == "cpu":

@@ -44,8 +44,8 @@ def output_lengths(workload: str, num_prompts: int, max_tokens: int) -> list[int
     return [rng.randint(max_tokens // 4, max_tokens) for _ in range(num_prompts)]
 
 
-def bench_spindle(prompts: list[str], lengths: list[int], repeats: int, dtype: str) -> float:
-    llm = LLM(kv_cache_memory="2GiB", dtype=dtype)
+def bench_spindle(prompts: list[str], lengths: list[int], repeats: int, dtype: str, quantization: str) -> float:
+    llm = LLM(kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     rates = []
@@ -79,13 +79,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["fixed", "varied"], choices=["fixed", "varied"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default="auto", help="Spindle's --quantization (auto: the file's int4)")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
-    print(f"prompts={args.num_prompts} max_tokens={args.max_tokens} threads={torch.get_num_threads()}")
+    print(
+        f"prompts={args.num_prompts} max_tokens={args.max_tokens} threads={torch.get_num_threads()} "
+        f"spindle quantization={args.quantization}"
+    )
     for workload in args.workloads:
         lengths = output_lengths(workload, args.num_prompts, args.max_tokens)
-        for dtype in ("float32", "bfloat16"):
-            spindle = bench_spindle(prompts, lengths, args.repeats, dtype)
+        for dtype in args.dtypes:
+            spindle = bench_spindle(prompts, lengths, args.repeats, dtype, args.quantization)
             hf = bench_transformers(prompts, lengths, args.repeats, getattr(torch, dtype))
             print(
                 f"{workload:6s} {dtype:8s}  spindle {spindle:7.1f} tok/s  transformers {hf:7.1f} tok/s  "

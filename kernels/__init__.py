@@ -2,10 +2,11 @@
 
 Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`spindle.kernels.triton`,
 CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention, norms, rotary, SwiGLU; the cache write is torch's
-``index_copy_``). The torch versions of the norm, rotary and SwiGLU stay as references, and all three paths share
-their signatures. :func:`force_triton` sends CPU
-tensors to Triton too, which runs them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was
-first imported: that is how the tests prove the kernels without a GPU. Triton is imported on first use only, so the
+``index_copy_``). The torch versions of the norm, rotary, SwiGLU and quantized projection stay as references, and all
+three paths share their signatures (quantized projections reach torch's CPU kernels through
+:class:`~spindle.kernels.linear.Projection`). :func:`force_triton` sends CPU tensors to Triton too, which runs
+them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was first imported: that is how the
+tests prove the kernels without a GPU. Triton is imported on first use only, so the
 CPU path neither needs it installed nor pays for importing it.
 """
 
@@ -17,7 +18,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from spindle.kernels import activation, attention, cpu, norm, rotary
+from spindle.kernels import activation, attention, cpu, norm, quant, rotary
 from spindle.kernels.attention import AttentionMetadata
 from spindle.kernels.rotary import build_cos_sin_cache
 
@@ -28,6 +29,7 @@ __all__ = [
     "build_cos_sin_cache",
     "force_triton",
     "paged_attention",
+    "quantized_linear",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -84,6 +86,9 @@ reshape_and_cache = _dispatch(attention.reshape_and_cache)
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
 rotary_embedding = _dispatch(rotary.rotary_embedding, cpu.rotary_embedding)
 silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)
+# On the CPU, spindle.kernels.linear.Projection runs torch's int8/int4 kernels on weights repacked for them; this
+# CPU fallback is the torch reference.
+quantized_linear = _dispatch(quant.quantized_linear)
 
 
 _metadata: AttentionMetadata | None = None

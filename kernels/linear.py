@@ -1,7 +1,24 @@
-"""Linear layers whose weights may be pre-packed into oneDNN's blocked layout (the CPU bf16 path)."""
+"""Projections (``x @ W.T + b``) as the forward runs them: dense, pre-packed for oneDNN, or weight-only quantized.
+
+On the CPU in bf16 a dense weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
+projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs torch's CPU int8/int4 weight-only kernels for small
+batches only, and keeps the dense copy for the rest: see :data:`MAX_QUANTIZED_TOKENS` for what was measured. On CUDA
+a quantized projection keeps no dense copy: the Triton kernel dequantizes in registers at every batch size.
+"""
 
 import torch
 import torch.nn.functional as F
+
+from spindle.kernels import quantized_linear
+from spindle.kernels.quant import QuantizedWeight
+
+MAX_QUANTIZED_TOKENS = {8: 2, 4: 8}
+"""Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense bf16 weight.
+
+Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
+step, bf16 oneDNN-packed / int8 / int4 group 32): 1 token 22.5 / 14.2 / 8.3, 4 tokens 16.7 / 20.7 / 14.3, 16 tokens
+32.1 / 111 / 31.9. torch's int8 kernel loses from 4 tokens on, its int4 one is no faster than bf16 past ~8.
+"""
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -10,7 +27,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Return oneDNN's blocked copy of ``weight [out, in]``, for :func:`linear`'s ``packed`` argument.
+    """Return oneDNN's blocked copy of ``weight [out, in]``, which :class:`Projection` runs in place of it.
 
     ``F.linear`` reorders a plain bf16 weight into this layout on every call. Measured on 2 cores over SmolLM2's
     projections (30 layers and the lm head, ms per step): batch 1 17.5 -> 10.4, batch 64 68.4 -> 56.4, a 512-token
@@ -19,18 +36,88 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+class Projection:
+    """One projection's weight in the forms its forward may take, and the choice between them per call.
+
+    Args:
+        weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
+            On the CPU in bf16 it is pre-packed (:func:`pack_weight`).
+        bias: ``[out]`` or None.
+        quantized: the weight-only quantized form, or None. On the CPU it is repacked into the layout of torch's
+            kernel for its bit width; on CUDA it stays as it is, for the Triton kernel.
+
+    Raises:
+        ValueError: when neither form is given.
+
+    """
+
+    def __init__(
+        self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, quantized: QuantizedWeight | None = None
+    ) -> None:
+        if weight is None and quantized is None:
+            raise ValueError("a projection needs a dense or a quantized weight")
+        self.bias = bias
+        self.dense = weight
+        self.packed = pack_weight(weight) if weight is not None and can_pack(weight) else None
+        if self.packed is not None:
+            self.dense = None  # the packed copy stands in for it; keeping both would double the memory
+        self.quantized = quantized
+        self.bits = 0 if quantized is None else quantized.bits
+        self._cpu_quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        if quantized is not None and quantized.qweight.device.type == "cpu":
+            dtype = torch.float32 if weight is None else weight.dtype
+            self._cpu_quantized = _repack_for_cpu(quantized, dtype)
+
+    def uses_quantized(self, num_tokens: int) -> bool:
+        """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
+        if self.quantized is None:
+            return False
+        no_dense = self.dense is None and self.packed is None
+        return no_dense or self._cpu_quantized is None or num_tokens <= MAX_QUANTIZED_TOKENS[self.bits]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``."""
+        if not self.uses_quantized(x.numel() // x.shape[-1]):
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return F.linear(x, self.dense, self.bias)  # type: ignore[arg-type]
+        if self._cpu_quantized is None:
+            return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
+        rows = x.reshape(-1, x.shape[-1])
+        qweight, scales = self._cpu_quantized
+        if self.bits == 8:
+            out = torch._weight_int8pack_mm(rows, qweight, scales.to(x.dtype))
+        else:
+            group_size = self.quantized.group_size  # type: ignore[union-attr]
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, qweight, group_size, scales.to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight, scales)`` in the layouts of torch's CPU kernels, scales in ``dtype``.
+
+    int8: the int8 matrix as it is and the row scales ``[out]``. int4: the matrix repacked by
+    ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved ``[in // group, out, 2]``.
+    """
+    if weight.bits == 8:
+        return weight.qweight.contiguous(), weight.scales[:, 0].to(dtype).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)
+    scales_and_zeros = torch.stack([weight.scales.T, weight.zeros.T], dim=-1)  # type: ignore[union-attr]
+    return packed, scales_and_zeros.to(dtype).contiguous()
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prepared: Projection | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``, through the pre-packed copy of ``weight`` when there is one.
+    """``x @ weight.T + bias``, through ``prepared`` when the model has prepared its weights.
 
     Args:
         x: ``[..., in]``.
-        weight: ``[out, in]``; unread when ``packed`` is given (it may then be an empty placeholder).
-        bias: ``[out]`` or None.
-        packed: ``weight`` packed by :func:`pack_weight`, or None.
+        weight: ``[out, in]``; unread when ``prepared`` is given (it may then be an empty placeholder).
+        bias: ``[out]`` or None; unread when ``prepared`` is given (it holds its own).
+        prepared: the projection's prepared forms, or None to run ``F.linear`` on ``weight``.
 
     """
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias) if prepared is None else prepared(x)

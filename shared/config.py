@@ -30,6 +30,9 @@ class EngineConfig:
     Attributes:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
         dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16`` for weights, activations and the KV cache.
+        quantization: weight-only quantization of the projections: ``auto`` (a GGUF file's own Q4_0/Q4_1 as int4,
+            Q8_0 as int8; other models unquantized), ``none``, ``int8`` (per output row) or ``int4`` (groups of 32
+            inputs); quantized at load where the checkpoint is not. The lm head stays at 8 bits under int4.
         device: ``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``.
         max_model_len: longest prompt + completion; defaults to the model's ``max_position_embeddings``.
         block_size: tokens per KV cache block.
@@ -47,6 +50,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -60,6 +64,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization={self.quantization!r} must be one of auto, none, int8, int4")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be one of auto, cpu, cuda")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -12,12 +12,13 @@ from spindle.kernels import (
     attention_metadata,
     build_cos_sin_cache,
     paged_attention,
+    quant,
     reshape_and_cache,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
 )
-from spindle.kernels.linear import linear, pack_weight
+from spindle.kernels.linear import MAX_QUANTIZED_TOKENS, Projection, linear
 
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
@@ -206,10 +207,68 @@ def test_packed_linear_equals_plain(rows: int) -> None:
     weight = torch.randn(96, 64, generator=generator).bfloat16()
     bias = torch.randn(96, generator=generator).bfloat16()
     x = torch.randn(rows, 64, generator=generator).bfloat16()
-    packed = pack_weight(weight)
+    projection = Projection(weight, bias)
 
-    assert torch.equal(linear(x, weight, bias, packed), F.linear(x, weight, bias))
-    assert torch.equal(linear(x, torch.empty(0, dtype=torch.bfloat16), packed=packed), F.linear(x, weight))
+    assert projection.packed is not None and projection.dense is None
+    assert torch.equal(linear(x, torch.empty(0), prepared=projection), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_rounds_each_weight_to_its_nearest_level(bits: int) -> None:
+    weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(bits)) * 0.1
+    q = quant.quantize(weight, bits)
+
+    assert q.shape == (48, 128) and q.bits == bits
+    assert torch.equal(quant.pack_int4(q.unpacked()), q.qweight) if bits == 4 else q.qweight.dtype == torch.int8
+    steps = q.scales.repeat_interleave(q.group_size, dim=1)
+    # Round to nearest: no weight is further than half a step from its level (plus float32 rounding).
+    assert ((quant.dequantize(q) - weight).abs() <= steps * (0.5 + 1e-4)).all()
+    if bits == 4:  # asymmetric: each group's extremes are levels 0 and 15 exactly
+        groups = weight.view(48, -1, q.group_size)
+        torch.testing.assert_close(quant.dequantize(q).view_as(groups).amin(-1), groups.amin(-1))
+        torch.testing.assert_close(quant.dequantize(q).view_as(groups).amax(-1), groups.amax(-1))
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1"])
+def test_gguf_int4_blocks_decode_as_gguf_does(gguf_type: str) -> None:
+    """The GGUF Q4 rows keep their scales and offsets exactly: same values as the gguf library's dequantize."""
+    import gguf
+
+    from spindle.backend.models.loader import _gguf_int4
+
+    kind = gguf.GGMLQuantizationType[gguf_type]
+    weight = (torch.randn(40, 96, generator=torch.Generator().manual_seed(3)) * 0.2).numpy()
+    blocks = gguf.quants.quantize(weight, kind)
+
+    ours = quant.dequantize(_gguf_int4(torch.from_numpy(blocks), with_min=gguf_type == "Q4_1"))
+
+    torch.testing.assert_close(ours, torch.from_numpy(gguf.quants.dequantize(blocks, kind)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(bits: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(bits)
+    weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    quantized = quant.quantize(weight, bits)
+    projection = Projection(weight, bias, quantized)
+    limit = MAX_QUANTIZED_TOKENS[bits]
+
+    for rows in (1, limit, limit + 1, 40):
+        x = torch.randn(rows, 128, generator=generator).to(dtype)
+        out = projection(x)
+        assert out.shape == (rows, 96) and out.dtype == dtype
+        if rows > limit:
+            assert not projection.uses_quantized(rows)
+            torch.testing.assert_close(out, F.linear(x, weight, bias), atol=0, rtol=0)
+            continue
+        assert projection.uses_quantized(rows)
+        want = quant.quantized_linear(x.float(), quantized, bias.float())
+        # fp32: summation order only. bf16: the kernel rounds its scales (and int4 offsets) to bf16 and the output
+        # once; measured worst 0.4% of the output's range.
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
 def test_attend_under_torch_compile_matches_eager() -> None:

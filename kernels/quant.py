@@ -1,0 +1,131 @@
+"""Weight-only quantized matrices: the one layout every path starts from, quantization at load, torch references.
+
+A :class:`QuantizedWeight` holds an ``[out, in]`` matrix as integers with float scales (and, for 4 bits, offsets):
+
+- **int8**, one scale per output row: ``w[n, k] = q[n, k] * scale[n]``.
+- **int4**, one scale and one offset per group of ``group_size`` consecutive inputs of a row, two values per byte
+  (input ``2i`` in the low nibble, ``2i + 1`` in the high one): ``w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``
+  with ``g = k // group_size``. GGUF's Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) blocks of 32 map onto it
+  exactly: ``scale = d`` and ``zero = 0``, resp. ``zero = m + 8 * d``. The ``- 8`` is the convention of torch's CPU
+  int4 kernel, which the CPU path repacks into.
+
+The CPU path (:mod:`spindle.kernels.linear`) repacks these into torch's CPU int8/int4 kernel layouts; the Triton
+kernel reads them as they are; :func:`quantized_linear` here is the reference both are tested against.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP_SIZE = 32
+"""Inputs per scale when quantizing to int4 at load: GGUF's block size, the finest group torch's CPU kernel takes."""
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight-only quantized ``[out_features, in_features]`` matrix (layout in the module docstring).
+
+    Attributes:
+        qweight: int8 ``[out, in]`` (8 bits) or uint8 ``[out, in // 2]``, two 4-bit values per byte (4 bits).
+        scales: float32 ``[out, in // group_size]``.
+        zeros: float32 ``[out, in // group_size]`` for 4 bits; None for 8 bits (symmetric).
+        group_size: inputs per scale; ``in_features`` for int8 (one scale per row).
+
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+
+    @property
+    def bits(self) -> int:
+        """8 or 4."""
+        return 8 if self.qweight.dtype == torch.int8 else 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)`` of the matrix it stands for."""
+        out, stored = self.qweight.shape
+        return out, stored if self.bits == 8 else 2 * stored
+
+    def unpacked(self) -> torch.Tensor:
+        """The integer values ``q``, int32 ``[out, in]`` (0..15 for int4, -128..127 for int8)."""
+        if self.bits == 8:
+            return self.qweight.to(torch.int32)
+        low, high = (self.qweight & 0xF).to(torch.int32), (self.qweight >> 4).to(torch.int32)
+        return torch.stack([low, high], dim=-1).flatten(-2)
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        """The same weight with its tensors on ``device``."""
+        zeros = None if self.zeros is None else self.zeros.to(device)
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Pack int ``[out, in]`` values in 0..15 two per byte (``in`` even): input ``2i`` low nibble, ``2i + 1`` high."""
+    values = values.to(torch.uint8)
+    return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE) -> QuantizedWeight:
+    """Quantize a float ``[out, in]`` weight: int8 symmetric per row, or int4 asymmetric per group of inputs.
+
+    int4 groups map their minimum to ``q = 0`` and maximum to ``q = 15`` (round to nearest), as GGUF's Q4_1 does.
+
+    Raises:
+        ValueError: for ``bits`` other than 8 or 4, or an int4 ``in_features`` not divisible by ``group_size``.
+
+    """
+    w = weight.detach().float()
+    out, inputs = w.shape
+    if bits == 8:
+        scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
+        return QuantizedWeight(q, scales, None, inputs)
+    if bits != 4:
+        raise ValueError(f"weights quantize to 8 or 4 bits, not {bits}")
+    if inputs % group_size or group_size % 2:
+        raise ValueError(f"int4 needs in_features ({inputs}) divisible by an even group_size ({group_size})")
+    groups = w.view(out, inputs // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).view(out, inputs)
+    return QuantizedWeight(pack_int4(q), scales, low + 8 * scales, group_size)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float ``[out, in]`` matrix ``weight`` stands for, computed in float32 and rounded once to ``dtype``."""
+    q = weight.unpacked().float()
+    out, inputs = q.shape
+    scales = weight.scales.repeat_interleave(weight.group_size, dim=1)
+    if weight.zeros is None:
+        return (q * scales).to(dtype)
+    zeros = weight.zeros.repeat_interleave(weight.group_size, dim=1)
+    return ((q - 8) * scales + zeros).to(dtype)
+
+
+def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack matrices of equal ``in_features`` and format along the output rows (fused q/k/v, gate/up)."""
+    first = weights[0]
+    if any(w.bits != first.bits or w.group_size != first.group_size for w in weights):
+        raise ValueError("only weights of one bit width and group size stack")
+    zeros = None if first.zeros is None else torch.cat([w.zeros for w in weights])  # type: ignore[misc]
+    return QuantizedWeight(
+        torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), zeros, first.group_size
+    )
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` (torch reference): float32 accumulation, output in ``x``'s dtype.
+
+    Args:
+        x: ``[..., in_features]``.
+        weight: the quantized ``[out_features, in_features]`` matrix.
+        bias: ``[out_features]`` or None.
+
+    """
+    out = x.float() @ dequantize(weight).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,211 @@
+"""Weight-only quantized GEMM in Triton: ``x @ dequantize(weight).T + bias`` without a float copy of the weight.
+
+Reads a :class:`~spindle.kernels.quant.QuantizedWeight` as it is stored (int8 rows, or int4 nibble pairs with
+per-group scales and offsets). Grid ``(M tiles, N tiles)``: each program loops over K, loads a tile of integer
+weights, turns it into the activation dtype in registers and feeds it with the activation tile to ``tl.dot``, which
+accumulates in float32. The integers are the only weight bytes read, which is what makes this worth having: decode
+steps are bound by weight bandwidth, and int4 reads a quarter of what bf16 would.
+
+int8 with one scale per row takes a shortcut: the integers are exact in bf16/fp16, so the dot runs on them as they
+are and the row scale multiplies the float32 sum once at the end: cheaper than scaling every element, and no
+weight is rounded to the activation dtype.
+
+Tile sizes come from a small fixed set, so a model compiles a handful of variants per layer shape, and the number
+of tokens ``M`` is not specialised on: a new batch size does not recompile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from spindle.kernels.quant import QuantizedWeight
+from spindle.kernels.triton.attention_tile import dot_in_fp32
+
+BLOCK_K_CHOICES = (64, 32, 16)
+"""Inputs per K step, largest first. A group-wise weight (int4) takes the largest that divides its group size, so
+that a step stays inside one group and needs one scale per row (32 and a scale per element if none does); int8 with
+one scale per row takes 64, or 32 for float32, whose tiles are twice the bytes."""
+
+
+# Only M changes from step to step; the strides are per-layer constants (x's rows are K apart whatever M is), so they
+# keep Triton's divisibility specialisation, which lets the loads vectorise.
+@triton.jit(do_not_specialize=["M"])
+def _quant_linear_kernel(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    PACKED: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows and columns past the edge wrap onto valid ones instead of being masked: the loads in the K loop stay
+    # unmasked (and vectorised), and the store below drops the duplicates.
+    x_rows = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm
+    n = (cols % N).to(tl.int64)
+    w_rows = qweight_ptr + n[:, None] * stride_qn
+    s_rows = scales_ptr + n * stride_sn
+    z_rows = zeros_ptr + n * stride_sn
+    k_range = tl.arange(0, BLOCK_K)
+    # int4 stores inputs 2i and 2i+1 in one byte: a K step reads half as many bytes as it has inputs.
+    b_range = tl.arange(0, BLOCK_K // 2) if PACKED else k_range
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + k_range
+        if PACKED:
+            b = k0 // 2 + b_range
+        else:
+            b = k
+        if EVEN_K:
+            x = tl.load(x_rows + k[None, :])
+            q = tl.load(w_rows + b[None, :])
+        else:
+            x = tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+            # Masked inputs read q = 0, a weight of 0 (or of the zero point): harmless against x = 0.
+            q = tl.load(w_rows + b[None, :], mask=(b < (K // 2 if PACKED else K))[None, :], other=0)
+        if PACKED:
+            q = tl.interleave(q & 0xF, q >> 4)
+        if ROW_SCALE:
+            # |q| <= 128 is exact in every activation dtype. Under the interpreter bf16 dots run in float32 and its
+            # integer-to-bf16 cast gives wrong bits, so q goes to float32 directly.
+            if DOT_FP32:
+                w = q.to(tl.float32)
+            else:
+                w = q.to(x.dtype)
+        else:
+            if SCALE_PER_TILE:
+                # The step lies inside one group (BLOCK_K divides GROUP_SIZE): one scale per weight row.
+                g = k0 // GROUP_SIZE
+                s = tl.load(s_rows + g)[:, None]
+                if HAS_ZEROS:
+                    z = tl.load(z_rows + g)[:, None]
+            else:
+                g = tl.minimum(k, K - 1)[None, :] // GROUP_SIZE
+                s = tl.load(s_rows[:, None] + g)
+                if HAS_ZEROS:
+                    z = tl.load(z_rows[:, None] + g)
+            # float32 as in the reference, then one rounding to the dtype the dot takes.
+            if HAS_ZEROS:
+                w = ((q.to(tl.float32) - 8.0) * s + z).to(x.dtype)
+            else:
+                w = (q.to(tl.float32) * s).to(x.dtype)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        # "ieee" keeps fp32 products exact on GPUs that would round them to TF32 (bf16/fp16 are unaffected).
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+
+    if ROW_SCALE:
+        acc *= tl.load(s_rows)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` with the weight dequantized in registers (Triton; same contract as torch's).
+
+    The weight tiles are rounded to ``x``'s dtype for the tensor cores (the reference keeps them in float32), except
+    int8 with one scale per row, whose integers go in exactly. Accumulation is float32, the output rounded once.
+
+    Args:
+        x: ``[..., in_features]``, float32, bfloat16 or float16.
+        weight: the quantized ``[out_features, in_features]`` matrix, on ``x``'s device.
+        bias: ``[out_features]`` or None.
+
+    Returns:
+        ``[..., out_features]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: when ``x``'s last dimension is not ``in_features``.
+
+    """
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {in_features}")
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    qweight, scales = _last_dim_contiguous(weight.qweight), _last_dim_contiguous(weight.scales)
+    zeros = None if weight.zeros is None else _last_dim_contiguous(weight.zeros)
+    if zeros is not None and zeros.stride(0) != scales.stride(0):
+        zeros = zeros.contiguous()
+        scales = scales.contiguous()
+    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
+    num_rows = rows.shape[0]
+    if num_rows == 0 or out_features == 0:
+        return out
+    if in_features == 0:
+        # Nothing to multiply: the bias alone, as the reference gives.
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    packed = weight.bits == 4
+    row_scale = weight.zeros is None and weight.group_size == in_features
+    block_m, block_n, block_k = _block_sizes(num_rows, x.dtype, row_scale, weight.group_size)
+    out_rows = out.view(num_rows, out_features)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
+    _quant_linear_kernel[grid](
+        rows,
+        qweight,
+        scales,
+        scales if zeros is None else zeros,
+        out if bias is None else bias,
+        out_rows,
+        num_rows,
+        out_features,
+        in_features,
+        # One row's stride is never used; K keeps it from being specialised on as 1 or a new value.
+        rows.stride(0) if num_rows > 1 else in_features,
+        qweight.stride(0),
+        scales.stride(0),
+        out_rows.stride(0),
+        GROUP_SIZE=weight.group_size,
+        PACKED=packed,
+        HAS_ZEROS=zeros is not None,
+        ROW_SCALE=row_scale,
+        SCALE_PER_TILE=weight.group_size % block_k == 0,
+        HAS_BIAS=bias is not None,
+        EVEN_K=in_features % block_k == 0,
+        DOT_FP32=dot_in_fp32(x.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out
+
+
+def _block_sizes(num_rows: int, dtype: torch.dtype, row_scale: bool, group_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` from a fixed set: 16..64 rows, 32 or 64 columns, 16..64 inputs."""
+    # 16 rows is the smallest tensor-core tile; decode batches fit in one and take narrower column tiles, so that
+    # more programs share the weight stream.
+    block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 32 if block_m == 16 else 64
+    if row_scale:
+        block_k = 32 if dtype == torch.float32 else 64
+    else:
+        block_k = next((b for b in BLOCK_K_CHOICES if group_size % b == 0), 32)
+    return block_m, block_n, block_k
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
