@@ -122,11 +122,27 @@ class BlockManager:
     def free_blocks(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finished, aborted or preempted)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+            self._release(block_id)
         seq.block_table = []
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past ``seq``'s computed tokens, and publish the full blocks its computed tokens fill.
+
+        After a speculative step the engine core moves ``num_computed_tokens`` back over the rejected drafts: their
+        K/V slots, written but never published, are given back (or overwritten by the next tokens).
+        """
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        if self.enable_prefix_caching:
+            self._publish_full_blocks(seq, seq.num_computed_tokens)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -135,12 +151,15 @@ class BlockManager:
         block.ref_count += 1
 
     def _publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        # Blocks before the computed prefix were published when they filled, so start after them.
-        first = seq.num_computed_tokens // self.block_size
+        # Only blocks of known tokens: a speculative step also computes draft tokens, which may yet be rejected.
+        end = min(num_tokens, len(seq)) // self.block_size
+        # Earlier blocks were published when they filled: walk back to the last one that was.
+        first = end
+        while first and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
         parent = self.blocks[seq.block_table[first - 1]].hash if first else root_hash(seq.params.cache_salt)
-        for i in range(first, num_tokens // self.block_size):
+        for i in range(first, end):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                block.hash = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                self.cached.setdefault(block.hash, block.block_id)
+            block.hash = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash

@@ -10,6 +10,7 @@ from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler import Scheduler
 from spindle.backend.sequence import Sequence
+from spindle.backend.speculative import propose
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError
@@ -58,6 +59,9 @@ class EngineCore:
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        # Speculative decoding: draft tokens verified, and accepted, since start-up.
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self.info = EngineInfo(
             model_name=Path(config.model).name if config.model else DEFAULT_MODEL_NAME,
             max_model_len=self.max_model_len,
@@ -119,6 +123,8 @@ class EngineCore:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -127,6 +133,7 @@ class EngineCore:
 
     def step(self) -> list[SequenceDelta]:
         """Schedule, run, sample, apply the runner's output; return what changed for each sequence that got a token."""
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -139,16 +146,30 @@ class EngineCore:
             seq.prompt_logprobs.extend(out.prompt_logprobs.get(seq.seq_id, ()))
             seq.num_computed_tokens += num_new
         deltas = []
-        for seq, token_id, logprobs in zip(out.sampled_seqs, out.token_ids, out.logprobs, strict=True):
-            seq.token_ids.append(token_id)
-            self._check_stop(seq, token_id)
-            first = seq.num_output_tokens == 1
+        for seq, token_ids, logprobs in zip(out.sampled_seqs, out.token_ids, out.logprobs, strict=True):
+            first = seq.num_output_tokens == 0
+            num_drafts = len(seq.spec_token_ids)
+            if num_drafts:
+                # The rejected drafts' K/V is not the sequence's: step back over it.
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_draft_tokens += len(token_ids) - 1
+                seq.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
+                seq.spec_token_ids = []
+            emitted = 0
+            for token_id in token_ids:
+                seq.token_ids.append(token_id)
+                emitted += 1
+                self._check_stop(seq, token_id)
+                if seq.is_finished:
+                    break
+            if num_drafts and not seq.is_finished:
+                self.block_manager.trim(seq)
             deltas.append(
                 SequenceDelta(
                     request_id=seq.request_id,
                     index=seq.index,
-                    new_token_ids=[token_id],
-                    new_logprobs=None if logprobs is None else [logprobs],
+                    new_token_ids=token_ids[:emitted],
+                    new_logprobs=None if logprobs is None else logprobs[:emitted],
                     prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
@@ -159,6 +180,16 @@ class EngineCore:
             if seq.is_finished:
                 self._forget_if_done(seq.request_id)
         return deltas
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding sequence that speculates its draft tokens for the next step (prompt lookup)."""
+        for seq in self.scheduler.running:
+            wanted = seq.params.num_speculative_tokens
+            if wanted and len(seq) - seq.num_computed_tokens == 1:
+                # Never past max_tokens or the context: the step emits up to one token more than its drafts.
+                max_tokens = seq.params.max_tokens or self.max_model_len
+                wanted = min(wanted, max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1)
+                seq.spec_token_ids = propose(seq.token_ids, wanted)
 
     def _forget_if_done(self, request_id: str) -> None:
         """Drop a request once all its completions have finished (it is no longer unfinished work)."""

@@ -1,5 +1,6 @@
 """Runs the model on one scheduled batch: builds the flat token batch, owns the KV cache, samples."""
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from spindle.backend.models.loader import load_model, quantized_weights, resolve
 from spindle.backend.sampler import Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
+from spindle.backend.speculative import accepted_tokens
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.cpu import cpu_ops
 from spindle.shared import TokenLogprobs
@@ -118,6 +120,20 @@ class DecodeGraphs:
         return self._steps[size]()[:num]
 
 
+def _draft_views(seq: Sequence, num_drafts: int) -> list[Sequence]:
+    """``seq`` as the sampler must see it at each of its ``num_drafts + 1`` rows.
+
+    Each view has the drafts before its row appended to its tokens, so that penalties and ``min_tokens`` count them
+    as output (as they would once accepted). The views share ``seq``'s parameters and generator.
+    """
+    views = []
+    for i in range(num_drafts + 1):
+        view = copy.copy(seq)
+        view.token_ids = seq.token_ids + seq.spec_token_ids[:i]
+        views.append(view)
+    return views
+
+
 def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> torch.Tensor:
     graph.replay()
     return output
@@ -132,9 +148,11 @@ class RunnerOutput:
 
     Attributes:
         sampled_seqs: the sequences whose known tokens are all computed after this step, each of which sampled one
-            token.
-        token_ids: the token sampled for each of ``sampled_seqs``, row for row.
-        logprobs: per row, the log-probabilities the sequence asked for (``params.logprobs``), else ``None``.
+            token, or with drafts (speculative decoding) one to ``1 + len(seq.spec_token_ids)``.
+        token_ids: the tokens sampled for each of ``sampled_seqs``, row for row: the accepted drafts, then the
+            model's own next token.
+        logprobs: per row, the log-probabilities of each of its tokens when the sequence asked for them
+            (``params.logprobs``), else ``None``.
         prompt_logprobs: by ``seq_id``, the prompt log-probabilities of the positions computed this step that the
             sequence does not have yet, in order: they extend ``seq.prompt_logprobs``. Only sequences that asked for
             them and got new positions appear.
@@ -142,8 +160,8 @@ class RunnerOutput:
     """
 
     sampled_seqs: list[Sequence] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
@@ -311,6 +329,8 @@ class ModelRunner:
         for seq, n in zip(seqs, query_lens, strict=True):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
+            if start + n > len(seq):  # a decode with drafts
+                input_ids.extend(seq.spec_token_ids[: start + n - len(seq)])
             positions.extend(range(start, start + n))
             seq_lens.append(start + n)
         device = self.device
@@ -329,14 +349,28 @@ class ModelRunner:
                 self.kv_caches,
             )
         output = RunnerOutput(prompt_logprobs=self._prompt_logprobs(seqs, query_start_loc, hidden))
-        done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end == len(seq)]
+        done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end >= len(seq)]
         if not done:
             return output
         output.sampled_seqs = [seqs[i] for i in done]
-        rows = torch.tensor([query_start_loc[i + 1] - 1 for i in done], device=device)
-        logits = self.model.compute_logits(hidden[rows])
-        sampled = self.sampler(logits, output.sampled_seqs)
-        output.token_ids, output.logprobs = sampled.token_ids, sampled.logprobs
+        # One row per token to sample: a sequence's last position, and for a decode with drafts each draft's too.
+        rows, row_seqs = [], []
+        for i in done:
+            seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
+            rows += range(query_start_loc[i + 1] - 1 - num_drafts, query_start_loc[i + 1])
+            row_seqs += [seq] if not num_drafts else _draft_views(seq, num_drafts)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
+        sampled = self.sampler(logits, row_seqs)
+        row = 0
+        for i in done:
+            seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
+            tokens = sampled.token_ids[row : row + num_drafts + 1]
+            if num_drafts:
+                tokens = accepted_tokens(seq.spec_token_ids[:num_drafts], tokens)
+            output.token_ids.append(tokens)
+            logprobs = sampled.logprobs[row : row + len(tokens)]
+            output.logprobs.append(None if logprobs[0] is None else logprobs)  # type: ignore[arg-type]
+            row += num_drafts + 1
         return output
 
     def _prompt_logprobs(

@@ -23,7 +23,8 @@ STEP_OVERHEAD = 24
 class ScheduledBatch:
     """One step's work: each sequence with the number of its tokens to compute now.
 
-    A decode contributes 1 token; a prefill contributes a chunk of its uncomputed prompt (chunked prefill).
+    A decode contributes 1 token, plus its draft tokens when it speculates (``seq.spec_token_ids``, trimmed to what
+    the budget holds); a prefill contributes a chunk of its uncomputed prompt (chunked prefill).
     """
 
     seqs: list[Sequence]
@@ -82,7 +83,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            if num_new > 1:
+            if num_new == 1 and seq.spec_token_ids:
+                # A decode with drafts: the last token and as many drafts as the budget holds, verified together.
+                del seq.spec_token_ids[budget - 1 :]
+                num_new += len(seq.spec_token_ids)
+                if not self.block_manager.can_allocate(seq, num_new):
+                    # Drafts are worth no one's preemption.
+                    seq.spec_token_ids, num_new = [], 1
+            elif num_new > 1:
                 num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills)
                 prefills += 1
                 if not num_new:
@@ -159,6 +167,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        seq.spec_token_ids = []
         self.block_manager.free_blocks(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -44,6 +44,8 @@ class Sequence:
         # n > 1 completions of a seeded request must differ, so each gets seed + index.
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # This step's draft tokens (speculative decoding), computed after the last token; not part of token_ids.
+        self.spec_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
 
     def __len__(self) -> int:

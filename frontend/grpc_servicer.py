@@ -248,6 +248,8 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             num_free_kv_blocks=stats.num_free_blocks,
             num_total_kv_blocks=stats.num_total_blocks,
             num_preemptions=stats.num_preemptions,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
         )
 
     def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:

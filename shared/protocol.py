@@ -57,13 +57,18 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineStats(msgspec.Struct, array_like=True):
-    """The scheduler's and the KV cache's state after a step."""
+    """The scheduler's and the KV cache's state after a step, and speculative decoding's counts since start-up.
+
+    ``num_accepted_draft_tokens / num_draft_tokens`` is the acceptance rate of the draft tokens verified so far.
+    """
 
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class EngineInfo(msgspec.Struct):

@@ -6,6 +6,9 @@ import msgspec
 
 from spindle.shared.errors import InvalidRequestError
 
+MAX_SPECULATIVE_TOKENS = 16
+"""The most draft tokens a request may ask to verify per step: past a few, a CPU step costs more than it saves."""
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample the completion(s) of one prompt; the fields mean what they mean in vLLM.
@@ -39,6 +42,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         spaces_between_special_tokens: put spaces around special tokens in the text.
         cache_salt: isolates the prefix cache: cached KV blocks are shared only between requests with the same
             salt (give each tenant its own); ``None`` shares with every other unsalted request.
+        num_speculative_tokens: up to this many draft tokens per step by prompt lookup (n-gram speculation:
+            continue the longest recent n-gram found earlier in the prompt or output), all verified in one forward
+            pass. Exact: greedy output is unchanged and sampled output keeps its distribution; it pays when the
+            output copies from the input (summaries, edits, code). 0 (the default) turns it off.
 
     """
 
@@ -63,6 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
@@ -107,6 +115,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.prompt_logprobs,
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
             "None or an integer in [0, 20]",
+        )
+        _check(
+            "num_speculative_tokens",
+            self.num_speculative_tokens,
+            0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
         )
         _check(
             "logit_bias",

@@ -4,6 +4,7 @@ import random
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -50,15 +51,21 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("speculative", [0, 4], ids=["plain", "ngram4"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_greedy_matches_transformers(scenario, tiny_llm_dir, prompts, expected):
+def test_greedy_matches_transformers(scenario, speculative, tiny_llm_dir, prompts, expected):
+    """Also with n-gram speculation: the same tokens, and every block back once done (rejected drafts' included)."""
     llm = LLM(str(tiny_llm_dir), **{"dtype": "float32", "kv_cache_memory": "4MiB", **SCENARIOS[scenario]})
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    params = msgspec.structs.replace(GREEDY, num_speculative_tokens=speculative)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert [o.prompt_token_ids for o in outputs] == prompts
     core = llm.llm_engine.core
     assert (core.scheduler.num_preemptions > 0) == (scenario == "preemption")
     assert core.block_manager.num_free_blocks == core.num_blocks
+    stats = core.stats()
+    # The tiny model's greedy output repeats itself, so drafts are found; some are rejected.
+    assert (stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0) == bool(speculative)
 
 
 def test_abort_mid_generation_frees_every_block(tiny_llm_dir, prompts, expected):

@@ -1,6 +1,7 @@
 """End to end on the embedded SmolLM2-135M-Instruct (fp32): greedy parity with transformers and the text-level
 sampling parameters (stop strings, special tokens, eos handling, logprobs)."""
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -57,12 +58,18 @@ def expected(hf_model, prompt_ids) -> list[list[int]]:
     [dict(), dict(max_num_batched_tokens=16), dict(kv_cache_memory="12MiB", max_model_len=256)],
     ids=["one_batch", "chunked_prefill", "preemption"],
 )
-def test_greedy_matches_transformers(engine_args, llm, prompt_ids, expected):
+@pytest.mark.parametrize("speculative", [0, 4], ids=["plain", "ngram4"])
+def test_greedy_matches_transformers(engine_args, speculative, llm, prompt_ids, expected):
+    """Also with n-gram speculation, whose drafts the repetitive prompts accept: the same tokens."""
     engine = llm if not engine_args else LLM(dtype="float32", **{"max_model_len": 2048, **engine_args})
-    outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY, use_tqdm=False)
+    core = engine.llm_engine.core
+    accepted_before = core.stats().num_accepted_draft_tokens
+    params = msgspec.structs.replace(GREEDY, num_speculative_tokens=speculative)
+    outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    preempted = engine.llm_engine.core.scheduler.num_preemptions
-    assert (preempted > 0) == ("kv_cache_memory" in engine_args)
+    assert (core.scheduler.num_preemptions > 0) == ("kv_cache_memory" in engine_args)
+    assert (core.stats().num_accepted_draft_tokens > accepted_before) == bool(speculative)
+    assert core.block_manager.num_free_blocks == core.num_blocks
 
 
 def test_text_prompts_and_chat_give_the_same_completion(llm, prompt_ids, expected):
