@@ -15,7 +15,7 @@ MAX_NGRAM = 4
 
 MIN_NGRAM = 2
 """The shortest suffix looked up. A single token recurs too often to predict what follows it, and on a CPU a
-rejected draft is not free (a step of 5 tokens costs ~1.7x one of 1 on the int4 path)."""
+rejected draft is not free (SmolLM2's int4 projections: 7.7 ms for one token, 9.2 for four)."""
 
 
 def propose(token_ids: list[int], num_tokens: int) -> list[int]:

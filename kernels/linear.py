@@ -9,15 +9,16 @@ a quantized projection keeps no dense copy: the Triton kernel dequantizes in reg
 import torch
 import torch.nn.functional as F
 
-from spindle.kernels import quantized_linear
+from spindle.kernels import cpu, quantized_linear
 from spindle.kernels.quant import QuantizedWeight
 
-MAX_QUANTIZED_TOKENS = {8: 2, 4: 8}
+MAX_QUANTIZED_TOKENS = {8: 3, 4: 8}
 """Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense bf16 weight.
 
 Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
-step, bf16 oneDNN-packed / int8 / int4 group 32): 1 token 22.5 / 14.2 / 8.3, 4 tokens 16.7 / 20.7 / 14.3, 16 tokens
-32.1 / 111 / 31.9. torch's int8 kernel loses from 4 tokens on, its int4 one is no faster than bf16 past ~8.
+step; bf16 oneDNN-packed / int8 ``spindle.kernels.cpu.int8_linear`` / int4 torch's ``_weight_int4pack_mm_for_cpu``,
+group 32): 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2, 8 tokens 16.6 / 30.8 /
+20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one token and 111 for 16.)
 """
 
 
@@ -85,7 +86,9 @@ class Projection:
             return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
         rows = x.reshape(-1, x.shape[-1])
         qweight, scales = self._cpu_quantized
-        if self.bits == 8:
+        if self.bits == 8 and rows.shape[0] <= cpu.MAX_INT8_TOKENS and x.dtype in (torch.float32, torch.bfloat16):
+            out = cpu.int8_linear(rows, qweight, scales)
+        elif self.bits == 8:
             out = torch._weight_int8pack_mm(rows, qweight, scales.to(x.dtype))
         else:
             group_size = self.quantized.group_size  # type: ignore[union-attr]
@@ -98,11 +101,12 @@ class Projection:
 def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qweight, scales)`` in the layouts of torch's CPU kernels, scales in ``dtype``.
 
-    int8: the int8 matrix as it is and the row scales ``[out]``. int4: the matrix repacked by
+    int8: the int8 matrix as it is and the row scales ``[out]`` (which ``spindle.kernels.cpu.int8_linear`` takes in
+    float32, and torch's kernel in ``dtype``). int4: the matrix repacked by
     ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved ``[in // group, out, 2]``.
     """
     if weight.bits == 8:
-        return weight.qweight.contiguous(), weight.scales[:, 0].to(dtype).contiguous()
+        return weight.qweight.contiguous(), weight.scales[:, 0].float().contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)
     scales_and_zeros = torch.stack([weight.scales.T, weight.zeros.T], dim=-1)  # type: ignore[union-attr]
     return packed, scales_and_zeros.to(dtype).contiguous()

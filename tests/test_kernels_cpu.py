@@ -11,6 +11,7 @@ from spindle.kernels import (
     attend,
     attention_metadata,
     build_cos_sin_cache,
+    cpu,
     paged_attention,
     quant,
     reshape_and_cache,
@@ -243,6 +244,19 @@ def test_gguf_int4_blocks_decode_as_gguf_does(gguf_type: str) -> None:
     ours = quant.dequantize(_gguf_int4(torch.from_numpy(blocks), with_min=gguf_type == "Q4_1"))
 
     torch.testing.assert_close(ours, torch.from_numpy(gguf.quants.dequantize(blocks, kind)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_kernel_matches_the_reference_for_every_token_count(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(8)
+    quantized = quant.quantize(torch.randn(72, 96, generator=generator) * 0.1, 8)
+    for rows in range(1, cpu.MAX_INT8_TOKENS + 1):
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        want = quant.quantized_linear(x.float(), quantized)
+        out = cpu.int8_linear(x, quantized.qweight, quantized.scales)
+        assert out.dtype == dtype
+        tolerance = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
+        torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -1,5 +1,6 @@
-"""C++ kernels for the CPU path, built on first use with torch's JIT extension builder and cached across runs.
+"""C++ kernels for the CPU path (attention, per-token ops, small-batch int8 projections), built and cached on use.
 
+They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 50 s on a 2-core machine. The library is kept as
 ``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>.so`` (default ``~/.cache/spindle``, the variable the model
 loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's versions: every
@@ -27,7 +28,7 @@ import torch
 _NAME = "spindle_cpu_ops"
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp")
+    for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "quant_linear.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("common.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -90,6 +91,25 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary embedding of the query and key heads in one pass; the contract of ``spindle.kernels.rotary``'s."""
     return cpu_ops().rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+MAX_INT8_TOKENS = 8
+"""The most tokens :func:`int8_linear` takes (it keeps a register accumulator per token)."""
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (qweight * scales).T`` for 1 to :data:`MAX_INT8_TOKENS` rows, the weights read once.
+
+    Args:
+        x: ``[tokens, in]``, float32 or bfloat16, dense rows; ``in`` a multiple of 32.
+        qweight: int8 ``[out, in]``.
+        scales: float32 ``[out]`` (or ``[out, 1]``), one per row.
+
+    Returns:
+        ``[tokens, out]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().int8_linear(x, qweight, scales)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
