@@ -10,10 +10,12 @@ the two runs part ways.
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from spindle.backend.engine_core import EngineCore
+from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
 from spindle.shared import SamplingParams, TokenLogprobs
 from spindle.shared.config import EngineConfig
 from spindle.shared.protocol import EngineRequest
@@ -78,6 +80,30 @@ def test_tiny_llama_gpu_matches_cpu(eager: bool, tiny_llama_dir: Path, tiny_prom
     assert_same_generation(gpu, cpu, atol=1e-4)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tiny_llama_quantized_and_speculating_gpu_matches_cpu(
+    quantization: str, tiny_llama_dir: Path, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton quantized GEMM (every call on the GPU) and speculative steps give the CPU's greedy tokens.
+
+    The CPU runs its quantized kernels for every call too, not only for small batches, so both use the same weights.
+    """
+    for bits in MAX_QUANTIZED_TOKENS:
+        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, bits, 10**9)
+    common = dict(
+        model=str(tiny_llama_dir), dtype="float32", quantization=quantization, max_num_batched_tokens=64, max_num_seqs=8
+    )
+
+    def params(i: int) -> SamplingParams:
+        return msgspec.structs.replace(tiny_params(i), num_speculative_tokens=3)
+
+    cpu = run(EngineConfig(device="cpu", kv_cache_memory="16MiB", **common), tiny_prompts, params)
+
+    gpu = run(EngineConfig(device="cuda", gpu_memory_utilization=0.3, **common), tiny_prompts, params)
+
+    assert_same_generation(gpu, cpu, atol=1e-4)
+
+
 CHAT_PROMPTS = [
     "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
     "Write a haiku about the sea, the wind and the gulls that follow the fishing boats home at dusk.",
@@ -97,12 +123,17 @@ def smollm2_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smollm2_cpu(smollm2_prompts: list[list[int]]) -> Outputs:
-    config = EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_model_len=512)
+    # Unquantized: the CPU runs a prompt's chunks on the dense weights, the GPU everything on the quantized ones.
+    config = EngineConfig(
+        dtype="float32", device="cpu", quantization="none", kv_cache_memory="256MiB", max_model_len=512
+    )
     return run(config, smollm2_prompts, lambda _: SamplingParams(temperature=0, max_tokens=32, logprobs=3))
 
 
 def test_smollm2_gpu_matches_cpu(smollm2_prompts: list[list[int]], smollm2_cpu: Outputs) -> None:
-    config = EngineConfig(dtype="float32", device="cuda", max_model_len=512, gpu_memory_utilization=0.3)
+    config = EngineConfig(
+        dtype="float32", device="cuda", quantization="none", max_model_len=512, gpu_memory_utilization=0.3
+    )
 
     gpu = run(config, smollm2_prompts, lambda _: SamplingParams(temperature=0, max_tokens=32, logprobs=3))
 
