@@ -44,8 +44,8 @@ class Projection:
         weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
             On the CPU in bf16 it is pre-packed (:func:`pack_weight`).
         bias: ``[out]`` or None.
-        quantized: the weight-only quantized form, or None. On the CPU it is repacked into the layout of torch's
-            kernel for its bit width; on CUDA it stays as it is, for the Triton kernel.
+        quantized: the weight-only quantized form, or None. On the CPU int4 is repacked into the layout of torch's
+            kernel and int8 stays as it is, for ours; on CUDA both stay as they are, for the Triton kernel.
 
     Raises:
         ValueError: when neither form is given.
@@ -86,13 +86,15 @@ class Projection:
             return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
         rows = x.reshape(-1, x.shape[-1])
         qweight, scales = self._cpu_quantized
-        if self.bits == 8 and rows.shape[0] <= cpu.MAX_INT8_TOKENS and x.dtype in (torch.float32, torch.bfloat16):
-            out = cpu.int8_linear(rows, qweight, scales)
-        elif self.bits == 8:
-            out = torch._weight_int8pack_mm(rows, qweight, scales.to(x.dtype))
-        else:
-            group_size = self.quantized.group_size  # type: ignore[union-attr]
+        group_size = self.quantized.group_size  # type: ignore[union-attr]
+        if self.bits == 4:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, qweight, group_size, scales.to(x.dtype))
+        elif rows.shape[0] <= cpu.MAX_INT8_TOKENS and x.dtype in (torch.float32, torch.bfloat16):
+            out = cpu.int8_linear(rows, qweight, scales, group_size)
+        elif scales.shape[1] == 1:
+            out = torch._weight_int8pack_mm(rows, qweight, scales[:, 0].to(x.dtype))
+        else:  # int8 by groups (GGUF's Q8_0) past our kernel's token count: torch has no kernel for it
+            return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -101,12 +103,12 @@ class Projection:
 def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qweight, scales)`` in the layouts of torch's CPU kernels, scales in ``dtype``.
 
-    int8: the int8 matrix as it is and the row scales ``[out]`` (which ``spindle.kernels.cpu.int8_linear`` takes in
-    float32, and torch's kernel in ``dtype``). int4: the matrix repacked by
+    int8: the int8 matrix and the float32 scales as they are (``spindle.kernels.cpu.int8_linear`` takes them so).
+    int4: the matrix repacked by
     ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved ``[in // group, out, 2]``.
     """
     if weight.bits == 8:
-        return weight.qweight.contiguous(), weight.scales[:, 0].float().contiguous()
+        return weight.qweight.contiguous(), weight.scales.float().contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)
     scales_and_zeros = torch.stack([weight.scales.T, weight.zeros.T], dim=-1)  # type: ignore[union-attr]
     return packed, scales_and_zeros.to(dtype).contiguous()

@@ -2,15 +2,17 @@
 
 A :class:`QuantizedWeight` holds an ``[out, in]`` matrix as integers with float scales (and, for 4 bits, offsets):
 
-- **int8**, one scale per output row: ``w[n, k] = q[n, k] * scale[n]``.
+- **int8**, one scale per output row (or per group of ``group_size`` inputs, as GGUF's Q8_0 blocks of 32):
+  ``w[n, k] = q[n, k] * scale[n, k // group_size]``.
 - **int4**, one scale and one offset per group of ``group_size`` consecutive inputs of a row, two values per byte
   (input ``2i`` in the low nibble, ``2i + 1`` in the high one): ``w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``
   with ``g = k // group_size``. GGUF's Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) blocks of 32 map onto it
-  exactly: ``scale = d`` and ``zero = 0``, resp. ``zero = m + 8 * d``. The ``- 8`` is the convention of torch's CPU
-  int4 kernel, which the CPU path repacks into.
+  exactly: ``scale = d`` and ``zero = 0``, resp. ``zero = m + 8 * d``; Q8_0 (``d * q``) maps onto int8 by groups.
+  The ``- 8`` is the convention of torch's CPU int4 kernel, which the CPU path repacks into.
 
-The CPU path (:mod:`spindle.kernels.linear`) repacks these into torch's CPU int8/int4 kernel layouts; the Triton
-kernel reads them as they are; :func:`quantized_linear` here is the reference both are tested against.
+The CPU path (:mod:`spindle.kernels.linear`) runs int8 as it is stored and repacks int4 into torch's CPU kernel
+layout; the Triton kernel reads both as they are; :func:`quantized_linear` here is the reference both are tested
+against.
 """
 
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ class QuantizedWeight:
         qweight: int8 ``[out, in]`` (8 bits) or uint8 ``[out, in // 2]``, two 4-bit values per byte (4 bits).
         scales: float32 ``[out, in // group_size]``.
         zeros: float32 ``[out, in // group_size]`` for 4 bits; None for 8 bits (symmetric).
-        group_size: inputs per scale; ``in_features`` for int8 (one scale per row).
+        group_size: inputs per scale; ``in_features`` for int8 quantized at load (one scale per row).
 
     """
 

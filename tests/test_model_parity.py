@@ -185,9 +185,14 @@ def test_smollm2_gguf_conversion(smollm2: tuple[Path, float]) -> None:
     assert (config.vocab_size, config.tie_word_embeddings, config.eos_token_ids) == (49152, True, [2])
     assert "<|im_start|>" in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
     assert {"generation_config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in model_dir.iterdir()}
-    # The file's Q4_1 projections are kept (checked against transformers' dequantized copy while converting).
+    # The file's Q4_1 projections and Q8_0 embedding are kept (checked against transformers' copy while converting).
     assert json.loads((model_dir / QUANTIZATION_FILE).read_text()) == {"gguf_type": "Q4_1", "bits": 4}
     assert resolve_quantization("auto", model_dir) == 4
+    model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    weights = quantized_weights(model, model_dir, 4)
+    assert (weights["layers.0.gate_up_proj"].bits, weights["layers.0.gate_up_proj"].group_size) == (4, 32)
+    assert (weights["lm_head"].bits, weights["lm_head"].group_size) == (8, 32)  # the tied embedding's Q8_0 blocks
+    assert quantized_weights(model, model_dir, 8)["layers.0.down_proj"].group_size == 1536  # int8 at load, per row
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZATIONS = {"none": None, "int8": 8, "int4": 4}
 """``--quantization`` names (besides ``auto``) and the weight bits they stand for."""
 
-CONVERSION_VERSION = 2
-"""Part of a converted GGUF's cache key: bumped when a conversion gains files (2: the file's own int4 blocks)."""
+CONVERSION_VERSION = 3
+"""Part of a converted GGUF's cache key, bumped when a conversion gains files: 2 kept the file's 4-bit blocks, 3 its
+8-bit ones too."""
 
 QUANTIZED_FILE = "quantized.safetensors"
-"""In a converted GGUF directory: the projections as the file quantized them (4-bit ones), in Spindle's layout."""
+"""In a converted GGUF directory: the matrices as the file quantized them (:data:`GGUF_BITS`), in Spindle's layout."""
 
 QUANTIZATION_FILE = "quantization.json"
 """In a converted GGUF directory: ``{"gguf_type": "Q4_1", "bits": 4}``, what ``--quantization auto`` serves."""
 
 GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-"""GGUF projection types served in their own precision, and the bits: Q4_0/Q4_1 blocks as they are (their scales
-and offsets map exactly onto :mod:`spindle.kernels.quant`'s int4 layout); Q8_0 blocks, with one scale per 32 inputs,
-are requantized per row at load, the only int8 layout torch's CPU kernel takes."""
+"""GGUF types served in their own precision, and the bits: their blocks of 32 map exactly onto
+:mod:`spindle.kernels.quant`'s layouts (int4 with a scale and offset per group, int8 with a scale per group)."""
 
 GGUF_PROJECTIONS = {
     "attn_q": "self_attn.q_proj",
@@ -161,8 +161,9 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
 def _save_gguf_quantization(
     gguf_file: Path, num_heads: int, num_kv_heads: int, dequantized: dict[str, torch.Tensor], out_dir: Path
 ) -> None:
-    """Keep the GGUF's Q4_0/Q4_1 projections as int4 in Spindle's layout, and record the file's projection type.
+    """Keep the GGUF's Q4_0/Q4_1/Q8_0 matrices in Spindle's layout, and record the file's projection type.
 
+    The projections, the embedding and the output matrix are kept where their type is one of :data:`GGUF_BITS`.
     Each kept matrix is checked against transformers' dequantized copy of the same tensor (``dequantized``), so a
     layout mistake fails the conversion instead of serving wrong weights. q and k rows get the same un-permutation
     transformers applies (llama.cpp stores them interleaved for its rotary).
@@ -176,29 +177,47 @@ def _save_gguf_quantization(
     kept: dict[str, torch.Tensor] = {}
     types: set[str] = set()
     for tensor in GGUFReader(gguf_file).tensors:
-        parts = tensor.name.split(".")  # blk.3.attn_q.weight
-        if parts[0] != "blk" or parts[2] not in GGUF_PROJECTIONS:
+        hf_name = _gguf_hf_name(tensor.name)
+        kind = tensor.tensor_type.name
+        if hf_name is None:
             continue
-        hf_name = f"model.layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}.weight"
-        types.add(tensor.tensor_type.name)
-        if tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+        if ".layers." in hf_name:
+            types.add(kind)
+        raw = torch.from_numpy(np.array(tensor.data))
+        if kind in ("Q4_0", "Q4_1"):
+            weight = _gguf_int4(raw, kind == "Q4_1")
+        elif kind == "Q8_0":
+            weight = _gguf_int8(raw)
+        else:
             continue
-        weight = _gguf_int4(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type.name == "Q4_1")
-        heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(parts[2])
+        heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name.split(".")[-2])
         if heads is not None:
             rows = _unpermute_rows(weight.qweight.shape[0], heads)
-            weight = QuantizedWeight(weight.qweight[rows], weight.scales[rows], weight.zeros[rows], weight.group_size)
+            zeros = None if weight.zeros is None else weight.zeros[rows]
+            weight = QuantizedWeight(weight.qweight[rows], weight.scales[rows], zeros, weight.group_size)
         reference = dequantized[hf_name].float()
         if not torch.allclose(dequantize(weight), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max())):
             raise ValueError(f"{gguf_file}: {tensor.name} does not decode to transformers' copy of {hf_name}")
         kept |= {f"{hf_name}.qweight": weight.qweight, f"{hf_name}.scales": weight.scales}
-        kept[f"{hf_name}.zeros"] = weight.zeros  # type: ignore[assignment]
-    if len(types) != 1 or next(iter(types)) not in GGUF_BITS:
-        return  # mixed or other types (K-quants...): served dequantized unless --quantization says otherwise
-    gguf_type = types.pop()
+        if weight.zeros is not None:
+            kept[f"{hf_name}.zeros"] = weight.zeros
     if kept:
         save_file({name: t.contiguous() for name, t in kept.items()}, out_dir / QUANTIZED_FILE)
-    (out_dir / QUANTIZATION_FILE).write_text(json.dumps({"gguf_type": gguf_type, "bits": GGUF_BITS[gguf_type]}))
+    if len(types) == 1 and next(iter(types)) in GGUF_BITS:
+        gguf_type = types.pop()
+        (out_dir / QUANTIZATION_FILE).write_text(json.dumps({"gguf_type": gguf_type, "bits": GGUF_BITS[gguf_type]}))
+    # Mixed or other projection types (K-quants...) are served dequantized unless --quantization says otherwise.
+
+
+def _gguf_hf_name(gguf_name: str) -> str | None:
+    """Hugging Face's name of a GGUF matrix that may be kept quantized, else None.
+
+    The matrices are a block's projections (``blk.3.attn_q.weight``), ``token_embd.weight`` and ``output.weight``.
+    """
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_PROJECTIONS:
+        return f"model.layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}.weight"
+    return {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}.get(gguf_name)
 
 
 def _gguf_int4(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
@@ -218,6 +237,18 @@ def _gguf_int4(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
     nibbles = raw[..., header:]
     values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).view(out, -1)
     return QuantizedWeight(pack_int4(values), scales, zeros, 32)
+
+
+def _gguf_int8(raw: torch.Tensor) -> QuantizedWeight:
+    """Q8_0 rows of blocks (uint8 ``[out, blocks x 34]``) in Spindle's int8 layout.
+
+    A block is 32 inputs: an fp16 scale ``d``, then 32 int8 values ``q``; the value is ``d * q``.
+    """
+    out = raw.shape[0]
+    raw = raw.view(out, -1, 34)
+    scales = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    values = raw[..., 2:].contiguous().view(torch.int8).reshape(out, -1)
+    return QuantizedWeight(values, scales, None, 32)
 
 
 def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -247,32 +278,36 @@ def resolve_quantization(name: str, model_dir: Path) -> int | None:
 def quantized_weights(model: LlamaForCausalLM, model_dir: Path, bits: int) -> dict[str, QuantizedWeight]:
     """Every projection of ``model`` quantized to ``bits``, for :meth:`LlamaForCausalLM.prepare_weights`.
 
-    int4 projections come from the GGUF file's own blocks where the conversion kept them (:data:`QUANTIZED_FILE`),
-    the others are quantized at load from the loaded weights (:func:`~spindle.kernels.quant.quantize`). The lm
-    head is int8 in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
-    files keep it at 6 bits or more for the same reason.
+    A projection comes from the GGUF file's own blocks where the conversion kept them at these bits
+    (:data:`QUANTIZED_FILE`); the others are quantized at load from the loaded weights
+    (:func:`~spindle.kernels.quant.quantize`). The lm head is 8-bit in either case: 4-bit logits cost quality that
+    its share of the work does not repay, and GGUF files keep it at 6 bits or more for the same reason.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
-    if bits == 4 and path.is_file():
+    if path.is_file():
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
+            names = set(f.keys())
+            for key in sorted(names):
                 if not key.endswith(".qweight"):
                     continue
                 hf_name = key.removesuffix(".qweight")
-                weight = QuantizedWeight(
-                    f.get_tensor(key), f.get_tensor(f"{hf_name}.scales"), f.get_tensor(f"{hf_name}.zeros"), 32
-                )
+                qweight, scales = f.get_tensor(key), f.get_tensor(f"{hf_name}.scales")
+                zeros = f.get_tensor(f"{hf_name}.zeros") if f"{hf_name}.zeros" in names else None
+                inputs = qweight.shape[1] * (1 if qweight.dtype == torch.int8 else 2)
                 name, offset, _ = model.parameter_slice(hf_name)
-                stored.setdefault(name, []).append((offset, weight))
+                stored.setdefault(name, []).append(
+                    (offset, QuantizedWeight(qweight, scales, zeros, inputs // scales.shape[1]))
+                )
     weights = {}
     for name, (module, attr) in model.projections().items():
-        parts = sorted(stored.get(name, []), key=lambda part: part[0])
+        wanted = 8 if name == "lm_head" else bits
+        parts = sorted(stored.get("embed_tokens" if attr == "embed_tokens" else name, []), key=lambda p: p[0])
         dense = getattr(module, attr)
-        if parts and sum(w.shape[0] for _, w in parts) == dense.shape[0]:
+        if parts and all(w.bits == wanted for _, w in parts) and sum(w.shape[0] for _, w in parts) == len(dense):
             weights[name] = cat_rows([w for _, w in parts]).to(dense.device)
         else:
-            weights[name] = quantize(dense, 8 if name == "lm_head" else bits)
+            weights[name] = quantize(dense, wanted)
     return weights
 
 

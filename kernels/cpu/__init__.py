@@ -97,19 +97,20 @@ MAX_INT8_TOKENS = 8
 """The most tokens :func:`int8_linear` takes (it keeps a register accumulator per token)."""
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (qweight * scales).T`` for 1 to :data:`MAX_INT8_TOKENS` rows, the weights read once.
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` of an int8 weight, for 1 to :data:`MAX_INT8_TOKENS` rows, the weights read once.
 
     Args:
-        x: ``[tokens, in]``, float32 or bfloat16, dense rows; ``in`` a multiple of 32.
+        x: ``[tokens, in]``, float32 or bfloat16, dense rows.
         qweight: int8 ``[out, in]``.
-        scales: float32 ``[out]`` (or ``[out, 1]``), one per row.
+        scales: float32 ``[out, in // group_size]``.
+        group_size: inputs per scale, a multiple of 32 (``in`` for one scale per row).
 
     Returns:
         ``[tokens, out]`` in ``x``'s dtype.
 
     """
-    return cpu_ops().int8_linear(x, qweight, scales)
+    return cpu_ops().int8_linear(x, qweight, scales, group_size)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
                                                     const at::Tensor& key, const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t group_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "One query token per sequence over its paged context.");
@@ -23,5 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normalised, sum).");
   m.def("rotary_embedding", &rotary_embedding, "Neox rotary embedding of query and key heads.");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up row.");
-  m.def("int8_linear", &int8_linear, "x @ W.T for 1-8 tokens, W int8 with a scale per row.");
+  m.def("int8_linear", &int8_linear, "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
 }

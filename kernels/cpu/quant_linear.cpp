@@ -4,7 +4,7 @@
 // A decode step of a small model is bound by reading its weights. torch's CPU int8 kernel
 // (aten::_weight_int8pack_mm) reads them at ~7.5 GB/s on two EPYC cores; this one at ~17 (SmolLM2's 30 layers of
 // projections, one token: 14.2 against 6.1 ms). The layout is spindle.kernels.quant's, as stored: one int8 value a
-// byte and a float32 scale per row. (A kernel of the same build for int4 ran no faster than torch's int4 one, whose
+// byte and a float32 scale per row or per group of inputs (GGUF's Q8_0 blocks of 32). (A kernel of the same build for int4 ran no faster than torch's int4 one, whose
 // unpacking, not memory, bounds it on this CPU: the int4 path uses torch's.)
 #include <ATen/ATen.h>
 
@@ -23,16 +23,19 @@ namespace {
 constexpr int64_t LANES = 16;     // floats in one AVX-512 register: the width the inner loops are written for
 constexpr int64_t MAX_TOKENS = 8;  // calls with more tokens run the dense weights (spindle.kernels.linear)
 
-// One output row of the int8 kernel for M tokens: sum(q x) into totals[m], before the row's scale.
+// One output row of the int8 kernel for M tokens: sum(q scale x) into totals[m]; scales holds the row's one scale per
+// group_size inputs (a multiple of 32, so that each step of 32 inputs has one scale).
 template <int M>
-inline void int8_row(const float* x, int64_t inputs, const int8_t* q, float* totals) {
+inline void int8_row(const float* x, int64_t inputs, const int8_t* q, const float* scales, int64_t group_size,
+                     float* totals) {
 #ifdef __AVX512F__
   __m512 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < inputs; k += 2 * LANES) {
+    const __m512 scale = _mm512_set1_ps(scales[k / group_size]);
     for (int half = 0; half < 2; ++half) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + half * LANES));
-      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
       for (int m = 0; m < M; ++m) {
         acc[m][half] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * inputs + k + half * LANES), acc[m][half]);
       }
@@ -42,8 +45,9 @@ inline void int8_row(const float* x, int64_t inputs, const int8_t* q, float* tot
 #else
   float acc[M][LANES] = {};
   for (int64_t k = 0; k < inputs; k += LANES) {
+    const float scale = scales[k / group_size];
     for (int m = 0; m < M; ++m) {
-      for (int64_t i = 0; i < LANES; ++i) acc[m][i] += static_cast<float>(q[k + i]) * x[m * inputs + k + i];
+      for (int64_t i = 0; i < LANES; ++i) acc[m][i] += static_cast<float>(q[k + i]) * scale * x[m * inputs + k + i];
     }
   }
   for (int m = 0; m < M; ++m) {
@@ -55,12 +59,13 @@ inline void int8_row(const float* x, int64_t inputs, const int8_t* q, float* tot
 
 template <typename T, int M>
 void int8_rows(const std::vector<float>& x, int64_t inputs, const int8_t* qweight, const float* scales,
-               int64_t outputs, T* out) {
+               int64_t group_size, int64_t outputs, T* out) {
+  const int64_t groups = inputs / group_size;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < outputs; ++n) {
     float totals[M];
-    int8_row<M>(x.data(), inputs, qweight + n * inputs, totals);
-    for (int m = 0; m < M; ++m) out[m * outputs + n] = static_cast<T>(totals[m] * scales[n]);
+    int8_row<M>(x.data(), inputs, qweight + n * inputs, scales + n * groups, group_size, totals);
+    for (int m = 0; m < M; ++m) out[m * outputs + n] = static_cast<T>(totals[m]);
   }
 }
 
@@ -98,13 +103,16 @@ void check_input(const at::Tensor& x, int64_t inputs) {
 
 }  // namespace
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t group_size) {
   const int64_t outputs = qweight.size(0), inputs = qweight.size(1);
   check_input(x, inputs);
   TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar, "qweight must be dense int8");
-  TORCH_CHECK(inputs % (2 * LANES) == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs,
-              "scales must be dense float32 [out, 1]");
+  TORCH_CHECK(group_size % (2 * LANES) == 0 && inputs % group_size == 0,
+              "group_size must be a multiple of 32 that divides in_features");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.numel() == outputs * (inputs / group_size),
+              "scales must be dense float32 [out, in / group_size]");
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
   std::vector<float> rows(x.size(0) * inputs);
   with_dtype(x, [&](auto* type) {
@@ -113,7 +121,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
       for (int64_t k = 0; k < inputs; ++k) rows[m * inputs + k] = to_float(x.data_ptr<T>()[m * x.stride(0) + k]);
     with_tokens(x.size(0), [&](auto tokens) {
       int8_rows<T, decltype(tokens)::value>(rows, inputs, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                                            outputs, out.data_ptr<T>());
+                                            group_size, outputs, out.data_ptr<T>());
     });
   });
   return out;
