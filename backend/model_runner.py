@@ -187,8 +187,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
-        self.quantization_bits = resolve_quantization(config.quantization, model_dir)
-        bits = self.quantization_bits
+        bits = resolve_quantization(config.quantization, model_dir)
         self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
         logger.info(
             "Loaded %s (%s, %s) in %.1f s",

@@ -3,7 +3,7 @@
 Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`spindle.kernels.triton`,
 CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention, norms, rotary, SwiGLU; the cache write is torch's
 ``index_copy_``). The torch versions of the norm, rotary, SwiGLU and quantized projection stay as references, and all
-three paths share their signatures (quantized projections reach torch's CPU kernels through
+three paths share their signatures (on the CPU, quantized projections run through
 :class:`~spindle.kernels.linear.Projection`). :func:`force_triton` sends CPU tensors to Triton too, which runs
 them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was first imported: that is how the
 tests prove the kernels without a GPU. Triton is imported on first use only, so the
@@ -86,8 +86,8 @@ reshape_and_cache = _dispatch(attention.reshape_and_cache)
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
 rotary_embedding = _dispatch(rotary.rotary_embedding, cpu.rotary_embedding)
 silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)
-# On the CPU, spindle.kernels.linear.Projection runs torch's int8/int4 kernels on weights repacked for them; this
-# CPU fallback is the torch reference.
+# On the CPU, spindle.kernels.linear.Projection runs the int8/int4 kernels (ours, torch's); this CPU fallback is the
+# torch reference.
 quantized_linear = _dispatch(quant.quantized_linear)
 
 
