@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from spindle.backend.memory import MemorySnapshot, kv_cache_budget
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
 from spindle.backend.sampler import Sampler
@@ -19,8 +20,9 @@ from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import accepted_tokens
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.cpu import cpu_ops
-from spindle.shared import TokenLogprobs
+from spindle.shared import SamplingParams, TokenLogprobs
 from spindle.shared.config import EngineConfig
+from spindle.shared.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,10 @@ class ModelRunner:
         use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda":
+            # Before the weights: the KV budget counts what this process takes from here on (spindle.backend.memory).
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.memory_at_start = MemorySnapshot.take(self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
         bits = resolve_quantization(config.quantization, model_dir)
@@ -214,17 +220,21 @@ class ModelRunner:
         return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.block_size * element_size
 
     def init_cache(self, max_model_len: int) -> int:
-        """Profile one maximal forward pass, size the KV cache from the memory budget, allocate it.
+        """Profile one maximal step, size the KV cache from the memory budget, allocate it.
 
-        On CUDA the budget is ``gpu_memory_utilization`` of the device minus what is in use after loading and the
-        profiled activation peak; on the CPU it is ``kv_cache_memory``. On CUDA the decode graphs are captured
-        next; their memory pool comes out of the profiled peak's reserve, since a decode step never has more
-        tokens than the profiled pass. Returns the number of blocks.
+        On CUDA the budget is this engine's share of the device, ``gpu_memory_utilization``, minus what this process
+        uses: its weights, the profiled step's reserved peak and what the device lost outside torch since start-up
+        (:func:`~spindle.backend.memory.kv_cache_budget`); other processes' memory is not counted against it. On the
+        CPU it is ``kv_cache_memory``. On CUDA the decode graphs are captured next; their memory pool comes out of the
+        profiled peak's reserve, since a decode step never has more tokens than the profiled pass. Returns the number
+        of blocks.
         """
-        peak_activations = self._profile_run(max_model_len)
+        self._profile_run(max_model_len, sample=self.device.type == "cuda")
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak_activations
+            torch.cuda.empty_cache()
+            now = MemorySnapshot.take(self.device)
+            peak = torch.cuda.max_memory_reserved(self.device)
+            budget = kv_cache_budget(self.config.gpu_memory_utilization, self.memory_at_start, now, peak)
             knob = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
         else:
             budget = self.config.kv_cache_memory
@@ -278,11 +288,15 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
 
-    def _profile_run(self, max_model_len: int) -> int:
-        """One forward of ``max_num_batched_tokens`` prompt tokens plus sampling; returns its CUDA activation peak.
+    def _profile_run(self, max_model_len: int, sample: bool) -> None:
+        """Run the most a step can do, so that torch's memory peak covers every real step.
 
-        The tokens form sequences of at most ``max_model_len``, as a real step's do: a budget larger than the
-        model's context must not ask for positions past it.
+        That is a forward of ``max_num_batched_tokens`` prompt tokens and, with ``sample`` (on CUDA, where the peak
+        sizes the cache; on the CPU it would only slow the start by seconds), every one of ``max_num_seqs``
+        sequences sampling with top-k/top-p over nearly the whole vocabulary and the most logprobs, and a full
+        chunk's prompt log-probabilities. The tokens form sequences of at most ``max_model_len``, as a real step's
+        do: a budget larger than the model's context must not ask for positions past it. (The profile's own small KV
+        cache is in the peak too, which errs on the safe side.)
         """
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = min(self.config.max_num_seqs, num_tokens)
@@ -293,21 +307,18 @@ class ModelRunner:
             tables.append(list(range(num_blocks, num_blocks + -(-n // self.block_size))))
             num_blocks += len(tables[-1])
         caches = self._allocate_kv_caches(num_blocks)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         meta = AttentionMetadata.from_lists(lens, lens, tables, self.block_size, self.device)
+        vocab = self.model_config.vocab_size
+        widest = SamplingParams(temperature=0.8, top_k=max(vocab - 1, 1), top_p=0.9, logprobs=MAX_LOGPROBS)
         with torch.inference_mode():
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)
-            self.model.compute_logits(hidden[:num_seqs]).argmax(dim=-1)
-        if self.device.type != "cuda":
-            return 0
-        peak = torch.cuda.max_memory_allocated() - baseline
-        del caches, hidden
-        torch.cuda.empty_cache()
-        return peak
+            if not sample:
+                return
+            seqs = [Sequence("profile", i, [0], widest, 0.0) for i in range(num_seqs)]
+            self.sampler(self.model.compute_logits(hidden[:num_seqs]), seqs)
+            targets = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            self.sampler.prompt_logprobs(self.model.compute_logits(hidden), targets, MAX_LOGPROBS)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:

@@ -6,6 +6,9 @@ import msgspec
 
 from spindle.shared.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a request may ask for, per generated or prompt token (vLLM's default limit)."""
+
 MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens a request may ask to verify per step: past a few, a CPU step costs more than it saves."""
 
@@ -107,14 +110,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(
             "logprobs",
             self.logprobs,
-            self.logprobs is None or 0 <= self.logprobs <= 20,
-            "None or an integer in [0, 20]",
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
         )
         _check(
             "prompt_logprobs",
             self.prompt_logprobs,
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-            "None or an integer in [0, 20]",
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
         )
         _check(
             "num_speculative_tokens",

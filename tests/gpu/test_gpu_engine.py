@@ -156,6 +156,15 @@ def test_smollm2_bf16_gpu_prompt_logprobs_near_fp32_cpu(smollm2_prompts: list[li
     assert diffs.mean() < 0.15 and diffs.max() < 1.0, f"mean {diffs.mean():.3f}, max {diffs.max():.3f}"
 
 
+def test_two_engines_share_one_device(tiny_llama_dir: Path) -> None:
+    """A second engine at 0.3 beside a first at 0.3 gets a cache of the same size: its budget counts its own use."""
+    config = EngineConfig(model=str(tiny_llama_dir), device="cuda", gpu_memory_utilization=0.3)
+    first = EngineCore(config)
+    second = EngineCore(config)
+    assert first.num_blocks > 0
+    assert abs(second.num_blocks - first.num_blocks) <= 0.05 * first.num_blocks
+
+
 def test_kv_cache_and_graphs_stay_within_gpu_memory_utilization(tiny_llama_dir: Path) -> None:
     utilization = 0.2
     free, total = torch.cuda.mem_get_info()
