@@ -10,6 +10,7 @@ from itertools import accumulate
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
 from spindle.backend.models.config import ModelConfig
@@ -259,8 +260,22 @@ class ModelRunner:
             max_model_len,
         )
         if self.device.type == "cuda":
+            self._warm_up_kernels()
             self._capture_decode_graphs(max_model_len)
         return num_blocks
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the decode kernel for every split count (seconds each), so that no request's step waits on one.
+
+        The profile pass compiled the rest: the prefill kernel and the per-token ops have no step-dependent
+        compile-time constants, and their step-varying integers are not specialised on.
+        """
+        from spindle.kernels.triton.decode_attention import SPLIT_COUNTS, warm_up
+
+        mc = self.model_config
+        query = torch.zeros(1, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        for count in tqdm(SPLIT_COUNTS, desc="Compiling the decode kernels", unit="variant"):
+            warm_up(query, *self.kv_caches[0], count)
 
     def _capture_decode_graphs(self, max_model_len: int) -> None:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()

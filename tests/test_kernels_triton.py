@@ -333,3 +333,55 @@ def test_quantized_linear(weight_case: str, dtype: torch.dtype, num_rows: int, w
     # float32), and near-zero outputs are sums of large terms: the absolute tolerance scales with the output.
     unit = 1e-5 if dtype == torch.float32 else 2 * 2**-7
     torch.testing.assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
+
+
+JIT_STALL_CHECK = """
+import random, sys, torch
+from spindle.kernels.triton import compile_check
+from spindle.kernels.triton.decode_attention import SPLIT_COUNTS, decode_attention, num_splits_for, warm_up
+sys.modules["spindle.kernels.triton.decode_attention"]._multiprocessors = lambda device: 132  # an H200's SMs
+from spindle.kernels.triton.prefill_attention import prefill_attention
+
+heads, kv_heads, head_size, block = 8, 2, 64, 16
+cache = torch.zeros(2, 4096, block, kv_heads, head_size, dtype=torch.bfloat16)
+query = torch.zeros(512, heads, head_size, dtype=torch.bfloat16)
+warmed, served = set(), set()
+
+compile_check.record_only(warmed)  # what the runner's start-up compiles: every split count, and one prefill step
+for count in SPLIT_COUNTS:
+    warm_up(query[:1], cache[0], cache[1], count)
+tables = torch.zeros(2, 1, dtype=torch.int32)
+lens = torch.tensor([1, 5], dtype=torch.int32)
+prefill_attention(query, cache[0], cache[1], tables, lens, torch.tensor([0, 1, 5], dtype=torch.int32), 4, 0.1, query, 1)
+
+compile_check.record_only(served)  # a varied workload: batch sizes, contexts, table widths, decodes before prefills
+rng = random.Random(0)
+for _ in range(200):
+    num_decodes, num_prefills = rng.randint(0, 40), rng.randint(0, 3)
+    seq_lens = [rng.randint(1, 30000) for _ in range(num_decodes + num_prefills)]
+    width = max(-(-n // block) for n in seq_lens)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    if num_decodes:
+        splits = num_splits_for(num_decodes, kv_heads, max(seq_lens[:num_decodes]), torch.device("cuda"))
+        out = query[:num_decodes]
+        decode_attention(query[:num_decodes], cache[0], cache[1], tables, lens, 0.1, out, splits)
+    if num_prefills:
+        starts = torch.tensor([0] * (num_decodes + 1) + [rng.randint(1, 100)] * num_prefills).cumsum(0)
+        prefill_attention(query, cache[0], cache[1], tables, lens, starts.int(), 100, 0.1, query, num_decodes)
+new = served - warmed
+print(len(warmed), len(served), len(new))
+assert not new, new
+"""
+
+
+def test_a_varied_workload_compiles_nothing_after_warm_up() -> None:
+    """Every Triton variant a varied workload launches was compiled by the start-up warm-up: no stall mid-request.
+
+    Run without the interpreter, with launches recorded instead of compiled (``compile_check.record_only``): the
+    decode kernel's split counts come from a small set, and the integers that change from step to step (the first
+    prefill's index, the block tables' width) are not specialised on.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", JIT_STALL_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -70,6 +70,28 @@ def compile_only(arch: int, compiled: list[dict[str, Any]]) -> None:
     triton.knobs.runtime.jit_cache_hook = compile_and_skip
 
 
+def record_only(variants: set[tuple[str, str]]) -> None:
+    """Make every later kernel launch in this process add its compile variant to ``variants`` and launch nothing.
+
+    A variant is the kernel's name and what Triton compiles it for (argument types and specialisations, constants):
+    a launch whose variant is new would compile in a real run. Nothing is compiled here, so it takes no time.
+
+    Raises:
+        RuntimeError: when the kernels were built for the interpreter (``TRITON_INTERPRET=1`` at import).
+
+    """
+    if triton.knobs.runtime.interpret:
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter does not specialise")
+
+    def record_and_skip(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        key = repr((compile["signature"], compile["constants"], compile["configs"]))
+        variants.add((fn.name, key))
+        return True
+
+    driver.set_active(_TargetOnlyDriver(GPUTarget("cuda", 90, 32)))
+    triton.knobs.runtime.jit_cache_hook = record_and_skip
+
+
 def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> None:
     """Call every Triton kernel once per variant that compiles differently (dtype, head size, GQA group, splits).
 

@@ -22,14 +22,20 @@ from spindle.kernels.triton.attention_tile import attend_tile, check_layout, dot
 BLOCK_N = 64
 """Keys per tile."""
 
-MAX_SPLITS = 16
+SPLIT_COUNTS = (1, 2, 4, 8, 16)
+"""Every number of slices a context is split into. ``NUM_SPLITS`` is a compile-time constant of both kernels, so each
+count is a compile (seconds on a GPU): counts are powers of two, all compiled at start-up by :func:`warm_up`, and no
+step meets a new one while serving."""
+
+MAX_SPLITS = SPLIT_COUNTS[-1]
 """The most slices one sequence's context is split into."""
 
 MIN_TOKENS_PER_SPLIT = 256
 """A slice gets at least this many tokens (four tiles), so that the merge stays small next to the work it splits."""
 
 
-@triton.jit
+# The block tables' row stride follows the step's longest table: not specialised on, or each new width would compile.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -139,12 +145,13 @@ def _merge_kernel(
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """How many slices to split each context into: enough programs for two waves over the GPU's SMs.
 
-    Capped by :data:`MAX_SPLITS` and by ``max_seq_len / MIN_TOKENS_PER_SPLIT``. On the CPU (the interpreter) there
-    is nothing to fill, so short batches stay at one split.
+    Capped by :data:`MAX_SPLITS` and by ``max_seq_len / MIN_TOKENS_PER_SPLIT``, then rounded down to one of
+    :data:`SPLIT_COUNTS`. On the CPU (the interpreter) there is nothing to fill, so short batches stay at one split.
     """
     processors = _multiprocessors(device) if device.type == "cuda" else 1
     for_occupancy = math.ceil(2 * processors / max(1, num_seqs * num_kv_heads))
-    return max(1, min(MAX_SPLITS, for_occupancy, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)))
+    wanted = max(1, min(MAX_SPLITS, for_occupancy, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)))
+    return max(count for count in SPLIT_COUNTS if count <= wanted)
 
 
 @functools.cache
@@ -230,3 +237,22 @@ def decode_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
+
+
+def warm_up(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_splits: int) -> None:
+    """Compile both kernels for ``num_splits`` slices now, at start-up, rather than in a request's step.
+
+    Runs one decode of one sequence over the first cache block (the kernels' other compile-time constants are the
+    model's: head size, GQA group, block size, dtype). Call it for every count of :data:`SPLIT_COUNTS`.
+
+    Args:
+        query: ``[1, num_heads, head_size]`` in the model's dtype (its values do not matter).
+        k_cache: a layer's ``[num_blocks, block_size, num_kv_heads, head_size]`` cache.
+        v_cache: same shape as ``k_cache``.
+        num_splits: the count to compile for.
+
+    """
+    device = query.device
+    block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 1.0, torch.empty_like(query), num_splits)

@@ -24,7 +24,9 @@ BLOCK_N = 64
 consumer GPUs at head size 128."""
 
 
-@triton.jit
+# The first prefill's index follows the step's number of decodes and the block tables' row stride its longest table:
+# neither is specialised on, or each new value (1, a multiple of 16, other) would compile mid-request.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
