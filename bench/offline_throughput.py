@@ -44,8 +44,10 @@ def output_lengths(workload: str, num_prompts: int, max_tokens: int) -> list[int
     return [rng.randint(max_tokens // 4, max_tokens) for _ in range(num_prompts)]
 
 
-def bench_spindle(prompts: list[str], lengths: list[int], repeats: int, dtype: str, quantization: str) -> float:
-    llm = LLM(kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
+def bench_spindle(
+    model: str | None, prompts: list[str], lengths: list[int], repeats: int, dtype: str, quantization: str
+) -> float:
+    llm = LLM(model, kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     rates = []
@@ -56,8 +58,10 @@ def bench_spindle(prompts: list[str], lengths: list[int], repeats: int, dtype: s
     return statistics.median(rates)
 
 
-def bench_transformers(prompts: list[str], lengths: list[int], repeats: int, dtype: torch.dtype) -> float:
-    model_dir = resolve_model(None)
+def bench_transformers(
+    model: str | None, prompts: list[str], lengths: list[int], repeats: int, dtype: torch.dtype
+) -> float:
+    model_dir = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -81,6 +85,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["fixed", "varied"], choices=["fixed", "varied"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default="auto", help="Spindle's --quantization (auto: the file's int4)")
+    parser.add_argument("--model", default=None, help="a model directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers (a large model on a GPU, say)")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
     print(
@@ -90,8 +96,11 @@ def main() -> None:
     for workload in args.workloads:
         lengths = output_lengths(workload, args.num_prompts, args.max_tokens)
         for dtype in args.dtypes:
-            spindle = bench_spindle(prompts, lengths, args.repeats, dtype, args.quantization)
-            hf = bench_transformers(prompts, lengths, args.repeats, getattr(torch, dtype))
+            spindle = bench_spindle(args.model, prompts, lengths, args.repeats, dtype, args.quantization)
+            if args.no_peer:
+                print(f"{workload:6s} {dtype:8s}  spindle {spindle:7.1f} tok/s  (median of {args.repeats})")
+                continue
+            hf = bench_transformers(args.model, prompts, lengths, args.repeats, getattr(torch, dtype))
             print(
                 f"{workload:6s} {dtype:8s}  spindle {spindle:7.1f} tok/s  transformers {hf:7.1f} tok/s  "
                 f"ratio {spindle / hf:5.2f}x  (medians of {args.repeats})"
