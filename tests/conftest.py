@@ -7,6 +7,8 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"llama3_tied"``: Llama 3 rope scaling with ``original_max_position_embeddings=64``, so all three frequency bands
   (kept, interpolated, slowed) occur in a head of 16; tied embeddings.
 - ``"qwen2"``: q/k/v biases.
+- ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
+  context (the GPU tests' long contexts and big heads).
 
 Weights are drawn wider than transformers' init (std 0.1, norm weights in [0.5, 1.5], random biases) so that
 attention is far from uniform and a wrong norm, bias or rotation changes the logits visibly.
@@ -19,11 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 # Triton decides once, when it is first imported (transformers imports it early), whether its kernels run compiled
-# or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors.
-if shutil.which("nvidia-smi") is None:
+# or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors. torch asks the driver
+# (importing torch does not import Triton); a binary on PATH, such as nvidia-smi, may be missing where CUDA works.
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_COMMON = {
@@ -57,6 +61,19 @@ TINY_VARIANTS = {
         },
     ),
     "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    **{
+        f"llama_h128_g{group}": (
+            "LlamaConfig",
+            {
+                "hidden_size": 128 * group,
+                "num_attention_heads": group,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": 4096,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+        for group in (4, 8)
+    },
 }
 
 
@@ -72,7 +89,7 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
             import transformers
 
             config_class, extra = TINY_VARIANTS[variant]
-            config = getattr(transformers, config_class)(**TINY_COMMON, **extra)
+            config = getattr(transformers, config_class)(**{**TINY_COMMON, **extra})
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with torch.no_grad():

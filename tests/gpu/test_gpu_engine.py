@@ -7,6 +7,7 @@ checked against float32 on the CPU with teacher forcing (prompt log-probabilitie
 the two runs part ways.
 """
 
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def run(
         core.runner.decode_graphs = None
     elif config.device == "cuda":
         assert core.runner.decode_graphs is not None
+    return run_on(core, prompts, params)
+
+
+def run_on(core: EngineCore, prompts: list[list[int]], params: Callable[[int], SamplingParams]) -> Outputs:
+    """Generate every prompt to the end on a started engine."""
     for i, prompt in enumerate(prompts):
         core.add_request(EngineRequest(str(i), prompt, params(i), arrival_time=0.0))
     generated: dict[str, list[TokenLogprobs]] = {str(i): [] for i in range(len(prompts))}
@@ -102,6 +108,89 @@ def test_tiny_llama_quantized_and_speculating_gpu_matches_cpu(
     gpu = run(EngineConfig(device="cuda", gpu_memory_utilization=0.3, **common), tiny_prompts, params)
 
     assert_same_generation(gpu, cpu, atol=1e-4)
+
+
+def sampled(i: int) -> SamplingParams:
+    """Seeded sampling through every stage: temperature, top-k, the three penalties and a logit bias."""
+    return SamplingParams(
+        temperature=0.8,
+        top_k=20,
+        seed=i,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias={5: 3.0},
+        max_tokens=24,
+        ignore_eos=True,
+        logprobs=2,
+    )
+
+
+@pytest.mark.parametrize("variant", ["llama_h128_g4", "llama_h128_g8"])
+def test_big_heads_long_contexts_high_blocks_and_sampling_match_cpu(
+    variant: str, make_tiny_model: Callable[[str], Path]
+) -> None:
+    """Head size 128 with GQA 4 and 8, contexts past 2k tokens (several decode splits), the cache's highest block
+    ids, prompts sharing a 2,048-token prefix (prefix-cache hits for those admitted after the first), and seeded
+    sampling with penalties and a bias: the GPU samples the CPU's tokens."""
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (2048,), generator=generator).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 60, 300)]
+    prompts.append(torch.randint(3, 256, (2500,), generator=generator).tolist())
+    common = dict(model=str(make_tiny_model(variant)), dtype="float32", max_model_len=4096, max_num_batched_tokens=512)
+    cpu = run(EngineConfig(device="cpu", kv_cache_memory="256MiB", **common), prompts, sampled)
+
+    core = EngineCore(EngineConfig(device="cuda", gpu_memory_utilization=0.3, **common))
+    # The free list reversed: every sequence lives in the highest block ids (offsets past 2**31 elements, if the
+    # cache is that large).
+    core.block_manager.free = OrderedDict.fromkeys(reversed(range(core.num_blocks)))
+    gpu = run_on(core, prompts, sampled)
+
+    assert_same_generation(gpu, cpu, atol=1e-3)
+
+
+def test_bf16_decode_graphs_over_many_steps_match_eager(tiny_llama_dir: Path, tiny_prompts: list[list[int]]) -> None:
+    """bf16 decodes replayed from CUDA graphs for 200 steps follow the eager GPU run token for token, but where the
+    two runs' top two tokens were within 0.05 nats (the graphs split the context by max_model_len, eager by the
+    step's longest context: the sums' order differs)."""
+    common = dict(model=str(tiny_llama_dir), dtype="bfloat16", max_num_seqs=8, gpu_memory_utilization=0.3)
+
+    def params(_: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=2)
+
+    graphs = run(EngineConfig(device="cuda", **common), tiny_prompts, params)
+    eager = run(EngineConfig(device="cuda", **common), tiny_prompts, params, eager=True)
+
+    for (replayed, _), (plain, _) in zip(graphs.values(), eager.values(), strict=True):
+        assert len(replayed) == len(plain) == 200
+        for a, b in zip(replayed, plain, strict=True):
+            if a.token_ids[0] != b.token_ids[0]:
+                assert b.logprobs[1] - b.logprobs[2] < 0.05 or b.logprobs[0] - b.logprobs[1] < 0.05
+                break
+
+
+def test_no_triton_compile_after_start_up(
+    make_tiny_model: Callable[[str], Path], tiny_prompts: list[list[int]]
+) -> None:
+    """The start-up warm-up compiled every variant a varied workload needs: no request waits on Triton's compiler."""
+    import triton
+
+    model = str(make_tiny_model("llama_h128_g4"))
+    config = EngineConfig(model=model, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
+    core = EngineCore(config)
+    compiled: list[str] = []
+
+    def count(*, fn: object, **_: object) -> bool:
+        compiled.append(fn.name)  # type: ignore[attr-defined]
+        return False  # compile as usual
+
+    triton.knobs.runtime.jit_cache_hook = count
+    try:
+        run_on(core, tiny_prompts, tiny_params)
+        run_on(core, [p * 10 for p in tiny_prompts], sampled)  # contexts up to 3,010 tokens: more decode splits
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert not compiled, compiled
 
 
 CHAT_PROMPTS = [
