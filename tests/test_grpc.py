@@ -392,7 +392,11 @@ def test_a_full_queue_is_resource_exhausted_and_a_dead_backend_flips_health(tiny
             running = client.generate("first", **LONG)
             next(running)
             waiting = client.generate("second", **LONG)
-            time.sleep(0.3)  # let it be accepted
+            # The third goes in as soon as the second is accepted, long before the first's 400 tokens are done (a
+            # fixed pause raced them: on a fast machine the first finished and the second left the queue first).
+            deadline = time.monotonic() + 10
+            while server.server.servicer.num_queued < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
             with pytest.raises(grpc.RpcError) as error:
                 list(client.generate("third"))
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 1" in error.value.details()
