@@ -1,8 +1,9 @@
 """Projections (``x @ W.T + b``) as the forward runs them: dense, pre-packed for oneDNN, or weight-only quantized.
 
 On the CPU in bf16 a dense weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
-projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs torch's CPU int8/int4 weight-only kernels for small
-batches only, and keeps the dense copy for the rest: see :data:`MAX_QUANTIZED_TOKENS` for what was measured. On CUDA
+projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs a weight-only kernel (int8 ours,
+``spindle.kernels.cpu.int8_linear``; int4 torch's) for small batches only, and keeps the dense copy for the rest: see
+:data:`MAX_QUANTIZED_TOKENS` for what was measured. On CUDA
 a quantized projection keeps no dense copy: the Triton kernel dequantizes in registers at every batch size.
 """
 

@@ -129,8 +129,8 @@ def _convert_gguf_atomically(gguf_file: Path, target: Path) -> None:
 def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     """Write a dequantized Hugging Face checkpoint of ``gguf_file`` into ``out_dir``, with its tokenizer.
 
-    Beside it go the file's own 4-bit projections (:data:`QUANTIZED_FILE`) and what ``--quantization auto`` serves
-    (:data:`QUANTIZATION_FILE`), see :func:`_save_gguf_quantization`.
+    Beside it go the file's own Q4_0/Q4_1/Q8_0 matrices (:data:`QUANTIZED_FILE`) and what ``--quantization auto``
+    serves (:data:`QUANTIZATION_FILE`), see :func:`_save_gguf_quantization`.
     """
     # transformers is only needed to convert, so a server starting from a directory never imports it.
     from safetensors.torch import save_file
@@ -229,11 +229,8 @@ def _gguf_int4(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
     out = raw.shape[0]
     header = 4 if with_min else 2
     raw = raw.view(out, -1, header + 16)
-    scales = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    if with_min:
-        zeros = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * scales
-    else:
-        zeros = torch.zeros_like(scales)
+    scales = _fp16_field(raw, 0)
+    zeros = _fp16_field(raw, 2) + 8 * scales if with_min else torch.zeros_like(scales)
     nibbles = raw[..., header:]
     values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).view(out, -1)
     return QuantizedWeight(pack_int4(values), scales, zeros, 32)
@@ -246,9 +243,14 @@ def _gguf_int8(raw: torch.Tensor) -> QuantizedWeight:
     """
     out = raw.shape[0]
     raw = raw.view(out, -1, 34)
-    scales = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    scales = _fp16_field(raw, 0)
     values = raw[..., 2:].contiguous().view(torch.int8).reshape(out, -1)
     return QuantizedWeight(values, scales, None, 32)
+
+
+def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte ``offset`` of every block (uint8 ``[out, blocks, bytes]``), as float32 ``[out, blocks]``."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
