@@ -239,6 +239,8 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    from spindle.kernels.triton.prefill_attention import prefill_tiles
+
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     peak_bandwidth, peak_flops = peaks(dtype)
@@ -246,6 +248,7 @@ def main() -> int:
     for shape in SHAPES:
         for num_seqs, seq_len in ((1, 8192), (16, 2048), (64, 1024), (256, 512)):
             bench_decode(shape, num_seqs, seq_len, dtype, peak_bandwidth)
+        print(f"prefill tiles, {shape.name} (head {shape.head_size}): {prefill_tiles(shape.head_size, dtype)}")
         for num_seqs, cached, new in ((1, 0, 4096), (8, 0, 512), (4, 3584, 512)):
             bench_prefill(shape, num_seqs, cached, new, dtype, peak_flops)
         bench_elementwise(shape, dtype, peak_bandwidth)

@@ -10,10 +10,12 @@ the reference keeps them in float32), the rotary kernel rounding once where the 
 Triton's interpreter truncating when it narrows float32 to bfloat16 (GPUs round to nearest).
 """
 
+import mmap
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ from spindle.shared.config import EngineConfig  # noqa: E402
 from spindle.shared.protocol import EngineRequest  # noqa: E402
 
 NUM_KV_HEADS = 2
-NUM_BLOCKS = 72
+NUM_BLOCKS = 96
 TOLERANCES = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.bfloat16: {"atol": 2 * 2**-7, "rtol": 2 * 2**-7},
@@ -43,12 +45,15 @@ TOLERANCES = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Sequences as (cached tokens, new tokens), decodes first. The lengths are not multiples of anything, so they cross
-# cache-block and 64-key tile boundaries at different offsets for every block size.
+# cache-block and key-tile boundaries at different offsets for every block size. In "long_contexts" several whole
+# key tiles precede a query tile's first token (the prefill kernel's unmasked path) and the queries end in partial
+# query tiles at every tile height (128 rows are 128 tokens at group 1, 16 at group 8).
 BATCHES = {
     "decodes": [(0, 1), (6, 1), (32, 1), (69, 1), (130, 1)],
     "prefills": [(0, 5), (0, 77)],
     "cached_prefills": [(13, 3), (63, 66), (130, 2)],
     "mixed": [(69, 1), (8, 1), (0, 41), (37, 30)],
+    "long_contexts": [(197, 1), (300, 45), (0, 150)],
 }
 
 
@@ -101,10 +106,16 @@ def test_paged_attention(batch: str, block_size: int, group: int, dtype: torch.d
     torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
 
 
+# (batch, GQA group, head size): every head size, and the big heads' tiles (128 rows, 64 keys in 16-bit; 32 rows,
+# 16 keys in float32) over long contexts at the groups of Llama-3-8B (4) and -70B (8).
+HEAD_SIZE_CASES = [("mixed", 3, head_size) for head_size in (64, 80, 96, 128)]
+HEAD_SIZE_CASES += [("long_contexts", 4, 64), ("long_contexts", 4, 128), ("long_contexts", 8, 128)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
-def test_paged_attention_head_sizes(head_size: int, dtype: torch.dtype) -> None:
-    query, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 3, head_size, dtype, seed=head_size)
+@pytest.mark.parametrize(("batch", "group", "head_size"), HEAD_SIZE_CASES)
+def test_paged_attention_head_sizes(batch: str, group: int, head_size: int, dtype: torch.dtype) -> None:
+    query, k_cache, v_cache, meta = make_batch(BATCHES[batch], 16, group, head_size, dtype, seed=head_size + group)
 
     out = spindle.kernels.paged_attention(query, k_cache, v_cache, meta, head_size**-0.5)
 
@@ -260,7 +271,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
         if with_graphs:
             graphs = core.runner.decode_graphs = DecodeGraphs(core.runner.model, core.runner.kv_caches, 4, 512, 8)
             replay = graphs.replay
-            monkeypatch.setattr(graphs, "replay", lambda ids, *args: replays.append(len(ids)) or replay(ids, *args))
+            monkeypatch.setattr(graphs, "replay", lambda step: replays.append(step.input_ids.shape[0]) or replay(step))
         for i, prompt in enumerate(prompts):
             params = SamplingParams(temperature=0, max_tokens=5 + 2 * i, ignore_eos=True, logprobs=2)
             core.add_request(EngineRequest(str(i), prompt, params, arrival_time=0.0))
@@ -285,19 +296,55 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
         )
 
 
-def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+KERNEL_NAMES = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
+KERNEL_NAMES += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel"]
+
+# compile_check runs, side by side (about a minute on two cores): every dtype with head sizes 64 and 128 x GQA groups
+# 1 and 8 (both weight bit widths come with every dtype), one process per architecture; and head size 80 (padded to a
+# 128-wide tile) with group 3 (no power of two) in bf16.
+COMPILE_CHECK_RUNS = {
+    "sm_80": ["--arch", "80", "--head-size", "64", "--head-size", "128", "--group", "1", "--group", "8"],
+    "sm_90": ["--arch", "90", "--head-size", "64", "--head-size", "128", "--group", "1", "--group", "8"],
+    "padded_head": ["--arch", "80", "--arch", "90", "--head-size", "80", "--group", "3", "--dtype", "bfloat16"],
+}
+
+# Shared memory per block: consumer Ampere/Ada GPUs (sm_86/sm_89: 99 KiB) compile to sm_80's layouts; sm_90 is
+# H100/H200 (227 KiB).
+MAX_SHARED_KIB = {"sm_80": 99, "sm_90": 227}
+
+
+def compiled_variants(stdout: str) -> list[dict[str, object]]:
+    """compile_check's lines as dicts: ``arch``, ``dtype``, ``kernel``, ``shared_kib`` and compile-time constants."""
+    variants = []
+    for line in stdout.splitlines():
+        arch, dtype, kernel, *_ = line.split()
+        shared_kib = float(re.search(r"([\d.]+) KiB shared", line)[1])
+        constants = dict(re.findall(r"(\w+)=(\S+)", line))
+        variants.append({"arch": arch, "dtype": dtype, "kernel": kernel, "shared_kib": shared_kib, **constants})
+    return variants
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
     # The interpreter accepts what the GPU compiler may refuse; this compiles down to a cubin with Triton's ptxas.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    command = [sys.executable, "-m", "spindle.kernels.triton.compile_check", "--arch", "90", "--head-size", "80"]
-    command += ["--group", "3", "--dtype", "bfloat16", "--dtype", "float32"]
+    runs = {}
+    for name, args in COMPILE_CHECK_RUNS.items():
+        command = [sys.executable, "-m", "spindle.kernels.triton.compile_check", *args]
+        with (tmp_path / f"{name}.out").open("w") as out, (tmp_path / f"{name}.err").open("w") as err:
+            runs[name] = subprocess.Popen(command, cwd=Path(__file__).parents[1], env=env, stdout=out, stderr=err)
 
-    result = subprocess.run(command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True)
-
-    assert result.returncode == 0, result.stderr[-4000:]
-    compiled = {(line.split()[1], line.split()[2]) for line in result.stdout.splitlines()}
-    names = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
-    names += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel"]
-    assert compiled == {(dtype, name) for dtype in ("bfloat16", "float32") for name in names}
+    for name, run in runs.items():
+        assert run.wait() == 0, (tmp_path / f"{name}.err").read_text()[-4000:]
+    variants = [v for name in runs for v in compiled_variants((tmp_path / f"{name}.out").read_text())]
+    archs, dtypes = MAX_SHARED_KIB, ["float32", "bfloat16", "float16"]
+    kernels = {(v["arch"], v["dtype"], v["kernel"]) for v in variants}
+    assert kernels == {(arch, dtype, name) for arch in archs for dtype in dtypes for name in KERNEL_NAMES}
+    prefills = {
+        (v["arch"], v["dtype"], v["HEAD_SIZE"], v["GROUP"]) for v in variants if v["kernel"] == "_prefill_kernel"
+    }
+    expected = {(arch, dtype, h, g) for arch in archs for dtype in dtypes for h in ("64", "128") for g in ("1", "8")}
+    assert prefills == expected | {(arch, "bfloat16", "80", "3") for arch in archs}
+    assert [v for v in variants if v["shared_kib"] > MAX_SHARED_KIB[v["arch"]]] == []
 
 
 # (bits, out_features, in_features, group_size): neither dimension a multiple of the tiles where the layout allows
@@ -333,6 +380,110 @@ def test_quantized_linear(weight_case: str, dtype: torch.dtype, num_rows: int, w
     # float32), and near-zero outputs are sums of large terms: the absolute tolerance scales with the output.
     unit = 1e-5 if dtype == torch.float32 else 2 * 2**-7
     torch.testing.assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
+
+
+FAR_ROW_STRIDE = 2**30 + 2**20
+"""Elements between the rows of the ``far_rows`` views: the third row starts past 2**31 elements, where a row offset
+computed in int32 wraps."""
+
+
+@pytest.fixture
+def far_rows(tmp_path: Path) -> Callable[[int], torch.Tensor]:
+    """A maker of ``[3, width]`` bfloat16 views of random values, their rows :data:`FAR_ROW_STRIDE` elements apart.
+
+    The views (2048 columns in all) share one 8 GiB buffer, on the CPU a sparse file mapped into memory: only the
+    pages written take memory or disk. They start 2**31 elements in, so that an offset that wrapped to a negative
+    int32 still reads inside the buffer (zeros: a wrong result) instead of crashing the process.
+    """
+    numel = 2**31 + 2 * FAR_ROW_STRIDE + 2048
+    if DEVICE == "cuda":
+        buffer = torch.empty(numel, dtype=torch.bfloat16, device=DEVICE)
+    else:
+        with (tmp_path / "far_rows").open("w+b") as file:
+            file.truncate(2 * numel)
+            buffer = torch.frombuffer(mmap.mmap(file.fileno(), 2 * numel), dtype=torch.bfloat16)
+    rows = buffer[2**31 :].as_strided((3, 2048), (FAR_ROW_STRIDE, 1))
+    generator = torch.Generator().manual_seed(0)
+    used = 0
+
+    def take(width: int) -> torch.Tensor:
+        nonlocal used
+        view = rows[:, used : used + width]
+        used += width
+        return view.copy_(torch.randn(3, width, generator=generator))
+
+    return take
+
+
+def _far_attention(
+    take: Callable[[int], torch.Tensor], seqs: list[tuple[int, int]], num_splits: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decodes (in ``num_splits`` slices) or one prefill: the query read from far rows, the output written to them."""
+    query, k_cache, v_cache, meta = make_batch(seqs, 16, 2, 64, torch.bfloat16, seed=0)
+    far_query, out = (take(query[0].numel()).view(query.shape) for _ in range(2))
+    far_query.copy_(query)
+    if meta.num_decodes:
+        decode_attention(far_query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 64**-0.5, out, num_splits)
+    else:
+        tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+        prefill_attention(far_query, k_cache, v_cache, tables, lens, starts, query.shape[0], 64**-0.5, out)
+    return out, reference_attention(query, k_cache, v_cache, meta)
+
+
+def _far_rotary(take: Callable[[int], torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
+    query, key = take(4 * 64).view(3, 4, 64), take(NUM_KV_HEADS * 64).view(3, NUM_KV_HEADS, 64)
+    positions = torch.tensor([3, 70, 511], device=DEVICE)
+    cache = build_cos_sin_cache(64, 512, 10000.0, None, torch.bfloat16).to(DEVICE)
+    args = (positions, query, key, cache)
+    return spindle.kernels.rotary_embedding(*args), rotary.rotary_embedding(*args)
+
+
+def _far_reshape_and_cache(take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    key, value = (take(NUM_KV_HEADS * 64).view(3, NUM_KV_HEADS, 64) for _ in range(2))
+    slots = torch.tensor([5, 17, 30], device=DEVICE)
+    ours, expected = torch.zeros(2, 2, 2, 16, NUM_KV_HEADS, 64, dtype=torch.bfloat16, device=DEVICE).unbind(0)
+    spindle.kernels.reshape_and_cache(key, value, ours[0], ours[1], slots)
+    attention.reshape_and_cache(key, value, expected[0], expected[1], slots)
+    return ours, expected
+
+
+def _far_quantized_linear(take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    dense = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    weight, x = spindle.kernels.quant.quantize(dense, 8, 64).to(DEVICE), take(64)
+    return spindle.kernels.triton.quantized_linear(x, weight), spindle.kernels.quant.quantized_linear(x, weight)
+
+
+def _far_silu_and_mul(take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    x = take(2 * 96)
+    return spindle.kernels.silu_and_mul(x), activation.silu_and_mul(x)
+
+
+def _far_rms_norm(take: Callable[[int], torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
+    x, residual = take(96), take(96)
+    weight = torch.linspace(0.5, 1.5, 96, device=DEVICE).to(torch.bfloat16)
+    return spindle.kernels.rms_norm(x, weight, 1e-5, residual), norm.rms_norm(x, weight, 1e-5, residual)
+
+
+# Each takes its inputs (and, for attention, its output) from far rows and returns (Triton's, the reference's). Split
+# decodes write their output from the merge kernel.
+FAR_ROW_CASES: dict[str, Callable[[Callable[[int], torch.Tensor]], tuple[object, object]]] = {
+    "decode_attention": lambda take: _far_attention(take, [(20, 1), (9, 1), (140, 1)]),
+    "decode_attention_split": lambda take: _far_attention(take, [(20, 1), (9, 1), (140, 1)], num_splits=2),
+    "prefill_attention": lambda take: _far_attention(take, [(20, 3)]),
+    "rotary_embedding": _far_rotary,
+    "reshape_and_cache": _far_reshape_and_cache,
+    "quantized_linear": _far_quantized_linear,
+    "rms_norm": _far_rms_norm,
+    "silu_and_mul": _far_silu_and_mul,
+}
+
+
+@pytest.mark.parametrize("kernel", FAR_ROW_CASES)
+def test_rows_past_2_31_elements(kernel: str, far_rows: Callable[[int], torch.Tensor]) -> None:
+    """Row offsets (row x stride) are int64: a row that starts past 2**31 elements is read and written there."""
+    ours, expected = FAR_ROW_CASES[kernel](far_rows)
+
+    torch.testing.assert_close(ours, expected, **TOLERANCES[torch.bfloat16])
 
 
 JIT_STALL_CHECK = """

@@ -7,7 +7,8 @@ import triton.language as tl
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    # int64 before the strides: a step's activations can hold more than 2**31 elements.
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)

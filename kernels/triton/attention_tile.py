@@ -22,10 +22,14 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 def kv_offsets(block_table_ptr, positions, mask, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
     """Element offsets (int64) of the K/V rows of one KV head at ``positions`` of a sequence, through its block table.
 
-    Tokens are gathered one by one, so a tile may span several cache blocks of any power-of-two size.
+    Tokens are gathered one by one, so a tile may span several cache blocks of any power-of-two size. ``mask`` says
+    which positions are in the context; None when all of them are.
     """
-    block = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
-    return block * stride_cb + (positions % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    if mask is None:
+        block = tl.load(block_table_ptr + positions // BLOCK_SIZE)
+    else:
+        block = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=mask, other=0)
+    return block.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
 
 
 @triton.jit
@@ -47,24 +51,36 @@ def attend_tile(
     """Fold one K/V tile into the running max ``m``, sum ``row_sum`` and output ``acc`` of the query rows ``q``.
 
     ``q`` is ``[rows, BLOCK_D]``; ``offsets``/``kv_mask`` address the tile's ``BLOCK_N`` tokens; ``score_mask``
-    (``[rows, BLOCK_N]``) says which scores count; ``DOT_FP32`` is :func:`dot_in_fp32`. Scores live in the log2
-    domain (``exp2``), hence ``scale_log2e = scale * log2(e)``. Every row must see at least one key in the first
-    tile it folds, so that its running max is finite from then on.
+    (``[rows, BLOCK_N]``) says which scores count. Both masks are None for a tile whose keys are all in the context
+    and seen by every row: such a tile loads and scores unmasked (but for the padding of a head size that is no
+    power of two). ``DOT_FP32`` is :func:`dot_in_fp32`. Scores live in the log2 domain (``exp2``), hence
+    ``scale_log2e = scale * log2(e)``. Every row must see at least one key in the first tile it folds, so that its
+    running max is finite from then on.
     """
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_SIZE
-    k = tl.load(k_cache_ptr + offsets[None, :] + d[:, None], mask=kv_mask[None, :] & d_mask[:, None], other=0.0)
+    k_ptrs = k_cache_ptr + offsets[None, :] + d[:, None]
+    v_ptrs = v_cache_ptr + offsets[:, None] + d[None, :]
+    if kv_mask is not None:
+        d_mask = d < HEAD_SIZE
+        k = tl.load(k_ptrs, mask=kv_mask[None, :] & d_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+    elif HEAD_SIZE < BLOCK_D:
+        k = tl.load(k_ptrs, mask=(d < HEAD_SIZE)[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=(d < HEAD_SIZE)[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     if DOT_FP32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     # "ieee" keeps fp32 products exact on GPUs that would round them to TF32 (bf16/fp16 are unaffected).
     scores = tl.dot(q, k, input_precision="ieee") * scale_log2e
-    scores = tl.where(score_mask, scores, float("-inf"))
+    if score_mask is not None:
+        scores = tl.where(score_mask, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
     # The probabilities are rounded to the cache dtype for the tensor cores, as flash attention does.
     p = p.to(v.dtype)
     if DOT_FP32:

@@ -25,7 +25,8 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # int64 before the strides, as `slot` is: a step's fused qkv rows can hold more than 2**31 elements.
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     # A negative slot is a padding token (the CUDA-graph decode batch pads to a captured size): nothing to write.
     if slot >= 0:

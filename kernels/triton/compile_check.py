@@ -3,15 +3,19 @@
 The interpreter runs what the GPU compiler may still refuse (``tl.dot`` shapes and dtypes, layouts, types that only
 the real code generator checks), so this pushes each kernel through Triton's compiler down to a cubin with the
 ``ptxas`` that ships in the Triton wheel, for every dtype and a set of head sizes and GQA groups (and both weight
-bit widths of the quantized GEMM), and prints the shared memory each one needs. Nothing is launched: a stand-in
-driver names the target and a JIT hook compiles and then skips the launch. Run it in a process without
-``TRITON_INTERPRET``::
+bit widths of the quantized GEMM), and prints what each variant needs: shared memory, registers and stack per
+thread (``cuobjdump``; a stack means spilled registers), with its warps, pipeline stages and compile-time
+constants. Nothing is launched: a stand-in driver names the target and a JIT hook compiles and then skips the
+launch. Run it in a process without ``TRITON_INTERPRET``::
 
     python -m spindle.kernels.triton.compile_check --arch 80 --arch 90
 """
 
 import argparse
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -61,13 +65,36 @@ def compile_only(arch: int, compiled: list[dict[str, Any]]) -> None:
         source = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
         options = {"num_warps": compile["num_warps"], "num_stages": compile["num_stages"]}
         kernel = triton.compile(source, target=target, options=options)
+        names = fn.jit_function.arg_names
         compiled.append(
-            {"kernel": fn.name, "seconds": time.perf_counter() - start, "shared_bytes": kernel.metadata.shared}
+            {
+                "kernel": fn.name,
+                "seconds": time.perf_counter() - start,
+                "shared_bytes": kernel.metadata.shared,
+                **_resource_usage(kernel.asm["cubin"]),
+                "num_warps": compile["num_warps"],
+                "num_stages": compile["num_stages"],
+                "constants": {names[index]: value for (index, *_), value in compile["constants"].items()},
+            }
         )
         return True  # handled: the JIT launches nothing
 
     driver.set_active(_TargetOnlyDriver(target))
     triton.knobs.runtime.jit_cache_hook = compile_and_skip
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers and stack bytes per thread of the one kernel in ``cubin``, as ``cuobjdump -res-usage`` reads them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "-res-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if match is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {usage!r}")
+    return {"registers": int(match[1]), "stack_bytes": int(match[2])}
 
 
 def record_only(variants: set[tuple[str, str]]) -> None:
@@ -138,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             compile_only(arch, compiled)
             launch_all(DTYPES[dtype_name], args.head_size or [64, 80, 96, 128], args.group or [1, 3, 8])
             for record in compiled:
+                constants = " ".join(f"{name}={value}" for name, value in record["constants"].items())
                 print(
                     f"sm_{arch} {dtype_name:8s} {record['kernel']:26s} {record['seconds']:5.2f} s "
-                    f"{record['shared_bytes'] / 1024:6.1f} KiB shared"
+                    f"{record['shared_bytes'] / 1024:6.1f} KiB shared {record['registers']:3d} regs "
+                    f"{record['stack_bytes']:4d} B stack  warps {record['num_warps']} stages {record['num_stages']}  "
+                    f"{constants}"
                 )
     return 0
 

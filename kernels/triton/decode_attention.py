@@ -64,7 +64,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # int64 before the strides, as in every kernel here: row x stride must not wrap at 2**31 elements.
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -128,7 +129,7 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)

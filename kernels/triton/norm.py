@@ -19,7 +19,8 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    # int64 before the strides: a step's activations can hold more than 2**31 elements.
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)

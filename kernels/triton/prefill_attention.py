@@ -6,9 +6,14 @@ together with every query head of that KV head's group: its ``BLOCK_M`` rows are
 absolute position ``p`` attends to positions ``0..p`` of its sequence, all read from the paged cache: the cached
 prefix and the chunk's own K/V, which :func:`~spindle.kernels.reshape_and_cache` wrote first. Any mix of query lengths
 (1 included) goes in one launch.
+
+The key tiles below a query tile's first position are seen whole by every row and go through an unmasked loop; only
+the last few, which the causal diagonal or the context's end cross, are masked. Tile sizes, warps and pipeline
+stages come from :func:`prefill_tiles`, by head size and dtype.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,12 +21,41 @@ import triton.language as tl
 
 from spindle.kernels.triton.attention_tile import attend_tile, check_layout, dot_in_fp32, kv_offsets
 
-BLOCK_M = 64
-"""Query rows (tokens x heads of a group) per program."""
 
-BLOCK_N = 64
-"""Keys per tile; half that in float32, so that the Q, K, P and V tiles fit the ~100 KiB of shared memory of
-consumer GPUs at head size 128."""
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Tile sizes and launch shape of the prefill kernel for one head size and dtype."""
+
+    block_m: int
+    """Query rows (tokens x heads of a group) per program; a group larger than this takes a tile of its own."""
+    block_n: int
+    """Keys per K/V tile."""
+    num_warps: int
+    """Warps per program."""
+    num_stages: int
+    """Software-pipeline depth of the K/V loop: loads of later tiles in flight while one is folded."""
+
+
+def prefill_tiles(head_size: int, dtype: torch.dtype) -> PrefillTiles:
+    """The prefill kernel's tiles for ``head_size`` in ``dtype``: a fixed choice, so one compile per model.
+
+    Chosen from the compiled kernels (``compile_check`` prints their shared memory, registers and spills) for sm_80 and
+    sm_90, not autotuned: autotuning would compile and time every candidate when a shape first shows up, mid-request.
+    """
+    block_d = max(16, triton.next_power_of_2(head_size))
+    if dtype == torch.float32:
+        # Exact float32 dots run on the FMA units with both operands in registers: small tiles, or they spill.
+        if block_d <= 64:
+            return PrefillTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        return PrefillTiles(block_m=32, block_n=16, num_warps=8, num_stages=2)
+    # 16-bit: 128 rows x 64 keys fill the tensor cores, and 8 warps hold the scores and the float32 accumulator
+    # without spilling (4 warps spill at head 128, and at head 64 on sm_80; a group of 3 spills 64 B on sm_80 at head
+    # 128). At head 128 (80 and 96 pad to it) shared memory (Q, and K and V per stage in flight) is 64.5 KiB on
+    # sm_80, the layout consumer GPUs (~100 KiB per block) compile to too, and 96.5 KiB on sm_90, whose pipeline keeps
+    # two K/V tiles in flight (H100/H200: 227 KiB).
+    if block_d <= 128:
+        return PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
 # The first prefill's index follows the step's number of decodes and the block tables' row stride its longest table:
@@ -69,17 +103,41 @@ def _prefill_kernel(
         row_mask = (r < BLOCK_Q * GROUP) & (token < query_len)
         d = tl.arange(0, BLOCK_D)
         q_mask = row_mask[:, None] & (d < HEAD_SIZE)[None, :]
-        q_offsets = (query_start + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        # int64 before the stride: a long step's flat batch can hold more than 2**31 query elements.
+        q_rows = (query_start + token).to(tl.int64)
+        q_offsets = q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
         # Rows past the query (masked on store) get positions past the tile's keys and so see at least key 0 too.
-        q_positions = cached_len + token
+        first_position = cached_len + q_tile * BLOCK_Q
+        q_positions = first_position + r // GROUP
 
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         block_table_ptr = block_tables_ptr + seq * stride_bt
+        # Whole tiles up to the tile's first query position are in the context and seen by every row: the common
+        # case (a long context or chunk) runs unmasked; only the tiles the causal diagonal crosses carry masks.
+        interior_end = (first_position + 1) // BLOCK_N * BLOCK_N
+        for tile_start in range(0, interior_end, BLOCK_N):
+            positions = tile_start + tl.arange(0, BLOCK_N)
+            offsets = kv_offsets(block_table_ptr, positions, None, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+            m, row_sum, acc = attend_tile(
+                q,
+                k_cache_ptr,
+                v_cache_ptr,
+                offsets,
+                None,
+                None,
+                m,
+                row_sum,
+                acc,
+                scale_log2e,
+                HEAD_SIZE,
+                BLOCK_D,
+                DOT_FP32,
+            )
         kv_end = tl.minimum(seq_len, cached_len + (q_tile + 1) * BLOCK_Q)
-        for tile_start in range(0, kv_end, BLOCK_N):
+        for tile_start in range(interior_end, kv_end, BLOCK_N):
             positions = tile_start + tl.arange(0, BLOCK_N)
             kv_mask = positions < kv_end
             offsets = kv_offsets(
@@ -103,7 +161,7 @@ def _prefill_kernel(
             )
 
         out = acc / row_sum[:, None]
-        o_offsets = (query_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        o_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -141,7 +199,8 @@ def prefill_attention(
         return
     check_layout(query, k_cache, v_cache, out)
     group = num_heads // num_kv_heads
-    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    tiles = prefill_tiles(head_size, query.dtype)
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     _prefill_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))](
         query,
@@ -167,6 +226,8 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_N=BLOCK_N // 2 if query.element_size() == 4 else BLOCK_N,
+        BLOCK_N=tiles.block_n,
         DOT_FP32=dot_in_fp32(query.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )

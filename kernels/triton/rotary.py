@@ -50,7 +50,8 @@ def _rotary_kernel(
     BLOCK_KV_H: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # int64 before the strides: a step's query heads can hold more than 2**31 elements.
+    token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     d = tl.arange(0, BLOCK)[None, :]
     row = cos_sin_ptr + position * stride_cos_sin + d
