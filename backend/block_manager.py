@@ -134,7 +134,9 @@ class BlockManager:
         keep = -(-seq.num_computed_tokens // self.block_size)
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
-        del seq.block_table[keep:]
+        if keep < len(seq.block_table):
+            # A new list, not a cut in place: a table only ever grows in place (the runner's InputBuffers rely on it).
+            seq.block_table = seq.block_table[:keep]
         if self.enable_prefix_caching:
             self._publish_full_blocks(seq, seq.num_computed_tokens)
 

@@ -6,19 +6,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import accumulate
+from itertools import accumulate, islice
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
-from spindle.backend.sampler import Sampler
+from spindle.backend.sampler import LogprobTensors, Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import accepted_tokens
+from spindle.backend.transfers import fetch, to_device
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.cpu import cpu_ops
 from spindle.shared import SamplingParams, TokenLogprobs
@@ -106,15 +108,17 @@ class DecodeGraphs:
         """The largest decode batch a graph holds."""
         return self.sizes[-1]
 
-    def replay(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
-        """Run a decode-only step whose metadata was built on the CPU; returns its hidden states ``[n, hidden]``.
+    def replay(self, step: StepInputs) -> torch.Tensor:
+        """Run a decode-only step; returns its hidden states ``[n, hidden]``.
 
-        The rows are a view of the graph's output, overwritten by the next replay.
+        The inputs are copied on the device into the graphs' own; the rows returned are a view of the graph's output,
+        overwritten by the next replay.
         """
-        num = len(input_ids)
+        meta = step.meta
+        num = step.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num)
-        self.input_ids[:num].copy_(torch.tensor(input_ids, dtype=torch.long))
-        self.positions[:num].copy_(torch.tensor(positions, dtype=torch.long))
+        self.input_ids[:num].copy_(step.input_ids)
+        self.positions[:num].copy_(step.positions)
         self.slot_mapping[:num].copy_(meta.slot_mapping)
         self.slot_mapping[num:size].fill_(-1)
         self.seq_lens[:num].copy_(meta.seq_lens)
@@ -127,7 +131,8 @@ def _draft_views(seq: Sequence, num_drafts: int) -> list[Sequence]:
     """``seq`` as the sampler must see it at each of its ``num_drafts + 1`` rows.
 
     Each view has the drafts before its row appended to its tokens, so that penalties and ``min_tokens`` count them
-    as output (as they would once accepted). The views share ``seq``'s parameters and generator.
+    as output (as they would once accepted). The views share ``seq``'s parameters and seed; each samples
+    its own position, so each draws its own random numbers.
     """
     views = []
     for i in range(num_drafts + 1):
@@ -249,6 +254,9 @@ class ModelRunner:
                 f"{blocks_per_seq}: raise the memory budget or lower max_model_len."
             )
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.inputs = InputBuffers(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, blocks_per_seq, self.block_size, self.device
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f sequences of max_model_len=%d fit",
             num_blocks,
@@ -342,67 +350,64 @@ class ModelRunner:
         Prompt log-probabilities, when asked, are computed for the positions of the chunk just run. Nothing in the
         sequences changes (their ``num_computed_tokens`` is still the one before this step); the returned
         :class:`RunnerOutput` holds the sampled tokens and the new prompt log-probabilities for the engine core to
-        apply.
+        apply. On CUDA the step waits for the device once, to fetch what it returns (:func:`fetch`).
         """
         # Decodes (one query token) go first: the CPU attention path batches them together.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         seqs = [batch.seqs[i] for i in order]
         query_lens = [batch.num_new_tokens[i] for i in order]
         input_ids: list[int] = []
-        positions: list[int] = []
         seq_lens: list[int] = []
         for seq, n in zip(seqs, query_lens, strict=True):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             if start + n > len(seq):  # a decode with drafts
                 input_ids.extend(seq.spec_token_ids[: start + n - len(seq)])
-            positions.extend(range(start, start + n))
             seq_lens.append(start + n)
-        device = self.device
-        tables = [seq.block_table for seq in seqs]
         query_start_loc = [0, *accumulate(query_lens)]
-        graphs = self.decode_graphs
-        if graphs is not None and len(input_ids) == len(seqs) <= graphs.max_batch:
-            meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size)
-            hidden = graphs.replay(input_ids, positions, meta)
-        else:
-            meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size, device)
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
-                meta,
-                self.kv_caches,
-            )
-        output = RunnerOutput(prompt_logprobs=self._prompt_logprobs(seqs, query_start_loc, hidden))
         done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end >= len(seq)]
-        if not done:
-            return output
-        output.sampled_seqs = [seqs[i] for i in done]
         # One row per token to sample: a sequence's last position, and for a decode with drafts each draft's too.
         rows, row_seqs = [], []
         for i in done:
             seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
             rows += range(query_start_loc[i + 1] - 1 - num_drafts, query_start_loc[i + 1])
             row_seqs += [seq] if not num_drafts else _draft_views(seq, num_drafts)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
-        sampled = self.sampler(logits, row_seqs)
-        row = 0
-        for i in done:
-            seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
-            tokens = sampled.token_ids[row : row + num_drafts + 1]
-            if num_drafts:
-                tokens = accepted_tokens(seq.spec_token_ids[:num_drafts], tokens)
-            output.token_ids.append(tokens)
-            logprobs = sampled.logprobs[row : row + len(tokens)]
-            output.logprobs.append(None if logprobs[0] is None else logprobs)  # type: ignore[arg-type]
-            row += num_drafts + 1
+        step = self.inputs.build(seqs, query_lens, input_ids, rows)
+
+        graphs = self.decode_graphs
+        if graphs is not None and len(input_ids) == len(seqs) <= graphs.max_batch:
+            hidden = graphs.replay(step)
+        else:
+            hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+        prompt = self._prompt_logprobs(seqs, query_start_loc, hidden)
+        sampled = self.sampler(self.model.compute_logits(hidden[step.sample_rows]), row_seqs) if rows else None
+        # Fetched in this order: each sequence's prompt log-probabilities, then the sampled tokens.
+        tensors = [*(t for entry in prompt.values() for t in entry.tensors()), *(sampled.tensors() if sampled else [])]
+        fetched = iter(fetch(tensors))
+
+        output = RunnerOutput()
+        for seq_id, entry in prompt.items():
+            output.prompt_logprobs[seq_id] = entry.from_host(*islice(fetched, len(entry.tensors())))
+        if sampled is not None:
+            token_ids, logprobs = sampled.from_host(*islice(fetched, len(sampled.tensors())))
+            output.sampled_seqs = [seqs[i] for i in done]
+            row = 0
+            for i in done:
+                seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
+                tokens = token_ids[row : row + num_drafts + 1]
+                if num_drafts:
+                    tokens = accepted_tokens(seq.spec_token_ids[:num_drafts], tokens)
+                output.token_ids.append(tokens)
+                chosen = logprobs[row : row + len(tokens)]
+                output.logprobs.append(None if chosen[0] is None else chosen)  # type: ignore[arg-type]
+                row += num_drafts + 1
         return output
 
     def _prompt_logprobs(
         self, seqs: list[Sequence], query_start_loc: list[int], hidden: torch.Tensor
-    ) -> dict[int, list[TokenLogprobs]]:
+    ) -> dict[int, LogprobTensors]:
         """By ``seq_id``, the prompt log-probabilities of this step's positions that each sequence lacks."""
-        computed: dict[int, list[TokenLogprobs]] = {}
+        computed: dict[int, LogprobTensors] = {}
         for i, seq in enumerate(seqs):
             num = seq.params.prompt_logprobs
             # A recomputed (preempted) sequence already has them: positions are recorded in order, once.
@@ -412,6 +417,6 @@ class ModelRunner:
                 continue
             offset = query_start_loc[i] - seq.num_computed_tokens
             logits = self.model.compute_logits(hidden[offset + start : offset + end])
-            targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
+            targets = to_device(seq.token_ids[start + 1 : end + 1], torch.int64, self.device)
             computed[seq.seq_id] = self.sampler.prompt_logprobs(logits, targets, num)
         return computed

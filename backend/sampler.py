@@ -5,7 +5,9 @@ does, so an all-greedy batch without penalties, biases or logprobs costs one ``a
 order: raw logprobs, logit bias, min_tokens, penalties (repetition, frequency, presence); then greedy
 rows take the argmax and the others go through temperature, top-k, top-p and min-p (Hugging Face's
 warper order) before an exponential race picks the token. Full-vocabulary temporaries are avoided
-where possible: on a CPU, allocating one costs more than the arithmetic on it.
+where possible: on a CPU, allocating one costs more than the arithmetic on it. On CUDA nothing here waits for the
+device: parameters go over with :func:`~spindle.backend.transfers.to_device`, results stay on the device until the
+runner fetches a whole step's at once, and seeded rows draw from a hash of (seed, position) computed on the device.
 """
 
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from spindle.backend.sequence import Sequence
+from spindle.backend.transfers import fetch, to_device
 from spindle.shared import SamplingParams, TokenLogprobs
 
 # Top-p first looks for a row's nucleus among this many most likely tokens, because a full sort of the
@@ -23,17 +26,70 @@ _WIDEN = 8
 
 
 @dataclass
-class SamplerOutput:
-    """What :class:`Sampler` returns for a batch.
+class LogprobTensors:
+    """Log-probabilities of some rows, still on the device: a chosen token's, its rank and the row's most likely.
 
     Attributes:
-        token_ids: the token chosen for each row.
-        logprobs: per row, the log-probabilities it asked for (``params.logprobs``), else ``None``.
+        token_ids: ``[rows, 1 + max(nums)]`` int64, the chosen token then the most likely ones, best first.
+        logprobs: ``[rows, 1 + max(nums)]`` float32, their log-probabilities.
+        ranks: ``[rows]`` int64, the chosen token's rank (1 for the most likely).
+        nums: how many of the most likely tokens each row reports.
 
     """
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    nums: list[int]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors to fetch, in the order :meth:`from_host` takes them."""
+        return [self.token_ids, self.logprobs, self.ranks]
+
+    def from_host(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> list[TokenLogprobs]:
+        """One :class:`TokenLogprobs` per row, from the fetched values of :meth:`tensors`."""
+        return [
+            TokenLogprobs(token_ids=ids[: 1 + num], logprobs=values[: 1 + num], rank=rank)
+            for ids, values, rank, num in zip(
+                token_ids.tolist(), logprobs.tolist(), ranks.tolist(), self.nums, strict=True
+            )
+        ]
+
+    def to_host(self) -> list[TokenLogprobs]:
+        """Fetch and convert (one wait for the device); the runner fetches a whole step's tensors at once instead."""
+        return self.from_host(*fetch(self.tensors()))
+
+
+@dataclass
+class SamplerOutput:
+    """What :class:`Sampler` returns for a batch, on the logits' device.
+
+    Attributes:
+        token_ids: ``[rows]`` int64, the token chosen for each row.
+        logprob_rows: the rows that asked for log-probabilities (``params.logprobs``).
+        logprobs: those rows' log-probabilities, or ``None`` when none asked.
+
+    """
+
+    token_ids: torch.Tensor
+    logprob_rows: list[int]
+    logprobs: LogprobTensors | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors to fetch, in the order :meth:`from_host` takes them."""
+        return [self.token_ids, *(self.logprobs.tensors() if self.logprobs else [])]
+
+    def from_host(self, token_ids: np.ndarray, *logprobs: np.ndarray) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The tokens and, per row, its log-probabilities or ``None``, from the fetched values of :meth:`tensors`."""
+        by_row: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.logprobs is not None:
+            for row, entry in zip(self.logprob_rows, self.logprobs.from_host(*logprobs), strict=True):
+                by_row[row] = entry
+        return token_ids.tolist(), by_row
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Fetch and convert (one wait for the device); the runner fetches a whole step's tensors at once instead."""
+        return self.from_host(*fetch(self.tensors()))
 
 
 class Sampler:
@@ -42,8 +98,8 @@ class Sampler:
     Semantics follow vLLM: logprobs are those of the raw model logits; ``min_tokens`` masks the eos
     ids and ``stop_token_ids`` even when ``ignore_eos`` is set; repetition penalties cover prompt and
     output tokens, presence and frequency penalties only output tokens. Rows of a sequence with a
-    ``generator`` (a seeded request) draw their randomness from it alone, so they sample the same
-    tokens whatever batch they are in.
+    ``seed`` draw their randomness from the seed and the position they sample alone, so they sample the
+    same tokens whatever batch they are in, on the CPU and on CUDA.
 
     Args:
         vocab_size: number of real tokens; logits columns past it (padding of the lm head) are ignored.
@@ -64,7 +120,7 @@ class Sampler:
             seqs: the sequences, in row order.
 
         Returns:
-            The sampled tokens and, for rows that asked, their log-probabilities.
+            The sampled tokens and, for rows that asked, their log-probabilities, on the logits' device.
 
         """
         # Contiguous so that the penalties can address it flat (a copy only when the lm head is padded).
@@ -90,15 +146,13 @@ class Sampler:
             rows = _index(rest, logits)
             tokens[rows] = self._sample(logits[rows], [seqs[i] for i in rest])
 
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        logprobs = None
         if raw_logprobs is not None:
-            chosen = _take(tokens, logprob_rows)
             nums = [params[i].logprobs or 0 for i in logprob_rows]
-            for i, row in zip(logprob_rows, _gather_logprobs(raw_logprobs, chosen, nums), strict=True):
-                logprobs[i] = row
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+            logprobs = _gather_logprobs(raw_logprobs, _take(tokens, logprob_rows), nums)
+        return SamplerOutput(token_ids=tokens, logprob_rows=logprob_rows, logprobs=logprobs)
 
-    def prompt_logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor, num: int) -> list[TokenLogprobs]:
+    def prompt_logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor, num: int) -> LogprobTensors:
         """Log-probabilities of prompt tokens, from the logits of the positions before them.
 
         Args:
@@ -107,7 +161,7 @@ class Sampler:
             num: how many of the most likely tokens to report besides the target.
 
         Returns:
-            One entry per position, with the target first and then the top ``num`` tokens.
+            One row per position, with the target first and then the top ``num`` tokens, on the logits' device.
 
         """
         raw_logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)
@@ -126,7 +180,7 @@ class Sampler:
                     biases.append(bias)
         if rows:
             index = (_index(rows, logits), _index(token_ids, logits))
-            logits.index_put_(index, torch.tensor(biases, device=logits.device), accumulate=True)
+            logits.index_put_(index, to_device(biases, torch.float32, logits.device), accumulate=True)
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows: list[int] = []
@@ -185,9 +239,9 @@ class Sampler:
         """Apply min-p, then pick a column per row with probability softmax: ``argmax(p / q)``, ``q ~ Exp(1)``.
 
         ``logits`` is overwritten. ``token_ids`` (``[rows, candidates]``) says which vocabulary tokens
-        the columns are, when they are a subset of it. A seeded row draws a whole vocabulary's worth of
-        ``q`` from its generator (on the CPU, where generators live) and keeps its candidates' entries:
-        each token has its own draw, however many candidates the batch gave the row.
+        the columns are, when they are a subset of it. A seeded row's ``q`` of token ``t`` is a hash of
+        (seed, position of the token sampled, ``t``) (:func:`_seeded_uniforms`): each token has its own
+        draw, however many candidates the batch gave the row, on every device alike.
         """
         # Probabilities relative to the row's most likely token: scaling a row does not move the race's
         # argmax, and min-p compares exactly this ratio. (Masking logits with -inf instead would be
@@ -197,16 +251,14 @@ class Sampler:
         if any(min_p):
             probs.masked_fill_(probs < _column(min_p, probs), 0.0)
         q = torch.empty_like(probs)
-        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        seeded = [i for i, s in enumerate(seqs) if s.seed is not None]
         if len(seeded) < len(seqs):
             q.uniform_()
         if seeded:
-            draws = torch.empty(len(seeded), self.vocab_size)
-            for row, i in enumerate(seeded):
-                draws[row].uniform_(generator=seqs[i].generator)
-            draws = draws.to(q.device)
+            keys = to_device([_row_key(seqs[i].seed, len(seqs[i])) for i in seeded], torch.int64, q.device)  # type: ignore[arg-type]
             rows = _index(seeded, q)
-            q[rows] = draws if token_ids is None else draws.gather(1, token_ids[rows])
+            columns = torch.arange(q.shape[1], device=q.device).expand(len(seeded), -1)
+            q[rows] = _seeded_uniforms(keys, columns if token_ids is None else token_ids[rows])
         # -log(U) is Exp(1), ~5x faster than exponential_() on the CPU; U < 1 keeps q > 0 (no 0 / 0).
         return probs.div_(q.log_().neg_()).argmax(-1)
 
@@ -231,18 +283,21 @@ def _top_k_top_p(
     top_p = [p.top_p if p.top_p < 1 else float("inf") for p in params]
     nucleus_alone = [k == vocab and p < 1 for k, p in zip(top_k, top_p, strict=True)]
     width = min(vocab, max([k for k in top_k if k < vocab] + [_NUCLEUS_CANDIDATES * any(nucleus_alone)]))
+    if logits.is_cuda and any(nucleus_alone):
+        # A GPU sorts a whole vocabulary per row in microseconds: widening would cost a wait for the device.
+        width = vocab
 
     groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     pending = list(range(len(params)))
     while pending:
         x = _take(logits, pending)
-        k = torch.tensor([top_k[i] for i in pending], device=logits.device)
+        k = to_device([top_k[i] for i in pending], torch.int64, logits.device)
         p = _column([top_p[i] for i in pending], logits)
         values, token_ids = x.topk(width, dim=-1)
         # Ties with the k-th logit stay, as in Hugging Face.
         kth = values.gather(1, (k - 1).clamp_(max=width - 1).unsqueeze(1))
         values.masked_fill_(values < kth, float("-inf"))
-        done = torch.ones(len(pending), dtype=torch.bool, device=logits.device)
+        done = None
         if any(top_p[i] < 1 for i in pending):
             log_norm = values.logsumexp(-1)
             if any(nucleus_alone[i] for i in pending):
@@ -251,37 +306,61 @@ def _top_k_top_p(
             probs = (values - log_norm.unsqueeze(1)).exp_()
             cumulative = probs.cumsum(-1)
             values.masked_fill_(cumulative - probs >= p, float("-inf"))
-            # The candidates hold a row's whole nucleus once their mass reaches top_p (top-k rows always do).
-            done = (k < vocab) | (cumulative[:, -1] >= p.squeeze(1)) | (width == vocab)
-        finished = done.tolist()
-        rows = [j for j, f in enumerate(finished) if f]
-        if len(rows) == len(pending):
+            if width < vocab and any(nucleus_alone[i] for i in pending):
+                # The candidates hold a row's whole nucleus once their mass reaches top_p (top-k rows always do).
+                done = ((k < vocab) | (cumulative[:, -1] >= p.squeeze(1))).tolist()
+        if done is None or all(done):
             groups.append((pending, values, token_ids))
-        else:
+            break
+        rows = [j for j, f in enumerate(done) if f]
+        if rows:
             local = _index(rows, logits)
             groups.append(([pending[j] for j in rows], values[local], token_ids[local]))
-        pending = [pending[j] for j, f in enumerate(finished) if not f]
+        pending = [pending[j] for j, f in enumerate(done) if not f]
         width = min(vocab, width * _WIDEN)
     return groups
 
 
-def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
+def _row_key(seed: int, position: int) -> int:
+    """A 64-bit key of a seeded row's draws: splitmix64 of its seed and the position of the token it samples."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) - 2**63  # as a signed int64
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (Mueller's), in int64 arithmetic that cannot overflow."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _seeded_uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), one per ``(row, token)``, a function of the row's key and the token only.
+
+    Args:
+        keys: ``[rows]`` int64 row keys (:func:`_row_key`).
+        token_ids: ``[rows, columns]`` the tokens to draw for.
+
+    """
+    low, high = (keys & 0xFFFFFFFF).unsqueeze(1), ((keys >> 32) & 0xFFFFFFFF).unsqueeze(1)
+    bits = _hash32(_hash32(token_ids ^ low) ^ high) >> 8  # 24 bits: what a float32 holds exactly
+    return (bits.float() + 0.5) * 2**-24
+
+
+def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> LogprobTensors:
     """Per row: the chosen token's logprob and rank, then the row's top ``nums[row]`` tokens."""
-    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))
-    ranks = ((logprobs > chosen_logprobs).sum(-1, dtype=torch.int32) + 1).tolist()
+    chosen = chosen.unsqueeze(1)
+    chosen_logprobs = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_logprobs).sum(-1) + 1
     top_logprobs, top_ids = logprobs.topk(max(nums), dim=-1)
-    return [
-        TokenLogprobs(token_ids=[token_id, *ids[:num]], logprobs=[logprob, *values[:num]], rank=rank)
-        for token_id, logprob, ids, values, rank, num in zip(
-            chosen.tolist(),
-            chosen_logprobs.squeeze(1).tolist(),
-            top_ids.tolist(),
-            top_logprobs.tolist(),
-            ranks,
-            nums,
-            strict=True,
-        )
-    ]
+    return LogprobTensors(
+        token_ids=torch.cat([chosen, top_ids], 1),
+        logprobs=torch.cat([chosen_logprobs, top_logprobs], 1),
+        ranks=ranks,
+        nums=nums,
+    )
 
 
 def _partition(flags: list[bool]) -> tuple[list[int], list[int]]:
@@ -297,16 +376,16 @@ def _token_positions(
     # numpy builds these ~100x faster than torch.tensor / repeat_interleave do.
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = tokens + np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[-1], counts)
-    return torch.from_numpy(positions).to(logits.device), counts
+    return to_device(positions, torch.int64, logits.device), counts
 
 
 def _per_position(values: list[float], counts: list[int], like: torch.Tensor) -> torch.Tensor:
     """Repeat each row's value once per position of that row."""
-    return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.float32), counts)).to(like.device)
+    return to_device(np.repeat(np.asarray(values, dtype=np.float32), counts), torch.float32, like.device)
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=like.device)
+    return to_device(rows, torch.int64, like.device)
 
 
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -316,4 +395,4 @@ def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """Per-row parameters as a ``[rows, 1]`` float column on ``like``'s device, to broadcast over tokens."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, torch.float32, like.device).unsqueeze(1)

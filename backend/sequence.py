@@ -3,8 +3,6 @@
 import enum
 from itertools import count
 
-import torch
-
 from spindle.shared import FinishReason, SamplingParams, TokenLogprobs
 
 
@@ -41,8 +39,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
-        # n > 1 completions of a seeded request must differ, so each gets seed + index.
-        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
+        # n > 1 completions of a seeded request must differ, so each gets seed + index. The sampler draws from
+        # (seed, position): a sequence has no generator state, and a recomputed one samples what it did before.
+        self.seed = None if params.seed is None else params.seed + index
         self.prompt_logprobs: list[TokenLogprobs] = []
         # This step's draft tokens (speculative decoding), computed after the last token; not part of token_ids.
         self.spec_token_ids: list[int] = []

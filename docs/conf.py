@@ -40,7 +40,7 @@ nitpick_ignore_regex = [
     # Types from mocked, third-party or standard modules that these docs do not host.
     (
         "py:class",
-        r"(torch|zmq|msgspec|tokenizers|argparse|asyncio|enum|subprocess|pathlib|collections\.abc|typing)\..*",
+        r"(torch|numpy|zmq|msgspec|tokenizers|argparse|asyncio|enum|subprocess|pathlib|collections\.abc|typing)\..*",
     ),
     # The generated protobuf message classes: the gRPC reference page documents them from the .proto files.
     ("py:class", r"spindle\.v1\..*"),

@@ -314,7 +314,7 @@ def test_ipc_directories_are_private_and_public_binds_are_opt_in(tmp_path, monke
 
 
 def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):
-    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
     expected = LLM(**vars(tiny_config(tiny_llm_dir))).generate(prompts_for(1), params, use_tqdm=False)[0]
 
     async def scenario(engine):

@@ -68,7 +68,7 @@ def empirical(
     sampler: Sampler, logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
 ) -> torch.Tensor:
     seqs = [make_seq(params, prompt, output) for _ in range(DRAWS)]
-    tokens = sampler(logits.expand(DRAWS, -1).clone(), seqs).token_ids
+    tokens = sampler(logits.expand(DRAWS, -1).clone(), seqs).to_host()[0]
     return torch.bincount(torch.tensor(tokens), minlength=VOCAB) / DRAWS
 
 
@@ -173,14 +173,14 @@ def test_greedy_takes_argmax_of_processed_logits(
     greedy = msgspec.structs.replace(params, temperature=0.0)
     # The greedy row sits between random rows so that it takes the mixed-batch path.
     seqs = [make_seq(p, prompt, output) for p in (params, greedy, params)]
-    tokens = sampler(base_logits.expand(3, -1).clone(), seqs).token_ids
+    tokens = sampler(base_logits.expand(3, -1).clone(), seqs).to_host()[0]
     assert tokens[1] == reference_logits(base_logits, reference, prompt, output).argmax().item()
 
 
 def test_greedy_batch_is_argmax(sampler: Sampler) -> None:
     logits = torch.randn(16, VOCAB)
     seqs = [make_seq(SamplingParams(temperature=0.0), [1, 2]) for _ in range(16)]
-    assert sampler(logits.clone(), seqs).token_ids == logits.argmax(-1).tolist()
+    assert sampler(logits.clone(), seqs).to_host()[0] == logits.argmax(-1).tolist()
 
 
 def test_temperature_scales_entropy(sampler: Sampler, base_logits: torch.Tensor) -> None:
@@ -203,7 +203,7 @@ def test_repetition_penalty_demotes_seen_token(sampler: Sampler, sign: float, wh
     params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
     plain = make_seq(SamplingParams(temperature=0.0), [3])
     seen = make_seq(params, [1, 3], []) if where == "prompt" else make_seq(params, [3], [1])
-    assert sampler(logits.expand(2, -1).clone(), [plain, seen]).token_ids == [1, 2]
+    assert sampler(logits.expand(2, -1).clone(), [plain, seen]).to_host()[0] == [1, 2]
 
 
 @pytest.mark.parametrize("bias", [100.0, -100.0])
@@ -224,7 +224,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_then_releases(
     blocked = set(base_logits.argsort(descending=True)[:2].tolist())
     assert blocked == {EOS, STOP}
     seqs = [make_seq(params, [1], [0] * produced) for produced in range(5)]
-    tokens = sampler(base_logits.expand(5, -1).clone(), seqs).token_ids
+    tokens = sampler(base_logits.expand(5, -1).clone(), seqs).to_host()[0]
     assert [t in blocked for t in tokens] == [False, False, False, True, True]
     assert tokens[3] == EOS
 
@@ -232,7 +232,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_then_releases(
 def test_padded_vocab_columns_are_never_sampled(base_logits: torch.Tensor) -> None:
     logits = torch.cat([base_logits, torch.full((8,), 50.0)])
     seqs = [make_seq(SamplingParams(temperature=t), [1]) for t in (0.0, 1.0, 5.0) for _ in range(200)]
-    tokens = Sampler(VOCAB, [EOS])(logits.expand(len(seqs), -1).clone(), seqs).token_ids
+    tokens = Sampler(VOCAB, [EOS])(logits.expand(len(seqs), -1).clone(), seqs).to_host()[0]
     assert max(tokens) < VOCAB
 
 
@@ -245,7 +245,7 @@ def test_nucleus_larger_than_first_candidate_window() -> None:
     assert expected.sum() > 300
     params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9, top_k=5)]
     seqs = [make_seq(params[i % 2], [1]) for i in range(draws)]
-    tokens = torch.tensor(Sampler(vocab, [EOS])(logits.expand(draws, -1).clone(), seqs).token_ids)
+    tokens = torch.tensor(Sampler(vocab, [EOS])(logits.expand(draws, -1).clone(), seqs).to_host()[0])
     assert set(tokens[0::2].tolist()) == set(expected.nonzero().flatten().tolist())
     assert set(tokens[1::2].tolist()) == set(range(5))
 
@@ -265,10 +265,10 @@ def test_logprobs_are_raw_log_softmax_with_ranks(sampler: Sampler) -> None:
     least = logits[-1].argmin().item()
     params = [*LOGPROB_PARAMS[:-1], msgspec.structs.replace(LOGPROB_PARAMS[-1], logit_bias={least: 100.0})]
     reference = logits.double().log_softmax(-1)
-    out = sampler(logits.clone(), [make_seq(p, [least, 1]) for p in params])
+    token_ids, logprobs = sampler(logits.clone(), [make_seq(p, [least, 1]) for p in params]).to_host()
 
-    assert out.token_ids[-1] == least
-    for row, (p, token, got) in enumerate(zip(params, out.token_ids, out.logprobs, strict=True)):
+    assert token_ids[-1] == least
+    for row, (p, token, got) in enumerate(zip(params, token_ids, logprobs, strict=True)):
         if p.logprobs is None:
             assert got is None
             continue
@@ -276,7 +276,7 @@ def test_logprobs_are_raw_log_softmax_with_ranks(sampler: Sampler) -> None:
         assert got.token_ids == [token, *top]
         assert got.logprobs == pytest.approx(reference[row, got.token_ids].tolist(), abs=1e-5)
         assert got.rank == 1 + sum(v > reference[row, token].item() for v in reference[row].tolist())
-    assert out.logprobs[-1].rank == VOCAB
+    assert logprobs[-1].rank == VOCAB
 
 
 @pytest.mark.parametrize("num", [0, 4])
@@ -284,7 +284,7 @@ def test_prompt_logprobs(sampler: Sampler, num: int) -> None:
     logits = torch.randn(7, VOCAB)
     targets = torch.randint(VOCAB, (7,))
     reference = logits.double().log_softmax(-1)
-    got = sampler.prompt_logprobs(logits.clone(), targets, num)
+    got = sampler.prompt_logprobs(logits.clone(), targets, num).to_host()
     for row, entry in enumerate(got):
         target = targets[row].item()
         assert entry.token_ids == [target, *reference[row].argsort(descending=True)[:num].tolist()]
@@ -315,7 +315,7 @@ def generate(sampler: Sampler, params: SamplingParams, steps: list[torch.Tensor]
     for step in steps:
         logits = torch.randn(len(batch), VOCAB)
         logits[batch.index(seq)] = step
-        tokens = sampler(logits, batch).token_ids
+        tokens = sampler(logits, batch).to_host()[0]
         for s, token in zip(batch, tokens, strict=True):
             s.token_ids.append(token)
     return seq.output_token_ids
@@ -343,7 +343,7 @@ def test_cuda_matches_cpu_for_seeded_and_greedy_rows(sampler: Sampler) -> None:
     params = [SamplingParams(seed=3, top_p=0.9), SamplingParams(temperature=0.0, repetition_penalty=1.2)] * 2
     logits = torch.randn(len(params), VOCAB)
     cpu, cuda = (
-        sampler(logits.clone().to(device), [make_seq(p, [1, 2]) for p in params]).token_ids
+        sampler(logits.clone().to(device), [make_seq(p, [1, 2]) for p in params]).to_host()[0]
         for device in ("cpu", "cuda")
     )
     assert cpu == cuda

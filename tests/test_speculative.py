@@ -102,7 +102,7 @@ def test_verification_emits_exactly_what_plain_sampling_would(monkeypatch: pytes
     for seed in range(trials):
         seq = Sequence("r", 0, [0], SamplingParams(temperature=1.0, seed=seed), 0.0)
         seq.spec_token_ids = list(drafts)
-        sampled = sampler(logits.clone(), _draft_views(seq, len(drafts))).token_ids
+        sampled = sampler(logits.clone(), _draft_views(seq, len(drafts))).to_host()[0]
         observed[tuple(accepted_tokens(drafts, sampled))] += 1
     assert set(observed) <= set(expected)
     outcomes = sorted(expected)

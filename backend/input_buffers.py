@@ -1,0 +1,161 @@
+"""A step's model inputs, written into persistent host buffers and sent to the device in two copies.
+
+A step's integers (token ids, positions, cache slots, the rows to sample; context lengths, query offsets, block
+tables) are computed with numpy into one pinned int64 and one pinned int32 buffer, allocated once, and copied to
+their device twins with ``non_blocking``: two copies per step, none of which waits for the device. Block tables are
+kept row by row across steps and only their new entries are written, rather than rebuilt from Python lists.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spindle.backend.sequence import Sequence
+from spindle.kernels import AttentionMetadata
+
+# Every segment starts at a multiple of 16 elements: Triton specialises on whether a pointer is 16-byte aligned, so a
+# segment at a step-dependent odd offset would compile a kernel variant mid-request.
+_ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the device (views of :class:`InputBuffers`' device buffers, valid until the next step).
+
+    Attributes:
+        input_ids: ``[num_tokens]`` int64.
+        positions: ``[num_tokens]`` int64.
+        meta: the attention layout (its host lists too).
+        sample_rows: ``[num_rows]`` int64, the rows of the step's hidden states to sample from.
+
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+
+
+@dataclass
+class _TableRow:
+    slot: int  # row of InputBuffers.tables
+    table: list[int]  # the sequence's block table, as a reference: the block manager replaces it on (re)allocation
+    filled: int  # entries of the row that hold table[:filled]
+
+
+class InputBuffers:
+    """Persistent host and device buffers for the inputs of steps of up to the given sizes.
+
+    Args:
+        max_tokens: the most tokens a step has (``max_num_batched_tokens``).
+        max_seqs: the most sequences a step has (``max_num_seqs``).
+        max_blocks: the most blocks a sequence holds (``max_model_len`` over the block size, rounded up).
+        block_size: tokens per cache block.
+        device: where the model runs; on CUDA the host buffers are pinned.
+
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        pinned = device.type == "cuda"
+        self._longs = torch.zeros(4 * _aligned(max_tokens), dtype=torch.int64, pin_memory=pinned)
+        self._ints = torch.zeros(
+            _aligned(max_seqs) + _aligned(max_seqs + 1) + max_seqs * max_blocks, dtype=torch.int32, pin_memory=pinned
+        )
+        # On the CPU the model reads the host buffers themselves.
+        self._device_longs = self._longs.to(device) if pinned else self._longs
+        self._device_ints = self._ints.to(device) if pinned else self._ints
+        self._copied = torch.cuda.Event() if pinned else None
+        self._host_longs, self._host_ints = self._longs.numpy(), self._ints.numpy()
+        self.tables = np.zeros((max_seqs, max_blocks), dtype=np.int32)
+        self._rows: dict[int, _TableRow] = {}
+        self._free_slots = list(range(max_seqs))
+
+    def build(
+        self, seqs: list[Sequence], query_lens: list[int], input_ids: list[int], sample_rows: list[int]
+    ) -> StepInputs:
+        """Write a step's inputs and start their copy to the device.
+
+        Args:
+            seqs: the step's sequences, decodes first, their block tables holding this step's tokens.
+            query_lens: the new tokens of each; they start at its ``num_computed_tokens``.
+            input_ids: the new tokens, sequence after sequence.
+            sample_rows: the rows of the flat batch whose hidden states are sampled from.
+
+        """
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffers (it has, in practice)
+        num_seqs, num_tokens, num_rows = len(seqs), len(input_ids), len(sample_rows)
+        lens = np.asarray(query_lens, dtype=np.int64)
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(lens, out=query_start_loc[1:])
+        seq_lens = starts + lens
+        token_seq = np.repeat(np.arange(num_seqs), lens)
+        positions = np.arange(num_tokens) + (starts - query_start_loc[:-1])[token_seq]
+        width = max(len(seq.block_table) for seq in seqs)
+
+        t = _aligned(num_tokens)
+        longs = self._host_longs
+        longs[:num_tokens] = input_ids
+        longs[t : t + num_tokens] = positions
+        s = _aligned(num_seqs)
+        b = s + _aligned(num_seqs + 1)
+        ints = self._host_ints
+        ints[:num_seqs] = seq_lens
+        ints[s : s + num_seqs + 1] = query_start_loc
+        tables = ints[b : b + num_seqs * width].reshape(num_seqs, width)
+        np.take(self.tables[:, :width], self._table_slots(seqs), axis=0, out=tables)
+        block = tables[token_seq, positions // self.block_size].astype(np.int64)
+        longs[2 * t : 3 * t][:num_tokens] = block * self.block_size + positions % self.block_size
+        longs[3 * t : 3 * t + num_rows] = sample_rows
+
+        device_longs, device_ints = self._device_longs, self._device_ints
+        if self._copied is not None:
+            device_longs[: 3 * t + num_rows].copy_(self._longs[: 3 * t + num_rows], non_blocking=True)
+            device_ints[: b + num_seqs * width].copy_(self._ints[: b + num_seqs * width], non_blocking=True)
+            self._copied.record()
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
+        meta = AttentionMetadata(
+            slot_mapping=device_longs[2 * t : 2 * t + num_tokens],
+            query_start_loc=device_ints[s : s + num_seqs + 1],
+            seq_lens=device_ints[:num_seqs],
+            block_tables=device_ints[b : b + num_seqs * width].view(num_seqs, width),
+            num_decodes=num_decodes,
+            max_seq_len=int(seq_lens.max()),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=device_longs[:num_tokens],
+            positions=device_longs[t : t + num_tokens],
+            meta=meta,
+            sample_rows=device_longs[3 * t : 3 * t + num_rows],
+        )
+
+    def _table_slots(self, seqs: list[Sequence]) -> np.ndarray:
+        """The rows of :attr:`tables` holding each sequence's block table, brought up to date.
+
+        A sequence keeps its row while it is in consecutive steps. The block manager only ever appends to a table in
+        place; any other change (a new allocation, a cut) replaces the list, and then the row is written anew.
+        """
+        present = {seq.seq_id for seq in seqs}
+        for seq_id in [seq_id for seq_id in self._rows if seq_id not in present]:
+            self._free_slots.append(self._rows.pop(seq_id).slot)
+        slots = np.empty(len(seqs), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            row = self._rows.get(seq.seq_id)
+            if row is None:
+                row = self._rows[seq.seq_id] = _TableRow(self._free_slots.pop(), seq.block_table, 0)
+            elif row.table is not seq.block_table:
+                row.table, row.filled = seq.block_table, 0
+            if len(row.table) > row.filled:
+                self.tables[row.slot, row.filled : len(row.table)] = row.table[row.filled :]
+                row.filled = len(row.table)
+            slots[i] = row.slot
+        return slots
