@@ -110,6 +110,42 @@ def test_tiny_llama_quantized_and_speculating_gpu_matches_cpu(
     assert_same_generation(gpu, cpu, atol=1e-4)
 
 
+def test_prefix_hits_and_preemption_match_cpu(
+    tiny_llama_dir: Path, tiny_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache of 32 blocks for 7 sequences of 138 tokens sharing a 48-token prefix: hits, preemptions, same tokens.
+
+    The GPU's budget is pinned to the CPU's cache size, so both schedule (and preempt) the same way.
+    """
+    # 32 blocks (one max_model_len sequence) of the tiny model: 2 layers x 2 KV heads x 16 x 16 tokens x fp32, K and V
+    cache_bytes = 32 * 8192
+    monkeypatch.setattr("spindle.backend.model_runner.kv_cache_budget", lambda *_: cache_bytes)
+    prefix = tiny_prompts[3][:48]
+    prompts = [prefix + prompt[:10] for prompt in tiny_prompts]
+    common = dict(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
+    cores = {
+        "cpu": EngineCore(EngineConfig(device="cpu", kv_cache_memory=cache_bytes, **common)),
+        "cuda": EngineCore(EngineConfig(device="cuda", **common)),
+    }
+    hits: dict[str, list[int]] = {device: [] for device in cores}
+    for device, core in cores.items():
+        match = core.block_manager.match_prefix
+        monkeypatch.setattr(core.block_manager, "match_prefix", lambda seq, d=device, m=match: _noted(hits[d], m(seq)))
+    params = msgspec.structs.replace(tiny_params(0), max_tokens=80)
+    outputs = {device: run_on(core, prompts, lambda _: params) for device, core in cores.items()}
+
+    assert hits["cuda"] == hits["cpu"] and max(hits["cuda"]) >= 48
+    for core in cores.values():
+        assert core.num_blocks == 32 and core.stats().num_preemptions > 0
+        assert core.block_manager.num_free_blocks == 32
+    assert_same_generation(outputs["cuda"], outputs["cpu"], atol=1e-4)
+
+
+def _noted(values: list[int], value: int) -> int:
+    values.append(value)
+    return value
+
+
 def sampled(i: int) -> SamplingParams:
     """Seeded sampling through every stage: temperature, top-k, the three penalties and a logit bias."""
     return SamplingParams(
