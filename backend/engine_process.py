@@ -1,7 +1,9 @@
 """The backend process: the engine core in a busy loop, with socket I/O and (de)serialization in their own thread.
 
 One ROUTER socket serves every frontend (a DEALER each). The I/O thread owns it: it decodes incoming messages into
-a queue, answers handshakes, sends the heartbeats, and encodes and sends the step outputs the loop hands it. The
+a queue, answers handshakes and probes' pings, sends the heartbeats, and encodes and sends the step outputs the loop
+hands it. A frontend may come back at any time with a new handshake (after it lost this backend, or this backend
+restarted): each handshake starts a session of its own. The
 loop never touches the socket, so it never waits on a slow frontend: it drains the queue, runs ``step()`` and
 passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread.
 """
@@ -23,7 +25,7 @@ import zmq
 
 from spindle.backend.engine_core import EngineCore
 from spindle.shared import FinishReason
-from spindle.shared.config import EngineConfig, add_backend_args, config_from_args
+from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
@@ -36,6 +38,8 @@ from spindle.shared.protocol import (
     FrontendMessage,
     Heartbeat,
     Hello,
+    Ping,
+    Pong,
     Ready,
     Refused,
     RequestError,
@@ -43,7 +47,8 @@ from spindle.shared.protocol import (
     StepOutputs,
 )
 
-logger = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m`, this module is __main__, and its log lines would say so.
+logger = logging.getLogger("spindle.backend.engine_process")
 
 _WAKE_ADDRESS = "inproc://spindle-outputs"
 
@@ -169,6 +174,7 @@ class EngineProcess:
                         raise EngineUnavailableError("the engine is shutting down: retry on another replica")
                     self.core.add_request(request)
                 except RequestRefusedError as error:
+                    logger.info("Refused request: %s", error, extra={"request_id": request.request_id})
                     self.outputs.put((identity, RequestError.from_exception(request.request_id, error)))
                     return
                 self.owners[request.request_id] = identity
@@ -184,6 +190,8 @@ class EngineProcess:
                 lost = [request_id for request_id, owner in self.owners.items() if owner == identity]
                 if lost:
                     logger.warning("A frontend disconnected: aborting its %d request(s)", len(lost))
+                for request_id in lost:
+                    logger.info("Aborted request: its frontend disconnected", extra={"request_id": request_id})
                 self.core.abort_requests(lost)
                 for request_id in lost:
                     del self.owners[request_id]
@@ -212,6 +220,8 @@ class EngineProcess:
             for seq in seqs
             if not seq.is_finished
         ]
+        for request_id in self.core.requests:
+            logger.info("Aborted request: unfinished at the end of the grace period", extra={"request_id": request_id})
         self.core.abort_requests(list(self.core.requests))
         self._send_by_owner(deltas, wake)
         self.outputs.join()  # the I/O thread has sent everything before the socket closes
@@ -240,6 +250,9 @@ class EngineProcess:
         decoder = msgspec.msgpack.Decoder(FrontendMessage)
         frontends: dict[bytes, float] = {}  # identity -> when last heard
         ready = encoder.encode(Ready(PROTOCOL_VERSION, self.core.info))
+        # A request from a frontend without a session here (this backend restarted, or forgot it after its silence)
+        # would be lost: refuse it, so that the frontend hears of it at once instead of waiting for its timeout.
+        no_session = EngineUnavailableError("this backend has no session with this frontend: it must handshake again")
         self.io_ready.set()
         next_heartbeat = time.monotonic()
         while not self.stop_io:
@@ -258,6 +271,9 @@ class EngineProcess:
                     if isinstance(message, FrontendHeartbeat):
                         if message.frontend_id in frontends:
                             frontends[message.frontend_id] = time.monotonic()
+                    elif isinstance(message, Ping):  # a probe: answered, and nothing else
+                        pong = Pong(PROTOCOL_VERSION, self.core.info.model_name, self.draining_since is not None)
+                        router.send_multipart([identity, encoder.encode(pong)])
                     elif isinstance(message, Hello):
                         if message.protocol_version != PROTOCOL_VERSION:
                             reason = (
@@ -266,11 +282,16 @@ class EngineProcess:
                             )
                             router.send_multipart([identity, encoder.encode(Refused(reason))])
                             continue
+                        if identity not in frontends:
+                            logger.info("A frontend connected (%d connected)", len(frontends) + 1)
                         frontends[identity] = time.monotonic()
                         router.send_multipart([identity, ready])
                     elif identity in frontends:
                         frontends[identity] = time.monotonic()
                         self.inputs.put((identity, message))
+                    elif isinstance(message, AddRequest):
+                        refusal = RequestError.from_exception(message.request.request_id, no_session)
+                        router.send_multipart([identity, encoder.encode(refusal)])
             if wake in events:
                 while True:
                     try:
@@ -327,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m spindle.backend.engine_process``: the same as ``spindle backend``."""
     parser = argparse.ArgumentParser(prog="spindle backend", description="Run the Spindle engine core process")
     add_backend_args(parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_backend(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    configure_logging(args.log_format)
+    return run_backend(args)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,37 @@
 """``AsyncLLMEngine``: asyncio streams over an engine core that runs in a backend process."""
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import zmq
 
-from spindle.frontend.core_client import BackendConnection, EngineDeadError
+from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.output_processor import OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import FinishReason, PromptInputs, RequestOutput, SamplingParams
-from spindle.shared.config import EngineConfig
-from spindle.shared.errors import InvalidRequestError
+from spindle.shared.config import EngineConfig, request_id_var
+from spindle.shared.errors import InvalidRequestError, RequestRefusedError
 from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, Heartbeat, RequestError, StepOutputs
+
+logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_INITIAL = 1.0
+"""Seconds before the first attempt to bring a dead backend back (the wait before a restart, or the time a
+reconnection attempt waits for an answer)."""
+
+RESTART_BACKOFF_MAX = 30.0
+"""The longest wait: each failed attempt doubles the wait, up to this."""
+
+RESTART_BACKOFF_RESET = 60.0
+"""Seconds a backend must have served for the wait to start again from ``RESTART_BACKOFF_INITIAL`` when it dies; one
+that dies sooner (a crash loop) is brought back after twice the previous wait."""
 
 
 class AsyncLLMEngine:
@@ -24,8 +40,13 @@ class AsyncLLMEngine:
     Tokenization, chat templates, detokenization and stop strings happen here, in the frontend process, which never
     imports torch; the backend sees token ids only. One output task receives each step's deltas for all requests,
     detokenizes them and feeds each request's queue. A stream that is cancelled or closed aborts its request in the
-    backend, which frees its KV blocks at once. If the backend dies, every stream raises :class:`EngineDeadError`
-    within two seconds, and so does every later call.
+    backend, which frees its KV blocks at once.
+
+    If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every stream raises
+    :class:`EngineDeadError` within two seconds, and so does every call until a backend is back. The output task
+    brings one back: it kills a backend this engine started and starts a new one, or reconnects to the backend at
+    the address it was given, until one answers. It waits 1 s before the first attempt, twice as long after each
+    failure, up to 30 s; the wait starts again from 1 s once a backend has served for 60 s.
 
     Example::
 
@@ -38,6 +59,11 @@ class AsyncLLMEngine:
 
         asyncio.run(main())
         engine.shutdown()
+
+    Attributes:
+        num_backend_restarts: how many times a new backend took over from a dead one: restarted (a backend this
+            engine started) or reconnected to (a backend at ``backend_address``).
+
     """
 
     def __init__(self, connection: BackendConnection) -> None:
@@ -48,8 +74,16 @@ class AsyncLLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.stats: EngineStats | None = None
+        self.num_backend_restarts = 0
         self._stats_updated: asyncio.Event | None = None
         self._output_task: asyncio.Task | None = None
+        self._closed = False
+        # While no backend serves: what calls raise, and the death that started it.
+        self._down: EngineDeadError | None = None
+        self._down_cause: EngineDeadError | None = None
+        self._up_since = time.monotonic()
+        self._next_delay = RESTART_BACKOFF_INITIAL
+        self._opening: tuple[threading.Event, concurrent.futures.Future[BackendConnection]] | None = None
 
     @classmethod
     def from_args(
@@ -70,8 +104,8 @@ class AsyncLLMEngine:
 
     @property
     def is_dead(self) -> bool:
-        """Whether the backend has died."""
-        return self.connection.dead is not None
+        """Whether no backend serves now: it died and none is back yet, or the engine was shut down."""
+        return self._closed or self._down is not None or self.connection.dead is not None
 
     async def generate(
         self,
@@ -90,7 +124,7 @@ class AsyncLLMEngine:
         Raises:
             InvalidRequestError: bad inputs or parameters, or a request id already in use; nothing is queued.
             EngineUnavailableError: the backend is shutting down and refused the request.
-            EngineDeadError: the backend died (before or during the request).
+            EngineDeadError: the backend died during the request, or is down (being brought back) when it comes.
 
         """
         params = sampling_params or SamplingParams()
@@ -129,52 +163,85 @@ class AsyncLLMEngine:
         self._start_output_task()
         self._stats_updated.clear()
         await self._stats_updated.wait()
-        self.connection.check_alive()
+        self._check_alive()
         return self.stats
 
     def shutdown(self) -> None:
-        """Stop the output task and the backend this engine started (if any)."""
+        """Stop the output task, any attempt to bring a backend back, and the backend this engine started (if any)."""
+        self._closed = True
         if self._output_task is not None:
             self._output_task.cancel()
+        self._abandon_opening()
         self.connection.close()
 
     async def _stream(
         self, request_id: str | None, prompt: ProcessedPrompt, params: SamplingParams, delta: bool
     ) -> AsyncIterator[RequestOutput]:
-        self._start_output_task()
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.queues:
-            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.queues[request_id] = queue
-        state = RequestState(
-            request_id, prompt.prompt, prompt.prompt_token_ids, params, self.tokenizer, time.time(), delta
-        )
-        self.output_processor.add_request(state)
-        finished = False
+        # Set in the consumer's context (a generator runs in its caller's), so that its log lines name the request;
+        # the lines below name it themselves, as a generator may be closed from another context.
+        log_context = request_id_var.set(request_id)
+        about = {"request_id": request_id}
+        queued = finished = False
         try:
+            self._start_output_task()
+            if request_id in self.queues:
+                raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+            queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+            self.queues[request_id] = queue
+            queued = True
+            state = RequestState(
+                request_id, prompt.prompt, prompt.prompt_token_ids, params, self.tokenizer, time.time(), delta
+            )
+            self.output_processor.add_request(state)
             self.connection.add_request(
                 EngineRequest(request_id, prompt.prompt_token_ids, params, state.metrics.arrival_time)
             )
+            logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
+                if finished:  # before the yield: a consumer may stop iterating at the last output
+                    _log_finished(state, about)
                 yield item
+        except EngineDeadError as error:
+            logger.warning("Request failed: the backend is down (%s)", error, extra=about)
+            raise
+        except RequestRefusedError as error:
+            if queued:  # else this frontend refused it: the caller hears why, the log needs no line
+                logger.info("Request refused by the backend: %s", error, extra=about)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            logger.info("Request aborted: its stream was closed or cancelled", extra=about)
+            raise
         finally:
-            del self.queues[request_id]
-            if not finished:
-                self._abort(request_id)
+            if queued:
+                del self.queues[request_id]
+                if not finished:
+                    self._abort(request_id)
+            with contextlib.suppress(ValueError):  # closed from another context (an event loop's finalizer)
+                request_id_var.reset(log_context)
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        if self._down is not None:
+            raise self._down
+        self.connection.check_alive()
 
     def _start_output_task(self) -> None:
-        self.connection.check_alive()
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
         # One output task per event loop: a task of an earlier asyncio.run() is done and cannot be awaited here.
+        # It is started even while the backend is down: it is what brings one back.
         task = self._output_task
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._stats_updated = asyncio.Event()
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+        self._check_alive()
 
     def _abort(self, request_id: str) -> None:
         self.output_processor.abort_requests([request_id])
@@ -182,37 +249,169 @@ class AsyncLLMEngine:
             self.connection.abort_requests([request_id])
 
     async def _output_loop(self) -> None:
-        """Receive every message from the backend; turn step outputs into request outputs for the streams."""
-        connection = self.connection
-        try:
-            while True:
-                # Drain what is there before awaiting readiness: ZeroMQ signals readiness on edges only.
+        """Receive every message from the backend; when it dies, fail the streams in flight and bring one back."""
+        while True:
+            if self._down is None:
                 try:
-                    payload = connection.sync_socket.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    await connection.socket.poll(50)
-                    connection.check_alive()
-                    continue
-                message = connection.decode(payload)
-                if isinstance(message, StepOutputs | Heartbeat):
-                    self.stats = message.stats
-                    self._stats_updated.set()
-                if isinstance(message, StepOutputs):
-                    outputs, stopped = self.output_processor.process(message.deltas)
-                    for request_id, index in stopped:
-                        self.connection.finish_sequence(request_id, index)
-                    for output in outputs:
-                        queue = self.queues.get(output.request_id)
-                        if queue is not None:
-                            queue.put_nowait(output)
-                elif isinstance(message, RequestError):
-                    self.output_processor.abort_requests([message.request_id])
-                    queue = self.queues.get(message.request_id)
+                    await self._receive(self.connection)
+                except EngineDeadError as dead:
+                    self._down = self._down_cause = dead
+                    self._stats_updated.set()  # get_stats() callers see the error through _check_alive
+                    for queue in self.queues.values():
+                        queue.put_nowait(dead)
+                    self.output_processor.abort_requests(list(self.output_processor.requests))
+            await self._recover()
+
+    async def _receive(self, connection: BackendConnection) -> None:
+        """Turn the backend's step outputs into request outputs for the streams, until it dies (EngineDeadError)."""
+        while True:
+            # Drain what is there before awaiting readiness: ZeroMQ signals readiness on edges only.
+            try:
+                payload = connection.sync_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                await connection.socket.poll(50)
+                connection.check_alive()
+                continue
+            message = connection.decode(payload)
+            if isinstance(message, StepOutputs | Heartbeat):
+                self.stats = message.stats
+                self._stats_updated.set()
+            if isinstance(message, StepOutputs):
+                outputs, stopped = self.output_processor.process(message.deltas)
+                for request_id, index in stopped:
+                    connection.finish_sequence(request_id, index)
+                for output in outputs:
+                    queue = self.queues.get(output.request_id)
                     if queue is not None:
-                        queue.put_nowait(message.to_exception())
-                self.connection.check_alive()
-        except EngineDeadError as dead:
-            self._stats_updated.set()  # get_stats() callers see the error through check_alive
-            for queue in self.queues.values():
-                queue.put_nowait(dead)
-            self.output_processor.abort_requests(list(self.output_processor.requests))
+                        queue.put_nowait(output)
+            elif isinstance(message, RequestError):
+                self.output_processor.abort_requests([message.request_id])
+                queue = self.queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(message.to_exception())
+            connection.check_alive()
+
+    async def _recover(self) -> None:
+        """Replace the dead backend: restart the one this engine started, or reconnect to the remote one.
+
+        Attempts go on, with the backoff of ``RESTART_BACKOFF_*``, until one succeeds or the task is cancelled.
+        """
+        old = self.connection
+        old.close()  # SIGKILLs a backend this engine started: dead or hung, it has nothing left to finish
+        owned = old.process is not None
+        cause = self._down_cause
+        if time.monotonic() - self._up_since >= RESTART_BACKOFF_RESET:
+            self._next_delay = RESTART_BACKOFF_INITIAL
+        attempt = 0
+        while True:
+            attempt += 1
+            delay, self._next_delay = self._next_delay, min(2 * self._next_delay, RESTART_BACKOFF_MAX)
+            started = time.monotonic()
+            try:
+                if owned:
+                    self._down = EngineDeadError(f"{cause}; a new backend is starting, attempt {attempt}")
+                    logger.warning(
+                        "The backend is down (%s): starting a new one in %g s (attempt %d)", cause, delay, attempt
+                    )
+                    await asyncio.sleep(delay)
+                    process, address = start_backend(old.config)  # from this thread: see start_backend
+                    connection = await self._open(address, old.config, old.startup_timeout, process)
+                else:
+                    self._down = EngineDeadError(f"{cause}; reconnecting, attempt {attempt}")
+                    logger.warning(
+                        "The backend is down (%s): reconnecting, waiting up to %g s for an answer (attempt %d)",
+                        cause,
+                        delay,
+                        attempt,
+                    )
+                    connection = await self._open(old.address, old.config, delay)
+            except (EngineDeadError, RuntimeError, OSError) as error:
+                logger.warning("Attempt %d to bring the backend back failed: %s", attempt, error)
+                # A refusal or a crash can come at once: the next attempt still waits for its turn.
+                await asyncio.sleep(max(0.0, started + delay - time.monotonic()))
+                continue
+            break
+        self._adopt(connection)
+        how = "restarted" if owned else f"reconnected to {connection.address}"
+        logger.info(
+            "The backend is back (%s after %d attempt(s); %d since start-up)", how, attempt, self.num_backend_restarts
+        )
+
+    async def _open(
+        self, address: str, config: EngineConfig, timeout: float, process: BackendProcess | None = None
+    ) -> BackendConnection:
+        """A new connection, its blocking handshake run in a thread of its own; given up if this task is cancelled."""
+        cancelled = threading.Event()
+        future: concurrent.futures.Future[BackendConnection] = concurrent.futures.Future()
+        # Running, so that cancelling the awaiting task cannot cancel the future and lose the connection it will hold.
+        future.set_running_or_notify_cancel()
+
+        def handshake() -> None:
+            try:
+                connection = BackendConnection(
+                    address, config, True, timeout, process=process, cancelled=cancelled.is_set
+                )
+            except BaseException as error:
+                if process is not None:  # a failed handshake stopped it; anything else may not have
+                    process.kill()
+                    process.wait()
+                future.set_exception(error)
+            else:
+                future.set_result(connection)
+
+        self._opening = cancelled, future
+        # A daemon thread, not the loop's executor: a handshake may take minutes, and must not hold up the exit.
+        threading.Thread(target=handshake, name="spindle-reconnect", daemon=True).start()
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._abandon_opening()
+            raise
+        finally:
+            self._opening = None
+
+    def _abandon_opening(self) -> None:
+        """Give up the connection being opened, and close it should it open anyway."""
+        if self._opening is not None:
+            cancelled, future = self._opening
+            cancelled.set()
+            future.add_done_callback(_close_opened)
+
+    def _adopt(self, connection: BackendConnection) -> None:
+        """Serve from the new backend's connection, following its tokenizer and limits if they changed."""
+        info = connection.info
+        if info.model_name != self.info.model_name:
+            logger.warning("The new backend serves %s, no longer %s", info.model_name, self.info.model_name)
+        if info.tokenizer_files != self.info.tokenizer_files:
+            self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
+            self.output_processor.tokenizer = self.tokenizer  # the same object: others follow its requests
+        if (info.tokenizer_files, info.max_model_len, info.vocab_size) != (
+            self.info.tokenizer_files,
+            self.info.max_model_len,
+            self.info.vocab_size,
+        ):
+            self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.info = info
+        self.connection = connection
+        self.num_backend_restarts += 1
+        self._up_since = time.monotonic()
+        self._down = self._down_cause = None
+
+
+def _close_opened(future: concurrent.futures.Future[BackendConnection]) -> None:
+    """Close the connection an abandoned attempt opened after all."""
+    if future.exception() is None:
+        future.result().close()
+
+
+def _log_finished(state: RequestState, about: dict[str, str]) -> None:
+    """One line per request that ends with an output: how it ended, its tokens and its time."""
+    logger.info(
+        "Request finished (%s): %d prompt tokens (%d cached), %d generated in %.3f s",
+        ",".join(str(c.finish_reason) for c in state.completions),
+        len(state.prompt_token_ids),
+        state.num_cached_tokens,
+        sum(len(c.token_ids) for c in state.completions),
+        time.time() - state.metrics.arrival_time,
+        extra=about,
+    )

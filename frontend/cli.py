@@ -1,17 +1,19 @@
 """The server's ``spindle`` commands: ``serve`` (a backend child and the gRPC frontend) and ``backend``.
 
-``backend`` runs the engine core alone (for compose / Kubernetes).
-The ``spindle`` command itself belongs to spindle-client (:mod:`spindle.cli`), which finds these two through the
-``spindle.commands`` entry point that ``pyproject.toml`` registers. Every flag of ``serve`` and ``backend`` can also
-be set as a ``SPINDLE_<FLAG>`` environment variable.
+``backend`` runs the engine core alone (for compose / Kubernetes); ``backend --check`` probes one instead (its
+container's health check). The ``spindle`` command itself belongs to spindle-client (:mod:`spindle.cli`), which
+finds these two through the ``spindle.commands`` entry point that ``pyproject.toml`` registers. Every flag of
+``serve`` and ``backend`` but ``--check`` and ``--check-timeout`` can also be set as a ``SPINDLE_<FLAG>`` environment
+variable.
 """
 
 import argparse
 import asyncio
 import os
+import sys
 
 from spindle.frontend.grpc_args import add_server_args
-from spindle.shared.config import add_backend_args, add_engine_args, config_from_args
+from spindle.shared.config import add_backend_args, add_engine_args, add_log_args, config_from_args, configure_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -19,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     from spindle.frontend.grpc_args import server_config_from_args
     from spindle.frontend.grpc_server import serve
 
+    configure_logging(args.log_format)  # first: the backend child started below logs in the same format
     server_config = server_config_from_args(args)
     engine = AsyncLLMEngine.from_args(backend_address=args.backend_address, **vars(config_from_args(args)))
     try:
@@ -29,9 +32,42 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _backend(args: argparse.Namespace) -> int:
+    if args.check is not None:
+        return _check_backend(args.check or args.listen, args.check_timeout)
     from spindle.backend.engine_process import run_backend  # the model side: only this command imports torch
 
+    configure_logging(args.log_format)
     return run_backend(args)
+
+
+def _check_backend(address: str, timeout: float) -> int:
+    """``spindle backend --check``: 0 if a backend answers a ping at ``address`` within ``timeout`` s, else 1.
+
+    Prints one line either way. A backend that answers but is draining (after SIGTERM) still passes: it is alive.
+    """
+    import zmq
+
+    from spindle.frontend.core_client import EngineDeadError, ping_backend
+    from spindle.shared.protocol import PROTOCOL_VERSION
+
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0] if address.startswith("tcp://") else None
+    if host in ("0.0.0.0", "*", "[::]"):  # a listen address: probe it over loopback
+        address = address.replace(host, "127.0.0.1" if host != "[::]" else "[::1]", 1)
+    try:
+        pong = ping_backend(address, timeout)
+    except (EngineDeadError, zmq.ZMQError) as error:
+        print(f"spindle: backend DOWN: {error}", file=sys.stderr)
+        return 1
+    if pong.protocol_version != PROTOCOL_VERSION:
+        print(
+            f"spindle: backend MISMATCH: the backend at {address} speaks protocol {pong.protocol_version}, "
+            f"this frontend {PROTOCOL_VERSION}",
+            file=sys.stderr,
+        )
+        return 1
+    state = "draining" if pong.draining else "serving"
+    print(f"spindle: backend UP: {pong.model_name} at {address}, {state}")
+    return 0
 
 
 def add_commands(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -44,7 +80,19 @@ def add_commands(commands: "argparse._SubParsersAction[argparse.ArgumentParser]"
         default=os.environ.get("SPINDLE_BACKEND_ADDRESS"),
         help="use the backend listening here instead of starting one",
     )
+    add_log_args(serve)
     serve.set_defaults(run=_serve)
     backend = commands.add_parser("backend", help="run the engine core process alone (for compose / Kubernetes)")
     add_backend_args(backend)
+    backend.add_argument(
+        "--check",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="do not serve: exit 0 if a backend answers at ADDRESS (default: the --listen address), else 1",
+    )
+    backend.add_argument(
+        "--check-timeout", type=float, default=5.0, metavar="SECONDS", help="how long --check waits for the answer"
+    )
     backend.set_defaults(run=_backend)

@@ -2,7 +2,8 @@
 
 A backend is alive while it answers: it sends a heartbeat every ``HEARTBEAT_INTERVAL`` seconds from its I/O thread,
 so silence for ``HEARTBEAT_TIMEOUT`` seconds, or the exit of a backend we started, means it is dead, and every
-call raises :class:`EngineDeadError` from then on. This module imports no torch.
+call raises :class:`EngineDeadError` from then on (``AsyncLLMEngine`` then brings a backend back on a new connection).
+:func:`ping_backend` asks whether a backend is up without joining it. This module imports no torch.
 """
 
 import atexit
@@ -15,12 +16,13 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from spindle.shared.config import EngineConfig, config_to_argv
+from spindle.shared.config import EngineConfig, config_to_argv, configured_log_format
 from spindle.shared.protocol import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
@@ -33,6 +35,8 @@ from spindle.shared.protocol import (
     FinishSequence,
     FrontendHeartbeat,
     Hello,
+    Ping,
+    Pong,
     Ready,
     Refused,
     RequestError,
@@ -111,7 +115,11 @@ def start_backend(
 
     Without an address it listens on an ipc socket in a new private (0700) temporary directory, which goes away
     with the backend (see :class:`BackendProcess`; the backend removes it too if this process is killed).
-    ``grace_period`` is how long it lets in-flight requests finish after SIGTERM.
+    ``grace_period`` is how long it lets in-flight requests finish after SIGTERM. It logs in the format this process
+    was configured with (:func:`~spindle.shared.config.configure_logging`).
+
+    Call it from a thread that lives as long as the backend should (the main thread, or an event loop's): the
+    backend's parent-death signal fires when the *thread* that started it ends.
     """
     socket_dir = None
     if address is None:
@@ -129,6 +137,9 @@ def start_backend(
     argv += ["--grace-period", str(grace_period)]
     if socket_dir is not None:
         argv.append("--remove-socket-dir")
+    log_format = configured_log_format()
+    if log_format is not None:  # else the child reads SPINDLE_LOG_FORMAT from the environment it inherits
+        argv += ["--log-format", log_format]
     try:
         process = BackendProcess([*argv, *config_to_argv(config)], socket_dir)
     except BaseException:
@@ -146,6 +157,11 @@ class BackendConnection:
         config: the engine settings for a backend this connection starts.
         use_asyncio: make :attr:`socket` an asyncio socket (for ``AsyncLLMEngine``).
         startup_timeout: seconds to wait for the handshake (a first start may convert a GGUF file).
+        process: a backend child already started (by :func:`start_backend`) at ``address``, which this
+            connection then owns as if it had started it.
+        cancelled: polled during the handshake (e.g. a ``threading.Event``'s ``is_set``, set from another
+            thread): once it returns true, the handshake gives up, and the connection closes itself and raises
+            :class:`EngineDeadError`.
 
     Attributes:
         info: the engine's description from the handshake (model, limits, tokenizer files).
@@ -153,6 +169,8 @@ class BackendConnection:
         sync_socket: a blocking view of the same socket.
         process: the backend child this connection started (stopped, and its socket directory removed, by
             :meth:`close`), else ``None``.
+        config: the engine settings a backend started for it had (to start another alike).
+        startup_timeout: the handshake's time limit.
 
     Raises:
         EngineDeadError: the backend exited or did not answer in time.
@@ -166,11 +184,18 @@ class BackendConnection:
         config: EngineConfig | None = None,
         use_asyncio: bool = False,
         startup_timeout: float = 600.0,
+        *,
+        process: BackendProcess | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
-        self.process: BackendProcess | None = None
+        self.config = config or EngineConfig()
+        self.startup_timeout = startup_timeout
+        self.process = process
         if address is None:
-            self.process, address = start_backend(config or EngineConfig())
+            self.process, address = start_backend(self.config)
         self.address = address
+        self._closed = False
+        self._cancelled = cancelled or (lambda: False)
         self.context = zmq.asyncio.Context() if use_asyncio else zmq.Context()
         self.frontend_id = uuid.uuid4().hex.encode()
         self.socket = self.context.socket(zmq.DEALER)
@@ -204,6 +229,9 @@ class BackendConnection:
         self.sync_socket.send(self.encoder.encode(Hello(PROTOCOL_VERSION)))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self._cancelled():
+                self.close()
+                raise EngineDeadError(f"gave up the handshake with the backend at {self.address}")
             if self.sync_socket.poll(100):
                 message = self.decode(self.sync_socket.recv())
                 if isinstance(message, Ready):
@@ -255,14 +283,57 @@ class BackendConnection:
             raise self.dead
 
     def close(self, timeout: float = 30.0) -> None:
-        """Close the socket and stop a backend this connection started (SIGTERM, then SIGKILL after ``timeout``)."""
+        """Close the socket and stop a backend this connection started; a second call does nothing.
+
+        A live backend gets SIGTERM (it drains), then SIGKILL after ``timeout``; a dead one (``dead`` is set,
+        e.g. it stopped answering: hung, or SIGSTOPped) gets SIGKILL at once, as it has nothing left to finish.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._stop_heartbeats.set()
         if self._heartbeats.is_alive():
             self._heartbeats.join()
         self.socket.close(linger=0)
         self.context.term()
         if self.process is not None:
-            self.process.stop(timeout)
+            if self.dead is not None:
+                self.process.kill()
+                self.process.wait()
+            else:
+                self.process.stop(timeout)
+
+
+def ping_backend(address: str, timeout: float = 5.0) -> Pong:
+    """Ask the backend at ``address`` whether it is up (a :class:`~spindle.shared.protocol.Ping`); its answer.
+
+    The backend's I/O thread answers from outside any frontend session, so probing a backend that serves a frontend
+    changes nothing for it; it also answers while a long step runs.
+
+    Raises:
+        EngineDeadError: no answer within ``timeout`` seconds.
+        zmq.ZMQError: ``address`` is not a ZeroMQ address.
+
+    """
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BackendMessage)
+        socket.send(encoder.encode(Ping()))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if socket.poll(left * 1000):
+                try:
+                    message = decoder.decode(socket.recv())
+                except msgspec.DecodeError:
+                    continue  # not a Spindle backend of this version: keep waiting, then report no answer
+                if isinstance(message, Pong):
+                    return message
+        raise EngineDeadError(f"no backend answered at {address} within {timeout:g} s")
+    finally:
+        context.destroy(linger=0)
 
 
 class SyncCoreClient:

@@ -1,9 +1,15 @@
-"""Engine settings: model, dtype, cache sizing and scheduling limits, and their command-line flags."""
+"""Engine settings: model, dtype, cache sizing and scheduling limits, and their command-line flags; log formats."""
 
 import argparse
+import contextvars
+import json
+import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from typing import TextIO
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -140,3 +146,101 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     # start_backend made the ipc socket's directory for this backend: remove it (if empty) on exit.
     parser.add_argument("--remove-socket-dir", action="store_true", help=argparse.SUPPRESS)
+    add_log_args(parser)
+
+
+LOG_FORMATS = ("text", "json")
+"""The values of ``--log-format``: ``text`` lines for people, ``json`` objects (one a line) for log collectors."""
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("spindle_request_id", default=None)
+"""The id of the request that the running code serves; every log line emitted meanwhile carries it.
+
+``AsyncLLMEngine`` sets it for the code that consumes a request's stream (a gRPC call's task); code that works for
+many requests at once names one with ``logger.info(..., extra={"request_id": request_id})`` instead.
+"""
+
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_configured_format: str | None = None
+
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--log-format`` (default ``SPINDLE_LOG_FORMAT``, else ``text``) to a server command's parser."""
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get("SPINDLE_LOG_FORMAT", "text"),
+        help="log lines as text, or as JSON objects, one a line: timestamp, level, logger, message, request_id",
+    )
+
+
+class _RequestIdFilter(logging.Filter):
+    """Gives every record a ``request_id``: the one passed in ``extra``, else :data:`request_id_var`'s."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = request_id_var.get()
+        return True
+
+
+class _TextFormatter(logging.Formatter):
+    """The plain format, with `` [request_id=...]`` after the message of a line about a request."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        request_id = getattr(record, "request_id", None)
+        if request_id is None:
+            return line
+        first, newline, rest = line.partition("\n")  # on the first line, where grep finds it, not after a traceback
+        return f"{first} [request_id={request_id}]{newline}{rest}"
+
+
+class JsonLogFormatter(logging.Formatter):
+    """Formats each record as one JSON object on one line.
+
+    Its keys: ``timestamp`` (UTC, ISO 8601, milliseconds), ``level``, ``logger``, ``message``, and when there is one,
+    ``request_id``, ``exception`` (the formatted traceback) and ``stack``.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON (newlines in the message or traceback are escaped)."""
+        timestamp = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        entry = {
+            "timestamp": timestamp.replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            entry["request_id"] = request_id
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(log_format: str = "text", level: int = logging.INFO, stream: TextIO | None = None) -> None:
+    """Send every log record (warnings too) to ``stream`` (stderr) in ``log_format``, replacing earlier handlers.
+
+    A backend child started afterwards by :func:`~spindle.frontend.core_client.start_backend` logs in the same
+    format.
+
+    Raises:
+        ValueError: ``log_format`` is neither ``text`` nor ``json`` (e.g. a mistyped ``SPINDLE_LOG_FORMAT``).
+
+    """
+    global _configured_format
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r} must be one of {', '.join(LOG_FORMATS)}")
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonLogFormatter() if log_format == "json" else _TextFormatter(_TEXT_FORMAT))
+    handler.addFilter(_RequestIdFilter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.captureWarnings(True)  # so that a JSON log holds no stray warning text
+    _configured_format = log_format
+
+
+def configured_log_format() -> str | None:
+    """The format :func:`configure_logging` last set in this process, or ``None`` if it was never called."""
+    return _configured_format

@@ -57,9 +57,12 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineStats(msgspec.Struct, array_like=True):
-    """The scheduler's and the KV cache's state after a step, and speculative decoding's counts since start-up.
+    """The scheduler's and the KV cache's state after a step, and counts since the backend started.
 
-    ``num_accepted_draft_tokens / num_draft_tokens`` is the acceptance rate of the draft tokens verified so far.
+    ``num_accepted_draft_tokens / num_draft_tokens`` is the acceptance rate of the draft tokens (speculative decoding)
+    verified so far; ``num_prefix_cache_hits / num_prefix_cache_queries`` the prefix cache's hit rate, in tokens: the
+    tokens of the sequences admitted to the batch, and those of them whose K/V was found cached. New fields go at the
+    end with a default, so that a frontend and a backend one field apart still decode each other's stats.
     """
 
     num_running: int
@@ -69,6 +72,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
 
 class EngineInfo(msgspec.Struct):
@@ -118,6 +123,14 @@ class FinishSequence(msgspec.Struct, tag="finish"):
 
     request_id: str
     index: int
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    """Is a backend up here? Answered with a :class:`Pong` by the backend's I/O thread, outside any frontend session.
+
+    A probe (``spindle backend --check``) sends it from a socket of its own: unlike a :class:`Hello`, it joins
+    nothing and changes nothing in the backend, so it cannot disturb the frontends being served.
+    """
 
 
 # Backend -> frontend.
@@ -185,5 +198,13 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: EngineStats
 
 
-FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence
-BackendMessage = Ready | Refused | StepOutputs | RequestError | Heartbeat
+class Pong(msgspec.Struct, tag="pong"):
+    """The answer to a :class:`Ping`: the backend's protocol, model, and whether it is draining (after SIGTERM)."""
+
+    protocol_version: int
+    model_name: str
+    draining: bool = False
+
+
+FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Ping
+BackendMessage = Ready | Refused | StepOutputs | RequestError | Heartbeat | Pong

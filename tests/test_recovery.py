@@ -1,0 +1,202 @@
+"""A backend that comes back: an owned backend restarted after SIGKILL or a hang, a remote one reconnected to, the
+backend probe (``spindle backend --check``), and JSON logs that name each request."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
+from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
+
+from spindle.client import SpindleClient
+from spindle.frontend.core_client import EngineDeadError, ping_backend
+from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+
+SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
+TINY_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB"]
+DETECTION = HEARTBEAT_TIMEOUT + 1.5  # the silence that declares a backend dead, and slack for a busy 2-core machine
+RECOVERY = 45.0  # a restart waits 1 s (2 s for the second), then the tiny model loads in a few seconds
+
+
+def wait_for_health(client: SpindleClient, status: str, timeout: float) -> float:
+    """Poll the health service until it reports ``status``; the seconds it took."""
+    start = time.monotonic()
+    while (current := client.health()) != status:
+        assert time.monotonic() - start < timeout, f"health is still {current} after {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def generated_text(client: SpindleClient, **kwargs) -> str:
+    choices, _ = collect(client.generate("hello", temperature=0, max_tokens=4, **kwargs))
+    return choices[0]["text"]
+
+
+def assert_fast_unavailable(client: SpindleClient, message: str) -> None:
+    """A request while the backend is down fails at once with UNAVAILABLE, saying what is being done about it."""
+    start = time.monotonic()
+    error = refusal(lambda: client.generate("while down"))
+    assert time.monotonic() - start < 1.0
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "backend is down" in error.details()
+    assert message in error.details(), error.details()
+
+
+@pytest.fixture
+def owned_server(tiny_llm_dir, private_tmp, monkeypatch):  # noqa: F811 - private_tmp is the imported fixture
+    """A server whose engine started its own backend child, as ``spindle serve`` without ``--backend-address``."""
+    monkeypatch.setattr(
+        "spindle.frontend.async_llm_engine.EngineConfig", lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs)
+    )
+    server = ServerThread(None)
+    yield server
+    server.close()
+
+
+def test_a_killed_backend_that_the_server_started_is_restarted(owned_server):
+    engine = owned_server.engine
+    with owned_server.client(timeout=30) as client:
+        assert generated_text(client)
+        running = client.generate("in flight", **LONG)
+        next(running)
+        old = engine.connection.process.pid
+        os.kill(old, signal.SIGKILL)
+        assert wait_for_health(client, "NOT_SERVING", 3.0) < 3.0
+        with pytest.raises(grpc.RpcError) as error:
+            list(running)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert_fast_unavailable(client, "a new backend is starting, attempt")
+        wait_for_health(client, "SERVING", RECOVERY)
+        assert generated_text(client)
+    assert engine.num_backend_restarts == 1 and engine.connection.process.pid != old
+
+
+def test_a_hung_backend_is_detected_killed_and_replaced(owned_server):
+    engine = owned_server.engine
+    hung = engine.connection.process.pid
+    try:
+        with owned_server.client(timeout=30) as client:
+            os.kill(hung, signal.SIGSTOP)  # alive, but silent: only the heartbeats can tell
+            # Not sooner than the heartbeat timeout after the last heartbeat, which came at most an interval ago.
+            assert wait_for_health(client, "NOT_SERVING", DETECTION) > HEARTBEAT_TIMEOUT - HEARTBEAT_INTERVAL - 0.1
+            wait_for_health(client, "SERVING", RECOVERY)
+            assert generated_text(client)
+        assert engine.num_backend_restarts == 1
+        with pytest.raises(ProcessLookupError):  # SIGKILLed (a stopped process acts on no other signal) and reaped
+            os.kill(hung, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+            os.kill(hung, signal.SIGKILL)
+
+
+def start_remote_backend(model_dir: Path, address: str) -> subprocess.Popen:
+    """``spindle backend`` on ``address``, as its own container would run it."""
+    return subprocess.Popen([SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS])
+
+
+def wait_until_answering(address: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ping_backend(address, 0.5)
+            return
+        except EngineDeadError:
+            assert time.monotonic() < deadline, f"no backend answered at {address} within {timeout} s"
+
+
+def check(address: str, timeout: float) -> subprocess.CompletedProcess:
+    """``spindle backend --check ADDRESS``, the backend container's health probe."""
+    command = [SPINDLE, "backend", "--check", address, "--check-timeout", str(timeout)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_a_remote_backend_that_comes_back_is_reconnected_to(tiny_llm_dir, private_tmp):  # noqa: F811
+    address = f"ipc://{private_tmp}/run/engine.sock"
+    backends = [start_remote_backend(tiny_llm_dir, address)]
+    server = None
+    try:
+        wait_until_answering(address)
+        server = ServerThread(address)
+        with server.client(timeout=30) as client:
+            assert generated_text(client)
+            probe = check(address, 5)  # the probe leaves the serving frontend's session alone
+            assert probe.returncode == 0 and probe.stdout.startswith("spindle: backend UP"), probe
+            assert generated_text(client) and not server.engine.is_dead
+            backends[0].kill()
+            backends[0].wait()
+            wait_for_health(client, "NOT_SERVING", DETECTION)
+            assert_fast_unavailable(client, "reconnecting, attempt")
+            probe = check(address, 1)
+            assert probe.returncode == 1 and probe.stderr.startswith("spindle: backend DOWN"), probe
+            backends.append(start_remote_backend(tiny_llm_dir, address))
+            wait_for_health(client, "SERVING", RECOVERY)
+            assert generated_text(client)
+        assert server.engine.num_backend_restarts == 1
+    finally:
+        if server is not None:
+            server.close()
+        for backend in backends:
+            backend.kill()
+            backend.wait()
+
+
+PROBE_WITHOUT_TORCH = """
+import sys
+from spindle.cli import main
+code = main(["backend", "--check", sys.argv[1], "--check-timeout", "0.5"])
+print("torch" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_the_backend_probe_fails_on_a_dead_address_without_loading_torch(private_tmp):  # noqa: F811
+    address = f"ipc://{private_tmp}/nobody/engine.sock"
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE_WITHOUT_TORCH, address], capture_output=True, text=True, timeout=60
+    )
+    assert probe.returncode == 1 and probe.stdout == "False\n"
+    assert probe.stderr == f"spindle: backend DOWN: no backend answered at {address} within 0.5 s\n"
+
+
+def test_json_logs_parse_line_by_line_and_name_the_request(tiny_llm_dir, tmp_path, private_tmp):  # noqa: F811
+    env = {**os.environ, "SPINDLE_MODEL": str(tiny_llm_dir), "SPINDLE_KV_CACHE_MEMORY": "4MiB", "SPINDLE_PORT": "0"}
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [SPINDLE, "serve", "--dtype", "float32", "--log-format", "json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    try:
+        port = int(process.stdout.readline().rsplit(":", 1)[1])
+        with SpindleClient(f"127.0.0.1:{port}", timeout=60) as client:
+            assert generated_text(client, request_id="json-1")
+            cancelled = client.generate("cancel me", request_id="json-2", **LONG)
+            next(cancelled)
+            cancelled.cancel()
+            with pytest.raises(grpc.RpcError):
+                list(cancelled)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    entries = [json.loads(line) for line in log.read_text().splitlines()]  # every line, of both processes
+    assert all({"timestamp", "level", "logger", "message"} <= entry.keys() for entry in entries)
+    about_requests = [
+        (re.match(r"Request \w+", e["message"])[0], e.get("request_id"))
+        for e in entries
+        if e["message"].startswith("Request ")
+    ]
+    assert about_requests == [("Request finished", "json-1"), ("Request aborted", "json-2")], entries
+    assert any(entry["logger"].startswith("spindle.backend.") for entry in entries)  # the child logs JSON too
