@@ -61,6 +61,12 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # digest -> block id
+        # Prefix cache lookups since start-up, in tokens: what admitted sequences looked up, and what they found.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+        # The last lookup, counted only once its sequence gets blocks: the scheduler hands a sequence it cannot admit
+        # back to the queue and looks it up again next step, which must not count twice.
+        self._pending_lookup: tuple[Sequence, int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,6 +105,7 @@ class BlockManager:
             self._take(block_id)
         seq.block_table = hits
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        self._pending_lookup = (seq, seq.num_computed_tokens)
         return seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -108,6 +115,10 @@ class BlockManager:
         layer writes all new K/V before any attention reads it, so a sequence scheduled in the same step may
         already share them. Callers check :meth:`can_allocate` first.
         """
+        if self._pending_lookup is not None and self._pending_lookup[0] is seq:
+            self.num_prefix_queries += len(seq)
+            self.num_prefix_hits += self._pending_lookup[1]
+            self._pending_lookup = None
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             block_id = next(iter(self.free))
             block = self.blocks[block_id]

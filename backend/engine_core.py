@@ -125,6 +125,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_prefix_cache_queries=self.block_manager.num_prefix_queries,
+            num_prefix_cache_hits=self.block_manager.num_prefix_hits,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -22,6 +22,7 @@ extensions = [
     "sphinx.ext.graphviz",
     "sphinx.ext.doctest",
     "flagsdoc",
+    "metricsdoc",
     "protodoc",
 ]
 

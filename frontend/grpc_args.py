@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import os
+import typing
 
 from spindle.shared.config import attribute_help
 
@@ -23,6 +24,11 @@ class ServerConfig:
         max_n: largest ``n`` (completions per request).
         max_tokens_limit: largest ``max_tokens``; ``0`` allows up to the model's context length.
         grace_period: seconds that streams in flight may take to finish after SIGTERM.
+        metrics_port: serve Prometheus metrics over HTTP at ``/metrics`` on this port; unset serves none, ``0``
+            picks a free port (see :doc:`observability`).
+        metrics_host: interface the metrics port listens on (``0.0.0.0`` for a scraper outside the container).
+        otlp_traces_endpoint: export a trace span per request over OTLP/gRPC to this collector (e.g.
+            ``http://otel-collector:4317``); unset traces nothing and never imports OpenTelemetry.
 
     """
 
@@ -36,6 +42,9 @@ class ServerConfig:
     max_n: int = 16
     max_tokens_limit: int = 0
     grace_period: float = 30.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -43,6 +52,8 @@ class ServerConfig:
         for name in ("max_message_bytes", "max_queued_requests", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port={self.metrics_port} is not a TCP port (0 to 65535)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +61,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     helps = attribute_help(ServerConfig)
     for field in dataclasses.fields(ServerConfig):
         default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
-        kind = {"int": int, "float": float}.get(type(field.default).__name__, str)
+        # The annotation, not the default, gives the type: an unset ``int | None`` is still an int when given.
+        kinds = typing.get_args(field.type) or (field.type,)
+        kind = next((k for k in (int, float) if k in kinds), str)
         parser.add_argument(
             "--" + field.name.replace("_", "-"),
             type=kind,

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_servicer import SpindleServicer
+from spindle.frontend.metrics import MetricsServer
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,9 @@ class GrpcServer:
     """The gRPC server: Spindle, health and reflection services on one port, and its drain on shutdown.
 
     Health reports ``SERVING`` while the backend lives and the server is not draining, ``NOT_SERVING`` otherwise,
-    both for the whole server (``""``) and for ``spindle.v1.SpindleService``.
+    both for the whole server (``""``) and for ``spindle.v1.SpindleService``. With ``config.metrics_port`` it also
+    serves Prometheus metrics over HTTP: its ``metrics`` attribute holds the
+    :class:`~spindle.frontend.metrics.MetricsServer` while the server runs.
 
     Args:
         engine: the engine, connected to its backend.
@@ -194,6 +197,7 @@ class GrpcServer:
         self.servicer = SpindleServicer(engine, config)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
+        self.metrics: MetricsServer | None = None
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -218,6 +222,10 @@ class GrpcServer:
             self.port = self.server.add_insecure_port(address)
         # The first stats call starts the engine's output task, which also watches the backend's heartbeats.
         await self.engine.get_stats()
+        self.servicer.load.start()
+        if self.config.metrics_port is not None:
+            config = self.config
+            self.metrics = MetricsServer(self.engine, self.servicer.load, config.metrics_host, config.metrics_port)
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_backend())
@@ -240,16 +248,30 @@ class GrpcServer:
         if self._watcher is not None:
             self._watcher.cancel()
         await self.server.stop(grace)
+        await self.servicer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
 
     async def _watch_backend(self) -> None:
-        while not self.engine.is_dead:
+        """NOT_SERVING while the backend is down, SERVING again once the engine has brought one back."""
+        serving = True
+        while True:
             await asyncio.sleep(0.1)
-        logger.error("The model backend is down: reporting NOT_SERVING")
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            up = not self.engine.is_dead
+            if up == serving or self.servicer.draining:  # a drain's NOT_SERVING stays
+                continue
+            serving = up
+            if up:
+                logger.info("The model backend is back: reporting SERVING")
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            else:
+                logger.error("The model backend is down: reporting NOT_SERVING until it is back")
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 async def serve(engine: AsyncLLMEngine, config: ServerConfig) -> None:

@@ -7,6 +7,10 @@ server or engine drains, ``INTERNAL`` (logged) for a bug of ours. gRPC itself an
 message over the size limit, ``CANCELLED`` and ``DEADLINE_EXCEEDED`` (which abort the request in the backend: the
 handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc_server` adds
 ``UNAUTHENTICATED`` without the API key and ``INVALID_ARGUMENT`` for a request message that does not parse.
+
+With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trace span
+(:mod:`spindle.frontend.tracing`); ``WatchLoad`` and ``GetServerInfo`` report the load that a
+:class:`~spindle.frontend.metrics.LoadTracker` follows.
 """
 
 import asyncio
@@ -20,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -33,6 +37,8 @@ from spindle.frontend.grpc_mapping import (
     prompt_inputs_from_proto,
     sampling_params_from_proto,
 )
+from spindle.frontend.metrics import Load, LoadTracker, kv_cache_usage
+from spindle.frontend.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
@@ -40,6 +46,11 @@ from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 logger = logging.getLogger(__name__)
 
 FieldViolation = error_details_pb2.BadRequest.FieldViolation
+
+WATCH_INTERVAL = 1.0
+"""Seconds between two ``WatchLoad`` reports when nothing changes, unless the request sets its ``interval``."""
+WATCH_INTERVAL_BOUNDS = (0.05, 60.0)
+"""The shortest and longest ``WatchLoad`` interval a request may set, in seconds."""
 
 
 class QueueFullError(Exception):
@@ -69,7 +80,7 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
     if isinstance(error, EngineUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(error), []
     if isinstance(error, EngineDeadError):
-        message = f"the model backend is down ({error}): retry against another replica, or restart this one"
+        message = f"the model backend is down ({error}): retry soon (one is being brought back) or use another replica"
         return grpc.StatusCode.UNAVAILABLE, message, []
     if isinstance(error, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), []
@@ -138,13 +149,19 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
     Args:
         engine: the engine, connected to its backend.
-        config: the server's limits.
+        config: the server's limits, and where to send traces.
+
+    Attributes:
+        load: what ``WatchLoad`` and ``GetServerInfo`` report (and the metrics read); started with the server.
+        tracer: makes each request's trace span; ``None`` without ``config.otlp_traces_endpoint``.
 
     """
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.load = LoadTracker(engine)
+        self.tracer = RequestTracer.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self.started = time.monotonic()
         self.draining = False
         self.num_queued = 0
@@ -161,7 +178,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
             return self.engine.generate(prompt_inputs_from_proto(request.prompt), params, request_id, delta=True)
 
-        async for response in self._stream(request, start):
+        async for response in self._stream(request, context, "Generate", start):
             yield response
 
     @_ends_with_status
@@ -177,7 +194,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 messages, params, request_id, add_generation_prompt=add_generation_prompt, delta=True
             )
 
-        async for response in self._stream(request, start):
+        async for response in self._stream(request, context, "Chat", start):
             yield response
 
     @_ends_with_status
@@ -240,6 +257,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     ) -> spindle_pb2.GetServerInfoResponse:
         """Report version, uptime and load."""
         stats = await self.engine.get_stats()
+        load = self.load.load()
         return spindle_pb2.GetServerInfoResponse(
             version=_version(),
             uptime_seconds=time.monotonic() - self.started,
@@ -250,7 +268,37 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             num_preemptions=stats.num_preemptions,
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
+            kv_cache_usage=kv_cache_usage(stats),
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+            generation_tokens_per_second=load.generation_tokens_per_second,
         )
+
+    @_ends_with_status
+    async def WatchLoad(  # noqa: N802
+        self, request: spindle_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spindle_pb2.LoadReport]:
+        """Stream load reports: one at once, one on each change, and one at least every ``interval``."""
+        interval = _watch_interval(request)
+        reported, reported_at = None, 0.0
+        while True:
+            if self.draining:
+                raise EngineUnavailableError("the server is shutting down: watch another replica")
+            if self.engine.is_dead:
+                raise EngineDeadError("it died, and no other has taken over yet")
+            load = self.load.load()
+            # Throughput and hit rate move with every step: on their own they wait for the interval.
+            figures = (load.num_requests_running, load.num_requests_waiting, int(load.kv_cache_usage * 100))
+            if figures != reported or time.monotonic() - reported_at >= interval:
+                reported, reported_at = figures, time.monotonic()
+                yield _load_report(load)
+            await self.load.wait(max(0.0, reported_at + interval - time.monotonic()))
+
+    async def close(self) -> None:
+        """Stop following the engine's load and export the trace spans still buffered."""
+        await self.load.close()
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None:
+            tracer.shutdown()
 
     def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:
         """The request's SamplingParams, within this server's ``max_n`` and ``max_tokens_limit``."""
@@ -268,33 +316,86 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     async def _stream(
         self,
         request: spindle_pb2.GenerateRequest | spindle_pb2.ChatRequest,
+        context: grpc.aio.ServicerContext,
+        method: str,
         start: Callable[[SamplingParams, str], AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
-        if self.draining:
-            raise EngineUnavailableError("the server is shutting down: retry elsewhere")
-        if self.num_queued >= self.config.max_queued_requests:
-            raise QueueFullError(
-                f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}):"
-                " retry later with backoff"
+        request_id = request.request_id or uuid.uuid4().hex
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start(
+                request_id, context.invocation_metadata() or (), self.engine.info.model_name, method
             )
-        self.num_queued += 1
-        self.num_streams += 1
-        self.streams_done.clear()
-        queued = True
-        builder = ResponseBuilder()
         try:
-            params = self._sampling_params(request.sampling_params)
-            async for output in start(params, request.request_id or uuid.uuid4().hex):
-                if queued:
-                    self.num_queued -= 1
-                    queued = False
-                yield builder.build(output)
+            if self.draining:
+                raise EngineUnavailableError("the server is shutting down: retry elsewhere")
+            if self.num_queued >= self.config.max_queued_requests:
+                raise QueueFullError(
+                    f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}):"
+                    " retry later with backoff"
+                )
+            self.num_queued += 1
+            self.num_streams += 1
+            self.streams_done.clear()
+            queued = True
+            builder = ResponseBuilder()
+            try:
+                params = self._sampling_params(request.sampling_params)
+                if span is not None:
+                    span.set_params(params)
+                async for output in start(params, request_id):
+                    if queued:
+                        self.num_queued -= 1
+                        queued = False
+                    response = builder.build(output)
+                    if span is not None:
+                        span.record(output, builder.completion_tokens)
+                    yield response
+            finally:
+                self.num_queued -= queued
+                self.num_streams -= 1
+                if not self.num_streams:
+                    self.streams_done.set()
+        except Exception as error:
+            if span is not None:
+                code, message, _ = status_for(error)
+                span.set_status(code.value[0], message)
+            raise
+        except BaseException:  # the caller cancelled, or its deadline passed: the handler's task is cancelled
+            if span is not None:
+                span.set_status(grpc.StatusCode.CANCELLED.value[0], "the call was cancelled")
+            raise
         finally:
-            self.num_queued -= queued
-            self.num_streams -= 1
-            if not self.num_streams:
-                self.streams_done.set()
+            if span is not None:
+                span.end()
 
 
 def _token_id(token_id: int | None) -> int:
     return -1 if token_id is None else token_id
+
+
+def _watch_interval(request: spindle_pb2.WatchLoadRequest) -> float:
+    """The request's ``interval`` in seconds (:data:`WATCH_INTERVAL` when unset), within the bounds."""
+    if not request.HasField("interval"):
+        return WATCH_INTERVAL
+    seconds = request.interval.seconds + request.interval.nanos / 1e9
+    low, high = WATCH_INTERVAL_BOUNDS
+    if not low <= seconds <= high:
+        raise InvalidRequestError(
+            "interval",
+            f"interval={seconds:g}s is outside [{low:g}s, {high:g}s]: leave it unset for {WATCH_INTERVAL:g}s",
+        )
+    return seconds
+
+
+def _load_report(load: Load) -> spindle_pb2.LoadReport:
+    timestamp = timestamp_pb2.Timestamp()
+    timestamp.FromNanoseconds(int(load.timestamp * 1e9))
+    return spindle_pb2.LoadReport(
+        num_requests_running=load.num_requests_running,
+        num_requests_waiting=load.num_requests_waiting,
+        kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+        generation_tokens_per_second=load.generation_tokens_per_second,
+        timestamp=timestamp,
+    )

@@ -1,7 +1,9 @@
 """Turns the engine core's token deltas into ``RequestOutput`` objects: detokenization, stop strings, logprobs."""
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from spindle.frontend.detokenizer import IncrementalDetokenizer
 from spindle.frontend.tokenizer import Tokenizer
@@ -15,6 +17,8 @@ from spindle.shared import (
     TokenLogprobs,
 )
 from spindle.shared.protocol import SequenceDelta
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +63,8 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        # When a step last gave this request tokens (None before the first): for the inter-token latency.
+        self.last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -97,16 +103,40 @@ class RequestState:
         )
 
 
+class StepListener(Protocol):
+    """Something that follows requests as the :class:`OutputProcessor` applies each step (the server's metrics)."""
+
+    def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
+        """One step gave ``state`` ``num_new_tokens`` tokens (over all its completions) at ``now``.
+
+        ``state.last_token_time`` is still the time of the previous step that gave it tokens, ``None`` before its
+        first token.
+        """
+
+    def on_finished(self, state: RequestState, now: float) -> None:
+        """``state`` ended at ``now``: all its completions finished, or it was aborted.
+
+        Aborted (cancelled, refused by the backend, or lost with it), its unfinished completions have no finish
+        reason yet.
+        """
+
+
 class OutputProcessor:
     """Applies each step's :class:`SequenceDelta` list to the request table and builds the ``RequestOutput`` objects.
 
     Stop strings need text, so they are matched here; a completion that matches one is reported back so the
     caller can end it in the engine core and free its blocks at once.
+
+    Attributes:
+        listeners: told of every request's tokens and end (:class:`StepListener`); the gRPC server's metrics and
+            load figures add themselves here.
+
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
+        self.listeners: list[StepListener] = []
 
     def add_request(self, state: RequestState) -> None:
         """Start tracking a request."""
@@ -114,8 +144,11 @@ class OutputProcessor:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop tracking requests (they were aborted); unknown ids are ignored."""
+        now = time.time()
         for request_id in request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self._tell("on_finished", state, now)
 
     def process(self, deltas: list[SequenceDelta]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """Apply one step's deltas.
@@ -125,6 +158,7 @@ class OutputProcessor:
         """
         now = time.time()
         changed: dict[str, RequestState] = {}
+        num_new_tokens: dict[str, int] = {}
         stopped: list[tuple[str, int]] = []
         for delta in deltas:
             state = self.requests.get(delta.request_id)
@@ -151,13 +185,27 @@ class OutputProcessor:
             elif delta.finish_reason is not None:
                 c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
             changed[delta.request_id] = state
+            num_new_tokens[delta.request_id] = num_new_tokens.get(delta.request_id, 0) + len(delta.new_token_ids)
         outputs = []
         for request_id, state in changed.items():
+            if num_new_tokens[request_id]:
+                self._tell("on_tokens", state, num_new_tokens[request_id], now)
+                state.last_token_time = now
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[request_id]
+                self._tell("on_finished", state, now)
             outputs.append(state.output())
         return outputs, stopped
+
+    def _tell(self, event: str, state: RequestState, *args: object) -> None:
+        """Call ``event`` (a :class:`StepListener` method) of every listener."""
+        for listener in self.listeners:
+            try:
+                getattr(listener, event)(state, *args)
+            except Exception:
+                # A broken metric must not stop the outputs of every request: log it and serve on.
+                logger.exception("%s.%s failed", type(listener).__name__, event)
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         # The chosen token comes first with its own rank; the top-N follow with ranks 1..N.

@@ -22,9 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18spindle/v1/spindle.proto\x12\nspindle.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"1\n\x0eMultiModalItem\x12\x11\n\tmime_type\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x82\x01\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.spindle.v1.TokenIdsH\x00\x12\x34\n\x10multi_modal_data\x18\x03 \x03(\x0b\x32\x1a.spindle.v1.MultiModalItemB\x07\n\x05input\"\xc6\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmax_tokens\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).spindle.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x08\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\t\x88\x01\x01\x12\x17\n\ncache_salt\x18\x15 \x01(\tH\n\x88\x01\x01\x12\x1e\n\x16num_speculative_tokens\x18\x16 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\r\n\x0b_cache_salt\"~\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.spindle.v1.Prompt\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbf\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.spindle.v1.ChatMessage\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"<\n\x10PositionLogprobs\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\"\x99\x02\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.spindle.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.spindle.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1f\n\x12\x63umulative_logprob\x18\x08 \x01(\x02H\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1b.spindle.v1.CompletionDelta\x12\x35\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1c.spindle.v1.PositionLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.spindle.v1.Usage\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"<\n\x0cSpecialToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\x05\"\xb9\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x30\n\x0especial_tokens\x18\x05 \x03(\x0b\x32\x18.spindle.v1.SpecialToken\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x8b\x02\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x05 \x01(\x05\x12\x1b\n\x13num_total_kv_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x03\x12!\n\x19num_accepted_draft_tokens\x18\t \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x95\x04\n\x0eSpindleService\x12G\n\x08Generate\x12\x1b.spindle.v1.GenerateRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.spindle.v1.ChatRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.spindle.v1.TokenizeRequest\x1a\x1c.spindle.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.spindle.v1.DetokenizeRequest\x1a\x1e.spindle.v1.DetokenizeResponse\x12<\n\x05\x41\x62ort\x12\x18.spindle.v1.AbortRequest\x1a\x19.spindle.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.spindle.v1.GetModelInfoRequest\x1a .spindle.v1.GetModelInfoResponse\x12T\n\rGetServerInfo\x12 .spindle.v1.GetServerInfoRequest\x1a!.spindle.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18spindle/v1/spindle.proto\x12\nspindle.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"1\n\x0eMultiModalItem\x12\x11\n\tmime_type\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x82\x01\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.spindle.v1.TokenIdsH\x00\x12\x34\n\x10multi_modal_data\x18\x03 \x03(\x0b\x32\x1a.spindle.v1.MultiModalItemB\x07\n\x05input\"\xc6\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmax_tokens\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).spindle.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x08\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\t\x88\x01\x01\x12\x17\n\ncache_salt\x18\x15 \x01(\tH\n\x88\x01\x01\x12\x1e\n\x16num_speculative_tokens\x18\x16 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\r\n\x0b_cache_salt\"~\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.spindle.v1.Prompt\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbf\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.spindle.v1.ChatMessage\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"<\n\x10PositionLogprobs\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\"\x99\x02\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.spindle.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.spindle.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1f\n\x12\x63umulative_logprob\x18\x08 \x01(\x02H\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1b.spindle.v1.CompletionDelta\x12\x35\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1c.spindle.v1.PositionLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.spindle.v1.Usage\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"<\n\x0cSpecialToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\x05\"\xb9\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x30\n\x0especial_tokens\x18\x05 \x03(\x0b\x32\x18.spindle.v1.SpecialToken\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xe8\x02\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x05 \x01(\x05\x12\x1b\n\x13num_total_kv_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\x03\x12!\n\x19num_accepted_draft_tokens\x18\t \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x01\x12$\n\x1cgeneration_tokens_per_second\x18\x0c \x01(\x01\"?\n\x10WatchLoadRequest\x12+\n\x08interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd4\x01\n\nLoadReport\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12$\n\x1cgeneration_tokens_per_second\x18\x05 \x01(\x01\x12-\n\ttimestamp\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xda\x04\n\x0eSpindleService\x12G\n\x08Generate\x12\x1b.spindle.v1.GenerateRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.spindle.v1.ChatRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.spindle.v1.TokenizeRequest\x1a\x1c.spindle.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.spindle.v1.DetokenizeRequest\x1a\x1e.spindle.v1.DetokenizeResponse\x12<\n\x05\x41\x62ort\x12\x18.spindle.v1.AbortRequest\x1a\x19.spindle.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.spindle.v1.GetModelInfoRequest\x1a .spindle.v1.GetModelInfoResponse\x12T\n\rGetServerInfo\x12 .spindle.v1.GetServerInfoRequest\x1a!.spindle.v1.GetServerInfoResponse\x12\x43\n\tWatchLoad\x12\x1c.spindle.v1.WatchLoadRequest\x1a\x16.spindle.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,56 +35,60 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3074
-  _globals['_FINISHREASON']._serialized_end=3194
-  _globals['_TOKENIDS']._serialized_start=40
-  _globals['_TOKENIDS']._serialized_end=63
-  _globals['_MULTIMODALITEM']._serialized_start=65
-  _globals['_MULTIMODALITEM']._serialized_end=114
-  _globals['_PROMPT']._serialized_start=117
-  _globals['_PROMPT']._serialized_end=247
-  _globals['_SAMPLINGPARAMS']._serialized_start=250
-  _globals['_SAMPLINGPARAMS']._serialized_end=1088
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=855
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=903
-  _globals['_GENERATEREQUEST']._serialized_start=1090
-  _globals['_GENERATEREQUEST']._serialized_end=1216
-  _globals['_CHATMESSAGE']._serialized_start=1218
-  _globals['_CHATMESSAGE']._serialized_end=1262
-  _globals['_CHATREQUEST']._serialized_start=1265
-  _globals['_CHATREQUEST']._serialized_end=1456
-  _globals['_TOKENLOGPROB']._serialized_start=1458
-  _globals['_TOKENLOGPROB']._serialized_end=1535
-  _globals['_POSITIONLOGPROBS']._serialized_start=1537
-  _globals['_POSITIONLOGPROBS']._serialized_end=1597
-  _globals['_COMPLETIONDELTA']._serialized_start=1600
-  _globals['_COMPLETIONDELTA']._serialized_end=1881
-  _globals['_USAGE']._serialized_start=1883
-  _globals['_USAGE']._serialized_end=1963
-  _globals['_GENERATERESPONSE']._serialized_start=1966
-  _globals['_GENERATERESPONSE']._serialized_end=2157
-  _globals['_TOKENIZEREQUEST']._serialized_start=2159
-  _globals['_TOKENIZEREQUEST']._serialized_end=2246
-  _globals['_TOKENIZERESPONSE']._serialized_start=2248
-  _globals['_TOKENIZERESPONSE']._serialized_end=2301
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2303
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2399
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2401
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2435
-  _globals['_ABORTREQUEST']._serialized_start=2437
-  _globals['_ABORTREQUEST']._serialized_end=2471
-  _globals['_ABORTRESPONSE']._serialized_start=2473
-  _globals['_ABORTRESPONSE']._serialized_end=2505
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2507
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2528
-  _globals['_SPECIALTOKEN']._serialized_start=2530
-  _globals['_SPECIALTOKEN']._serialized_end=2590
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2593
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2778
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2780
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2802
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2805
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=3072
-  _globals['_SPINDLESERVICE']._serialized_start=3197
-  _globals['_SPINDLESERVICE']._serialized_end=3730
+  _globals['_FINISHREASON']._serialized_start=3512
+  _globals['_FINISHREASON']._serialized_end=3632
+  _globals['_TOKENIDS']._serialized_start=105
+  _globals['_TOKENIDS']._serialized_end=128
+  _globals['_MULTIMODALITEM']._serialized_start=130
+  _globals['_MULTIMODALITEM']._serialized_end=179
+  _globals['_PROMPT']._serialized_start=182
+  _globals['_PROMPT']._serialized_end=312
+  _globals['_SAMPLINGPARAMS']._serialized_start=315
+  _globals['_SAMPLINGPARAMS']._serialized_end=1153
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=920
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=968
+  _globals['_GENERATEREQUEST']._serialized_start=1155
+  _globals['_GENERATEREQUEST']._serialized_end=1281
+  _globals['_CHATMESSAGE']._serialized_start=1283
+  _globals['_CHATMESSAGE']._serialized_end=1327
+  _globals['_CHATREQUEST']._serialized_start=1330
+  _globals['_CHATREQUEST']._serialized_end=1521
+  _globals['_TOKENLOGPROB']._serialized_start=1523
+  _globals['_TOKENLOGPROB']._serialized_end=1600
+  _globals['_POSITIONLOGPROBS']._serialized_start=1602
+  _globals['_POSITIONLOGPROBS']._serialized_end=1662
+  _globals['_COMPLETIONDELTA']._serialized_start=1665
+  _globals['_COMPLETIONDELTA']._serialized_end=1946
+  _globals['_USAGE']._serialized_start=1948
+  _globals['_USAGE']._serialized_end=2028
+  _globals['_GENERATERESPONSE']._serialized_start=2031
+  _globals['_GENERATERESPONSE']._serialized_end=2222
+  _globals['_TOKENIZEREQUEST']._serialized_start=2224
+  _globals['_TOKENIZEREQUEST']._serialized_end=2311
+  _globals['_TOKENIZERESPONSE']._serialized_start=2313
+  _globals['_TOKENIZERESPONSE']._serialized_end=2366
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2368
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2464
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2466
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2500
+  _globals['_ABORTREQUEST']._serialized_start=2502
+  _globals['_ABORTREQUEST']._serialized_end=2536
+  _globals['_ABORTRESPONSE']._serialized_start=2538
+  _globals['_ABORTRESPONSE']._serialized_end=2570
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2572
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2593
+  _globals['_SPECIALTOKEN']._serialized_start=2595
+  _globals['_SPECIALTOKEN']._serialized_end=2655
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2658
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2843
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2845
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2867
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2870
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=3230
+  _globals['_WATCHLOADREQUEST']._serialized_start=3232
+  _globals['_WATCHLOADREQUEST']._serialized_end=3295
+  _globals['_LOADREPORT']._serialized_start=3298
+  _globals['_LOADREPORT']._serialized_end=3510
+  _globals['_SPINDLESERVICE']._serialized_start=3635
+  _globals['_SPINDLESERVICE']._serialized_end=4237
 # @@protoc_insertion_point(module_scope)

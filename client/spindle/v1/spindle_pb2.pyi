@@ -1,3 +1,7 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -266,7 +270,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "num_running_requests", "num_waiting_requests", "num_free_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_draft_tokens", "num_accepted_draft_tokens")
+    __slots__ = ("version", "uptime_seconds", "num_running_requests", "num_waiting_requests", "num_free_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_draft_tokens", "num_accepted_draft_tokens", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_second")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +280,9 @@ class GetServerInfoResponse(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     num_running_requests: int
@@ -285,4 +292,29 @@ class GetServerInfoResponse(_message.Message):
     num_preemptions: int
     num_draft_tokens: int
     num_accepted_draft_tokens: int
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    generation_tokens_per_second: float
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ("interval",)
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    interval: _duration_pb2.Duration
+    def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_second", "timestamp")
+    NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    generation_tokens_per_second: float
+    timestamp: _timestamp_pb2.Timestamp
+    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

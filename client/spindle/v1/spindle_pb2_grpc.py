@@ -71,6 +71,11 @@ class SpindleServiceStub:
                 request_serializer=spindle_dot_v1_dot_spindle__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=spindle_dot_v1_dot_spindle__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/spindle.v1.SpindleService/WatchLoad',
+                request_serializer=spindle_dot_v1_dot_spindle__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=spindle_dot_v1_dot_spindle__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class SpindleServiceServicer:
@@ -127,6 +132,15 @@ class SpindleServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """WatchLoad streams the server's load: a report at once, another whenever the number of running or waiting
+        requests changes or the KV cache usage moves by a whole percent, and one at least every interval. The stream
+        lasts until the caller cancels it; it ends with UNAVAILABLE when the server drains or its backend is down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpindleServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +178,11 @@ def add_SpindleServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=spindle_dot_v1_dot_spindle__pb2.GetServerInfoRequest.FromString,
                     response_serializer=spindle_dot_v1_dot_spindle__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=spindle_dot_v1_dot_spindle__pb2.WatchLoadRequest.FromString,
+                    response_serializer=spindle_dot_v1_dot_spindle__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +376,33 @@ class SpindleService:
             '/spindle.v1.SpindleService/GetServerInfo',
             spindle_dot_v1_dot_spindle__pb2.GetServerInfoRequest.SerializeToString,
             spindle_dot_v1_dot_spindle__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/spindle.v1.SpindleService/WatchLoad',
+            spindle_dot_v1_dot_spindle__pb2.WatchLoadRequest.SerializeToString,
+            spindle_dot_v1_dot_spindle__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

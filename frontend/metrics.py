@@ -1,0 +1,449 @@
+"""The gRPC server's load figures (``WatchLoad``, ``GetServerInfo``) and its Prometheus metrics (``--metrics-port``).
+
+Everything comes from what the frontend already receives, over the one socket to the backend: the
+:class:`~spindle.shared.protocol.EngineStats` that comes with every step and heartbeat (running and waiting
+sequences, KV cache blocks, and counts since the backend started: preemptions, prefix cache lookups, draft tokens),
+and the requests' progress as the output processor applies each step (a
+:class:`~spindle.frontend.output_processor.StepListener`: tokens, timings, finish reasons).
+
+The metric names are vLLM's with the ``spindle:`` prefix, and the histograms have vLLM's buckets, so dashboards
+and alerts written for vLLM carry over; every metric has a ``model_name`` label. :data:`METRICS` lists them (the
+docs' table is made from it). prometheus_client is imported only by :class:`MetricsServer`, so a server that
+serves no metrics does not need it.
+"""
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.output_processor import RequestState
+from spindle.shared import FinishReason
+from spindle.shared.protocol import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    Attributes:
+        name: its name; a counter's samples are scraped as ``<name>_total``.
+        kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
+        help: what it measures (its ``# HELP`` text).
+        source: ``"engine"``: read from the engine at each scrape (its backend's latest stats, its restarts);
+            ``"requests"``: recorded as requests progress.
+        labels: its label names.
+        buckets: a histogram's upper bounds; empty for the 1-2-5 series up to the model's context length
+            (:func:`token_buckets`).
+
+    """
+
+    name: str
+    kind: str
+    help: str
+    source: str
+    labels: tuple[str, ...] = ("model_name",)
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def sample_name(self) -> str:
+        """The name its samples are scraped under (a counter's end in ``_total``)."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+
+# vLLM's bucket bounds, so that quantiles line up with a vLLM deployment's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+TTFT_BUCKETS += (40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+INTER_TOKEN_BUCKETS += (40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+REQUEST_LATENCY_BUCKETS += (240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value``: the buckets of the token-count histograms, as vLLM's."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def _spec(name: str, kind: str, help: str, source: str = "requests", **extra: object) -> MetricSpec:
+    return MetricSpec(f"spindle:{name}", kind, help, source, **extra)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # The backend's state and counts, as of its last step or heartbeat.
+    _spec("num_requests_running", "gauge", "Sequences in the running batch (a request with n > 1 counts n).", "engine"),
+    _spec("num_requests_waiting", "gauge", "Sequences waiting for the scheduler to admit them.", "engine"),
+    _spec("kv_cache_usage_perc", "gauge", "Fraction of the KV cache's blocks in use: 1 means 100 percent.", "engine"),
+    _spec(
+        "prefix_cache_queries",
+        "counter",
+        "Prefix cache queries, in tokens: the tokens of each sequence admitted to the batch.",
+        "engine",
+    ),
+    _spec("prefix_cache_hits", "counter", "Prefix cache hits, in tokens: those whose K/V was cached.", "engine"),
+    _spec("num_preemptions", "counter", "Sequences preempted (blocks freed, to be recomputed).", "engine"),
+    _spec("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed by speculative decoding.", "engine"),
+    _spec("spec_decode_num_accepted_tokens", "counter", "Draft tokens the model accepted.", "engine"),
+    _spec(
+        "engine_restarts",
+        "counter",
+        "Times a new backend took over from a dead one (restarted, or reconnected to).",
+        "engine",
+    ),
+    # Each request's progress, as the frontend applies each step.
+    _spec("prompt_tokens", "counter", "Prompt tokens of the requests that got their first token (prefill tokens)."),
+    _spec("generation_tokens", "counter", "Tokens generated."),
+    _spec(
+        "request_success",
+        "counter",
+        "Requests finished, by finished_reason: stop, length, or abort (cancelled, aborted or refused).",
+        labels=("model_name", "finished_reason"),
+    ),
+    _spec(
+        "time_to_first_token_seconds",
+        "histogram",
+        "Seconds from a request's arrival to its first token.",
+        buckets=TTFT_BUCKETS,
+    ),
+    _spec(
+        "inter_token_latency_seconds",
+        "histogram",
+        "Seconds between two steps that give a request tokens.",
+        buckets=INTER_TOKEN_BUCKETS,
+    ),
+    _spec(
+        "e2e_request_latency_seconds",
+        "histogram",
+        "Seconds from a request's arrival to its end.",
+        buckets=REQUEST_LATENCY_BUCKETS,
+    ),
+    _spec(
+        "request_queue_time_seconds",
+        "histogram",
+        "Seconds from a request's arrival to its first scheduling.",
+        buckets=REQUEST_LATENCY_BUCKETS,
+    ),
+    _spec(
+        "request_inference_time_seconds",
+        "histogram",
+        "Seconds from a request's first scheduling to its end.",
+        buckets=REQUEST_LATENCY_BUCKETS,
+    ),
+    _spec(
+        "request_prefill_time_seconds",
+        "histogram",
+        "Seconds from a request's first scheduling to its first token.",
+        buckets=REQUEST_LATENCY_BUCKETS,
+    ),
+    _spec(
+        "request_decode_time_seconds",
+        "histogram",
+        "Seconds from a request's first token to its end.",
+        buckets=REQUEST_LATENCY_BUCKETS,
+    ),
+    _spec("request_prompt_tokens", "histogram", "Prompt tokens of each finished request."),
+    _spec("request_generation_tokens", "histogram", "Tokens generated for each finished request (all n)."),
+    _spec("request_params_n", "histogram", "The n (completions) of each finished request.", buckets=N_BUCKETS),
+    _spec("request_params_max_tokens", "histogram", "The max_tokens of each finished request that set it."),
+)
+"""Every metric the server exports, besides the standard ``process_*`` and ``python_*`` ones."""
+
+_CUMULATIVE_STATS = (
+    "num_preemptions",
+    "num_prefix_cache_queries",
+    "num_prefix_cache_hits",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
+)
+"""The :class:`EngineStats` fields that count since the backend started (a new backend starts them at zero)."""
+
+
+@dataclasses.dataclass
+class Load:
+    """The load figures of one ``LoadReport`` (and of ``GetServerInfo``).
+
+    Attributes:
+        num_requests_running: sequences in the running batch.
+        num_requests_waiting: sequences waiting to be admitted.
+        kv_cache_usage: fraction of the KV cache's blocks in use.
+        prefix_cache_hit_rate: prefix cache hits over queries (tokens) in the recent window; 0 without a query.
+        generation_tokens_per_second: tokens generated per second, averaged over the recent window.
+        timestamp: when the figures were taken (``time.time()``).
+
+    """
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    generation_tokens_per_second: float
+    timestamp: float
+
+
+def kv_cache_usage(stats: EngineStats | None) -> float:
+    """The fraction of the KV cache's blocks in use (0 before the first stats)."""
+    if stats is None or not stats.num_total_blocks:
+        return 0.0
+    return (stats.num_total_blocks - stats.num_free_blocks) / stats.num_total_blocks
+
+
+class LoadTracker:
+    """The engine's load as the server sees it: the latest stats, totals that survive backend restarts, and rates.
+
+    :meth:`start` follows every stats update (each step and heartbeat) in a task, and every request's tokens as a
+    :class:`~spindle.frontend.output_processor.StepListener`. The backend's counts start from zero when it restarts;
+    the :attr:`totals` add up what they grew by, so they only ever grow.
+
+    Args:
+        engine: the engine, connected to its backend.
+        window: the seconds that the recent rates (throughput, prefix cache hit rate) cover.
+
+    Attributes:
+        stats: the latest stats (``None`` before the first).
+        totals: per cumulative :class:`EngineStats` field (``num_preemptions``, ``num_prefix_cache_queries``, ...),
+            its sum over every backend this engine has had.
+
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, window: float = 10.0) -> None:
+        self.engine = engine
+        self.window = window
+        self.stats: EngineStats | None = None
+        self.totals = dict.fromkeys(_CUMULATIVE_STATS, 0)
+        self._restarts = 0
+        self._started = time.monotonic()
+        # One entry per second that saw activity: [second, tokens generated, prefix queries, prefix hits].
+        self._seconds: collections.deque[list[int]] = collections.deque()
+        self._updated = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start following the engine (from its event loop)."""
+        self.engine.output_processor.listeners.append(self)
+        self._task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def close(self) -> None:
+        """Stop following the engine."""
+        with contextlib.suppress(ValueError):
+            self.engine.output_processor.listeners.remove(self)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def update(self, stats: EngineStats) -> None:
+        """Take one stats update: add what the counts grew by to the totals and the window, wake the waiters."""
+        restarts = getattr(self.engine, "num_backend_restarts", 0)
+        # After a restart the new backend's counts start from zero, so all of them are new.
+        previous = self.stats if restarts == self._restarts else None
+        self._restarts = restarts
+        grown = {}
+        for name in _CUMULATIVE_STATS:
+            new, old = getattr(stats, name), getattr(previous, name, 0)
+            # A count that went down means a new backend too (if the engine did not say so).
+            grown[name] = new - old if new >= old else new
+            self.totals[name] += grown[name]
+        if self.stats is not None:  # the first update brings what the backend counted before this server
+            second = self._second()
+            second[2] += grown["num_prefix_cache_queries"]
+            second[3] += grown["num_prefix_cache_hits"]
+        self.stats = stats
+        self._updated.set()
+        self._updated = asyncio.Event()
+
+    def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
+        """Count the tokens a step gave a request (a :class:`StepListener` method)."""
+        self._second()[1] += num_new_tokens
+
+    def on_finished(self, state: RequestState, now: float) -> None:
+        """Nothing to do when a request ends (a :class:`StepListener` method)."""
+
+    def load(self) -> Load:
+        """The current figures."""
+        now = time.monotonic()
+        tokens = queries = hits = 0.0
+        for second, second_tokens, second_queries, second_hits in self._seconds:
+            # The share of that second inside the window: the oldest one is only partly in it.
+            share = min(1.0, max(0.0, second + 1 - (now - self.window)))
+            tokens += share * second_tokens
+            queries += share * second_queries
+            hits += share * second_hits
+        span = min(self.window, max(now - self._started, 1.0))
+        stats = self.stats
+        return Load(
+            num_requests_running=stats.num_running if stats else 0,
+            num_requests_waiting=stats.num_waiting if stats else 0,
+            kv_cache_usage=kv_cache_usage(stats),
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            generation_tokens_per_second=tokens / span,
+            timestamp=time.time(),
+        )
+
+    async def wait(self, timeout: float) -> None:
+        """Return at the next stats update, or after ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._updated.wait(), timeout)
+
+    def _second(self) -> list[int]:
+        """The current second's entry (the older ones that left the window are dropped)."""
+        second = int(time.monotonic())
+        if not self._seconds or self._seconds[-1][0] != second:
+            self._seconds.append([second, 0, 0, 0])
+            while self._seconds[0][0] + 1 < second - self.window:
+                self._seconds.popleft()
+        return self._seconds[-1]
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                stats = await self.engine.get_stats()  # the next step's or heartbeat's
+            except Exception as error:
+                # The backend is down (EngineDeadError): nothing to follow until the engine has one again.
+                logger.debug("No engine stats (%s): trying again shortly", error)
+                await asyncio.sleep(0.5)
+                continue
+            self.update(stats)
+
+
+def _finished_reason(state: RequestState) -> str:
+    """The ``finished_reason`` label of a request that ended: abort, else length, else stop, over its completions."""
+    reasons = {completion.finish_reason for completion in state.completions}
+    for reason in (None, FinishReason.ABORT, FinishReason.LENGTH):
+        if reason in reasons:
+            return (reason or FinishReason.ABORT).value
+    return FinishReason.STOP.value
+
+
+class _EngineCollector:
+    """The ``source="engine"`` metrics, read from the :class:`LoadTracker` at each scrape (a prometheus collector)."""
+
+    def __init__(self, load: LoadTracker, model_name: str) -> None:
+        self.load = load
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[object]:
+        """Yield one metric family per engine metric."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats, totals = self.load.stats, self.load.totals
+        values = {
+            "spindle:num_requests_running": stats.num_running if stats else 0,
+            "spindle:num_requests_waiting": stats.num_waiting if stats else 0,
+            "spindle:kv_cache_usage_perc": kv_cache_usage(stats),
+            "spindle:prefix_cache_queries": totals["num_prefix_cache_queries"],
+            "spindle:prefix_cache_hits": totals["num_prefix_cache_hits"],
+            "spindle:num_preemptions": totals["num_preemptions"],
+            "spindle:spec_decode_num_draft_tokens": totals["num_draft_tokens"],
+            "spindle:spec_decode_num_accepted_tokens": totals["num_accepted_draft_tokens"],
+            "spindle:engine_restarts": getattr(self.load.engine, "num_backend_restarts", 0),
+        }
+        for spec in METRICS:
+            if spec.source == "engine":
+                family = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+                metric = family(spec.name, spec.help, labels=spec.labels)
+                metric.add_metric([self.model_name], values[spec.name])
+                yield metric
+
+
+class MetricsServer:
+    """Serves the Prometheus metrics over HTTP at ``http://host:port/metrics``, from a thread of its own.
+
+    The request metrics are recorded as the output processor applies each step (this is a
+    :class:`~spindle.frontend.output_processor.StepListener`); the engine's are read from ``load`` at each scrape.
+    The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors), not
+    prometheus_client's global one, so that several servers can share a process.
+
+    Args:
+        engine: the engine, connected to its backend.
+        load: the server's :class:`LoadTracker`, started.
+        host: the interface to listen on.
+        port: the TCP port; ``0`` picks a free one (:attr:`port` says which).
+
+    Attributes:
+        port: the TCP port it listens on.
+        registry: the prometheus_client ``CollectorRegistry`` it serves.
+
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, load: LoadTracker, host: str = "127.0.0.1", port: int = 0) -> None:
+        # Imported here: only a server that serves metrics needs prometheus_client.
+        import prometheus_client
+
+        self.engine = engine
+        self.registry = prometheus_client.CollectorRegistry()
+        prometheus_client.ProcessCollector(registry=self.registry)
+        prometheus_client.PlatformCollector(registry=self.registry)
+        prometheus_client.GCCollector(registry=self.registry)
+        model_name = engine.info.model_name
+        self.registry.register(_EngineCollector(load, model_name))
+        metrics = {}
+        for spec in METRICS:
+            if spec.source != "requests":
+                continue
+            if spec.kind == "counter":
+                metric = prometheus_client.Counter(spec.name, spec.help, spec.labels, registry=self.registry)
+            else:
+                buckets = spec.buckets or token_buckets(engine.info.max_model_len)
+                metric = prometheus_client.Histogram(
+                    spec.name, spec.help, spec.labels, buckets=buckets, registry=self.registry
+                )
+            metrics[spec.name.removeprefix("spindle:")] = metric
+        success = metrics.pop("request_success")
+        # Every reason from the start, at zero, so that rate() sees the first request of each.
+        self._success = {reason.value: success.labels(model_name, reason.value) for reason in FinishReason}
+        self._metrics = {name: metric.labels(model_name) for name, metric in metrics.items()}
+        self.httpd, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
+        self.port: int = self.httpd.server_address[1]
+        engine.output_processor.listeners.append(self)
+        logger.info("Serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
+
+    def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
+        """Count a step's tokens for a request; time its first token, or the gap since its previous ones."""
+        m = self._metrics
+        m["generation_tokens"].inc(num_new_tokens)
+        if state.last_token_time is None:
+            m["prompt_tokens"].inc(len(state.prompt_token_ids))
+            m["time_to_first_token_seconds"].observe(max(0.0, now - state.metrics.arrival_time))
+        else:
+            m["inter_token_latency_seconds"].observe(now - state.last_token_time)
+
+    def on_finished(self, state: RequestState, now: float) -> None:
+        """Count a request that ended, by reason, and observe its latencies, sizes and parameters."""
+        m, times = self._metrics, state.metrics
+        self._success[_finished_reason(state)].inc()
+        m["e2e_request_latency_seconds"].observe(max(0.0, now - times.arrival_time))
+        # The scheduling time is the backend's clock and the others the frontend's: never let a skew go negative.
+        if times.first_scheduled_time is not None:
+            m["request_queue_time_seconds"].observe(max(0.0, times.first_scheduled_time - times.arrival_time))
+            m["request_inference_time_seconds"].observe(max(0.0, now - times.first_scheduled_time))
+            if times.first_token_time is not None:
+                prefill = times.first_token_time - times.first_scheduled_time
+                m["request_prefill_time_seconds"].observe(max(0.0, prefill))
+        if times.first_token_time is not None:
+            m["request_decode_time_seconds"].observe(max(0.0, now - times.first_token_time))
+        m["request_prompt_tokens"].observe(len(state.prompt_token_ids))
+        m["request_generation_tokens"].observe(sum(len(c.token_ids) for c in state.completions))
+        m["request_params_n"].observe(state.params.n)
+        if state.params.max_tokens is not None:
+            m["request_params_max_tokens"].observe(state.params.max_tokens)
+
+    def close(self) -> None:
+        """Stop recording and serving."""
+        with contextlib.suppress(ValueError):
+            self.engine.output_processor.listeners.remove(self)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(5)
