@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from spindle.backend.engine_core import EngineCore
+from spindle.backend.memory import bound_host_memory
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
@@ -332,6 +333,7 @@ def run_backend(args: argparse.Namespace) -> int:
     """Run the backend process until SIGTERM (graceful) or SIGINT; returns the exit code."""
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
+    bound_host_memory()
     try:
         process = EngineProcess(config_from_args(args), args.listen, args.grace_period)
         signal.signal(signal.SIGTERM, process.drain)

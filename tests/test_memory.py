@@ -1,5 +1,7 @@
 """The KV cache's share of a GPU, from faked device reports: this process's use counts, other processes' does not."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,42 @@ def test_the_profile_pass_samples_at_full_width(tiny_llama_dir: Path) -> None:
 
     vocab = runner.model_config.vocab_size
     assert recording.widths == {"sample": ((12, vocab), vocab - 1, 20), "prompt_logprobs": ((40, vocab), 20)}
+
+
+FREED_BLOCK = """
+import sys
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from spindle.backend.memory import bound_host_memory
+
+
+def rss_mib() -> float:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+if sys.argv[1] == "bounded":
+    bound_host_memory()
+big = torch.ones(4 * 2**20)  # 16 MiB, mapped, then freed: glibc raises its mmap threshold past it
+del big
+before = rss_mib()
+block = torch.ones(2 * 2**20)  # 8 MiB: from the heap unless the threshold stayed put
+del block
+print(rss_mib() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc (Linux)")
+def test_a_freed_activation_goes_back_to_the_system_in_the_backend() -> None:
+    """Without the bound, an 8 MiB block freed after a 16 MiB one stays resident in glibc's heap; with it, it goes."""
+    held = {
+        mode: float(
+            subprocess.run([sys.executable, "-c", FREED_BLOCK, mode], capture_output=True, text=True, check=True).stdout
+        )
+        for mode in ("plain", "bounded")
+    }
+    assert held["plain"] > 6 and held["bounded"] < 1, held
