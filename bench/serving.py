@@ -9,11 +9,14 @@ latency for each path.
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,6 +29,35 @@ from spindle.shared.config import EngineConfig
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Server:
+    """A running backend and ``spindle serve`` in front of it."""
+
+    port: int
+    backend_address: str
+    backend: subprocess.Popen
+    frontend: subprocess.Popen
+
+
+@contextlib.contextmanager
+def spindle_server(config: EngineConfig, port: int = 0) -> Iterator[Server]:
+    """Start a backend for ``config`` and ``spindle serve`` on ``port`` (0: a free one); stop both on exit."""
+    backend, address = start_backend(config)
+    env = {**os.environ, "SPINDLE_PORT": str(port), "SPINDLE_BACKEND_ADDRESS": address}
+    frontend = subprocess.Popen(
+        [sys.executable, "-m", "spindle.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        banner = frontend.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
+        if not banner:
+            raise SystemExit(f"spindle serve exited with code {frontend.wait()} before it listened")
+        yield Server(int(banner.rsplit(":", 1)[1]), address, backend, frontend)
+    finally:
+        for process in (frontend, backend):
+            process.terminate()
+            process.wait(60)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -104,30 +136,16 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(args.num_requests)]
     config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)
-    backend, address = start_backend(config)
-    env = {**os.environ, "SPINDLE_PORT": str(args.port), "SPINDLE_BACKEND_ADDRESS": address}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "spindle.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
-    )
-    try:
-        banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
-        if not banner:
-            raise SystemExit(f"spindle serve exited with code {server.wait()} before it listened")
-        port = int(banner.rsplit(":", 1)[1])
-        engine = AsyncLLMEngine.from_args(backend_address=address)
+    with spindle_server(config, args.port) as server:
+        engine = AsyncLLMEngine.from_args(backend_address=server.backend_address)
         try:
             asyncio.run(engine_run(engine, prompts[:4], args))  # warm-up
             elapsed, *rest = asyncio.run(engine_run(engine, prompts, args))
         finally:
             engine.shutdown()
         report("engine", elapsed, *rest, len(prompts))
-        elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{port}", prompts, args))
+        elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{server.port}", prompts, args))
         report("gRPC", elapsed, *rest, len(prompts))
-    finally:
-        server.terminate()
-        server.wait(60)
-        backend.terminate()
-        backend.wait(60)
 
 
 if __name__ == "__main__":

@@ -10,22 +10,18 @@ warm-up (the first ``--warmup`` seconds, when per-shape caches and the allocator
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from bench.serving import spindle_server
 from spindle.client import sampling_params
-from spindle.frontend.core_client import start_backend
 from spindle.shared.config import EngineConfig
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = "the a river stone light market number story engine winter quiet bright seven city garden letter".split()
 
 
@@ -95,7 +91,10 @@ async def soak(port: int, args: argparse.Namespace, pids: dict[str, int]) -> tup
         while time.monotonic() < until:
             rss = [rss_mib(pid) for pid in pids.values()]
             samples.append((time.monotonic() - start, *rss))
-            print(f"{samples[-1][0]:7.0f} s  " + "  ".join(f"{n} {r:7.1f} MiB" for n, r in zip(pids, rss, strict=True)))
+            print(
+                f"{samples[-1][0]:7.0f} s  " + "  ".join(f"{n} {r:7.1f} MiB" for n, r in zip(pids, rss, strict=True)),
+                flush=True,
+            )
             await asyncio.sleep(min(args.sample_every, max(0.0, until - time.monotonic())))
         await asyncio.gather(*clients)
         await asyncio.sleep(2)  # let aborts of the last cancelled requests land
@@ -115,22 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     warmup = args.warmup if args.warmup is not None else min(300.0, args.duration / 6)
 
-    backend, address = start_backend(EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory))
-    env = {**os.environ, "SPINDLE_PORT": "0", "SPINDLE_BACKEND_ADDRESS": address}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "spindle.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
-    )
-    try:
-        banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
-        if not banner:
-            raise SystemExit(f"spindle serve exited with code {server.wait()} before it listened")
-        pids = {"frontend": server.pid, "backend": backend.pid}
-        samples, tally, info = asyncio.run(soak(int(banner.rsplit(":", 1)[1]), args, pids))
-    finally:
-        server.terminate()
-        server.wait(60)
-        backend.terminate()
-        backend.wait(60)
+    with spindle_server(EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)) as server:
+        pids = {"frontend": server.frontend.pid, "backend": server.backend.pid}
+        samples, tally, info = asyncio.run(soak(server.port, args, pids))
 
     print(f"\nrequests: {dict(sorted(tally.outcomes.items()))}, {tally.tokens} tokens streamed")
     print(f"KV blocks free after the load: {info.num_free_kv_blocks} of {info.num_total_kv_blocks}")
