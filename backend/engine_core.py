@@ -92,7 +92,9 @@ class EngineCore:
                 "leaves no room for a completion",
             )
         seqs = [
-            Sequence(request.request_id, i, request.prompt_token_ids, request.params, request.arrival_time)
+            Sequence(
+                request.request_id, i, request.prompt_token_ids, request.params, request.arrival_time, request.priority
+            )
             for i in range(request.params.n)
         ]
         self.requests[request.request_id] = seqs

@@ -2,8 +2,12 @@
 
 import enum
 from itertools import count
+from typing import TYPE_CHECKING
 
 from spindle.shared import FinishReason, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -24,13 +28,20 @@ class Sequence:
     _ids = count()
 
     def __init__(
-        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index
         self.params = params
         self.arrival_time = arrival_time
+        self.priority = priority
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -46,6 +57,10 @@ class Sequence:
         # This step's draft tokens (speculative decoding), computed after the last token; not part of token_ids.
         self.spec_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
+        # Structured output: the matcher of the sequence's grammar, set once the grammar has compiled (off the step
+        # loop); until then the sequence waits and the scheduler passes it over.
+        self.grammar: GrammarMatcher | None = None
+        self.waiting_for_grammar = params.structured_output is not None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -46,6 +46,21 @@ SampleLogprobs = list[dict[int, Logprob]]
 """Per generated (or prompt) position: token id to :class:`Logprob` for the chosen and top-N tokens."""
 
 
+class ToolCall(msgspec.Struct):
+    """One call of a tool, parsed from a chat completion.
+
+    Attributes:
+        id: unique within the response (``call_`` and 24 random characters).
+        name: the tool's name.
+        arguments: the arguments, a JSON object as text (as OpenAI's API carries them).
+
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
 class CompletionOutput(msgspec.Struct):
     """One completion of a request (there are ``n`` of them).
 
@@ -58,6 +73,8 @@ class CompletionOutput(msgspec.Struct):
         finish_reason: a :class:`FinishReason` (equal to ``"stop"``, ``"length"`` or ``"abort"``) once finished, else
             ``None``.
         stop_reason: the stop string or stop token id that ended it, ``None`` for eos or length.
+        tool_calls: the tool calls parsed from the whole text, once finished, for a chat request with tools;
+            ``None`` otherwise.
 
     """
 
@@ -68,6 +85,7 @@ class CompletionOutput(msgspec.Struct):
     logprobs: SampleLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended."""

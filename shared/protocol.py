@@ -15,7 +15,7 @@ from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, R
 from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -29,12 +29,13 @@ FRONTEND_TIMEOUT = 2.0
 
 
 class EngineRequest(msgspec.Struct):
-    """A tokenized request handed to the engine core."""
+    """A tokenized request handed to the engine core; ``priority`` orders it under the priority policy (lower first)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,6 +1,8 @@
 """Sampling parameters of one request, validated when they are built."""
 
+import json
 import math
+from typing import Any
 
 import msgspec
 
@@ -11,6 +13,69 @@ MAX_LOGPROBS = 20
 
 MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens a request may ask to verify per step: past a few, a CPU step costs more than it saves."""
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on what a completion may be; set exactly one field.
+
+    At each step only the tokens that keep the output a valid prefix of the language can be sampled, and the
+    completion ends (finish reason ``stop``) once the language allows nothing more. The backend compiles the spec
+    with xgrammar, once per distinct spec; one that does not compile refuses the request with an
+    :class:`~spindle.shared.errors.InvalidRequestError` for ``sampling_params.structured_output.<field>`` carrying
+    the compiler's message. Only the shape is checked here: which field is set, and that a schema is JSON.
+
+    Attributes:
+        json_schema: a JSON schema, as JSON text or a dict: the output is a JSON value valid against it.
+        json_object: any JSON object.
+        regex: a regular expression the whole output matches.
+        grammar: a grammar in EBNF (xgrammar's dialect, GBNF-like, with a ``root`` rule).
+        choice: the output is one of these strings, exactly.
+
+    """
+
+    json_schema: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "sampling_params.structured_output",
+                f"StructuredOutput needs exactly one of {', '.join(_CONSTRAINTS)}; got "
+                + (", ".join(given) if given else "none"),
+            )
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        elif self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as error:
+                raise InvalidRequestError(
+                    "sampling_params.structured_output.json_schema", f"the JSON schema is not valid JSON: {error}"
+                ) from error
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError(
+                    "sampling_params.structured_output.json_schema",
+                    f"a JSON schema is an object or a boolean, not {type(schema).__name__}",
+                )
+        for name in ("regex", "grammar"):
+            if getattr(self, name) == "":
+                raise InvalidRequestError(f"sampling_params.structured_output.{name}", f"the {name} is empty")
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise InvalidRequestError(
+                "sampling_params.structured_output.choice", "choice needs at least one string, and no empty one"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set (``"json_schema"``, ``"regex"``, ...)."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -49,6 +114,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             continue the longest recent n-gram found earlier in the prompt or output), all verified in one forward
             pass. Exact: greedy output is unchanged and sampled output keeps its distribution; it pays when the
             output copies from the input (summaries, edits, code). 0 (the default) turns it off.
+        structured_output: constrain the output to a JSON schema, any JSON object, a regex, a grammar or a list of
+            choices (:class:`StructuredOutput`); logprobs are then those of the constrained distribution.
 
     """
 
@@ -74,6 +141,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
     num_speculative_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
