@@ -14,6 +14,7 @@ import sys
 
 from spindle.frontend.grpc_args import add_server_args
 from spindle.shared.config import add_backend_args, add_engine_args, add_log_args, config_from_args, configure_logging
+from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -22,6 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
     from spindle.frontend.grpc_server import serve
 
     configure_logging(args.log_format)  # first: the backend child started below logs in the same format
+    ModelRegistry.register_models(args.register_model)  # forwarded to the backend child; imported there only
     server_config = server_config_from_args(args)
     engine = AsyncLLMEngine.from_args(backend_address=args.backend_address, **vars(config_from_args(args)))
     try:
@@ -81,9 +83,11 @@ def add_commands(commands: "argparse._SubParsersAction[argparse.ArgumentParser]"
         help="use the backend listening here instead of starting one",
     )
     add_log_args(serve)
+    add_register_model_args(serve)
     serve.set_defaults(run=_serve)
     backend = commands.add_parser("backend", help="run the engine core process alone (for compose / Kubernetes)")
     add_backend_args(backend)
+    add_register_model_args(backend)
     backend.add_argument(
         "--check",
         nargs="?",

@@ -1,19 +1,29 @@
 """The model hyper-parameters Spindle needs, read from a Hugging Face ``config.json``."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from spindle.shared.model_registry import BUILTIN_MODELS, ModelRegistry
+
+SUPPORTED_ARCHITECTURES = tuple(BUILTIN_MODELS)
+"""The built-in architectures (the Llama family), the only ones a GGUF file is converted for."""
+
+# Every architecture's config.json must have these: the KV cache, the sampler and the Llama layers are sized by them.
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2).
+    """Hyper-parameters of a decoder: a built-in Llama-family one (Llama, Mistral, Qwen2) or a registered one.
+
+    A registered architecture's ``config.json`` needs the standard fields read here (``num_hidden_layers``,
+    ``num_attention_heads``, ...): the runner sizes the KV cache from them. Its own fields are in ``hf_config``.
 
     Attributes:
-        architecture: the Hugging Face class name, one of :data:`SUPPORTED_ARCHITECTURES`.
+        architecture: the Hugging Face class name: a built-in one (:data:`SUPPORTED_ARCHITECTURES`) or one
+            registered with :class:`~spindle.shared.model_registry.ModelRegistry`.
         vocab_size: rows of the embedding and the LM head.
         hidden_size: width of the residual stream.
         intermediate_size: width of the MLP.
@@ -32,6 +42,7 @@ class ModelConfig:
         dtype: the dtype the checkpoint declares (``"bfloat16"``, ...), if any.
         sliding_window: the attention window when the model uses one; Spindle attends to the whole context, so the
             runner must keep contexts within it.
+        hf_config: the whole parsed ``config.json``, for a model class that reads fields of its own (not compared).
 
     """
 
@@ -53,6 +64,7 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: str | None
     sliding_window: int | None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -60,7 +72,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: when the directory has no ``config.json``.
-            ValueError: when the architecture is not supported.
+            ValueError: when the architecture is neither built in nor registered, or a field the engine needs is
+                missing.
 
         """
         path = Path(path)
@@ -76,14 +89,17 @@ class ModelConfig:
         """Build from the parsed ``config.json`` (transformers v4 or v5 layout) and ``generation_config.json``.
 
         Raises:
-            ValueError: when the architecture is not supported.
+            ValueError: when the architecture is neither built in nor registered, or a field the engine needs is
+                missing.
 
         """
         architectures = config.get("architectures") or []
-        if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architectures}: Spindle runs one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if len(architectures) != 1:
+            raise ValueError(f"unsupported architecture {architectures}: config.json must name exactly one")
+        ModelRegistry.get_model_cls_target(architectures[0])  # raises for an unknown one, listing the known ones
+        missing = [key for key in _REQUIRED_FIELDS if key not in config]
+        if missing:
+            raise ValueError(f"the config.json of a {architectures[0]} lacks {', '.join(missing)}, which Spindle needs")
         num_heads = config["num_attention_heads"]
         rope_theta, rope_scaling = _rope(config)
         eos_token_ids: list[int] = []
@@ -111,6 +127,7 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             dtype=config.get("dtype") or config.get("torch_dtype"),
             sliding_window=config.get("sliding_window") if uses_window else None,
+            hf_config=config,
         )
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from spindle.backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from spindle.backend.models.llama import LlamaForCausalLM
+from spindle.backend.models.registry import CausalLM, model_class
 from spindle.kernels.quant import QuantizedWeight, cat_rows, pack_int4, quantize
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def resolve_quantization(name: str, model_dir: Path) -> int | None:
     return QUANTIZATIONS[name]
 
 
-def quantized_weights(model: LlamaForCausalLM, model_dir: Path, bits: int) -> dict[str, QuantizedWeight]:
+def quantized_weights(model: CausalLM, model_dir: Path, bits: int) -> dict[str, QuantizedWeight]:
     """Every projection of ``model`` quantized to ``bits``, for :meth:`LlamaForCausalLM.prepare_weights`.
 
     A projection comes from the GGUF file's own blocks where the conversion kept them at these bits
@@ -313,20 +313,27 @@ def quantized_weights(model: LlamaForCausalLM, model_dir: Path, bits: int) -> di
     return weights
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the directory's safetensors (all shards).
+
+    The class is the one registered for the checkpoint's architecture
+    (:class:`~spindle.shared.model_registry.ModelRegistry`), imported now.
 
     Raises:
         FileNotFoundError: when the directory holds no safetensors weights.
         ValueError: when the architecture is unsupported or the weights do not fit the config.
+        ImportError: when the class registered for the architecture cannot be imported.
+        TypeError: when what is registered is not a model class (:func:`~spindle.backend.models.registry.model_class`).
 
     """
     config = ModelConfig.from_dir(model_dir)
+    model_cls = model_class(config.architecture)
     files = _safetensors_files(Path(model_dir))
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype)
+        model = model_cls(config, dtype)
     model.load_weights(_read_safetensors(files))
-    return model.eval()
+    model.eval()
+    return model
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
