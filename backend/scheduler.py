@@ -1,5 +1,6 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each contributes."""
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -36,13 +37,34 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """First-come-first-served scheduling under a token budget, with chunked prefill and preemption by recompute.
+    """Continuous batching under a token budget, with chunked prefill and preemption by recompute.
 
-    Running sequences (decodes, and prefills already under way) go first, oldest first. When the cache is out of
-    blocks, the newest running sequence is preempted: its blocks are freed and it goes back to the front of the
-    waiting queue to be recomputed later (its full blocks usually come back from the prefix cache). Waiting
-    sequences are admitted while the budget, ``max_num_seqs`` and the free blocks allow, and never in a step that
-    had to preempt.
+    Running sequences (decodes, and prefills already under way) go first, in queue order. When the cache is out of
+    blocks, the last running sequence is preempted: its blocks are freed and it goes back to the waiting queue to be
+    recomputed later (its full blocks usually come back from the prefix cache). Waiting sequences are admitted in
+    queue order while the budget, ``max_num_seqs`` and the free blocks allow, and never in a step whose running
+    sequences ran out of blocks; one whose structured-output grammar is still compiling (``waiting_for_grammar``) is
+    passed over without holding up those behind it.
+
+    The queue order is the ``policy``'s:
+
+    * ``fcfs``: arrival. The newest running sequence is preempted first and goes back to the front of the waiting
+      queue; ``Sequence.priority`` is ignored.
+    * ``priority`` (vLLM's): lower ``priority`` first, then earlier arrival. Both queues are kept in that order, so
+      the lowest-priority running sequence gets the budget last and is preempted first, and a preempted one waits at
+      its place. Before each step, when the first waiting sequence lacks a slot under ``max_num_seqs`` or the blocks
+      of a first chunk as long as the budget, running sequences of a strictly worse effective priority (below) are
+      preempted, worst first, until it has them; never one of the same or a better one.
+
+    Starvation is bounded by aging: with ``priority_aging`` = T > 0, a sequence's effective priority is
+    ``priority - (now - arrival_time) / T``, one level better per T seconds since its request arrived. Every sequence
+    ages at the same rate, so this order is that of ``arrival_time + priority * T``, fixed for a sequence's life
+    (no clock is read). Hence a request of priority p that arrived at time a ranks ahead of (is admitted before, and
+    preempted after) every request of priority q that arrives later than a + (p - q) * T: only requests of a
+    better priority q < p that arrive within (p - q) * T seconds after it can overtake it, and it waits for no
+    request that arrives after a + (p - p_min) * T, where p_min is the best priority sent (the one exception: it
+    is passed over while its own grammar compiles). With T = 0 the order is strict priority, and a steady stream of
+    better requests can starve a worse one.
 
     With ``max_decode_slowdown`` > 1, a step that carries decodes takes only as much prefill work as keeps its
     estimated cost within that factor of the decodes' own (the cost model above), so streams keep their inter-token
@@ -57,18 +79,24 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_decode_slowdown: float = 0.0,
+        policy: str = "fcfs",
+        priority_aging: float = 0.0,
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy={policy!r} must be fcfs or priority")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_decode_slowdown = max_decode_slowdown
+        self.by_priority = policy == "priority"
+        self.priority_aging = priority_aging
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -76,7 +104,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts, allocating their blocks."""
-        batch = ScheduledBatch([], [])
+        # Preemptions that make room for a waiting sequence are there to admit it: unlike those below, they do not
+        # close this step to admissions.
+        made_room = self._make_room() if self.by_priority else 0
+        batch = ScheduledBatch([], [], made_room)
         budget = self.max_num_batched_tokens
         prefill_cost = self._prefill_cost_budget()
         prefills = i = 0
@@ -108,8 +139,13 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
-            seq = self.waiting[0]
+        out_of_blocks = batch.num_preempted > made_room
+        i = 0
+        while not out_of_blocks and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.waiting_for_grammar:
+                i += 1
+                continue
             if seq.params.prompt_logprobs is None:
                 # Prompt logprobs need logits at every prompt position, so those prompts skip the prefix cache.
                 self.block_manager.match_prefix(seq)
@@ -121,13 +157,50 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             self.block_manager.allocate(seq, num_new)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._enqueue(self.running, seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _key(self, seq: Sequence) -> tuple[float, float, int]:
+        """The priority policy's rank of ``seq`` (lowest first): its aged priority, then arrival, then creation."""
+        if self.priority_aging:
+            return seq.arrival_time + seq.priority * self.priority_aging, seq.arrival_time, seq.seq_id
+        return seq.priority, seq.arrival_time, seq.seq_id
+
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence, front: bool = False) -> None:
+        """Put ``seq`` in ``queue``: at its rank under the priority policy, else at the back (or the ``front``)."""
+        if self.by_priority:
+            bisect.insort(queue, seq, key=self._key)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
+
+    def _make_room(self) -> int:
+        """Preempt the running sequences ranked below the first waiting one that it needs the room of.
+
+        The room is a slot under ``max_num_seqs`` and the blocks of a first chunk of up to the whole budget (cached
+        blocks may make it need fewer). Only sequences of a strictly worse effective priority are preempted, worst
+        first; returns how many.
+        """
+        seq = next((s for s in self.waiting if not s.waiting_for_grammar), None)
+        if seq is None:
+            return 0
+        rank = self._key(seq)[0]
+        chunk = min(len(seq), self.max_num_batched_tokens)
+        num_preempted = 0
+        while (
+            self.running
+            and self._key(self.running[-1])[0] > rank
+            and (len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq, chunk))
+        ):
+            self._preempt(self.running.pop())
+            num_preempted += 1
+        return num_preempted
 
     def _prefill_cost_budget(self) -> float:
         """The prefill work this step may carry beside its decodes (infinite without decodes or without the bound)."""
@@ -171,4 +244,4 @@ class Scheduler:
         self.block_manager.free_blocks(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq, front=True)

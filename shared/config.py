@@ -4,6 +4,7 @@ import argparse
 import contextvars
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -51,6 +52,13 @@ class EngineConfig:
         kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
         gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
         enable_prefix_caching: share full KV blocks between sequences with the same prefix.
+        scheduling_policy: ``fcfs`` (first come, first served; a request's ``priority`` is ignored) or ``priority``
+            (lower ``priority`` first, then arrival, as vLLM's: the lowest-priority running request is preempted
+            first, also to make room for a better waiting one).
+        priority_aging: under ``priority``, the seconds since arrival worth one priority level: requests rank by
+            ``arrival + priority * priority_aging``, which bounds starvation, as a request is never overtaken by one
+            ``d`` levels better that arrived more than ``d * priority_aging`` seconds after it. ``0`` is strict
+            priority (vLLM's), where a stream of better requests can starve a worse one.
 
     """
 
@@ -66,6 +74,8 @@ class EngineConfig:
     kv_cache_memory: int | str = "2GiB"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    priority_aging: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -83,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"max_decode_slowdown={self.max_decode_slowdown} must be 0 (no bound) or >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
+        if not 0 <= self.priority_aging < math.inf:
+            raise ValueError(f"priority_aging={self.priority_aging} must be >= 0 seconds (0: no aging)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)

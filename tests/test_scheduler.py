@@ -1,3 +1,7 @@
+import random
+
+import pytest
+
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.scheduler import KEYS_PER_TOKEN, STEP_OVERHEAD, ScheduledBatch, Scheduler
@@ -5,14 +9,27 @@ from spindle.backend.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32, slowdown: float = 0.0
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    budget: int = 32,
+    slowdown: float = 0.0,
+    policy: str = "fcfs",
+    aging: float = 0.0,
 ) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, slowdown)
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, slowdown, policy, aging)
 
 
-def add(sched: Scheduler, prompt_len: int, max_tokens: int = 4, first_token: int = 0) -> Sequence:
+def add(
+    sched: Scheduler,
+    prompt_len: int,
+    max_tokens: int = 4,
+    first_token: int = 0,
+    priority: int = 0,
+    arrival: float = 0.0,
+) -> Sequence:
     prompt = list(range(first_token, first_token + prompt_len))
-    seq = Sequence(f"r{first_token}", 0, prompt, SamplingParams(max_tokens=max_tokens), 0.0)
+    seq = Sequence(f"r{first_token}", 0, prompt, SamplingParams(max_tokens=max_tokens), arrival, priority)
     sched.add(seq)
     return seq
 
@@ -59,10 +76,11 @@ def test_max_num_seqs_caps_the_running_set():
     assert len(fake_step(sched).seqs) == 3 and len(sched.waiting) == 2
 
 
-def test_preemption_recomputes_and_loses_nothing():
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_recomputes_and_loses_nothing(policy):
     def outputs(num_blocks: int) -> tuple[dict[str, list[int]], int]:
-        sched = make_scheduler(num_blocks=num_blocks, budget=64)
-        seqs = [add(sched, 6 + i, max_tokens=12, first_token=100 * i) for i in range(6)]
+        sched = make_scheduler(num_blocks=num_blocks, budget=64, policy=policy)
+        seqs = [add(sched, 6 + i, max_tokens=12, first_token=100 * i, priority=-i % 3) for i in range(6)]
         batches = run_to_completion(sched)
         assert sched.block_manager.num_free_blocks == num_blocks
         return {s.request_id: s.token_ids for s in seqs}, sum(b.num_preempted for b in batches)
@@ -137,3 +155,105 @@ def test_waiting_prompts_beside_decodes_share_one_bounded_budget():
     assert batch.num_new_tokens[0] == 1
     assert sum(chunk_cost(0, n) for n in batch.num_new_tokens[1:]) <= STEP_OVERHEAD + 1 + 41 / KEYS_PER_TOKEN
     assert 0 < len(batch) - 1 < len(prompts)  # the budget admits the first prompt, not all three
+
+
+def admission_order(sched: Scheduler) -> list[Sequence]:
+    """Run to completion, returning the sequences in the order they were first scheduled."""
+    order: list[Sequence] = []
+    for batch in run_to_completion(sched):
+        order += [seq for seq in batch.seqs if seq not in order]
+    return order
+
+
+@pytest.mark.parametrize("aging", [0.0, 1000.0])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_admission_follows_priority_then_arrival_and_fcfs_ignores_priority(policy, aging):
+    sched = make_scheduler(max_num_seqs=1, policy=policy, aging=aging)
+    # Added out of arrival order, as a preempted sequence or a late frontend message can be.
+    specs = [(2, 0.0), (0, 3.0), (1, 1.0), (0, 2.0), (2, -1.0), (1, 4.0)]
+    seqs = [add(sched, 4, max_tokens=2, first_token=10 * i, priority=p, arrival=t) for i, (p, t) in enumerate(specs)]
+    expected = seqs if policy == "fcfs" else sorted(seqs, key=lambda s: (s.priority, s.arrival_time))
+    assert admission_order(sched) == expected
+
+
+@pytest.mark.parametrize(
+    "aging,newcomer_arrival,low_goes_first",
+    [(10.0, 9.0, False), (10.0, 11.0, True), (0.0, 1000.0, False)],
+    ids=["within-aging", "past-aging", "no-aging"],
+)
+def test_aging_puts_an_old_low_priority_request_before_a_newer_high_priority_one(
+    aging, newcomer_arrival, low_goes_first
+):
+    sched = make_scheduler(max_num_seqs=1, policy="priority", aging=aging)
+    low = add(sched, 4, priority=1, arrival=0.0)
+    high = add(sched, 4, first_token=50, priority=0, arrival=newcomer_arrival)
+    assert admission_order(sched) == ([low, high] if low_goes_first else [high, low])
+
+
+def test_aging_bounds_how_late_an_overtaking_request_may_arrive():
+    """The class docstring's bound: B goes before an earlier A only if it arrived within (p_A - p_B) * T of A."""
+    aging, rng = 10.0, random.Random(0)
+    sched = make_scheduler(max_num_seqs=1, policy="priority", aging=aging)
+    seqs = [
+        add(sched, 4, max_tokens=1, first_token=10 * i, priority=rng.randrange(5), arrival=rng.uniform(0, 100))
+        for i in range(40)
+    ]
+    order = admission_order(sched)
+    assert sorted(order, key=lambda s: s.seq_id) == seqs
+    pairs = [(first, then) for i, then in enumerate(order) for first in order[:i]]
+    # Whoever went first despite arriving later had a better priority, and arrived within its aging allowance.
+    overtakes = [(first, then) for first, then in pairs if first.arrival_time > then.arrival_time]
+    assert overtakes
+    for first, then in overtakes:
+        assert 0 < first.arrival_time - then.arrival_time <= (then.priority - first.priority) * aging
+    # And aging matters: some request went before a better one that arrived after it.
+    assert any(first.priority > then.priority for first, then in pairs)
+
+
+@pytest.mark.parametrize("policy,victim", [("fcfs", "newest"), ("priority", "lowest_priority")])
+def test_out_of_blocks_preempts_the_newest_or_the_lowest_priority(policy, victim):
+    sched = make_scheduler(num_blocks=4, block_size=4, policy=policy)
+    # One block each for the prompts, one spare: the second decode to need a block finds none.
+    lowest_priority = add(sched, 4, max_tokens=8, priority=2, arrival=0.0)
+    add(sched, 4, max_tokens=8, first_token=20, priority=0, arrival=1.0)
+    newest = add(sched, 4, max_tokens=8, first_token=40, priority=1, arrival=2.0)
+    assert len(fake_step(sched).seqs) == 3
+    batch = fake_step(sched)
+    expected = {"newest": newest, "lowest_priority": lowest_priority}[victim]
+    assert batch.num_preempted == 1 and list(sched.waiting) == [expected] and expected not in batch.seqs
+    assert expected.status is SequenceStatus.WAITING and expected.block_table == []
+
+
+@pytest.mark.parametrize("short_of", ["slots", "blocks"])
+@pytest.mark.parametrize(
+    "policy,newcomer_priority,preempts",
+    [("priority", 0, True), ("priority", 1, False), ("fcfs", 0, False)],
+    ids=["better", "equal", "fcfs"],
+)
+def test_a_better_waiting_sequence_preempts_a_worse_running_one_for_room(short_of, policy, newcomer_priority, preempts):
+    # slots: max_num_seqs is 1; blocks: the running sequence's next block is the last free one, the newcomer needs 2.
+    num_blocks, max_num_seqs = (64, 1) if short_of == "slots" else (3, 8)
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, policy=policy, aging=10.0)
+    running = add(sched, 8, max_tokens=4, priority=1, arrival=0.0)  # 12 tokens: the 3 blocks hold it alone
+    fake_step(sched)
+    newcomer = add(sched, 8, max_tokens=2, first_token=50, priority=newcomer_priority, arrival=1.0)
+    batch = fake_step(sched)
+    assert (batch.seqs, batch.num_preempted) == (([newcomer], 1) if preempts else ([running], 0))
+    assert running.status is (SequenceStatus.WAITING if preempts else SequenceStatus.RUNNING)
+    assert newcomer.status is (SequenceStatus.RUNNING if preempts else SequenceStatus.WAITING)
+    run_to_completion(sched)
+    assert running.num_output_tokens == 4 and newcomer.num_output_tokens == 2
+    assert sched.block_manager.num_free_blocks == num_blocks
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_sequence_waiting_for_its_grammar_is_passed_over_until_it_compiles(policy):
+    sched = make_scheduler(max_num_seqs=2, policy=policy)
+    compiling = add(sched, 4, arrival=0.0)
+    compiling.waiting_for_grammar = True
+    # Of the same priority, so that once ready it waits for a slot under both policies rather than preempting.
+    behind = [add(sched, 4, max_tokens=2, first_token=10 * (i + 1), arrival=1.0 + i) for i in range(2)]
+    assert fake_step(sched).seqs == behind
+    compiling.waiting_for_grammar = False
+    assert fake_step(sched).seqs == behind  # their last tokens: max_num_seqs leaves no slot yet
+    assert fake_step(sched).seqs == [compiling]
