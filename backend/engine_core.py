@@ -2,6 +2,7 @@
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 from spindle.backend.block_manager import BlockManager
@@ -11,9 +12,10 @@ from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler import Scheduler
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import propose
+from spindle.backend.structured_output import StructuredOutputManager
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig
-from spindle.shared.errors import InvalidRequestError
+from spindle.shared.errors import InvalidRequestError, RequestRefusedError
 from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
 
 logger = logging.getLogger(__name__)
@@ -37,9 +39,12 @@ class EngineCore:
 
     One step schedules, has the model runner run the flat batch and sample (it only reads the sequences), then
     applies the runner's :class:`~spindle.backend.model_runner.RunnerOutput`: it extends the prompt
-    log-probabilities, appends the new tokens, ends the sequences that hit eos, a stop token or their length limit,
-    and frees their blocks. It knows token ids only: stop strings are the frontend's business, which ends such a
-    sequence with :meth:`finish_sequence`.
+    log-probabilities, appends the new tokens, ends the sequences that hit eos, a stop token, their length limit or
+    the end of their grammar (structured output), and frees their blocks. It knows token ids only: stop strings are
+    the frontend's business, which ends such a sequence with :meth:`finish_sequence`.
+
+    A constrained request is accepted at once and its grammar compiled in the background; one whose spec does not
+    compile is dropped later, and its refusal comes out of :meth:`pop_refused`.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -55,10 +60,20 @@ class EngineCore:
         self.num_blocks = self.runner.init_cache(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_decode_slowdown
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_decode_slowdown,
+            config.scheduling_policy,
+            config.priority_aging,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        self.structured_output = StructuredOutputManager(
+            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
+        self.pending_grammars: dict[str, Future] = {}  # request id -> its grammar, compiling
+        self.refused: list[tuple[str, RequestRefusedError]] = []
         # Speculative decoding: draft tokens verified, and accepted, since start-up.
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
@@ -98,15 +113,27 @@ class EngineCore:
             for i in range(request.params.n)
         ]
         self.requests[request.request_id] = seqs
+        if request.params.structured_output is not None:
+            self.pending_grammars[request.request_id] = self.structured_output.compile(request.params.structured_output)
         for seq in seqs:
             self.scheduler.add(seq)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
         for request_id in request_ids:
+            self.pending_grammars.pop(request_id, None)
             for seq in self.requests.pop(request_id, []):
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
+        """The requests dropped since the last call because their structured-output spec did not compile, with why.
+
+        They were accepted by :meth:`add_request` and are gone now (no delta reports them): their frontend must fail
+        them with the error.
+        """
+        refused, self.refused = self.refused, []
+        return refused
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         """End one completion of a request (the frontend matched a stop string) and free its blocks."""
@@ -137,9 +164,14 @@ class EngineCore:
 
     def step(self) -> list[SequenceDelta]:
         """Schedule, run, sample, apply the runner's output; return what changed for each sequence that got a token."""
+        if self.pending_grammars:
+            self._attach_grammars()
         self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.pending_grammars:
+                # Nothing to run but compiles: wait for one instead of spinning (the compiler needs the core).
+                wait(self.pending_grammars.values(), timeout=0.05, return_when=FIRST_COMPLETED)
             return []
         now = time.time()
         for seq in batch.seqs:
@@ -163,7 +195,10 @@ class EngineCore:
             for token_id in token_ids:
                 seq.token_ids.append(token_id)
                 emitted += 1
-                self._check_stop(seq, token_id)
+                if seq.grammar is not None:
+                    self._advance_grammar(seq, token_id)
+                if not seq.is_finished:
+                    self._check_stop(seq, token_id)
                 if seq.is_finished:
                     break
             if num_drafts and not seq.is_finished:
@@ -194,6 +229,47 @@ class EngineCore:
                 max_tokens = seq.params.max_tokens or self.max_model_len
                 wanted = min(wanted, max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1)
                 seq.spec_token_ids = propose(seq.token_ids, wanted)
+                if seq.grammar is not None and seq.spec_token_ids:
+                    # Drafts the grammar forbids would be rejected anyway; and the runner masks each row after them.
+                    accepted = 0
+                    for token_id in seq.spec_token_ids:
+                        if not seq.grammar.accept_token(token_id):
+                            break
+                        accepted += 1
+                    seq.grammar.rollback(accepted)
+                    del seq.spec_token_ids[accepted:]
+
+    def _attach_grammars(self) -> None:
+        """Give the sequences of each request whose grammar has compiled their matchers; drop those that failed."""
+        for request_id, future in list(self.pending_grammars.items()):
+            if not future.done():
+                continue
+            del self.pending_grammars[request_id]
+            error = future.exception()
+            if error is not None:
+                assert isinstance(error, RequestRefusedError)
+                logger.info("Refused request: %s", error, extra={"request_id": request_id})
+                self.abort_requests([request_id])
+                self.refused.append((request_id, error))
+                continue
+            for seq in self.requests[request_id]:
+                seq.grammar = self.structured_output.matcher(future.result())
+                seq.waiting_for_grammar = False
+
+    def _advance_grammar(self, seq: Sequence, token_id: int) -> None:
+        """Feed a new token to the sequence's matcher; end the sequence when its grammar is complete."""
+        assert seq.grammar is not None
+        if not seq.grammar.accept_token(token_id):
+            # Only a token outside the mask gets here: min_tokens held back eos where the grammar allowed nothing
+            # else, or every allowed token had a logit of -inf. The output so far is a valid prefix; stop there.
+            logger.warning(
+                "Token %d does not continue the grammar: ending the completion",
+                token_id,
+                extra={"request_id": seq.request_id},
+            )
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif seq.grammar.is_terminated():
+            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _forget_if_done(self, request_id: str) -> None:
         """Drop a request once all its completions have finished (it is no longer unfinished work)."""

@@ -28,6 +28,7 @@ from spindle.backend.memory import bound_host_memory
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
     HEARTBEAT_INTERVAL,
@@ -132,6 +133,7 @@ class EngineProcess:
                 self._drain_inputs(block=idle)
                 if self.core.has_unfinished_requests():
                     self._send_by_owner(self.core.step(), wake)
+                    self._send_refusals(wake)
             self._abort_all(wake)
         finally:
             wake.close(linger=0)
@@ -211,6 +213,16 @@ class EngineProcess:
             stats = self.core.stats()
             for owner, owner_deltas in by_owner.items():
                 self.outputs.put((owner, StepOutputs(owner_deltas, stats)))
+            wake.send(b"", zmq.NOBLOCK)
+
+    def _send_refusals(self, wake: zmq.Socket) -> None:
+        """Tell the owners of the requests the core dropped (their grammar did not compile) why."""
+        refused = self.core.pop_refused()
+        for request_id, error in refused:
+            owner = self.owners.pop(request_id, None)
+            if owner is not None:
+                self.outputs.put((owner, RequestError.from_exception(request_id, error)))
+        if refused:
             wake.send(b"", zmq.NOBLOCK)
 
     def _abort_all(self, wake: zmq.Socket) -> None:
@@ -333,6 +345,7 @@ def run_backend(args: argparse.Namespace) -> int:
     """Run the backend process until SIGTERM (graceful) or SIGINT; returns the exit code."""
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
+    ModelRegistry.register_models(args.register_model)
     bound_host_memory()
     try:
         process = EngineProcess(config_from_args(args), args.listen, args.grace_period)
@@ -350,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m spindle.backend.engine_process``: the same as ``spindle backend``."""
     parser = argparse.ArgumentParser(prog="spindle backend", description="Run the Spindle engine core process")
     add_backend_args(parser)
+    add_register_model_args(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_format)
     return run_backend(args)

@@ -20,6 +20,7 @@ from spindle.backend.sampler import LogprobTensors, Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import accepted_tokens
+from spindle.backend.structured_output import grammar_bitmask
 from spindle.backend.transfers import fetch, to_device
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.cpu import cpu_ops
@@ -380,7 +381,13 @@ class ModelRunner:
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
         prompt = self._prompt_logprobs(seqs, query_start_loc, hidden)
-        sampled = self.sampler(self.model.compute_logits(hidden[step.sample_rows]), row_seqs) if rows else None
+        sampled = None
+        if rows:
+            # Filled on the CPU while a GPU still runs the forward pass queued above.
+            allowed = grammar_bitmask(
+                [seqs[i] for i in done], [seq_lens[i] - len(seqs[i]) for i in done], self.sampler.vocab_size
+            )
+            sampled = self.sampler(self.model.compute_logits(hidden[step.sample_rows]), row_seqs, allowed)
         # Fetched in this order: each sequence's prompt log-probabilities, then the sampled tokens.
         tensors = [*(t for entry in prompt.values() for t in entry.tensors()), *(sampled.tensors() if sampled else [])]
         fetched = iter(fetch(tensors))

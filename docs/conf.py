@@ -41,8 +41,11 @@ nitpick_ignore_regex = [
     # Types from mocked, third-party or standard modules that these docs do not host.
     (
         "py:class",
-        r"(torch|numpy|zmq|msgspec|tokenizers|argparse|asyncio|enum|subprocess|pathlib|collections\.abc|typing)\..*",
+        r"(torch|numpy|zmq|msgspec|tokenizers|argparse|asyncio|enum|subprocess|pathlib|collections\.abc|typing"
+        r"|xgrammar|concurrent\.futures)\..*",
     ),
+    # xgrammar's classes, named in annotations only when type-checking (the backend imports xgrammar lazily).
+    ("py:class", r"(Future|CompiledGrammar|GrammarCompiler|GrammarMatcher)(\[.*\])?"),
     # The generated protobuf message classes: the gRPC reference page documents them from the .proto files.
     ("py:class", r"spindle\.v1\..*"),
     # Model and kernel internals these pages do not cover.

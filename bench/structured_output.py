@@ -1,0 +1,104 @@
+"""The cost of structured output: offline throughput with 0%, 50% and 100% of the requests constrained.
+
+Every request is a chat prompt asking for a JSON record, run through ``LLM.generate`` on the embedded SmolLM2, with
+the same sampling; the constrained ones carry a JSON schema (an array of records with strings, integers, enums and
+booleans: a grammar with real work in each step's mask). Constrained requests end when their JSON is complete, so
+the rate compared is generated tokens per second. Also printed: the one-off cost of the first constrained request
+(xgrammar's import and tokenizer table) and the compile time of a new schema once that is loaded.
+
+    .venv/bin/python -m bench.structured_output --num-prompts 32 --max-tokens 96 --repeats 3
+"""
+
+import argparse
+import statistics
+import time
+
+from spindle import LLM, SamplingParams, StructuredOutput
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": 8,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["engineer", "doctor", "artist", "teacher", "pilot"]},
+            "active": {"type": "boolean"},
+        },
+        "required": ["name", "age", "role", "active"],
+    },
+}
+FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def chats(num_prompts: int) -> list[list[dict[str, str]]]:
+    """Conversations asking for JSON records of people, slightly different each."""
+    return [
+        [{"role": "user", "content": f"List {2 + i % 5} people as JSON with name, age, role and active."}]
+        for i in range(num_prompts)
+    ]
+
+
+def params_for(num_prompts: int, fraction: float, max_tokens: int, schema: dict) -> list[SamplingParams]:
+    """The first ``fraction`` of the requests constrained by ``schema``, the others free; greedy all."""
+    constrained = round(num_prompts * fraction)
+    spec = StructuredOutput(json_schema=schema)
+    return [
+        SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=spec if i < constrained else None)
+        for i in range(num_prompts)
+    ]
+
+
+def rate(llm: LLM, conversations: list, params: list[SamplingParams]) -> float:
+    """Generated tokens per second of one batch."""
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
+
+
+def first_request_seconds(llm: LLM, schema: dict) -> float:
+    """Seconds for one short constrained request of a schema not compiled yet."""
+    params = SamplingParams(temperature=0, max_tokens=1, structured_output=StructuredOutput(json_schema=schema))
+    start = time.perf_counter()
+    llm.chat([{"role": "user", "content": "JSON"}], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+
+    llm = LLM(args.model, kv_cache_memory="2GiB")
+    conversations = chats(args.num_prompts)
+    plain = SamplingParams(temperature=0, max_tokens=1)
+    start = time.perf_counter()
+    llm.chat(conversations[:1], plain, use_tqdm=False)
+    baseline = time.perf_counter() - start
+    cold = first_request_seconds(llm, SCHEMA) - baseline
+    warm = first_request_seconds(llm, {**SCHEMA, "maxItems": 9}) - baseline
+    print(f"first constrained request: +{cold:.2f} s (xgrammar loads), a new schema after that: +{warm * 1e3:.0f} ms")
+
+    rates: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+    for _ in range(args.repeats):  # interleaved, so that the machine's drift hits every fraction alike
+        for fraction in FRACTIONS:
+            rates[fraction].append(
+                rate(llm, conversations, params_for(len(conversations), fraction, args.max_tokens, SCHEMA))
+            )
+    base = statistics.median(rates[0.0])
+    print(f"{args.num_prompts} prompts, greedy, up to {args.max_tokens} tokens, median of {args.repeats}:")
+    for fraction in FRACTIONS:
+        median = statistics.median(rates[fraction])
+        print(f"  {fraction:4.0%} constrained: {median:7.1f} tok/s  ({median / base:.2f}x the unconstrained rate)")
+    outputs = llm.chat(conversations[:2], params_for(2, 1.0, args.max_tokens, SCHEMA), use_tqdm=False)
+    completion = outputs[0].outputs[0]
+    print(f"example ({completion.finish_reason}):", completion.text[:160])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Structured output: specs, compiling off the step loop, masked sampling, and the constraint through every path.
+
+The tiny random Llama with its byte-level tokenizer (one token per byte) checks the mechanics: regex and choice
+outputs match whatever the weights prefer, greedy and sampled, with n > 1, speculation, preemption and stop
+strings, and an unconstrained request in the same steps keeps its own tokens. SmolLM2 checks JSON schemas through
+gRPC (a random model's strings need not end; a real one's do).
+"""
+
+import json
+import re
+import time
+
+import grpc
+import jsonschema
+import pytest
+from test_grpc import ServerThread, assert_invalid, collect, refusal
+
+from spindle import LLM
+from spindle.backend.structured_output import StructuredOutputManager
+from spindle.frontend.core_client import ping_backend, start_backend
+from spindle.frontend.grpc_mapping import structured_output_from_proto
+from spindle.frontend.llm_engine import LLMEngine
+from spindle.shared import CompletionOutput, SamplingParams, StructuredOutput
+from spindle.shared.config import EngineConfig
+from spindle.shared.errors import InvalidRequestError
+from spindle.v1 import spindle_pb2
+
+PHONE = r"\d{3}-\d{4}"
+CHOICES = ["yes", "no", 'a "quoted"\nline', "naïve"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llm_dir) -> LLM:
+    return LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+
+
+def answer(completion: CompletionOutput) -> str:
+    """The text without the tiny tokenizer's eos (id 2, ``#``), which is not a special token there, so not skipped."""
+    return completion.text.removesuffix("#") if completion.token_ids[-1:] == [2] else completion.text
+
+
+def run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[str]]:
+    """The texts of each prompt's completions."""
+    return [[answer(c) for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field,message",
+    [
+        ({}, "sampling_params.structured_output", "got none"),
+        ({"regex": "a", "choice": ["b"]}, "sampling_params.structured_output", "got regex, choice"),
+        ({"json_schema": "{"}, "sampling_params.structured_output.json_schema", "not valid JSON"),
+        ({"json_schema": "[1]"}, "sampling_params.structured_output.json_schema", "not list"),
+        ({"regex": ""}, "sampling_params.structured_output.regex", "empty"),
+        ({"choice": ["a", ""]}, "sampling_params.structured_output.choice", "no empty one"),
+    ],
+)
+def test_a_malformed_spec_is_refused_when_built(kwargs, field, message):
+    with pytest.raises(InvalidRequestError, match=message) as error:
+        StructuredOutput(**kwargs)
+    assert error.value.fields == (field,)
+
+
+def test_a_dict_schema_becomes_json_text():
+    spec = StructuredOutput(json_schema={"type": "integer"})
+    assert spec.kind == "json_schema" and json.loads(spec.json_schema) == {"type": "integer"}
+
+
+@pytest.mark.parametrize(
+    "spec,field,message",
+    [
+        (StructuredOutput(grammar='root ::= "a" |'), "grammar", "EBNF parser error"),
+        (StructuredOutput(regex="(ab"), "regex", "parenthesis is not closed"),
+        (StructuredOutput(json_schema='{"type": "nonsense"}'), "json_schema", 'Unsupported type "nonsense"'),
+    ],
+)
+def test_the_compiler_message_names_the_field(tiny_llm_dir, spec, field, message):
+    manager = StructuredOutputManager(tiny_llm_dir, 256, [2])
+    with pytest.raises(InvalidRequestError) as error:
+        manager.compile(spec).result(60)
+    assert error.value.fields == (f"sampling_params.structured_output.{field}",)
+    assert message in str(error.value) and not str(error.value).startswith("[")  # xgrammar's log prefix is gone
+
+
+def test_a_spec_compiles_once(tiny_llm_dir):
+    manager = StructuredOutputManager(tiny_llm_dir, 256, [2])
+    first = manager.compile(StructuredOutput(regex=PHONE))
+    assert manager.compile(StructuredOutput(regex=PHONE)) is first
+    assert manager.compile(StructuredOutput(regex=PHONE + "x")) is not first
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0},
+        {"temperature": 1.0, "seed": 3, "n": 3},
+        {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "n": 2},
+        {"temperature": 0, "num_speculative_tokens": 4, "repetition_penalty": 1.2},
+        {"temperature": 0.7, "logprobs": 3, "presence_penalty": 1.0},
+    ],
+)
+def test_regex_and_choice_outputs_match(llm, params):
+    # The prompts hold the answers, so that speculation has drafts to propose.
+    prompts = ["call 555-0123 or 555-9876 now", "yes or no? " + " ".join(CHOICES)]
+    specs = [StructuredOutput(regex=PHONE), StructuredOutput(choice=CHOICES)]
+    out = llm.generate(
+        prompts, [SamplingParams(max_tokens=40, structured_output=s, **params) for s in specs], use_tqdm=False
+    )
+    phones, choices = out
+    assert all(re.fullmatch(PHONE, answer(c)) and c.finish_reason == "stop" for c in phones.outputs), phones.outputs
+    assert all(answer(c) in CHOICES and c.finish_reason == "stop" for c in choices.outputs), choices.outputs
+    if params.get("logprobs"):
+        # Logprobs are those of the constrained distribution: the "-" after three digits is certain.
+        assert all(c.logprobs[3][c.token_ids[3]].logprob == pytest.approx(0) for c in phones.outputs)
+
+
+def test_a_constrained_request_leaves_its_neighbours_alone(llm):
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone = run(llm, ["the same free prompt"], [free])
+    constrained = SamplingParams(temperature=0, max_tokens=30, structured_output=StructuredOutput(regex="[a-z ]+"))
+    together = run(llm, ["the same free prompt", "other text"] * 2, [free, constrained] * 2)
+    assert together[0] == together[2] == alone[0]
+    assert all(re.fullmatch("[a-z ]+", t[0]) for t in together[1::2])
+
+
+def test_the_grammar_survives_preemption(tiny_llm_dir):
+    # 6 blocks of 16 tokens for 4 sequences of up to ~50 tokens each: they preempt each other over and over.
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="48KiB", max_model_len=64)
+    spec = StructuredOutput(regex="(ab|cd)[0-9]{10,30}")
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=2, structured_output=spec)
+    outputs = llm.generate(["first prompt", "second prompt"], params, use_tqdm=False)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert all(re.fullmatch("(ab|cd)[0-9]{10,30}", answer(c)) for out in outputs for c in out.outputs)
+
+
+def test_a_stop_string_still_cuts_a_constrained_output(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, stop=["-"], structured_output=StructuredOutput(regex=PHONE))
+    [[text]] = run(llm, ["phone"], [params])
+    assert re.fullmatch(r"\d{3}", text)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_a_spec_that_does_not_compile_fails_its_request_only(tiny_llm_dir, multiprocess):
+    engine = LLMEngine(EngineConfig(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB"), multiprocess)
+    try:
+        good = engine.add_request(None, "fine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        bad = engine.add_request(None, "bad", SamplingParams(structured_output=StructuredOutput(regex="(")))
+        finished, refused = {}, None
+        deadline = time.monotonic() + 60
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            try:
+                finished.update((out.request_id, out) for out in engine.step() if out.finished)
+            except InvalidRequestError as error:
+                refused = error
+        assert refused is not None and refused.fields == ("sampling_params.structured_output.regex",)
+        assert repr(bad) in refused.__notes__[0]
+        assert list(finished) == [good] and len(finished[good].outputs[0].token_ids) == 8
+    finally:
+        engine.shutdown()
+
+
+def test_structured_output_from_proto():
+    proto = spindle_pb2.StructuredOutput
+    assert structured_output_from_proto(proto(choice=spindle_pb2.Choices(choices=["a", "b"]))).choice == ["a", "b"]
+    assert structured_output_from_proto(proto(regex="x+")).regex == "x+"
+    assert structured_output_from_proto(proto(json_object=True)).json_object
+    with pytest.raises(InvalidRequestError, match="must be true"):
+        structured_output_from_proto(proto(json_object=False))
+    with pytest.raises(InvalidRequestError, match="is empty"):
+        structured_output_from_proto(proto())
+
+
+# Ten shapes of schema. Strings, arrays and numbers are bounded, so that every completion ends within max_tokens
+# (an unbounded integer lets a small model write zeros until the limit: the grammar cannot make it stop).
+NAME = {"type": "string", "minLength": 1, "maxLength": 16}
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {"city": NAME, "population": {"type": "integer", "minimum": 1, "maximum": 50_000_000}},
+        "required": ["city", "population"],
+    },
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+        "required": ["color", "bright"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "primes": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 2, "maximum": 97},
+                "minItems": 1,
+                "maxItems": 4,
+            }
+        },
+        "required": ["primes"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "author": {"type": "object", "properties": {"first": NAME, "last": NAME}, "required": ["first", "last"]},
+            "year": {"type": "integer", "minimum": 1800, "maximum": 2025},
+        },
+        "required": ["author", "year"],
+    },
+    {"type": "object", "properties": {"title": NAME, "subtitle": NAME}, "required": ["title"]},
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                "y": {"type": "integer", "minimum": -9, "maximum": 9},
+            },
+            "required": ["x", "y"],
+        },
+        "minItems": 1,
+        "maxItems": 3,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no", "maybe"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["answer", "confidence"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+            "id": {"type": "integer", "minimum": 1, "maximum": 999},
+        },
+        "required": ["id", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "error": {"type": ["string", "null"], "maxLength": 16}},
+        "required": ["ok", "error"],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server():
+    process, address = start_backend(EngineConfig(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048))
+    ping_backend(address, timeout=300)  # loaded: the server's own handshake then waits no longer than usual
+    server = ServerThread(address)
+    yield server
+    server.close()
+    process.stop()
+
+
+@pytest.mark.slow
+def test_json_schemas_through_grpc_parse_and_validate(smollm2_server):
+    """Every completion of ten schemas, greedy and sampled, all streams at once, is JSON valid against its schema."""
+    with smollm2_server.client(timeout=300) as client:
+        streams = []
+        for i, schema in enumerate(SCHEMAS):
+            spec = spindle_pb2.StructuredOutput(json_schema=json.dumps(schema))
+            messages = [{"role": "user", "content": f"Answer in JSON: example {i}"}]
+            for params in ({"temperature": 0}, {"temperature": 0.8, "seed": i}):
+                streams.append((schema, client.chat(messages, max_tokens=128, structured_output=spec, **params)))
+        for schema, stream in streams:
+            choices, _ = collect(stream)
+            for choice in choices.values():
+                assert choice["finish"] == [(spindle_pb2.FINISH_REASON_STOP, None)], choice
+                jsonschema.validate(json.loads(choice["text"]), schema)
+
+
+@pytest.mark.slow
+def test_regex_choice_and_bad_grammar_through_grpc(smollm2_server):
+    with smollm2_server.client(timeout=120) as client:
+        spec = spindle_pb2.StructuredOutput(choice=spindle_pb2.Choices(choices=CHOICES))
+        choices, _ = collect(client.chat([{"role": "user", "content": "Yes or no?"}], structured_output=spec, n=2))
+        assert all(c["text"] in CHOICES for c in choices.values())
+        spec = spindle_pb2.StructuredOutput(regex=PHONE)
+        choices, _ = collect(client.generate("My number is", structured_output=spec, temperature=0))
+        assert re.fullmatch(PHONE, choices[0]["text"])
+        spec = spindle_pb2.StructuredOutput(grammar="root ::= ")
+        error = refusal(lambda: client.generate("x", structured_output=spec))
+        assert_invalid(error, ["sampling_params.structured_output.grammar"], "does not compile")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        error = refusal(lambda: client.generate("x", structured_output=spindle_pb2.StructuredOutput()))
+        assert_invalid(error, ["sampling_params.structured_output"], "is empty")
