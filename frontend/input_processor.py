@@ -1,10 +1,14 @@
 """Checks and tokenizes prompts and chat conversations before they reach the engine core."""
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import PromptInputs, SamplingParams
+from spindle.frontend.tools import ChatTools
+from spindle.shared import PromptInputs, SamplingParams, ToolCall
 from spindle.shared.errors import InvalidRequestError
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -19,12 +23,14 @@ class ProcessedPrompt:
         prompt: the prompt text, when the prompt was given as text.
         prompt_token_ids: the prompt's token ids.
         multi_modal_data: the prompt's images, audio, ... (only for a multimodal model).
+        tools: a chat request's tools and tool choice, ``None`` when it has none (or chose ``"none"``).
 
     """
 
     prompt: str | None
     prompt_token_ids: list[int]
     multi_modal_data: dict[str, Any] | None = None
+    tools: ChatTools | None = None
 
 
 class InputProcessor:
@@ -102,46 +108,59 @@ class InputProcessor:
         return ProcessedPrompt(prompt, token_ids, multi_modal_data)
 
     def process_chat(
-        self, messages: list[dict[str, Any]], params: SamplingParams, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
     ) -> ProcessedPrompt:
-        """Check a conversation, render it with the model's chat template and tokenize it.
+        """Check a conversation and its tools, render it with the model's chat template and tokenize it.
 
-        The template already writes the special tokens (bos included), so the tokenizer adds none.
+        The template already writes the special tokens (bos included), so the tokenizer adds none. It receives the
+        tools in OpenAI's form as ``tools`` (``None`` without tools or under ``tool_choice="none"``), and the
+        messages as Hugging Face templates expect them: an assistant turn's ``tool_calls`` as
+        ``{"id", "type": "function", "function": {"name", "arguments"}}`` with the arguments decoded into a dict, a
+        ``None`` content (usual beside tool calls) as ``""``.
 
         Args:
-            messages: the conversation, a non-empty list of dicts with str ``role`` and ``content``.
+            messages: the conversation, a non-empty list of dicts with str ``role`` and ``content``; an assistant
+                turn may carry ``tool_calls`` (OpenAI's form, the flat ``{"id", "name", "arguments"}``, or
+                :class:`~spindle.shared.ToolCall` objects; arguments as JSON text or a dict), a tool turn a
+                ``tool_call_id``.
             params: the request's sampling parameters (``max_tokens`` must fit after the prompt).
             add_generation_prompt: end with the header that starts an assistant turn.
+            tools: the functions the model may call (see :mod:`spindle.frontend.tools`).
+            tool_choice: ``"auto"``, ``"none"``, ``"required"`` or a tool's name (see
+                :meth:`~spindle.frontend.tools.ChatTools.from_request`).
 
         Returns:
-            The rendered prompt text and its token ids.
+            The rendered prompt text and its token ids, and the request's :class:`~spindle.frontend.tools.ChatTools`
+            (which constrain its sampling parameters and parse its replies).
 
         Raises:
-            InvalidRequestError: a message is malformed, the model has no chat template, the template rejected the
-                conversation, or the prompt does not leave room for ``max_tokens``.
+            InvalidRequestError: a message or tool is malformed, the tool choice is not possible, the model has no
+                chat template, the template rejected the conversation, or the prompt does not leave room for
+                ``max_tokens``.
 
         """
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError(
                 "messages", "messages must be a non-empty list of {'role': str, 'content': str} dicts"
             )
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise InvalidRequestError(
-                    f"messages[{index}]", f"messages[{index}] must be a dict with 'role' and 'content', not {message!r}"
-                )
-            for key in ("role", "content"):
-                if not isinstance(message.get(key), str):
-                    raise InvalidRequestError(
-                        f"messages[{index}].{key}", f"messages[{index}] needs a str {key!r}, got {message.get(key)!r}"
-                    )
+        messages = [_check_message(index, message) for index, message in enumerate(messages)]
+        chat_tools = ChatTools.from_request(tools, tool_choice, params)
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            prompt = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None if chat_tools is None else chat_tools.tools,
+            )
         except ValueError as error:  # no chat template, or the template refused the conversation
             raise InvalidRequestError("messages", str(error)) from error
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         self._check_request(len(token_ids), params)
-        return ProcessedPrompt(prompt, token_ids)
+        return ProcessedPrompt(prompt, token_ids, tools=chat_tools)
 
     def _check_token_ids(self, token_ids: object) -> list[int]:
         if not isinstance(token_ids, list):
@@ -188,3 +207,59 @@ class InputProcessor:
                 + (f" or lower max_tokens to at most {room}" if room >= 1 else ""),
                 also=["sampling_params.max_tokens"],
             )
+
+
+def _check_message(index: int, message: object) -> dict[str, Any]:
+    """A copy of one chat message as templates take it; raises for what no template could render."""
+    field = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidRequestError(field, f"{field} must be a dict with 'role' and 'content', not {message!r}")
+    if not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"{field}.role", f"{field} needs a str 'role', got {message.get('role')!r}")
+    content, tool_calls = message.get("content"), message.get("tool_calls")
+    # OpenAI's clients send an assistant turn that only calls tools with a null content.
+    if not isinstance(content, str) and not (content is None and tool_calls):
+        raise InvalidRequestError(f"{field}.content", f"{field} needs a str 'content', got {content!r}")
+    checked = {key: value for key, value in message.items() if value is not None}
+    checked["content"] = content or ""
+    if tool_calls is not None:
+        if not isinstance(tool_calls, list):
+            raise InvalidRequestError(
+                f"{field}.tool_calls", f"{field}'s tool_calls must be a list, not {type(tool_calls).__name__}"
+            )
+        checked["tool_calls"] = [
+            _check_tool_call(f"{field}.tool_calls[{number}]", call) for number, call in enumerate(tool_calls)
+        ]
+    if not isinstance(message.get("tool_call_id", ""), str):
+        raise InvalidRequestError(
+            f"{field}.tool_call_id", f"{field}'s tool_call_id must be a str, got {message['tool_call_id']!r}"
+        )
+    return checked
+
+
+def _check_tool_call(field: str, call: object) -> dict[str, Any]:
+    """One tool call of an assistant turn in OpenAI's form, its arguments a dict (as Hugging Face templates use)."""
+    if isinstance(call, ToolCall):
+        call = msgspec.structs.asdict(call)
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise InvalidRequestError(
+            field,
+            f"{field} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}, "
+            f"{{'id': str, 'name': str, 'arguments': str}} or a ToolCall, not {call!r}",
+        )
+    name, arguments, call_id = function.get("name"), function.get("arguments", {}), call.get("id", "")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{field}.name", f"{field} needs a non-empty str name, got {name!r}")
+    if not isinstance(call_id, str):
+        raise InvalidRequestError(f"{field}.id", f"{field}'s id must be a str, got {call_id!r}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as error:
+            raise InvalidRequestError(
+                f"{field}.arguments", f"{field}'s arguments are not JSON ({error}): {arguments!r}"
+            ) from error
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{field}.arguments", f"{field}'s arguments must be a JSON object, got {arguments!r}")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

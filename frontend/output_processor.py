@@ -7,6 +7,7 @@ from typing import Protocol
 
 from spindle.frontend.detokenizer import IncrementalDetokenizer
 from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.tools import ChatTools
 from spindle.shared import (
     CompletionOutput,
     FinishReason,
@@ -15,6 +16,7 @@ from spindle.shared import (
     RequestOutput,
     SamplingParams,
     TokenLogprobs,
+    ToolCall,
 )
 from spindle.shared.protocol import SequenceDelta
 
@@ -31,10 +33,15 @@ class _Completion:
     stop_reason: int | str | None = None
     text: str = ""
     num_sent_tokens: int = 0
+    # Parsed once, when the completion finishes (a chat request with tools only).
+    tool_calls: list[ToolCall] | None = None
 
 
 class RequestState:
-    """Everything the frontend tracks for one request between steps."""
+    """Everything the frontend tracks for one request between steps.
+
+    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes.
+    """
 
     def __init__(
         self,
@@ -45,12 +52,14 @@ class RequestState:
         tokenizer: Tokenizer,
         arrival_time: float,
         delta: bool,
+        tools: ChatTools | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.delta = delta
+        self.tools = tools
         want_logprobs = params.logprobs is not None
         self.completions = [
             _Completion(
@@ -72,13 +81,23 @@ class RequestState:
         return all(c.finish_reason is not None for c in self.completions)
 
     def output(self) -> RequestOutput:
-        """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode)."""
+        """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode).
+
+        A finished completion of a chat request with tools carries its tool calls: in every output from then on,
+        or in delta mode only in the one where it finishes.
+        """
         outputs = []
         for index, c in enumerate(self.completions):
             finished = c.finish_reason is not None
             start = c.num_sent_tokens if self.delta else 0
             new_text = c.detokenizer.get_delta(finished)
             c.text += new_text
+            tool_calls = None
+            if finished and self.tools is not None:
+                if c.tool_calls is None:
+                    c.tool_calls = tool_calls = self.tools.parse(c.text)
+                elif not self.delta:
+                    tool_calls = c.tool_calls
             outputs.append(
                 CompletionOutput(
                     index=index,
@@ -88,6 +107,7 @@ class RequestState:
                     logprobs=None if c.logprobs is None else c.logprobs[start:],
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    tool_calls=tool_calls,
                 )
             )
             c.num_sent_tokens = len(c.token_ids)
