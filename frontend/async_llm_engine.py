@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq
 
@@ -114,12 +115,14 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         delta: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes.
 
         Each :class:`~spindle.shared.RequestOutput` is cumulative (the text and tokens so far), or with ``delta=True``
         holds only what is new since the previous one. Breaking out, closing the generator or cancelling the task
-        aborts the request in the backend.
+        aborts the request in the backend. ``priority`` orders the request under the backend's
+        ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the ``fcfs`` policy ignores it.
 
         Raises:
             InvalidRequestError: bad inputs or parameters, or a request id already in use; nothing is queued.
@@ -128,22 +131,32 @@ class AsyncLLMEngine:
 
         """
         params = sampling_params or SamplingParams()
-        async for output in self._stream(request_id, self.input_processor.process(inputs, params), params, delta):
+        prompt = self.input_processor.process(inputs, params)
+        async for output in self._stream(request_id, prompt, params, delta, priority):
             yield output
 
     async def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         add_generation_prompt: bool = True,
         delta: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Like :meth:`generate` for a conversation, rendered with the model's chat template."""
+        """Like :meth:`generate` for a conversation, rendered with the model's chat template.
+
+        ``tools`` and ``tool_choice`` are those of :meth:`~spindle.frontend.llm_engine.LLMEngine.add_chat_request`:
+        a finished completion of a request with tools carries its parsed calls (:doc:`tool_calling`).
+        """
         params = sampling_params or SamplingParams()
-        prompt = self.input_processor.process_chat(messages, params, add_generation_prompt)
-        async for output in self._stream(request_id, prompt, params, delta):
+        prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
+        if prompt.tools is not None:
+            params = prompt.tools.constrain(params)
+        async for output in self._stream(request_id, prompt, params, delta, priority):
             yield output
 
     async def abort(self, request_id: str) -> None:
@@ -175,7 +188,7 @@ class AsyncLLMEngine:
         self.connection.close()
 
     async def _stream(
-        self, request_id: str | None, prompt: ProcessedPrompt, params: SamplingParams, delta: bool
+        self, request_id: str | None, prompt: ProcessedPrompt, params: SamplingParams, delta: bool, priority: int
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
         # Set in the consumer's context (a generator runs in its caller's), so that its log lines name the request;
@@ -191,11 +204,18 @@ class AsyncLLMEngine:
             self.queues[request_id] = queue
             queued = True
             state = RequestState(
-                request_id, prompt.prompt, prompt.prompt_token_ids, params, self.tokenizer, time.time(), delta
+                request_id,
+                prompt.prompt,
+                prompt.prompt_token_ids,
+                params,
+                self.tokenizer,
+                time.time(),
+                delta,
+                tools=prompt.tools,
             )
             self.output_processor.add_request(state)
             self.connection.add_request(
-                EngineRequest(request_id, prompt.prompt_token_ids, params, state.metrics.arrival_time)
+                EngineRequest(request_id, prompt.prompt_token_ids, params, state.metrics.arrival_time, priority)
             )
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:

@@ -23,6 +23,8 @@ import zmq
 import zmq.asyncio
 
 from spindle.shared.config import EngineConfig, config_to_argv, configured_log_format
+from spindle.shared.errors import RequestRefusedError
+from spindle.shared.model_registry import ModelRegistry
 from spindle.shared.protocol import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
@@ -65,10 +67,10 @@ class BackendProcess(subprocess.Popen):
 
     EXIT_TIMEOUT = 5.0
 
-    def __init__(self, args: list[str], socket_dir: str | None = None) -> None:
+    def __init__(self, args: list[str], socket_dir: str | None = None, env: dict[str, str] | None = None) -> None:
         self.socket_dir = socket_dir
         self._exit_hook_registered = False
-        super().__init__(args)
+        super().__init__(args, env=env)
         atexit.register(self._stop_at_exit)
         self._exit_hook_registered = True
 
@@ -116,11 +118,20 @@ def start_backend(
     Without an address it listens on an ipc socket in a new private (0700) temporary directory, which goes away
     with the backend (see :class:`BackendProcess`; the backend removes it too if this process is killed).
     ``grace_period`` is how long it lets in-flight requests finish after SIGTERM. It logs in the format this process
-    was configured with (:func:`~spindle.shared.config.configure_logging`).
+    was configured with (:func:`~spindle.shared.config.configure_logging`). The model classes registered in this
+    process (:class:`~spindle.shared.model_registry.ModelRegistry`) go along as ``--register-model`` flags, and
+    then this process's ``sys.path`` as the child's ``PYTHONPATH``, so that it imports their modules from where this
+    process would (a script's folder, say).
 
     Call it from a thread that lives as long as the backend should (the main thread, or an event loop's): the
     backend's parent-death signal fires when the *thread* that started it ends.
+
+    Raises:
+        ValueError: a registered model class is one that another process cannot import
+            (:meth:`~spindle.shared.model_registry.ModelRegistry.backend_args`).
+
     """
+    registrations = ModelRegistry.backend_args()  # first: it raises for a class that the child cannot import
     socket_dir = None
     if address is None:
         socket_dir = tempfile.mkdtemp(prefix="spindle-")
@@ -140,8 +151,12 @@ def start_backend(
     log_format = configured_log_format()
     if log_format is not None:  # else the child reads SPINDLE_LOG_FORMAT from the environment it inherits
         argv += ["--log-format", log_format]
+    env = None
+    if registrations:
+        argv += registrations
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path for path in sys.path if path))}
     try:
-        process = BackendProcess([*argv, *config_to_argv(config)], socket_dir)
+        process = BackendProcess([*argv, *config_to_argv(config)], socket_dir, env)
     except BaseException:
         if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)
@@ -345,6 +360,7 @@ class SyncCoreClient:
     def __init__(self, connection: BackendConnection) -> None:
         self.connection = connection
         self.info = connection.info
+        self.refused: list[tuple[str, RequestRefusedError]] = []
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request in the backend."""
@@ -359,11 +375,11 @@ class SyncCoreClient:
         self.connection.finish_sequence(request_id, index)
 
     def step(self) -> list[SequenceDelta]:
-        """Wait for the backend's next step and return its deltas ([] after a heartbeat with nothing new).
+        """Wait for the backend's next step and return its deltas ([] after a heartbeat or a refusal).
+
+        A request the backend refused (invalid, or it is shutting down) is kept for :meth:`pop_refused`.
 
         Raises:
-            InvalidRequestError: the backend refused a request as invalid (a note names the request).
-            EngineUnavailableError: the backend refused a request because it is shutting down.
             EngineDeadError: the backend died.
 
         """
@@ -375,10 +391,13 @@ class SyncCoreClient:
             if isinstance(message, StepOutputs):
                 return message.deltas
             if isinstance(message, RequestError):
-                error = message.to_exception()
-                error.add_note(f"(the refused request is {message.request_id!r})")
-                raise error
+                self.refused.append((message.request_id, message.to_exception()))
             return []
+
+    def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
+        """The requests the backend refused since the last call (as :meth:`EngineCore.pop_refused` reports them)."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def close(self) -> None:
         """Stop the backend (if this process started it)."""

@@ -4,12 +4,14 @@ Nothing here knows the server's limits or status codes; a value the engine canno
 :class:`~spindle.shared.errors.InvalidRequestError` naming its field, as everywhere else.
 """
 
+import json
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
 from spindle.shared import CompletionOutput, FinishReason, Logprob, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.sampling_params import StructuredOutput
 from spindle.v1 import spindle_pb2
 
 _FINISH_REASONS = {
@@ -18,6 +20,14 @@ _FINISH_REASONS = {
     FinishReason.ABORT: spindle_pb2.FINISH_REASON_ABORT,
 }
 """The engine's finish reasons as the proto enum."""
+
+_TOOL_CHOICE_MODES = {
+    spindle_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: "auto",
+    spindle_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
+    spindle_pb2.TOOL_CHOICE_MODE_NONE: "none",
+    spindle_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
+}
+"""The proto's tool choice modes as the engine takes them."""
 
 
 def _proto_value(message: Any, field: FieldDescriptor) -> tuple[bool, Any]:
@@ -48,7 +58,30 @@ def sampling_params_from_proto(message: spindle_pb2.SamplingParams) -> SamplingP
         given, value = _proto_value(message, field)
         if given:
             kwargs[field.name] = value
+    if "structured_output" in kwargs:
+        kwargs["structured_output"] = structured_output_from_proto(message.structured_output)
     return SamplingParams(**kwargs)
+
+
+def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> StructuredOutput:
+    """The :class:`~spindle.shared.sampling_params.StructuredOutput` of the message's one ``kind``.
+
+    Raises:
+        InvalidRequestError: no kind is set, or ``json_object`` is false.
+
+    """
+    field = "sampling_params.structured_output"
+    match message.WhichOneof("kind"):
+        case None:
+            raise InvalidRequestError(
+                field, f"{field} is empty: set one of json_schema, json_object, regex, grammar, choice"
+            )
+        case "json_object" if not message.json_object:
+            raise InvalidRequestError(f"{field}.json_object", "json_object must be true when set")
+        case "choice":
+            return StructuredOutput(choice=list(message.choice.choices))
+        case kind:
+            return StructuredOutput(**{kind: getattr(message, kind)})
 
 
 def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
@@ -72,9 +105,63 @@ def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
     return inputs
 
 
-def messages_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, str]]:
-    """A ``ChatRequest``'s conversation as the engine takes it."""
-    return [{"role": message.role, "content": message.content} for message in request.messages]
+def messages_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]]:
+    """A ``ChatRequest``'s conversation as the engine takes it: tool calls in OpenAI's form, arguments as JSON text."""
+    messages = []
+    for message in request.messages:
+        converted: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            converted["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id:
+            converted["tool_call_id"] = message.tool_call_id
+        messages.append(converted)
+    return messages
+
+
+def tools_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]] | None:
+    """A ``ChatRequest``'s tools in OpenAI's form, their parameters decoded; ``None`` when it has none.
+
+    Raises:
+        InvalidRequestError: a tool's parameters are not JSON (``tools[i].parameters``).
+
+    """
+    tools = []
+    for index, tool in enumerate(request.tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters.strip():
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except ValueError as error:
+                raise InvalidRequestError(
+                    f"tools[{index}].parameters", f"tools[{index}].parameters is not JSON: {error}"
+                ) from error
+        tools.append({"type": "function", "function": function})
+    return tools or None
+
+
+def tool_choice_from_proto(request: spindle_pb2.ChatRequest) -> str | dict[str, Any]:
+    """A ``ChatRequest``'s tool choice: ``"auto"`` (also when unset), ``"none"``, ``"required"`` or a named tool.
+
+    Raises:
+        InvalidRequestError: the mode is not one of the enum's values (``tool_choice.mode``).
+
+    """
+    choice = request.tool_choice
+    match choice.WhichOneof("choice"):
+        case "function_name":
+            # The dict form, so that a tool named "auto" or "none" is not taken for a mode.
+            return {"type": "function", "function": {"name": choice.function_name}}
+        case "mode" if choice.mode not in _TOOL_CHOICE_MODES:
+            raise InvalidRequestError("tool_choice.mode", f"tool_choice.mode={choice.mode} is not a ToolChoiceMode")
+        case "mode":
+            return _TOOL_CHOICE_MODES[choice.mode]
+        case _:
+            return "auto"
 
 
 def _position_logprobs(logprobs: dict[int, Logprob] | None) -> spindle_pb2.PositionLogprobs:
@@ -100,6 +187,11 @@ def _completion_delta(completion: CompletionOutput, finish_reason: FinishReason 
         delta.stop_string = completion.stop_reason
     elif finish_reason is not None and isinstance(completion.stop_reason, int):
         delta.stop_token_id = completion.stop_reason
+    if finish_reason is not None:
+        delta.tool_calls.extend(
+            spindle_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+            for call in completion.tool_calls or []
+        )
     return delta
 
 

@@ -36,6 +36,8 @@ from spindle.frontend.grpc_mapping import (
     messages_from_proto,
     prompt_inputs_from_proto,
     sampling_params_from_proto,
+    tool_choice_from_proto,
+    tools_from_proto,
 )
 from spindle.frontend.metrics import Load, LoadTracker, kv_cache_usage
 from spindle.frontend.tracing import RequestTracer
@@ -176,7 +178,8 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         """Stream the completions of one prompt."""
 
         def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-            return self.engine.generate(prompt_inputs_from_proto(request.prompt), params, request_id, delta=True)
+            inputs = prompt_inputs_from_proto(request.prompt)
+            return self.engine.generate(inputs, params, request_id, delta=True, priority=request.priority)
 
         async for response in self._stream(request, context, "Generate", start):
             yield response
@@ -185,13 +188,21 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     async def Chat(  # noqa: N802
         self, request: spindle_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
-        """Stream the model's reply to a conversation."""
+        """Stream the model's reply to a conversation; with tools, each choice's calls come where it ends."""
         messages = messages_from_proto(request)
+        tools, tool_choice = tools_from_proto(request), tool_choice_from_proto(request)
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
 
         def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
             return self.engine.chat(
-                messages, params, request_id, add_generation_prompt=add_generation_prompt, delta=True
+                messages,
+                params,
+                request_id,
+                add_generation_prompt=add_generation_prompt,
+                delta=True,
+                tools=tools,
+                tool_choice=tool_choice,
+                priority=request.priority,
             )
 
         async for response in self._stream(request, context, "Chat", start):

@@ -1,8 +1,9 @@
 """``LLM``: offline batch generation, as in vLLM."""
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from functools import partial
+from typing import Any
 
 from tqdm import tqdm
 
@@ -11,7 +12,7 @@ from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
@@ -56,9 +57,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
+        priority: Sequence[int] | None = None,
         prompt: str | list[str] | None = None,
+        prompts: PromptInputs | Sequence[PromptInputs] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
-        multi_modal_data: dict | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts; outputs come back in input order.
 
@@ -67,22 +70,49 @@ class LLM:
                 ``multi_modal_data``), or a list of these.
             sampling_params: one :class:`SamplingParams` for all prompts or one per prompt (default
                 ``SamplingParams()``).
-            use_tqdm: show a progress bar.
+            use_tqdm: show a progress bar. It is the third positional argument, where vLLM's old signature had
+                ``prompt_token_ids``: token ids there raise a :class:`TypeError`.
+            priority: one scheduling priority per prompt, under ``scheduling_policy="priority"`` (lower runs first,
+                as in vLLM); the ``fcfs`` policy ignores it. Default: 0 for every prompt.
             prompt: deprecated; pass ``inputs`` (a string or a list of strings) instead.
+            prompts: deprecated (vLLM's old keyword); pass the same value as ``inputs``, the first argument.
             prompt_token_ids: deprecated; pass ``{"prompt_token_ids": ids}`` (or a list of them) instead.
-            multi_modal_data: deprecated; put ``multi_modal_data`` inside each prompt dict instead.
+            multi_modal_data: deprecated; put ``multi_modal_data`` inside each prompt dict instead. As in vLLM's old
+                API, with several prompts each value is a batch with one entry per prompt, and prompt ``i`` gets
+                ``value[i:i + 1]`` (entry ``i``, keeping a batch dimension of one).
+
+        Raises:
+            TypeError: no prompt, a prompt both as ``inputs`` and as a deprecated keyword, or a non-bool third
+                positional argument.
+            ValueError: a list of ``sampling_params`` or ``priority`` not one per prompt, a deprecated
+                ``multi_modal_data`` value without one entry per prompt, or a prompt refused
+                (:class:`~spindle.shared.errors.InvalidRequestError`). Nothing is queued then.
 
         """
-        if prompt is not None or prompt_token_ids is not None or multi_modal_data is not None:
+        if not isinstance(use_tqdm, bool):
+            raise TypeError(
+                "LLM.generate()'s third positional argument is use_tqdm (a bool), not prompt_token_ids as in vLLM's "
+                f"old signature (got a {type(use_tqdm).__name__}): pass token ids as the prompt, "
+                "LLM.generate({'prompt_token_ids': ids}) (or a list of such dicts)"
+            )
+        if any(value is not None for value in (prompt, prompts, prompt_token_ids, multi_modal_data)):
             if inputs is not None:
-                raise TypeError("pass either inputs or the deprecated prompt/prompt_token_ids keywords, not both")
-            inputs = _inputs_from_legacy(prompt, prompt_token_ids, multi_modal_data)
+                raise TypeError(
+                    "pass either inputs or the deprecated prompt/prompts/prompt_token_ids/multi_modal_data keywords, "
+                    "not both"
+                )
+            inputs = _inputs_from_legacy(prompt, prompts, prompt_token_ids, multi_modal_data)
         if inputs is None:
             raise TypeError("LLM.generate() needs inputs: a prompt or a list of prompts")
-        prompts = [inputs] if isinstance(inputs, str | dict) else list(inputs)
-        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        if priority is None:
+            priority = [0] * len(prompt_list)
+        elif len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts: give one per prompt")
         add = self.llm_engine.add_request
-        return self._run([partial(add, inputs=prompt) for prompt in prompts], params_list, use_tqdm)
+        adders = [partial(add, inputs=p, priority=q) for p, q in zip(prompt_list, priority, strict=True)]
+        return self._run(adders, params_list, use_tqdm)
 
     def chat(
         self,
@@ -90,11 +120,33 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate replies."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate replies.
+
+        Args:
+            messages: a conversation (``{"role": ..., "content": ...}`` dicts; an assistant turn may carry
+                ``tool_calls``, a tool turn a ``tool_call_id``), or a list of conversations.
+            sampling_params: one :class:`SamplingParams` for all conversations or one per conversation.
+            use_tqdm: show a progress bar.
+            add_generation_prompt: end each prompt with the header that starts an assistant turn.
+            tools: functions the model may call, in OpenAI's form (``{"type": "function", "function": {"name",
+                "description", "parameters"}}``); the chat template receives them.
+            tool_choice: ``"auto"`` (calls in the reply are parsed), ``"none"`` (no tools), ``"required"`` (the reply
+                is constrained to one or more calls) or a tool's name (the reply is constrained to its arguments).
+                Each finished completion then carries its calls in
+                :attr:`~spindle.shared.CompletionOutput.tool_calls` (:doc:`tool_calling`).
+
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params_list = self._params_per_prompt(sampling_params, len(conversations))
-        add = partial(self.llm_engine.add_chat_request, add_generation_prompt=add_generation_prompt)
+        add = partial(
+            self.llm_engine.add_chat_request,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            tool_choice=tool_choice,
+        )
         return self._run([partial(add, messages=conv) for conv in conversations], params_list, use_tqdm)
 
     @staticmethod
@@ -148,11 +200,16 @@ class LLM:
 
 
 def _inputs_from_legacy(
-    prompt: str | list[str] | None, prompt_token_ids: list[int] | list[list[int]] | None, multi_modal_data: dict | None
+    prompt: str | list[str] | None,
+    prompts: PromptInputs | Sequence[PromptInputs] | None,
+    prompt_token_ids: list[int] | list[list[int]] | None,
+    multi_modal_data: dict[str, Any] | None,
 ) -> list[PromptInputs]:
     """Translate the deprecated keywords into ``PromptInputs``, warning with the call to use instead."""
-    if prompt is not None and prompt_token_ids is not None:
-        raise TypeError("pass prompt= or prompt_token_ids=, not both (and better: pass inputs)")
+    keywords = {"prompt=": prompt, "prompts=": prompts, "prompt_token_ids=": prompt_token_ids}
+    given = [keyword for keyword, value in keywords.items() if value is not None]
+    if len(given) > 1:
+        raise TypeError(f"pass only one of {', '.join(given)} (and better: pass inputs)")
     if prompt is not None:
         warnings.warn(
             "LLM.generate(prompt=...) is deprecated; call LLM.generate(prompt) or "
@@ -160,7 +217,17 @@ def _inputs_from_legacy(
             DeprecationWarning,
             stacklevel=3,
         )
-        items: list[dict] = [{"prompt": p} for p in ([prompt] if isinstance(prompt, str) else prompt)]
+        items: list[PromptInputs] = [{"prompt": p} for p in ([prompt] if isinstance(prompt, str) else prompt)]
+    elif prompts is not None:
+        warnings.warn(
+            "LLM.generate(prompts=...) is deprecated; call LLM.generate(prompts), with the prompts as the first "
+            "argument, instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        # vLLM's old keyword took strings; anything else a prompt may be passes through as it is.
+        batch = [prompts] if isinstance(prompts, str | dict) else prompts
+        items = [{"prompt": p} if isinstance(p, str) else p for p in batch]
     elif prompt_token_ids is not None:
         warnings.warn(
             "LLM.generate(prompt_token_ids=...) is deprecated; call "
@@ -179,6 +246,31 @@ def _inputs_from_legacy(
             DeprecationWarning,
             stacklevel=3,
         )
-        for item in items:
-            item["multi_modal_data"] = multi_modal_data
+        per_prompt = _split_multi_modal_data(multi_modal_data, len(items))
+        items = [{**item, "multi_modal_data": data} for item, data in zip(items, per_prompt, strict=True)]
     return items
+
+
+def _split_multi_modal_data(data: dict[str, Any], num_prompts: int) -> list[dict[str, Any]]:
+    """Each prompt's share of the deprecated batched ``multi_modal_data``, as vLLM's old API gave it.
+
+    One prompt gets it all; with several, every value holds one entry per prompt along its first dimension, and
+    prompt ``i`` gets ``value[i:i + 1]``: entry ``i``, in the value's own type (a list, a tensor) with a batch
+    dimension of one.
+
+    Raises:
+        ValueError: with several prompts, a value is not a batch of one entry per prompt.
+
+    """
+    if num_prompts == 1:
+        return [data]
+    for key, value in data.items():
+        length = len(value) if isinstance(value, Sized) and not isinstance(value, str | bytes) else None
+        if length != num_prompts:
+            held = "is not a batch" if length is None else f"holds {length} entries"
+            raise ValueError(
+                f"multi_modal_data[{key!r}] {held}, but the deprecated multi_modal_data= needs one entry per prompt "
+                f"({num_prompts}) along its first dimension; better, put each prompt's own data in its dict: "
+                "{'prompt': ..., 'multi_modal_data': data}"
+            )
+    return [{key: value[i : i + 1] for key, value in data.items()} for i in range(num_prompts)]

@@ -3,7 +3,7 @@
 import time
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spindle.frontend.core_client import BackendConnection, SyncCoreClient
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
@@ -80,30 +80,45 @@ class LLMEngine:
         arrival_time: float | None = None,
         *,
         delta: bool = False,
+        priority: int = 0,
     ) -> str:
         """Validate and tokenize ``inputs`` and queue the request; returns its id (generated when ``None``).
 
         With ``delta=True`` each output carries only the text and tokens that are new since the previous one.
+        ``priority`` orders the request under ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the
+        ``fcfs`` policy ignores it.
         Raises :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for bad inputs or a request
         id already in use; nothing is queued then.
         """
         params = params or SamplingParams()
-        return self._enqueue(request_id, self.input_processor.process(inputs, params), params, arrival_time, delta)
+        prompt = self.input_processor.process(inputs, params)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority)
 
     def add_chat_request(
         self,
         request_id: str | None,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         *,
         add_generation_prompt: bool = True,
         delta: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
+        priority: int = 0,
     ) -> str:
-        """Like :meth:`add_request` for a conversation: the model's chat template renders it into the prompt."""
+        """Like :meth:`add_request` for a conversation: the model's chat template renders it into the prompt.
+
+        ``tools`` (OpenAI's function tools) reach the template, and ``tool_choice`` (``"auto"``, ``"none"``,
+        ``"required"`` or a tool's name) says whether the reply may, must or must not call them; each finished
+        completion of a request with tools carries the parsed calls in
+        :attr:`~spindle.shared.CompletionOutput.tool_calls` (see :doc:`tool_calling`).
+        """
         params = params or SamplingParams()
-        prompt = self.input_processor.process_chat(messages, params, add_generation_prompt)
-        return self._enqueue(request_id, prompt, params, arrival_time, delta)
+        prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
+        if prompt.tools is not None:
+            params = prompt.tools.constrain(params)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority)
 
     def _enqueue(
         self,
@@ -112,15 +127,23 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None,
         delta: bool,
+        priority: int,
     ) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         arrival_time = arrival_time or time.time()
-        self.core.add_request(EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time))
+        self.core.add_request(EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority))
         self.output_processor.add_request(
             RequestState(
-                request_id, prompt.prompt, prompt.prompt_token_ids, params, self.tokenizer, arrival_time, delta
+                request_id,
+                prompt.prompt,
+                prompt.prompt_token_ids,
+                params,
+                self.tokenizer,
+                arrival_time,
+                delta,
+                tools=prompt.tools,
             )
         )
         return request_id
@@ -132,7 +155,22 @@ class LLMEngine:
         self.output_processor.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling + forward + sampling step; return the outputs of the requests that advanced."""
+        """Run one scheduling + forward + sampling step; return the outputs of the requests that advanced.
+
+        Raises:
+            InvalidRequestError: the engine dropped a request it had accepted, because its structured-output spec
+                did not compile (compiling happens off the step loop); a note names the request, which is gone.
+                Nothing else is lost: the error comes before this call's step runs.
+            EngineUnavailableError: a backend process refused a request because it is shutting down.
+
+        """
+        refused = self.core.pop_refused()
+        if refused:
+            self.output_processor.abort_requests([request_id for request_id, _ in refused])
+            # One error at a time; the others (rare: several bad specs in one step) are already aborted.
+            request_id, error = refused[0]
+            error.add_note(f"(the refused request is {request_id!r})")
+            raise error
         outputs, stopped = self.output_processor.process(self.core.step())
         for request_id, index in stopped:
             self.core.finish_sequence(request_id, index)

@@ -204,6 +204,8 @@ def test_generate_accepts_every_prompt_form_and_keeps_input_order(tiny_llm, prom
     [
         (dict(prompt="hello there"), "LLM.generate(prompt)", "hello there"),
         (dict(prompt=["hi", "yo"]), "LLM.generate(prompt)", ["hi", "yo"]),
+        (dict(prompts="hello there"), "LLM.generate(prompts)", "hello there"),
+        (dict(prompts=["hi", {"prompt_token_ids": [7]}]), "LLM.generate(prompts)", ["hi", {"prompt_token_ids": [7]}]),
         (dict(prompt_token_ids=[5, 6, 7]), "{'prompt_token_ids': ids}", {"prompt_token_ids": [5, 6, 7]}),
         (
             dict(prompt_token_ids=[[5, 6], [7]]),
@@ -217,6 +219,63 @@ def test_deprecated_keywords_still_work_and_name_the_replacement(tiny_llm, legac
         old = tiny_llm.generate(sampling_params=GREEDY, use_tqdm=False, **legacy)
     new = tiny_llm.generate(inputs, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in old] == [o.outputs[0].token_ids for o in new]
+
+
+@pytest.mark.parametrize(
+    "keywords,conflict",
+    [
+        (dict(prompt="a", prompts=["b"]), "prompt=, prompts="),
+        (dict(prompts="a", prompt_token_ids=[5]), "prompts=, prompt_token_ids="),
+        (dict(inputs="a", prompts=["b"]), "either inputs or the deprecated"),
+    ],
+)
+def test_a_prompt_given_twice_is_refused(tiny_llm, keywords, conflict):
+    with pytest.raises(TypeError, match=re.escape(conflict)):
+        tiny_llm.generate(use_tqdm=False, **keywords)
+
+
+@pytest.mark.parametrize("token_ids", [[5, 6, 7], [[5, 6], [7]]], ids=["one", "batch"])
+def test_token_ids_as_the_third_positional_argument_are_refused(tiny_llm, token_ids):
+    """vLLM's old third positional argument was prompt_token_ids; here it is use_tqdm, which a list must not reach."""
+    with pytest.raises(TypeError, match=re.escape("third positional argument is use_tqdm")) as refused:
+        tiny_llm.generate(None, GREEDY, token_ids)
+    assert "{'prompt_token_ids': ids}" in str(refused.value)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [[b"img0", b"img1", b"img2"], torch.arange(12).reshape(3, 2, 2)],
+    ids=["list", "tensor"],
+)
+def test_deprecated_multi_modal_data_is_split_per_prompt(tiny_llm, monkeypatch, batch):
+    """As vLLM's old API did: prompt i gets entry i of each value, with a batch dimension of one."""
+    seen = []
+    monkeypatch.setattr(tiny_llm.llm_engine, "add_request", lambda inputs, **_: seen.append(inputs))
+    with pytest.warns(DeprecationWarning) as warned:
+        tiny_llm.generate(prompt=["a", "b", "c"], multi_modal_data={"image": batch, "audio": batch}, use_tqdm=False)
+    assert any("LLM.generate(multi_modal_data=...) is deprecated" in str(w.message) for w in warned)
+    assert [item["prompt"] for item in seen] == ["a", "b", "c"]
+    for i, item in enumerate(seen):
+        assert item["multi_modal_data"].keys() == {"image", "audio"}
+        for value in item["multi_modal_data"].values():
+            assert type(value) is type(batch) and len(value) == 1
+            assert torch.equal(value[0], batch[i]) if isinstance(batch, torch.Tensor) else value == batch[i : i + 1]
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"image": [b"img0", b"img1", b"img2"]}, "multi_modal_data['image'] holds 3 entries"),
+        ({"image": [b"img0", b"img1"], "audio": b"ab"}, "multi_modal_data['audio'] is not a batch"),
+    ],
+    ids=["length", "not-a-batch"],
+)
+def test_deprecated_multi_modal_data_without_one_entry_per_prompt_is_refused(tiny_llm, data, message):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=re.escape(message)) as refused:
+        tiny_llm.generate(prompt=["a", "b"], multi_modal_data=data, use_tqdm=False)
+    assert "one entry per prompt (2)" in str(refused.value)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
 
 
 def test_finish_reasons_are_finish_reason_members_that_equal_vllm_strings(tiny_llm, prompts, expected):

@@ -33,10 +33,13 @@ if TYPE_CHECKING:
     from spindle.shared.inputs import (
         TokensPrompt as TokensPrompt,
     )
+    from spindle.shared.model_registry import ModelRegistry as ModelRegistry
     from spindle.shared.outputs import CompletionOutput as CompletionOutput
     from spindle.shared.outputs import FinishReason as FinishReason
     from spindle.shared.outputs import RequestOutput as RequestOutput
+    from spindle.shared.outputs import ToolCall as ToolCall
     from spindle.shared.sampling_params import SamplingParams as SamplingParams
+    from spindle.shared.sampling_params import StructuredOutput as StructuredOutput
 
 __version__ = version("spindle-client")
 
@@ -46,14 +49,17 @@ _PUBLIC = {
     "AsyncLLMEngine": "spindle.frontend.async_llm_engine",
     "EngineConfig": "spindle.shared.config",
     "SamplingParams": "spindle.shared.sampling_params",
+    "StructuredOutput": "spindle.shared.sampling_params",
     "RequestOutput": "spindle.shared.outputs",
     "CompletionOutput": "spindle.shared.outputs",
     "FinishReason": "spindle.shared.outputs",
+    "ToolCall": "spindle.shared.outputs",
     "PromptInputs": "spindle.shared.inputs",
     "TextPrompt": "spindle.shared.inputs",
     "TokensPrompt": "spindle.shared.inputs",
     "InvalidRequestError": "spindle.shared.errors",
     "EngineUnavailableError": "spindle.shared.errors",
+    "ModelRegistry": "spindle.shared.model_registry",
     "SpindleClient": "spindle.client",
 }
 

@@ -7,6 +7,7 @@ Example::
             print(response.choices[0].text if response.choices else "", end="", flush=True)
 """
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,13 +65,38 @@ class SpindleClient:
         return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
 
     def chat(
-        self, messages: list[dict[str, str]], request_id: str = "", **params: Any
+        self,
+        messages: list[dict[str, Any]],
+        request_id: str = "",
+        *,
+        tools: list[dict[str, Any] | spindle_pb2.Tool] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        **params: Any,
     ) -> Iterator[spindle_pb2.GenerateResponse]:
-        """Stream the model's reply to a conversation of ``{"role": ..., "content": ...}`` dicts."""
+        """Stream the model's reply to a conversation of ``{"role": ..., "content": ...}`` dicts.
+
+        Args:
+            messages: the conversation; an assistant turn may carry ``tool_calls`` (``ToolCall`` messages, as a
+                response's choices carry them, objects with ``id``, ``name`` and ``arguments``, or dicts in OpenAI's
+                form or flat, arguments as JSON text or a dict), a tool turn a ``tool_call_id``.
+            request_id: a client-chosen id (for :meth:`abort`); the server makes one when empty.
+            tools: functions the model may call: ``Tool`` messages, or dicts in OpenAI's form
+                (``{"type": "function", "function": {"name", "description", "parameters"}}``) or bare, the
+                parameters a JSON schema as a dict or JSON text.
+            tool_choice: ``"auto"``, ``"none"``, ``"required"``, a tool's name, or OpenAI's
+                ``{"type": "function", "function": {"name": ...}}``; unset is ``"auto"``.
+            **params: sampling parameter fields.
+
+        """
         request = spindle_pb2.ChatRequest(
             request_id=request_id,
-            messages=[spindle_pb2.ChatMessage(**m) for m in messages],
+            messages=[
+                spindle_pb2.ChatMessage(**{**m, "tool_calls": [_tool_call(c) for c in m.get("tool_calls") or []]})
+                for m in messages
+            ],
             sampling_params=sampling_params(**params),
+            tools=[_tool(t) for t in tools or []],
+            tool_choice=_tool_choice(tool_choice),
         )
         return self.stub.Chat(request, timeout=self.timeout, metadata=self.metadata)
 
@@ -113,3 +139,43 @@ class SpindleClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _json_text(value: str | dict[str, Any] | None) -> str:
+    return value if isinstance(value, str) else "" if value is None else json.dumps(value)
+
+
+def _tool(tool: dict[str, Any] | spindle_pb2.Tool) -> spindle_pb2.Tool:
+    if isinstance(tool, spindle_pb2.Tool):
+        return tool
+    function = tool.get("function", tool)
+    return spindle_pb2.Tool(
+        name=function["name"],
+        description=function.get("description") or "",
+        parameters=_json_text(function.get("parameters")),
+    )
+
+
+def _tool_call(call: Any) -> spindle_pb2.ToolCall:
+    if not isinstance(call, dict):  # a response's ToolCall message, or the Python API's ToolCall
+        return spindle_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+    function = call.get("function", call)
+    return spindle_pb2.ToolCall(
+        id=call.get("id") or "", name=function["name"], arguments=_json_text(function.get("arguments"))
+    )
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> spindle_pb2.ToolChoice | None:
+    if choice is None:
+        return None
+    if isinstance(choice, dict):
+        return spindle_pb2.ToolChoice(function_name=choice.get("function", choice)["name"])
+    mode = _TOOL_CHOICE_MODES.get(choice)
+    return spindle_pb2.ToolChoice(function_name=choice) if mode is None else spindle_pb2.ToolChoice(mode=mode)
+
+
+_TOOL_CHOICE_MODES = {
+    "auto": spindle_pb2.TOOL_CHOICE_MODE_AUTO,
+    "none": spindle_pb2.TOOL_CHOICE_MODE_NONE,
+    "required": spindle_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
