@@ -27,7 +27,7 @@ serve: $(STAMP)
 # pytest runs as a script, not `python -m`, so the repository root is not on sys.path: every import goes through
 # the installed `spindle` package, as it will for users.
 test: $(STAMP) $(BUF) lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

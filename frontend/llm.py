@@ -106,12 +106,9 @@ class LLM:
             raise TypeError("LLM.generate() needs inputs: a prompt or a list of prompts")
         prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        if priority is None:
-            priority = [0] * len(prompt_list)
-        elif len(priority) != len(prompt_list):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts: give one per prompt")
+        priorities = _priority_per_prompt(priority, len(prompt_list))
         add = self.llm_engine.add_request
-        adders = [partial(add, inputs=p, priority=q) for p, q in zip(prompt_list, priority, strict=True)]
+        adders = [partial(add, inputs=p, priority=q) for p, q in zip(prompt_list, priorities, strict=True)]
         return self._run(adders, params_list, use_tqdm)
 
     def chat(
@@ -122,6 +119,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = "auto",
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate replies.
 
@@ -137,17 +135,20 @@ class LLM:
                 is constrained to one or more calls) or a tool's name (the reply is constrained to its arguments).
                 Each finished completion then carries its calls in
                 :attr:`~spindle.shared.CompletionOutput.tool_calls` (:doc:`tool_calling`).
+            priority: one scheduling priority per conversation, as in :meth:`generate`.
 
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params_list = self._params_per_prompt(sampling_params, len(conversations))
+        priorities = _priority_per_prompt(priority, len(conversations))
         add = partial(
             self.llm_engine.add_chat_request,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             tool_choice=tool_choice,
         )
-        return self._run([partial(add, messages=conv) for conv in conversations], params_list, use_tqdm)
+        adders = [partial(add, messages=conv, priority=q) for conv, q in zip(conversations, priorities, strict=True)]
+        return self._run(adders, params_list, use_tqdm)
 
     @staticmethod
     def _params_per_prompt(
@@ -197,6 +198,15 @@ class LLM:
         finally:
             bar.close()
         return results
+
+
+def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One scheduling priority per prompt: 0 for all by default."""
+    if priority is None:
+        return [0] * num_prompts
+    if len(priority) != num_prompts:
+        raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts: give one per prompt")
+    return list(priority)
 
 
 def _inputs_from_legacy(

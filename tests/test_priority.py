@@ -45,23 +45,28 @@ def test_priority_order_is_observable_in_first_token_times_under_load(tiny_llm_d
     assert core.block_manager.num_free_blocks == core.num_blocks
 
 
-def test_llm_generate_takes_one_priority_per_prompt(tiny_llm_dir, monkeypatch):
+@pytest.mark.parametrize("method", ["generate", "chat"])
+def test_llm_takes_one_priority_per_prompt(tiny_llm_dir, monkeypatch, method):
     llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB", scheduling_policy="priority")
     seen: list[int] = []
     add_request = llm.llm_engine.add_request
 
-    def recording_add_request(*args: object, priority: int = 0, **kwargs: object) -> str:
+    def recording_add(request_id: str, params: SamplingParams, priority: int = 0, **inputs: object) -> str:
         seen.append(priority)
-        return add_request(*args, priority=priority, **kwargs)
+        # The tiny tokenizer has no chat template: a conversation goes in as its one message's text.
+        prompt = inputs["inputs"] if method == "generate" else inputs["messages"][0]["content"]
+        return add_request(request_id, prompt, params, priority=priority)
 
-    monkeypatch.setattr(llm.llm_engine, "add_request", recording_add_request)
+    monkeypatch.setattr(llm.llm_engine, "add_request" if method == "generate" else "add_chat_request", recording_add)
+    run = getattr(llm, method)
+    prompts = ["a", "b", "c"] if method == "generate" else [[{"role": "user", "content": t}] for t in "abc"]
     params = SamplingParams(temperature=0, max_tokens=2)
-    outputs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[2, 0, 1])
+    outputs = run(prompts, params, use_tqdm=False, priority=[2, 0, 1])
     assert seen == [2, 0, 1] and [len(o.outputs[0].token_ids) for o in outputs] == [2, 2, 2]
-    llm.generate(["a", "b"], params, use_tqdm=False)
+    run(prompts[:2], params, use_tqdm=False)
     assert seen[3:] == [0, 0]
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
-        llm.generate(["a", "b"], params, use_tqdm=False, priority=[1])
+        run(prompts[:2], params, use_tqdm=False, priority=[1])
     assert not llm.llm_engine.has_unfinished_requests()
 
 

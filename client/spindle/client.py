@@ -53,14 +53,17 @@ class SpindleClient:
         self.timeout = timeout
 
     def generate(
-        self, prompt: str | list[int], request_id: str = "", **params: Any
+        self, prompt: str | list[int], request_id: str = "", *, priority: int = 0, **params: Any
     ) -> Iterator[spindle_pb2.GenerateResponse]:
-        """Stream a completion of text or token ids; ``params`` are sampling parameter fields."""
+        """Stream a completion of text or token ids; ``params`` are sampling parameter fields.
+
+        ``priority`` orders the request on a server with ``--scheduling-policy priority`` (lower runs first).
+        """
         message = spindle_pb2.Prompt(text=prompt) if isinstance(prompt, str) else spindle_pb2.Prompt()
         if not isinstance(prompt, str):
             message.token_ids.ids.extend(prompt)
         request = spindle_pb2.GenerateRequest(
-            request_id=request_id, prompt=message, sampling_params=sampling_params(**params)
+            request_id=request_id, prompt=message, sampling_params=sampling_params(**params), priority=priority
         )
         return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
 
@@ -71,6 +74,7 @@ class SpindleClient:
         *,
         tools: list[dict[str, Any] | spindle_pb2.Tool] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        priority: int = 0,
         **params: Any,
     ) -> Iterator[spindle_pb2.GenerateResponse]:
         """Stream the model's reply to a conversation of ``{"role": ..., "content": ...}`` dicts.
@@ -85,6 +89,7 @@ class SpindleClient:
                 parameters a JSON schema as a dict or JSON text.
             tool_choice: ``"auto"``, ``"none"``, ``"required"``, a tool's name, or OpenAI's
                 ``{"type": "function", "function": {"name": ...}}``; unset is ``"auto"``.
+            priority: the scheduling priority, as in :meth:`generate`.
             **params: sampling parameter fields.
 
         """
@@ -97,6 +102,7 @@ class SpindleClient:
             sampling_params=sampling_params(**params),
             tools=[_tool(t) for t in tools or []],
             tool_choice=_tool_choice(tool_choice),
+            priority=priority,
         )
         return self.stub.Chat(request, timeout=self.timeout, metadata=self.metadata)
 
