@@ -12,6 +12,7 @@ constrained request arrives (on the worker thread).
 """
 
 import json
+import logging
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,11 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from spindle.backend.sequence import Sequence
-from spindle.shared.errors import InvalidRequestError
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.shared.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 512
 """Distinct specs whose compiled grammar (or compile error) is kept; the least recently used goes first."""
@@ -61,10 +64,13 @@ class StructuredOutputManager:
 
         The future's exception, when the spec does not compile, is an
         :class:`~spindle.shared.errors.InvalidRequestError` for ``sampling_params.structured_output.<kind>`` with the
-        compiler's message.
+        compiler's message; when xgrammar cannot load the model's tokenizer, an
+        :class:`~spindle.shared.errors.EngineUnavailableError` (that failure is not cached).
         """
         key = (spec.kind, _spec_text(spec))
         future = self._grammars.get(key)
+        if future is not None and future.done() and isinstance(future.exception(), EngineUnavailableError):
+            future = None
         if future is None:
             future = self._executor.submit(self._compile, *key)
             self._grammars[key] = future
@@ -81,7 +87,11 @@ class StructuredOutputManager:
         return xgrammar.GrammarMatcher(grammar, override_stop_tokens=self.eos_token_ids)
 
     def _compile(self, kind: str, text: str) -> "CompiledGrammar":
-        compiler = self._compiler or self._load_compiler()
+        try:
+            compiler = self._compiler or self._load_compiler()
+        except Exception as error:  # the request is fine; this backend cannot constrain (tried again next time)
+            logger.exception("Structured output is unavailable: xgrammar could not load the tokenizer")
+            raise EngineUnavailableError(f"structured output is unavailable on this backend: {error}") from error
         try:
             match kind:
                 case "json_schema" | "json_object":

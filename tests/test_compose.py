@@ -202,6 +202,7 @@ NOT_IN_THE_FRONTEND = {
     "numpy",
     "tqdm",
     "ninja",
+    "xgrammar",
 }
 """The server's dependencies that the frontend image leaves out: the client comes from ./client, the rest is the
 model's (tqdm only for ``LLM``'s progress bars, which run in-process). A new dependency goes in one list or the

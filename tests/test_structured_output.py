@@ -22,7 +22,7 @@ from spindle.frontend.grpc_mapping import structured_output_from_proto
 from spindle.frontend.llm_engine import LLMEngine
 from spindle.shared import CompletionOutput, SamplingParams, StructuredOutput
 from spindle.shared.config import EngineConfig
-from spindle.shared.errors import InvalidRequestError
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.v1 import spindle_pb2
 
 PHONE = r"\d{3}-\d{4}"
@@ -87,6 +87,20 @@ def test_a_spec_compiles_once(tiny_llm_dir):
     first = manager.compile(StructuredOutput(regex=PHONE))
     assert manager.compile(StructuredOutput(regex=PHONE)) is first
     assert manager.compile(StructuredOutput(regex=PHONE + "x")) is not first
+
+
+def test_a_tokenizer_xgrammar_cannot_load_makes_the_backend_unavailable_until_it_can(tiny_llm_dir, monkeypatch):
+    manager = StructuredOutputManager(tiny_llm_dir, 256, [2])
+    load = manager._load_compiler
+
+    def broken_load() -> None:
+        raise OSError("no tokenizer.json")
+
+    monkeypatch.setattr(manager, "_load_compiler", broken_load)
+    with pytest.raises(EngineUnavailableError, match="structured output is unavailable.*no tokenizer.json"):
+        manager.compile(StructuredOutput(regex=PHONE)).result(60)
+    monkeypatch.setattr(manager, "_load_compiler", load)
+    assert manager.compile(StructuredOutput(regex=PHONE)).result(60) is not None  # not cached: tried again
 
 
 @pytest.mark.parametrize(
