@@ -10,14 +10,21 @@ from spindle.backend.sequence import Sequence
 _UNSALTED_ROOT = hashlib.sha256(b"spindle-kv-unsalted").digest()
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The digest a sequence's first block chains from: one for every unsalted request, one per salt.
+def root_hash(cache_salt: str | None, lora_id: int | None = None) -> bytes:
+    """The digest a sequence's first block chains from: one per salt (or none) and LoRA adapter (or none).
 
     The salt is hashed under its own prefix, so no salt gives the unsalted root and no two salts give the same one.
+    An adapter changes every layer's K/V, so its sequences chain from the salt's root hashed again under another
+    prefix with the adapter's id: no two adapters, nor an adapter and the base model, share a block. The id is the
+    one :mod:`spindle.backend.lora` gives each loaded adapter, never reused, so an adapter unloaded and loaded again
+    with other weights under the same name finds none of the old blocks.
     """
-    if cache_salt is None:
-        return _UNSALTED_ROOT
-    return hashlib.sha256(b"spindle-kv-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    root = _UNSALTED_ROOT
+    if cache_salt is not None:
+        root = hashlib.sha256(b"spindle-kv-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    if lora_id is not None:
+        root = hashlib.sha256(b"spindle-kv-lora\0" + str(lora_id).encode() + b"\0" + root).digest()
+    return root
 
 
 def block_hash(parent: bytes, token_ids: Iterable[int]) -> bytes:
@@ -46,12 +53,12 @@ class BlockManager:
     A full block is keyed by the SHA-256 digest of its predecessor's digest and its own tokens
     (:func:`block_hash`), so two sequences with the same first ``k * block_size`` tokens (the ``n`` completions of
     one prompt, or prompts with the same system message) point at the same ``k`` blocks. The first block chains
-    from the request's ``cache_salt`` (:func:`root_hash`), so requests with different salts, or a salted and an
-    unsalted one, share no block; unsalted requests share with each other. A cryptographic hash means no prompt can
-    be crafted to collide with another's blocks, to read or poison the K/V cached for someone else's prefix. A
-    block whose reference count drops to zero goes back to the free list but keeps its contents and hash until it
-    is handed out again, so a preempted sequence, or a later prompt with the same prefix, finds it again (least
-    recently freed is reused first).
+    from the request's ``cache_salt`` and LoRA adapter (:func:`root_hash`), so requests with different salts or
+    adapters, or a salted and an unsalted one, share no block; unsalted base-model requests share with each other.
+    A cryptographic hash means no prompt can be crafted to collide with another's blocks, to read or poison the K/V
+    cached for someone else's prefix. A block whose reference count drops to zero goes back to the free list but
+    keeps its contents and hash until it is handed out again, so a preempted sequence, or a later prompt with the
+    same prefix, finds it again (least recently freed is reused first).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -92,7 +99,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         hits: list[int] = []
-        parent = root_hash(seq.params.cache_salt)
+        parent = root_hash(seq.params.cache_salt, seq.lora_id)
         for start in range(0, len(seq) - self.block_size + 1, self.block_size):
             parent = block_hash(parent, seq.token_ids[start : start + self.block_size])
             block_id = self.cached.get(parent)
@@ -170,7 +177,9 @@ class BlockManager:
         first = end
         while first and self.blocks[seq.block_table[first - 1]].hash is None:
             first -= 1
-        parent = self.blocks[seq.block_table[first - 1]].hash if first else root_hash(seq.params.cache_salt)
+        parent = (
+            self.blocks[seq.block_table[first - 1]].hash if first else root_hash(seq.params.cache_salt, seq.lora_id)
+        )
         for i in range(first, end):
             block = self.blocks[seq.block_table[i]]
             block.hash = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

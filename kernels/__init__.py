@@ -18,12 +18,13 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from spindle.kernels import activation, attention, cpu, norm, quant, rotary
+from spindle.kernels import activation, attention, cpu, lora, norm, quant, rotary
 from spindle.kernels.attention import AttentionMetadata
 from spindle.kernels.rotary import build_cos_sin_cache
 
 __all__ = [
     "AttentionMetadata",
+    "add_lora",
     "attend",
     "attention_metadata",
     "build_cos_sin_cache",
@@ -89,6 +90,9 @@ silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)
 # On the CPU, spindle.kernels.linear.Projection runs the int8/int4 kernels (ours, torch's); this CPU fallback is the
 # torch reference.
 quantized_linear = _dispatch(quant.quantized_linear)
+# Batched LoRA (spindle.kernels.lora): on the CPU one C++ call per projection, as torch's small matmuls cost more in
+# overhead than the LoRA deltas themselves (measured in kernels/cpu/lora.cpp).
+add_lora = _dispatch(lora.add_lora, lora.add_lora_cpu)
 
 
 _metadata: AttentionMetadata | None = None

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, with fused qkv and gate/up projections."""
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from spindle.backend.models.config import ModelConfig
 from spindle.kernels import (
     AttentionMetadata,
+    add_lora,
     attend,
     attention_metadata,
     build_cos_sin_cache,
@@ -17,6 +19,7 @@ from spindle.kernels import (
     silu_and_mul,
 )
 from spindle.kernels.linear import Projection, linear
+from spindle.kernels.lora import LoraSlots, current_lora_mapping
 from spindle.kernels.quant import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -26,6 +29,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # Left uninitialised: every weight comes from a checkpoint through load_weights.
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _with_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+    """``y``, the projection of ``x``, plus the step's LoRA deltas in place (none without slots or adapters)."""
+    if lora is not None:
+        mapping = current_lora_mapping()
+        if mapping is not None:
+            add_lora(y, x, lora, mapping)
+    return y
 
 
 class LlamaAttention(nn.Module):
@@ -43,6 +55,8 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size, dtype=dtype) if config.qkv_bias else None
         self.o_proj = _weight(config.hidden_size, self.q_size, dtype=dtype)
         self.prepared: dict[str, Projection] = {}
+        # LoRA adapter slots by projection, set by spindle.backend.lora once an adapter is loaded.
+        self.lora: dict[str, LoraSlots] = {}
 
     def forward(
         self,
@@ -54,6 +68,7 @@ class LlamaAttention(nn.Module):
         """Attend the flat batch ``hidden [T, hidden_size]`` over the cache; returns ``[T, hidden_size]``."""
         num_tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_proj, self.qkv_bias, self.prepared.get("qkv_proj"))
+        qkv = _with_lora(qkv, hidden, self.lora.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rotary_embedding(
             positions,
@@ -63,7 +78,8 @@ class LlamaAttention(nn.Module):
         )
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v, *kv_cache, self.scale)
-        return linear(out.view(num_tokens, self.q_size), self.o_proj, prepared=self.prepared.get("o_proj"))
+        out = out.view(num_tokens, self.q_size)
+        return _with_lora(linear(out, self.o_proj, prepared=self.prepared.get("o_proj")), out, self.lora.get("o_proj"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,6 +94,7 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _weight(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.prepared: dict[str, Projection] = {}
+        self.lora: dict[str, LoraSlots] = {}
 
     def forward(
         self,
@@ -96,7 +113,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
         hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
         gate_up = linear(hidden, self.gate_up_proj, prepared=self.prepared.get("gate_up_proj"))
-        hidden = linear(silu_and_mul(gate_up), self.down_proj, prepared=self.prepared.get("down_proj"))
+        gate_up = _with_lora(gate_up, hidden, self.lora.get("gate_up_proj"))
+        act = silu_and_mul(gate_up)
+        hidden = _with_lora(
+            linear(act, self.down_proj, prepared=self.prepared.get("down_proj")), act, self.lora.get("down_proj")
+        )
         return hidden, residual
 
 
@@ -256,6 +277,35 @@ class LlamaForCausalLM(nn.Module):
             part, offset, rows = fused[layer_part]
             return prefix + part, offset, rows
         return prefix + renamed.get(layer_part, layer_part), 0, None
+
+
+class LlamaModel(LlamaForCausalLM):
+    """A Llama-family decoder without an LM head, as Hugging Face's ``LlamaModel`` saves it: an embedding model.
+
+    Its checkpoint names lack the ``model.`` prefix (``layers.0.self_attn.q_proj.weight``, ``norm.weight``); both
+    spellings load. It serves embedding requests only: the engine core refuses generation on it.
+    """
+
+    is_pooling_model = True
+    """Read by the model runner: no logits, so no sampling."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        # Tied, the parent creates no lm_head parameter; there is no head at all.
+        super().__init__(dataclasses.replace(config, tie_word_embeddings=True), dtype)
+
+    def projections(self) -> dict[str, tuple[nn.Module, str]]:
+        """Every projection by name, as :meth:`LlamaForCausalLM.projections`, without the LM head."""
+        found = super().projections()
+        del found["lm_head"]
+        return found
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Refuse: an embedding model has no LM head (the engine core never asks it for logits)."""
+        raise RuntimeError("an embedding model (LlamaModel) has no LM head: it computes no logits")
+
+    def parameter_slice(self, hf_name: str) -> tuple[str, int, int | None]:
+        """As :meth:`LlamaForCausalLM.parameter_slice`, for names with or without the ``model.`` prefix."""
+        return super().parameter_slice(hf_name if hf_name.startswith("model.") else "model." + hf_name)
 
 
 def _split_layer_name(hf_name: str) -> tuple[str, str]:

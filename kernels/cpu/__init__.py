@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU path (attention, per-token ops, small-batch int8 projections), built and cached on use.
+"""C++ kernels for the CPU path (attention, per-token ops, small-batch int8 projections, LoRA), built on use.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 50 s on a 2-core machine. The library is kept as
@@ -28,7 +28,14 @@ import torch
 _NAME = "spindle_cpu_ops"
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "quant_linear.cpp")
+    for name in (
+        "bindings.cpp",
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "elementwise.cpp",
+        "quant_linear.cpp",
+        "lora.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).with_name("common.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -111,6 +118,33 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
 
     """
     return cpu_ops().int8_linear(x, qweight, scales, group_size)
+
+
+def lora_add_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_bt: torch.Tensor,
+    segments: torch.Tensor,
+    part_ends: list[int],
+    ranks: torch.Tensor,
+) -> None:
+    """``y[t] += (x[t] @ lora_a[s].T) @ lora_bt[s]`` in place for the tokens of each ``(start, end, slot)`` segment.
+
+    The rank is ``parts`` blocks (``len(part_ends)``), block ``p`` reaching only the output columns of part ``p``;
+    only the first ``ranks[s, p]`` rows of each block are read (the rest, zeros by contract, are skipped).
+
+    Args:
+        y: ``[tokens, out]``, float32 or bfloat16, dense rows; written in place.
+        x: ``[tokens, in]``, ``y``'s dtype, dense rows.
+        lora_a: ``[slots, rank, in]``, dense.
+        lora_bt: ``[slots, rank, out]``, dense.
+        segments: int64 ``[num_segments, 3]``, each row a run of tokens ``[start, end)`` and its slot.
+        part_ends: the end column of each part of the output, ascending, the last ``out``.
+        ranks: int64 ``[slots, parts]``, each at most ``rank // parts``.
+
+    """
+    cpu_ops().lora_add_(y, x, lora_a, lora_bt, segments, part_ends, ranks)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

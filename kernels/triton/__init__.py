@@ -7,6 +7,7 @@ same kernels run on CPU tensors, which is how the test suite proves them without
 from spindle.kernels.triton.activation import silu_and_mul
 from spindle.kernels.triton.cache import reshape_and_cache
 from spindle.kernels.triton.decode_attention import decode_attention
+from spindle.kernels.triton.lora import add_lora
 from spindle.kernels.triton.norm import rms_norm
 from spindle.kernels.triton.paged_attention import paged_attention
 from spindle.kernels.triton.prefill_attention import prefill_attention
@@ -14,6 +15,7 @@ from spindle.kernels.triton.quant_linear import quantized_linear
 from spindle.kernels.triton.rotary import rotary_embedding
 
 __all__ = [
+    "add_lora",
     "decode_attention",
     "paged_attention",
     "prefill_attention",

@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 from triton.runtime.driver import driver
 
 from spindle.kernels.attention import AttentionMetadata
+from spindle.kernels.lora import LoraMapping, LoraSlots
 from spindle.kernels.quant import quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -149,6 +150,18 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
         for num_rows in (1, 100):
             bias = torch.zeros(96, dtype=dtype) if num_rows > 1 else None
             tk.quantized_linear(torch.zeros(num_rows, in_features, dtype=dtype), weight, bias)
+    # LoRA, as SmolLM2's qkv projection has it at rank 16 (three parts): a decode step's 16-row tiles and a prefill
+    # chunk's 64-row ones.
+    slots = LoraSlots(
+        torch.zeros(2, 48, 576, dtype=dtype),
+        torch.zeros(2, 48, 960, dtype=dtype),
+        [576, 768, 960],
+        torch.zeros(2, 3, dtype=torch.int64),
+    )
+    for lens in ([1, 1, 1], [100, 30, 2]):
+        mapping = LoraMapping.build([0, 1, -1], lens)
+        assert mapping is not None
+        tk.add_lora(torch.zeros(sum(lens), 960, dtype=dtype), torch.zeros(sum(lens), 576, dtype=dtype), slots, mapping)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,408 @@
+"""LoRA adapters: reading PEFT directories, keeping every known adapter on the host, and the device's adapter slots.
+
+An adapter is loaded once (``--lora-modules`` at start-up, or :meth:`LoraManager.add`) into host tensors in the
+layout of the slots: per adapted projection of our model (fused ``qkv_proj`` and ``gate_up_proj``, ``o_proj``,
+``down_proj``), ``A [K, in]`` and ``B.T [K, out]`` with ``K = parts x max_lora_rank``, each PEFT module's matrices in
+its part's rank block and its rows of the fused output (zeros where it targets nothing), and ``lora_alpha / r``
+(``/ sqrt(r)`` with rsLoRA) folded into ``B``.
+
+The device holds ``max_loras`` slots: per projection ``lora_a [max_loras, K, in]`` and ``lora_b [max_loras, K,
+out]``, allocated when the first adapter is loaded (at start-up when the engine is configured for LoRA, so that the
+CUDA memory budget counts them) and installed into the model's ``lora`` dicts. Each step the model runner asks
+:meth:`LoraManager.assign` for the slot of every scheduled sequence's adapter; an adapter that is not resident is
+copied into a free slot, else into the least recently used one that no running sequence needs. The scheduler admits
+a sequence only when its adapter can have a slot (``max_loras`` distinct adapters among the running sequences at
+most), so there always is one.
+"""
+
+import json
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from spindle.backend.models.config import ModelConfig
+from spindle.kernels import add_lora
+from spindle.kernels.lora import LoraMapping, LoraSlots
+from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
+from spindle.shared.lora import LoraAdapterInfo
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+TARGET_PARTS: dict[str, int] = {
+    "q_proj": 0,
+    "k_proj": 1,
+    "v_proj": 2,
+    "o_proj": 0,
+    "gate_proj": 0,
+    "up_proj": 1,
+    "down_proj": 0,
+}
+"""The PEFT modules an adapter may target, and each one's part (rank block) in our fused projection."""
+
+NUM_PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+"""Our adapted projections and how many PEFT modules each fuses."""
+
+HostWeights = tuple[torch.Tensor, torch.Tensor, list[int]]
+"""One adapted projection of an adapter on the host: ``(A [K, in], B.T [K, out], its rank in each part)``."""
+
+_TENSOR_NAME = re.compile(r"base_model\.model\.(?P<module>.+\.(?P<target>\w+))\.lora_(?P<matrix>[AB])\.weight")
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter: what the API reports of it, and its weights on the host.
+
+    Attributes:
+        adapter_id: unique for the engine's life (a name loaded again gets a new id: its prefix-cache blocks and its
+            slot contents are those of the new weights).
+        info: name, path, rank and target modules.
+        weights: by projection name (``layers.3.self_attn.qkv_proj``), ``(A [K, in], B.T [K, out], part ranks)`` on
+            the host in the model's dtype, in the slots' layout (module docstring); a part it does not adapt has
+            rank 0. Projections it does not adapt are absent.
+        num_users: the engine's unfinished requests that use it.
+        removed: unloaded by name; it stays until its last request finishes.
+
+    """
+
+    adapter_id: int
+    info: LoraAdapterInfo
+    weights: dict[str, HostWeights]
+    num_users: int = 0
+    removed: bool = False
+
+
+@dataclass
+class _Slots:
+    """The device slots by projection, and which adapter each slot holds."""
+
+    weights: dict[str, LoraSlots]
+    owner: list[int | None]
+    # adapter id -> slot, least recently used first.
+    resident: OrderedDict[int, int] = field(default_factory=OrderedDict)
+
+
+class LoraManager:
+    """Known adapters on the host, ``max_loras`` slots on the device, least-recently-used replacement.
+
+    Args:
+        model: the model; its projection modules (``LlamaForCausalLM.projections()``) need a ``lora`` dict each
+            (Llama-family models have one).
+        max_loras: device slots.
+        max_rank: the largest rank an adapter may have; every slot is sized for it.
+        device: where the slots live.
+        dtype: the model's dtype.
+
+    Attributes:
+        num_slot_loads: adapters copied into a slot since start-up (one per miss).
+
+    """
+
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        self.adapters: dict[int, LoraAdapter] = {}
+        self.by_name: dict[str, int] = {}
+        self.num_slot_loads = 0
+        self._slots: _Slots | None = None
+        self._ids = count(1)
+        projections = getattr(model, "projections", None)
+        found = projections() if callable(projections) else {}
+        # Our projection name -> (module, attribute, out_features, in_features, each part's end column).
+        self._targets: dict[str, tuple[nn.Module, str, int, int, list[int]]] = {}
+        config = getattr(model, "config", None)
+        if isinstance(config, ModelConfig) and callable(getattr(model, "parameter_slice", None)):
+            for name, (module, attr) in found.items():
+                if attr in NUM_PARTS and isinstance(getattr(module, "lora", None), dict):
+                    self._targets[name] = (module, attr, *_projection_layout(config, attr))
+
+    @property
+    def supported(self) -> bool:
+        """Whether the model has LoRA hooks (every Llama-family model does)."""
+        return bool(self._targets)
+
+    def allocate(self) -> None:
+        """Allocate the device slots (zeros) and install them into the model; nothing when they already are."""
+        if self._slots is not None or not self.supported:
+            return
+        weights: dict[str, LoraSlots] = {}
+        for name, (module, attr, out_features, in_features, part_ends) in self._targets.items():
+            k = NUM_PARTS[attr] * self.max_rank
+            weights[name] = module.lora[attr] = LoraSlots(
+                lora_a=torch.zeros(self.max_loras, k, in_features, dtype=self.dtype, device=self.device),
+                lora_b=torch.zeros(self.max_loras, k, out_features, dtype=self.dtype, device=self.device),
+                part_ends=part_ends,
+                ranks=torch.zeros(self.max_loras, NUM_PARTS[attr], dtype=torch.int64),
+            )
+        self._slots = _Slots(weights, [None] * self.max_loras)
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the Triton LoRA kernels for each projection shape and both group tiles (16 and 64 rows).
+
+        That is every variant a step launches (see ``spindle.kernels.triton.lora``), compiled now rather than in the
+        first steps that use adapters, where each compile would stall the whole batch for seconds.
+        """
+        assert self._slots is not None
+        shapes = {(slots.lora_a.shape, slots.lora_b.shape): slots for slots in self._slots.weights.values()}
+        for num_tokens in (1, 17):
+            mapping = LoraMapping.build([0], [num_tokens], self.device)
+            assert mapping is not None
+            for slots in shapes.values():
+                x = torch.zeros(num_tokens, slots.lora_a.shape[2], dtype=self.dtype, device=self.device)
+                y = torch.zeros(num_tokens, slots.lora_b.shape[2], dtype=self.dtype, device=self.device)
+                add_lora(y, x, slots, mapping)
+
+    def add(self, name: str, path: str) -> LoraAdapterInfo:
+        """Read a PEFT adapter directory and keep its weights on the host under ``name``.
+
+        Raises:
+            AlreadyExistsError: ``name`` is taken (field ``name``).
+            InvalidRequestError: the name is empty (field ``name``); the directory lacks ``adapter_config.json`` or
+                ``adapter_model.safetensors``, the adapter's rank exceeds ``max_lora_rank``, it targets a module other
+                than q/k/v/o/gate/up/down_proj, uses an unsupported PEFT feature, or a matrix does not fit the model
+                (field ``path``).
+
+        """
+        if not name:
+            raise InvalidRequestError("name", "a LoRA adapter needs a non-empty name")
+        if name in self.by_name:
+            raise AlreadyExistsError("name", f"a LoRA adapter named {name!r} is already loaded: unload it first")
+        if not self.supported:
+            raise InvalidRequestError(
+                "path", f"the model class {type(self.model).__name__} has no LoRA support (Llama-family models do)"
+            )
+        info, weights = self._read(name, Path(path))
+        self.allocate()
+        adapter = LoraAdapter(next(self._ids), info, weights)
+        self.adapters[adapter.adapter_id] = adapter
+        self.by_name[name] = adapter.adapter_id
+        return info
+
+    def remove(self, name: str) -> None:
+        """Unload ``name``: new requests may no longer use it; the requests using it keep it until they finish.
+
+        Raises:
+            NotFoundError: no adapter of that name is loaded (field ``name``).
+
+        """
+        adapter_id = self.by_name.pop(name, None)
+        if adapter_id is None:
+            raise NotFoundError("name", f"no LoRA adapter named {name!r} is loaded; loaded: {self._loaded_names()}")
+        adapter = self.adapters[adapter_id]
+        adapter.removed = True
+        if not adapter.num_users:
+            self._drop(adapter_id)
+
+    def lookup(self, name: str) -> int:
+        """The id of the loaded adapter ``name``.
+
+        Raises:
+            NotFoundError: no adapter of that name is loaded (field ``lora_name``).
+
+        """
+        adapter_id = self.by_name.get(name)
+        if adapter_id is None:
+            raise NotFoundError(
+                "lora_name", f"unknown LoRA adapter {name!r}; loaded: {self._loaded_names()} (load it first)"
+            )
+        return adapter_id
+
+    def list_adapters(self) -> list[LoraAdapterInfo]:
+        """The loaded adapters, in loading order (unloaded ones still finishing requests excluded)."""
+        return [self.adapters[adapter_id].info for adapter_id in self.by_name.values()]
+
+    def acquire(self, adapter_id: int) -> None:
+        """Count one more unfinished request that uses the adapter."""
+        self.adapters[adapter_id].num_users += 1
+
+    def release(self, adapter_id: int) -> None:
+        """Count one request fewer; an unloaded adapter leaves with its last one."""
+        adapter = self.adapters[adapter_id]
+        adapter.num_users -= 1
+        if adapter.removed and not adapter.num_users:
+            self._drop(adapter_id)
+
+    def assign(self, adapter_ids: list[int | None], pinned: Collection[int] = ()) -> list[int]:
+        """The slot of each entry's adapter (``-1`` for None, the base model), copying in those not resident.
+
+        A missing adapter takes a free slot, else the least recently used one whose adapter is neither in
+        ``adapter_ids`` nor ``pinned`` (the adapters of running sequences not in this step), else (only when the
+        scheduler's bound was not kept) any not in ``adapter_ids``.
+
+        Raises:
+            RuntimeError: more distinct adapters than slots.
+
+        """
+        assert self._slots is not None, "no adapter was ever loaded"
+        slots = self._slots
+        needed = dict.fromkeys(i for i in adapter_ids if i is not None)
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(needed)} adapters but there are {self.max_loras} slots")
+        for adapter_id in needed:
+            if adapter_id in slots.resident:
+                slots.resident.move_to_end(adapter_id)
+                continue
+            free = next((slot for slot, owner in enumerate(slots.owner) if owner is None), None)
+            if free is None:
+                victims = [i for i in slots.resident if i not in needed]
+                victim = next((i for i in victims if i not in pinned), victims[0])
+                free = slots.resident.pop(victim)
+            self._load(adapter_id, free)
+        return [-1 if i is None else slots.resident[i] for i in adapter_ids]
+
+    def slot_of(self, adapter_id: int) -> int | None:
+        """The slot holding the adapter, or None when it is not resident."""
+        return None if self._slots is None else self._slots.resident.get(adapter_id)
+
+    def _load(self, adapter_id: int, slot: int) -> None:
+        assert self._slots is not None
+        weights = self.adapters[adapter_id].weights
+        for name, slots in self._slots.weights.items():
+            host = weights.get(name)
+            if host is None:
+                slots.lora_a[slot].zero_()
+                slots.lora_b[slot].zero_()
+                slots.ranks[slot] = 0
+            else:
+                slots.lora_a[slot].copy_(host[0], non_blocking=True)
+                slots.lora_b[slot].copy_(host[1], non_blocking=True)
+                slots.ranks[slot] = torch.tensor(host[2])
+        self._slots.owner[slot] = adapter_id
+        self._slots.resident[adapter_id] = slot
+        self.num_slot_loads += 1
+
+    def _drop(self, adapter_id: int) -> None:
+        del self.adapters[adapter_id]
+        if self._slots is not None and adapter_id in self._slots.resident:
+            self._slots.owner[self._slots.resident.pop(adapter_id)] = None
+
+    def _loaded_names(self) -> str:
+        return ", ".join(sorted(self.by_name)) or "none"
+
+    def _read(self, name: str, path: Path) -> tuple[LoraAdapterInfo, dict[str, HostWeights]]:
+        """Read and check a PEFT adapter directory; returns its info and its host weights in the slots' layout."""
+        if not path.is_dir():
+            raise InvalidRequestError("path", f"{path} is not a directory (a PEFT adapter directory is expected)")
+        config_file, weights_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+        missing = [file.name for file in (config_file, weights_file) if not file.is_file()]
+        if missing:
+            raise InvalidRequestError(
+                "path", f"{path} is not a PEFT adapter directory: it lacks {' and '.join(missing)}"
+            )
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidRequestError("path", f"{config_file} is not readable JSON: {e}") from e
+        rank, scale, targets = self._check_config(path, config)
+        try:
+            with safe_open(weights_file, framework="pt") as f:
+                tensors = {tensor_name: f.get_tensor(tensor_name) for tensor_name in f.keys()}
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise InvalidRequestError("path", f"{weights_file} is not a readable safetensors file: {e}") from e
+        weights: dict[str, HostWeights] = {}
+        found_targets: set[str] = set()
+        for tensor_name, tensor in tensors.items():
+            match = _TENSOR_NAME.fullmatch(tensor_name)
+            target = match and match["target"]
+            if target not in TARGET_PARTS:
+                raise InvalidRequestError(
+                    "path",
+                    f"{weights_file} holds {tensor_name}, which is not a LoRA matrix of "
+                    f"{'/'.join(TARGET_PARTS)}: only those modules can be adapted",
+                )
+            assert match is not None
+            projection, offset, rows = self.model.parameter_slice(match["module"] + ".weight")
+            if projection not in self._targets:
+                raise InvalidRequestError("path", f"{tensor_name} in {weights_file} names no layer of this model")
+            _, attr, out_features, in_features, _ = self._targets[projection]
+            a, b, ranks = weights.get(projection) or self._zeros(attr, out_features, in_features)
+            part = slice(TARGET_PARTS[target] * self.max_rank, TARGET_PARTS[target] * self.max_rank + rank)
+            rows = out_features if rows is None else rows
+            expected = (rank, in_features) if match["matrix"] == "A" else (rows, rank)
+            if tuple(tensor.shape) != expected:
+                raise InvalidRequestError(
+                    "path",
+                    f"{tensor_name} in {weights_file} is {list(tensor.shape)}, but a rank-{rank} adapter of this "
+                    f"model's {target} needs {list(expected)}: was it made for another base model?",
+                )
+            if match["matrix"] == "A":
+                a[part] = tensor.to(self.dtype)
+            else:
+                # The scale folded in float32, then rounded once to the model's dtype.
+                b[part, offset : offset + rows] = (tensor.float() * scale).T.to(self.dtype)
+            ranks[TARGET_PARTS[target]] = rank
+            weights[projection] = (a, b, ranks)
+            found_targets.add(target)
+        if not found_targets:
+            raise InvalidRequestError("path", f"{weights_file} holds no LoRA matrices")
+        names = sorted(targets or found_targets, key=list(TARGET_PARTS).index)
+        return LoraAdapterInfo(name=name, path=str(path), rank=rank, target_modules=names), weights
+
+    def _zeros(self, attr: str, out_features: int, in_features: int) -> HostWeights:
+        k = NUM_PARTS[attr] * self.max_rank
+        a, b = torch.zeros(k, in_features, dtype=self.dtype), torch.zeros(k, out_features, dtype=self.dtype)
+        return a, b, [0] * NUM_PARTS[attr]
+
+    def _check_config(self, path: Path, config: dict) -> tuple[int, float, list[str]]:
+        """``(rank, scale, target modules)`` of an ``adapter_config.json``, refusing what the slots cannot serve."""
+
+        def refuse(reason: str) -> InvalidRequestError:
+            return InvalidRequestError("path", f"the LoRA adapter in {path} {reason}")
+
+        if config.get("peft_type", "LORA") != "LORA":
+            raise refuse(f"is a {config['peft_type']} adapter: only LORA adapters are supported")
+        rank = config.get("r")
+        if not isinstance(rank, int) or rank < 1:
+            raise refuse(f"has r={rank!r}: the rank must be a positive integer")
+        if rank > self.max_rank:
+            raise refuse(f"has rank {rank}, above max_lora_rank={self.max_rank}: start the engine with a larger one")
+        unsupported = [
+            ("use_dora", config.get("use_dora"), "DoRA"),
+            ("rank_pattern", config.get("rank_pattern"), "per-module ranks"),
+            ("alpha_pattern", config.get("alpha_pattern"), "per-module alphas"),
+            ("modules_to_save", config.get("modules_to_save"), "fully trained modules"),
+            ("fan_in_fan_out", config.get("fan_in_fan_out"), "transposed (Conv1D) weights"),
+            ("lora_bias", config.get("lora_bias"), "LoRA biases"),
+        ]
+        for key, value, what in unsupported:
+            if value:
+                raise refuse(f"sets {key}: {what} are not supported")
+        if config.get("bias", "none") != "none":
+            raise refuse(f"sets bias={config['bias']!r}: only bias='none' is supported")
+        targets = config.get("target_modules")
+        # A string is a regular expression over module names: the matrices the file holds tell what it targets.
+        names = [targets] if isinstance(targets, str) and targets in TARGET_PARTS else targets
+        if isinstance(names, list):
+            bad = [t for t in names if t not in TARGET_PARTS]
+            if bad:
+                raise refuse(f"targets {bad}: only {', '.join(TARGET_PARTS)} can be adapted")
+        alpha = config.get("lora_alpha", rank)
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        return rank, scale, names if isinstance(names, list) else []
+
+
+def _projection_layout(config: ModelConfig, attr: str) -> tuple[int, int, list[int]]:
+    """``(out_features, in_features, each part's end column)`` of one of our adapted projections."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "qkv_proj": (q_size + 2 * kv_size, hidden, [q_size, q_size + kv_size, q_size + 2 * kv_size]),
+        "o_proj": (hidden, q_size, [hidden]),
+        "gate_up_proj": (2 * intermediate, hidden, [intermediate, 2 * intermediate]),
+        "down_proj": (hidden, intermediate, [hidden]),
+    }[attr]
