@@ -5,6 +5,9 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
+import msgspec
+import numpy as np
+
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.model_runner import ModelRunner
 from spindle.backend.models.config import ModelConfig
@@ -16,6 +19,8 @@ from spindle.backend.structured_output import StructuredOutputManager
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError, RequestRefusedError
+from spindle.shared.lora import LoraAdapterInfo
+from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,14 @@ class EngineCore:
 
     A constrained request is accepted at once and its grammar compiled in the background; one whose spec does not
     compile is dropped later, and its refusal comes out of :meth:`pop_refused`.
+
+    An embedding request (``EngineRequest.pooling`` set) is one sequence that is prefilled in the same steps as the
+    others and pooled by the runner (:mod:`spindle.backend.pooler`); the step that completes its prompt ends it,
+    frees its blocks and reports it with one delta that carries the embedding and no tokens. A model without an LM
+    head (``LlamaModel``) takes embedding requests only.
+
+    A request may name a LoRA adapter loaded with :meth:`add_lora` (or ``lora_modules`` at start-up); requests of
+    different adapters and of the base model run in the same steps (:mod:`spindle.backend.lora`).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -66,6 +79,7 @@ class EngineCore:
             config.max_decode_slowdown,
             config.scheduling_policy,
             config.priority_aging,
+            config.max_loras,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
@@ -90,41 +104,125 @@ class EngineCore:
                 if (self.model_dir / name).is_file()
             },
         )
+        for name, path in (config.lora_modules or {}).items():
+            self.add_lora(name, path)
+
+    def add_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load a PEFT LoRA adapter directory under ``name``; requests use it with ``lora_name=name``.
+
+        Its weights stay on the host; it takes one of the ``max_loras`` device slots while requests use it
+        (:mod:`spindle.backend.lora`).
+
+        Raises:
+            AlreadyExistsError: ``name`` is taken (field ``name``).
+            InvalidRequestError: the directory is not a PEFT LoRA adapter this model can serve: files missing, a rank
+                above ``max_lora_rank``, targets other than q/k/v/o/gate/up/down_proj, or matrices that do not fit
+                the model (field ``path``).
+
+        """
+        info = self.runner.lora.add(name, path)
+        targets = ", ".join(info.target_modules)
+        logger.info("Loaded LoRA adapter %s (rank %d, %s) from %s", name, info.rank, targets, path)
+        return info
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter ``name``: new requests naming it are refused; those using it finish with it.
+
+        Raises:
+            NotFoundError: no adapter of that name is loaded (field ``name``).
+
+        """
+        self.runner.lora.remove(name)
+        logger.info("Unloaded LoRA adapter %s", name)
+
+    def list_loras(self) -> list[LoraAdapterInfo]:
+        """The loaded LoRA adapters, in loading order."""
+        return self.runner.lora.list_adapters()
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks.
 
         Raises:
-            InvalidRequestError: the request id is in use, or the prompt leaves no room for a completion.
+            InvalidRequestError: the request id is in use, the prompt leaves no room for a completion (an embedding
+                request's may fill the context), a generation request comes to an embedding model, or an embedding
+                request's pooling parameters do not fit the model (``dimensions`` above the hidden size, ``n > 1``).
+            NotFoundError: ``lora_name`` names no loaded LoRA adapter (field ``lora_name``).
 
         """
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
-        if len(request.prompt_token_ids) >= self.max_model_len:
+        pooling = None if request.pooling is None else self._check_pooling(request)
+        if pooling is None and self.runner.is_pooling_model:
+            raise InvalidRequestError(
+                "sampling_params",
+                f"{self.info.model_name} is an embedding model (a {self.model_config.architecture}, without an LM "
+                "head): it cannot generate; ask it for embeddings (Embed, LLM.embed) instead",
+            )
+        if pooling is not None and len(request.prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len={self.max_model_len}",
+            )
+        if pooling is None and len(request.prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
                 f"the prompt has {len(request.prompt_token_ids)} tokens, but max_model_len={self.max_model_len} "
                 "leaves no room for a completion",
             )
+        lora_id = self.runner.lora.lookup(request.lora_name) if request.lora_name else None
         seqs = [
             Sequence(
-                request.request_id, i, request.prompt_token_ids, request.params, request.arrival_time, request.priority
+                request.request_id,
+                i,
+                request.prompt_token_ids,
+                request.params,
+                request.arrival_time,
+                request.priority,
+                pooling=pooling,
+                lora_id=lora_id,
             )
             for i in range(request.params.n)
         ]
         self.requests[request.request_id] = seqs
+        if lora_id is not None:
+            self.runner.lora.acquire(lora_id)
         if request.params.structured_output is not None:
             self.pending_grammars[request.request_id] = self.structured_output.compile(request.params.structured_output)
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def _check_pooling(self, request: EngineRequest) -> PoolingParams:
+        """An embedding request's pooling parameters with the model's default pooling (``last``) filled in.
+
+        Raises:
+            InvalidRequestError: ``dimensions`` exceeds the hidden size, or the request asks for ``n > 1``.
+
+        """
+        assert request.pooling is not None
+        hidden_size = self.model_config.hidden_size
+        if request.pooling.dimensions is not None and request.pooling.dimensions > hidden_size:
+            raise InvalidRequestError(
+                "pooling_params.dimensions",
+                f"PoolingParams.dimensions={request.pooling.dimensions} exceeds the model's hidden size of "
+                f"{hidden_size}: leave it unset for the whole embedding, or ask for at most {hidden_size}",
+            )
+        if request.params.n != 1:
+            raise InvalidRequestError(
+                "sampling_params.n", f"an embedding request has one result: n={request.params.n} must be 1"
+            )
+        # Every model Spindle serves is causal: its last token is the one that has seen the whole prompt.
+        return msgspec.structs.replace(request.pooling, pooling=request.pooling.pooling or "last")
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
         for request_id in request_ids:
             self.pending_grammars.pop(request_id, None)
-            for seq in self.requests.pop(request_id, []):
+            seqs = self.requests.pop(request_id, [])
+            for seq in seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.ABORT)
+            if seqs and seqs[0].lora_id is not None:
+                self.runner.lora.release(seqs[0].lora_id)
 
     def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
         """The requests dropped since the last call because their structured-output spec did not compile, with why.
@@ -163,7 +261,10 @@ class EngineCore:
         return bool(self.requests)
 
     def step(self) -> list[SequenceDelta]:
-        """Schedule, run, sample, apply the runner's output; return what changed for each sequence that got a token."""
+        """Schedule, run, sample, apply the runner's output; return what changed for each sequence that got a token.
+
+        Embedding sequences whose prompt the step completed come first, each with its embedding.
+        """
         if self.pending_grammars:
             self._attach_grammars()
         self._propose_drafts()
@@ -181,7 +282,12 @@ class EngineCore:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.prompt_logprobs.extend(out.prompt_logprobs.get(seq.seq_id, ()))
             seq.num_computed_tokens += num_new
-        deltas = []
+            if seq.seq_id in out.pooling_states:
+                seq.pooling_state = out.pooling_states[seq.seq_id]
+        deltas = [
+            self._finish_embedding(seq, embedding)
+            for seq, embedding in zip(out.pooled_seqs, out.embeddings, strict=True)
+        ]
         for seq, token_ids, logprobs in zip(out.sampled_seqs, out.token_ids, out.logprobs, strict=True):
             first = seq.num_output_tokens == 0
             num_drafts = len(seq.spec_token_ids)
@@ -219,6 +325,21 @@ class EngineCore:
             if seq.is_finished:
                 self._forget_if_done(seq.request_id)
         return deltas
+
+    def _finish_embedding(self, seq: Sequence, embedding: np.ndarray) -> SequenceDelta:
+        """End an embedding sequence whose prompt is complete (its blocks are freed) and report its embedding."""
+        self.scheduler.finish(seq, FinishReason.STOP)
+        seq.pooling_state = None
+        self._forget_if_done(seq.request_id)
+        return SequenceDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=[],
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            first_scheduled_time=seq.first_scheduled_time,
+            embedding=embedding.astype("<f4", copy=False).tobytes(),
+        )
 
     def _propose_drafts(self) -> None:
         """Give each decoding sequence that speculates its draft tokens for the next step (prompt lookup)."""
@@ -273,8 +394,11 @@ class EngineCore:
 
     def _forget_if_done(self, request_id: str) -> None:
         """Drop a request once all its completions have finished (it is no longer unfinished work)."""
-        if all(seq.is_finished for seq in self.requests[request_id]):
+        seqs = self.requests[request_id]
+        if all(seq.is_finished for seq in seqs):
             del self.requests[request_id]
+            if seqs[0].lora_id is not None:
+                self.runner.lora.release(seqs[0].lora_id)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params

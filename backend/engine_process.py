@@ -5,7 +5,9 @@ a queue, answers handshakes and probes' pings, sends the heartbeats, and encodes
 hands it. A frontend may come back at any time with a new handshake (after it lost this backend, or this backend
 restarted): each handshake starts a session of its own. The
 loop never touches the socket, so it never waits on a slow frontend: it drains the queue, runs ``step()`` and
-passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread.
+passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread. LoRA adapter calls
+(:class:`~spindle.shared.protocol.LoadLora` and the others) come through the same queue and run between two steps,
+so an adapter never changes under a running batch; their replies go to the frontend that asked.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -27,7 +30,8 @@ from spindle.backend.engine_core import EngineCore
 from spindle.backend.memory import bound_host_memory
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
-from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
+from spindle.shared.lora import LoraAdapterInfo, confine_adapter_path
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
@@ -40,6 +44,9 @@ from spindle.shared.protocol import (
     FrontendMessage,
     Heartbeat,
     Hello,
+    ListLoras,
+    LoadLora,
+    LoraReply,
     Ping,
     Pong,
     Ready,
@@ -47,6 +54,7 @@ from spindle.shared.protocol import (
     RequestError,
     SequenceDelta,
     StepOutputs,
+    UnloadLora,
 )
 
 # Named, not __name__: run as `python -m`, this module is __main__, and its log lines would say so.
@@ -99,11 +107,18 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, address: str, grace_period: float = 30.0) -> None:
+        if config.allow_runtime_lora and not Path(config.lora_dir).is_dir():
+            raise ValueError(f"lora_dir={config.lora_dir!r} is not a directory")
         self.core = EngineCore(config)
+        # Frontends learn the runtime-loading policy from the handshake: it is this process's, as it reads the files.
+        self.info = msgspec.structs.replace(
+            self.core.info, runtime_lora_dir=config.lora_dir if config.allow_runtime_lora else None
+        )
         self.address = prepare_address(address)
         self.grace_period = grace_period
         self.inputs: queue.Queue[tuple[bytes, object]] = queue.Queue()
-        self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError]] = queue.Queue()
+        self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError | LoraReply]] = queue.Queue()
+        self.wake: zmq.Socket | None = None  # the busy loop's end of the wake-up pipe, once it runs
         self.owners: dict[str, bytes] = {}  # request id -> frontend identity
         self.draining_since: float | None = None
         self.context = zmq.Context()
@@ -118,7 +133,7 @@ class EngineProcess:
         self.io_ready.wait()
         if not self.io_thread.is_alive():
             raise RuntimeError(f"the I/O thread could not start on {self.address} (see the error above)")
-        wake = self.context.socket(zmq.PUSH)
+        wake = self.wake = self.context.socket(zmq.PUSH)
         wake.connect(_WAKE_ADDRESS)
         logger.info("Engine ready on %s", self.address)
         try:
@@ -189,6 +204,12 @@ class EngineProcess:
                 self.core.finish_sequence(request_id, index)
                 if request_id not in self.core.requests:
                     self.owners.pop(request_id, None)
+            case LoadLora(call_id=call_id, name=name, path=path, confined=confined):
+                self._answer(identity, call_id, lambda: [self._load_lora(name, path, confined)])
+            case UnloadLora(call_id=call_id, name=name):
+                self._answer(identity, call_id, lambda: self._unload_lora(name))
+            case ListLoras(call_id=call_id):
+                self._answer(identity, call_id, self.core.list_loras)
             case _FrontendGone():
                 lost = [request_id for request_id, owner in self.owners.items() if owner == identity]
                 if lost:
@@ -198,6 +219,39 @@ class EngineProcess:
                 self.core.abort_requests(lost)
                 for request_id in lost:
                     del self.owners[request_id]
+
+    def _answer(self, identity: bytes, call_id: str, call: Callable[[], list[LoraAdapterInfo]]) -> None:
+        """Run one adapter call and send its :class:`LoraReply` (the adapters, or why it was refused) at once."""
+        try:
+            reply = LoraReply(call_id, call())
+        except RequestRefusedError as error:
+            logger.info("Refused a LoRA adapter call: %s", error)
+            reply = LoraReply(call_id, error=RequestError.from_exception(call_id, error))
+        self.outputs.put((identity, reply))
+        if self.wake is not None:  # else the I/O thread finds it within half a heartbeat interval
+            self.wake.send(b"", zmq.NOBLOCK)
+
+    def _load_lora(self, name: str, path: str, confined: bool) -> LoraAdapterInfo:
+        """Load an adapter; a confined load (the gRPC API's) only with ``allow_runtime_lora``, from ``lora_dir``."""
+        if confined:
+            if self.info.runtime_lora_dir is None:
+                # Frontends check the policy the handshake told them first; this holds it against one that does not.
+                raise InvalidRequestError("path", "this backend does not load LoRA adapters at run time")
+            path = str(confine_adapter_path(path, self.info.runtime_lora_dir))
+        try:
+            adapter = self.core.add_lora(name, path)
+        except RequestRefusedError:
+            raise
+        except Exception as error:
+            # A directory that holds no readable adapter must not stop the engine for everyone: refuse the call.
+            logger.exception("Could not load a LoRA adapter from %s", path)
+            raise InvalidRequestError("path", f"could not load a LoRA adapter from {path!r}: {error}") from error
+        return adapter  # the core logs what it loads and unloads
+
+    def _unload_lora(self, name: str) -> list[LoraAdapterInfo]:
+        """Unload an adapter; its reply lists nothing."""
+        self.core.remove_lora(name)
+        return []
 
     def _send_by_owner(self, deltas: list[SequenceDelta], wake: zmq.Socket) -> None:
         by_owner: dict[bytes, list[SequenceDelta]] = {}
@@ -262,7 +316,7 @@ class EngineProcess:
         encoder = msgspec.msgpack.Encoder()
         decoder = msgspec.msgpack.Decoder(FrontendMessage)
         frontends: dict[bytes, float] = {}  # identity -> when last heard
-        ready = encoder.encode(Ready(PROTOCOL_VERSION, self.core.info))
+        ready = encoder.encode(Ready(PROTOCOL_VERSION, self.info))
         # A request from a frontend without a session here (this backend restarted, or forgot it after its silence)
         # would be lost: refuse it, so that the frontend hears of it at once instead of waiting for its timeout.
         no_session = EngineUnavailableError("this backend has no session with this frontend: it must handshake again")
@@ -305,6 +359,9 @@ class EngineProcess:
                     elif isinstance(message, AddRequest):
                         refusal = RequestError.from_exception(message.request.request_id, no_session)
                         router.send_multipart([identity, encoder.encode(refusal)])
+                    elif isinstance(message, LoadLora | UnloadLora | ListLoras):
+                        refusal = RequestError.from_exception(message.call_id, no_session)
+                        router.send_multipart([identity, encoder.encode(LoraReply(message.call_id, error=refusal))])
             if wake in events:
                 while True:
                     try:

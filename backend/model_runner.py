@@ -9,13 +9,16 @@ from functools import partial
 from itertools import accumulate, islice
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from spindle.backend.input_buffers import InputBuffers, StepInputs
+from spindle.backend.lora import LoraManager
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
+from spindle.backend.pooler import pool
 from spindle.backend.sampler import LogprobTensors, Sampler
 from spindle.backend.scheduler import ScheduledBatch
 from spindle.backend.sequence import Sequence
@@ -24,6 +27,7 @@ from spindle.backend.structured_output import grammar_bitmask
 from spindle.backend.transfers import fetch, to_device
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.cpu import cpu_ops
+from spindle.kernels.lora import LoraMapping, lora_mapping
 from spindle.shared import SamplingParams, TokenLogprobs
 from spindle.shared.config import EngineConfig
 from spindle.shared.sampling_params import MAX_LOGPROBS
@@ -156,8 +160,9 @@ class RunnerOutput:
     log-probabilities and checks the stop conditions.
 
     Attributes:
-        sampled_seqs: the sequences whose known tokens are all computed after this step, each of which sampled one
-            token, or with drafts (speculative decoding) one to ``1 + len(seq.spec_token_ids)``.
+        sampled_seqs: the sequences whose known tokens are all computed after this step (embedding sequences
+            aside), each of which sampled one token, or with drafts (speculative decoding) one to
+            ``1 + len(seq.spec_token_ids)``.
         token_ids: the tokens sampled for each of ``sampled_seqs``, row for row: the accepted drafts, then the
             model's own next token.
         logprobs: per row, the log-probabilities of each of its tokens when the sequence asked for them
@@ -165,6 +170,10 @@ class RunnerOutput:
         prompt_logprobs: by ``seq_id``, the prompt log-probabilities of the positions computed this step that the
             sequence does not have yet, in order: they extend ``seq.prompt_logprobs``. Only sequences that asked for
             them and got new positions appear.
+        pooling_states: by ``seq_id``, the new pooling state of each embedding sequence whose prompt is not complete
+            yet (a device tensor, :mod:`spindle.backend.pooler`): it replaces ``seq.pooling_state``.
+        pooled_seqs: the embedding sequences whose prompt this step completed; they sampled nothing.
+        embeddings: their embeddings, row for row (float32).
 
     """
 
@@ -172,6 +181,9 @@ class RunnerOutput:
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    pooling_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    pooled_seqs: list[Sequence] = field(default_factory=list)
+    embeddings: list[np.ndarray] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -181,9 +193,15 @@ class ModelRunner:
     chunks, each token with its position and the cache slot its K/V goes to. On CUDA the kernels are Triton's, and
     a decode-only step replays a CUDA graph captured for its batch size rounded up (:func:`decode_graph_sizes`).
 
+    A step whose sequences use LoRA adapters has each sequence's adapter put in a device slot (``lora``), orders
+    its sequences by slot within the decodes and within the prefill chunks (so that a slot's tokens are at most two
+    runs) and runs eagerly: the decode graphs are captured without LoRA, and a step with adapters is never replayed.
+    Steps of the base model alone run exactly as without LoRA.
+
     Attributes:
         decode_graphs: the CUDA graphs of decode steps, or None (on the CPU, before :meth:`init_cache`, or set to
             None to decode eagerly).
+        lora: the LoRA adapters and the device's adapter slots.
 
     """
 
@@ -200,6 +218,8 @@ class ModelRunner:
             self.memory_at_start = MemorySnapshot.take(self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
+        # A model without an LM head (an embedding checkpoint) serves embedding requests only.
+        self.is_pooling_model: bool = getattr(self.model, "is_pooling_model", False)
         bits = resolve_quantization(config.quantization, model_dir)
         self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
         logger.info(
@@ -216,6 +236,10 @@ class ModelRunner:
             cpu_ops()
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+        self.lora = LoraManager(self.model, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+        if config.lora_modules or config.allow_runtime_lora:
+            # Now, so that the CUDA memory budget counts the slots; otherwise the first adapter loaded allocates them.
+            self.lora.allocate()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -236,7 +260,7 @@ class ModelRunner:
         profiled peak's reserve, since a decode step never has more tokens than the profiled pass. Returns the number
         of blocks.
         """
-        self._profile_run(max_model_len, sample=self.device.type == "cuda")
+        self._profile_run(max_model_len, sample=self.device.type == "cuda" and not self.is_pooling_model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             now = MemorySnapshot.take(self.device)
@@ -348,13 +372,21 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run one step: forward over the batch, then sample for every sequence whose known tokens are all computed.
 
-        Prompt log-probabilities, when asked, are computed for the positions of the chunk just run. Nothing in the
-        sequences changes (their ``num_computed_tokens`` is still the one before this step); the returned
-        :class:`RunnerOutput` holds the sampled tokens and the new prompt log-probabilities for the engine core to
-        apply. On CUDA the step waits for the device once, to fetch what it returns (:func:`fetch`).
+        Prompt log-probabilities, when asked, are computed for the positions of the chunk just run, and embedding
+        sequences pool their chunk's hidden states instead of sampling (:func:`~spindle.backend.pooler.pool`).
+        Nothing in the sequences changes (their ``num_computed_tokens`` is still the one before this step); the
+        returned :class:`RunnerOutput` holds the sampled tokens, the new prompt log-probabilities and the pooling
+        results for the engine core to apply. On CUDA the step waits for the device once, to fetch what it returns
+        (:func:`fetch`).
         """
-        # Decodes (one query token) go first: the CPU attention path batches them together.
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+        # Decodes (one query token) go first: the CPU attention path batches them together. With adapters, each
+        # group is ordered by slot: a slot's tokens are then one run in each (spindle.kernels.lora's CPU path).
+        lora_ids = [seq.lora_id for seq in batch.seqs]
+        slots = self.lora.assign(lora_ids, batch.running_loras) if any(i is not None for i in lora_ids) else None
+        if slots is None:
+            order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+        else:
+            order = sorted(range(len(batch)), key=lambda i: (batch.num_new_tokens[i] != 1, slots[i]))
         seqs = [batch.seqs[i] for i in order]
         query_lens = [batch.num_new_tokens[i] for i in order]
         input_ids: list[int] = []
@@ -366,7 +398,11 @@ class ModelRunner:
                 input_ids.extend(seq.spec_token_ids[: start + n - len(seq)])
             seq_lens.append(start + n)
         query_start_loc = [0, *accumulate(query_lens)]
-        done = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)) if end >= len(seq)]
+        done = [
+            i
+            for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True))
+            if end >= len(seq) and seq.pooling is None
+        ]
         # One row per token to sample: a sequence's last position, and for a decode with drafts each draft's too.
         rows, row_seqs = [], []
         for i in done:
@@ -375,12 +411,15 @@ class ModelRunner:
             row_seqs += [seq] if not num_drafts else _draft_views(seq, num_drafts)
         step = self.inputs.build(seqs, query_lens, input_ids, rows)
 
+        mapping = None if slots is None else LoraMapping.build([slots[i] for i in order], query_lens, self.device)
         graphs = self.decode_graphs
-        if graphs is not None and len(input_ids) == len(seqs) <= graphs.max_batch:
+        if graphs is not None and mapping is None and len(input_ids) == len(seqs) <= graphs.max_batch:
             hidden = graphs.replay(step)
         else:
-            hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+            with lora_mapping(mapping):
+                hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
         prompt = self._prompt_logprobs(seqs, query_start_loc, hidden)
+        pooled = pool(seqs, query_start_loc, hidden)
         sampled = None
         if rows:
             # Filled on the CPU while a GPU still runs the forward pass queued above.
@@ -388,11 +427,15 @@ class ModelRunner:
                 [seqs[i] for i in done], [seq_lens[i] - len(seqs[i]) for i in done], self.sampler.vocab_size
             )
             sampled = self.sampler(self.model.compute_logits(hidden[step.sample_rows]), row_seqs, allowed)
-        # Fetched in this order: each sequence's prompt log-probabilities, then the sampled tokens.
-        tensors = [*(t for entry in prompt.values() for t in entry.tensors()), *(sampled.tensors() if sampled else [])]
+        # Fetched in this order: each sequence's prompt log-probabilities, the sampled tokens, the embeddings.
+        tensors = [
+            *(t for entry in prompt.values() for t in entry.tensors()),
+            *(sampled.tensors() if sampled else []),
+            *pooled.embeddings,
+        ]
         fetched = iter(fetch(tensors))
 
-        output = RunnerOutput()
+        output = RunnerOutput(pooling_states=pooled.states, pooled_seqs=pooled.finished)
         for seq_id, entry in prompt.items():
             output.prompt_logprobs[seq_id] = entry.from_host(*islice(fetched, len(entry.tensors())))
         if sampled is not None:
@@ -408,6 +451,7 @@ class ModelRunner:
                 chosen = logprobs[row : row + len(tokens)]
                 output.logprobs.append(None if chosen[0] is None else chosen)  # type: ignore[arg-type]
                 row += num_drafts + 1
+        output.embeddings = list(fetched)
         return output
 
     def _prompt_logprobs(

@@ -25,12 +25,14 @@ class ScheduledBatch:
     """One step's work: each sequence with the number of its tokens to compute now.
 
     A decode contributes 1 token, plus its draft tokens when it speculates (``seq.spec_token_ids``, trimmed to what
-    the budget holds); a prefill contributes a chunk of its uncomputed prompt (chunked prefill).
+    the budget holds); a prefill contributes a chunk of its uncomputed prompt (chunked prefill). ``running_loras``
+    holds the LoRA adapters of all running sequences, scheduled this step or not: their slots must stay.
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_preempted: int = 0
+    running_loras: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -44,7 +46,9 @@ class Scheduler:
     recomputed later (its full blocks usually come back from the prefix cache). Waiting sequences are admitted in
     queue order while the budget, ``max_num_seqs`` and the free blocks allow, and never in a step whose running
     sequences ran out of blocks; one whose structured-output grammar is still compiling (``waiting_for_grammar``) is
-    passed over without holding up those behind it.
+    passed over without holding up those behind it. So is one whose LoRA adapter could not have a slot: with
+    ``max_loras`` set, the running sequences use at most that many distinct adapters (the base model needs none),
+    and a sequence of another adapter waits until one of them has no running sequence left.
 
     The queue order is the ``policy``'s:
 
@@ -81,6 +85,7 @@ class Scheduler:
         max_decode_slowdown: float = 0.0,
         policy: str = "fcfs",
         priority_aging: float = 0.0,
+        max_loras: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={policy!r} must be fcfs or priority")
@@ -93,6 +98,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_loras = max_loras
+        # LoRA adapter id -> its running sequences.
+        self.running_loras: dict[int, int] = {}
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -143,11 +151,11 @@ class Scheduler:
         i = 0
         while not out_of_blocks and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.waiting_for_grammar:
+            if seq.waiting_for_grammar or not self._lora_fits(seq):
                 i += 1
                 continue
-            if seq.params.prompt_logprobs is None:
-                # Prompt logprobs need logits at every prompt position, so those prompts skip the prefix cache.
+            if not seq.skips_prefix_cache:
+                # Prompt logprobs need logits, and mean/cls pooling hidden states, at every prompt position.
                 self.block_manager.match_prefix(seq)
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
             num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills)
@@ -159,10 +167,13 @@ class Scheduler:
             self.block_manager.allocate(seq, num_new)
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
+            self._count_lora(seq, 1)
             self._enqueue(self.running, seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        if self.running_loras:
+            batch.running_loras = frozenset(self.running_loras)
         return batch
 
     def _key(self, seq: Sequence) -> tuple[float, float, int]:
@@ -187,7 +198,7 @@ class Scheduler:
         blocks may make it need fewer). Only sequences of a strictly worse effective priority are preempted, worst
         first; returns how many.
         """
-        seq = next((s for s in self.waiting if not s.waiting_for_grammar), None)
+        seq = next((s for s in self.waiting if not s.waiting_for_grammar and self._lora_fits(s)), None)
         if seq is None:
             return 0
         rank = self._key(seq)[0]
@@ -232,14 +243,32 @@ class Scheduler:
         """End ``seq`` (eos, stop token, length or abort) and free its blocks at once."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._count_lora(seq, -1)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free_blocks(seq)
 
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter can have a slot if it runs: the base model, or one of at most ``max_loras``."""
+        if seq.lora_id is None or self.max_loras is None or seq.lora_id in self.running_loras:
+            return True
+        return len(self.running_loras) < self.max_loras
+
+    def _count_lora(self, seq: Sequence, change: int) -> None:
+        """Count ``seq`` in (``change`` 1) or out of (-1) the running sequences of its LoRA adapter."""
+        if seq.lora_id is None:
+            return
+        count = self.running_loras.get(seq.lora_id, 0) + change
+        if count:
+            self.running_loras[seq.lora_id] = count
+        else:
+            del self.running_loras[seq.lora_id]
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self._count_lora(seq, -1)
         seq.spec_token_ids = []
         self.block_manager.free_blocks(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0

@@ -5,8 +5,10 @@ from itertools import count
 from typing import TYPE_CHECKING
 
 from spindle.shared import FinishReason, SamplingParams, TokenLogprobs
+from spindle.shared.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
+    import torch
     from xgrammar import GrammarMatcher
 
 
@@ -23,6 +25,9 @@ class Sequence:
 
     ``num_computed_tokens`` counts the tokens whose K/V is already in the cache; the scheduler moves it
     forward by the chunk it schedules, and preemption resets it to zero (recompute).
+
+    With ``pooling`` set it is an embedding request's: its prompt is prefilled and pooled
+    (:mod:`spindle.backend.pooler`), and it ends when the prompt is complete, generating nothing.
     """
 
     _ids = count()
@@ -35,6 +40,8 @@ class Sequence:
         params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
+        lora_id: int | None = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
@@ -42,6 +49,8 @@ class Sequence:
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
+        # The LoRA adapter it runs with (spindle.backend.lora's id, unique per loaded adapter); None: the base model.
+        self.lora_id = lora_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -61,6 +70,9 @@ class Sequence:
         # loop); until then the sequence waits and the scheduler passes it over.
         self.grammar: GrammarMatcher | None = None
         self.waiting_for_grammar = params.structured_output is not None
+        # Embeddings: how to pool, and the pooling state after the chunks computed so far (a device tensor).
+        self.pooling = pooling
+        self.pooling_state: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -79,6 +91,14 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """How many tokens have been generated."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether every prompt position must be computed: for prompt log-probabilities, or ``mean``/``cls`` pooling.
+
+        ``last`` pooling needs only the last position, which is computed even when the whole prompt is cached.
+        """
+        return self.params.prompt_logprobs is not None or (self.pooling is not None and self.pooling.pooling != "last")
 
     @property
     def is_finished(self) -> bool:

@@ -4,22 +4,48 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import zmq
 
-from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
-from spindle.frontend.output_processor import OutputProcessor, RequestState
+from spindle.frontend.core_client import (
+    CALL_TIMEOUT,
+    BackendConnection,
+    BackendProcess,
+    EngineDeadError,
+    start_backend,
+)
+from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
+from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import FinishReason, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared import (
+    EmbeddingRequestOutput,
+    FinishReason,
+    PoolingParams,
+    PromptInputs,
+    RequestOutput,
+    SamplingParams,
+)
 from spindle.shared.config import EngineConfig, request_id_var
-from spindle.shared.errors import InvalidRequestError, RequestRefusedError
-from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, Heartbeat, RequestError, StepOutputs
+from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, RequestRefusedError
+from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name, check_same_adapter
+from spindle.shared.protocol import (
+    EngineInfo,
+    EngineRequest,
+    EngineStats,
+    Heartbeat,
+    ListLoras,
+    LoadLora,
+    LoraReply,
+    RequestError,
+    StepOutputs,
+    UnloadLora,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +99,7 @@ class AsyncLLMEngine:
         self.tokenizer = Tokenizer.from_files(self.info.tokenizer_files)
         self.input_processor = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
         self.stats: EngineStats | None = None
         self.num_backend_restarts = 0
         self._stats_updated: asyncio.Event | None = None
@@ -85,6 +111,9 @@ class AsyncLLMEngine:
         self._up_since = time.monotonic()
         self._next_delay = RESTART_BACKOFF_INITIAL
         self._opening: tuple[threading.Event, concurrent.futures.Future[BackendConnection]] | None = None
+        self._calls: dict[str, asyncio.Future[LoraReply]] = {}  # adapter calls awaiting the backend's reply
+        # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
+        self._lora_paths: dict[str, str] = {}
 
     @classmethod
     def from_args(
@@ -116,6 +145,7 @@ class AsyncLLMEngine:
         *,
         delta: bool = False,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes.
 
@@ -123,16 +153,21 @@ class AsyncLLMEngine:
         holds only what is new since the previous one. Breaking out, closing the generator or cancelling the task
         aborts the request in the backend. ``priority`` orders the request under the backend's
         ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the ``fcfs`` policy ignores it.
+        ``lora_request`` names the LoRA adapter to generate with; one with a ``lora_path`` is loaded under its name
+        first unless it is loaded already (:doc:`lora`).
 
         Raises:
-            InvalidRequestError: bad inputs or parameters, or a request id already in use; nothing is queued.
+            InvalidRequestError: bad inputs or parameters, a request id already in use, an adapter that does not load
+                or one loaded under this name from another path; nothing is queued.
+            NotFoundError: no adapter has the ``lora_request``'s name.
             EngineUnavailableError: the backend is shutting down and refused the request.
             EngineDeadError: the backend died during the request, or is down (being brought back) when it comes.
 
         """
         params = sampling_params or SamplingParams()
         prompt = self.input_processor.process(inputs, params)
-        async for output in self._stream(request_id, prompt, params, delta, priority):
+        lora_name = await self._lora_name(lora_request)
+        async for output in self._stream(request_id, prompt, params, delta, priority, lora_name):
             yield output
 
     async def chat(
@@ -146,6 +181,7 @@ class AsyncLLMEngine:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = "auto",
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Like :meth:`generate` for a conversation, rendered with the model's chat template.
 
@@ -156,8 +192,150 @@ class AsyncLLMEngine:
         prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
         if prompt.tools is not None:
             params = prompt.tools.constrain(params)
-        async for output in self._stream(request_id, prompt, params, delta, priority):
+        lora_name = await self._lora_name(lora_request)
+        async for output in self._stream(request_id, prompt, params, delta, priority, lora_name):
             yield output
+
+    async def load_lora(self, name: str, path: str, *, confined: bool = False) -> LoraAdapterInfo:
+        """Load the PEFT adapter directory ``path`` under ``name`` in the backend, for requests to name.
+
+        Args:
+            name: what requests will call it.
+            path: the adapter's directory, as the backend process sees it.
+            confined: load it as the gRPC API does: only if the backend runs with ``allow_runtime_lora``, and from
+                its ``lora_dir`` (``path`` relative to it, or absolute inside it; see :doc:`lora`).
+
+        Raises:
+            InvalidRequestError: an empty name, no adapter the engine can serve at ``path``, or (``confined``) a path
+                outside the backend's ``lora_dir`` or a backend that does not load adapters at run time.
+            AlreadyExistsError: an adapter is loaded under ``name`` already.
+            EngineDeadError: the backend is down.
+            EngineUnavailableError: the backend did not answer within ``CALL_TIMEOUT`` seconds.
+
+        """
+        check_lora_name(name)
+        adapters = await self._call(LoadLora(uuid.uuid4().hex, name, path, confined))
+        return adapters[0]
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload the adapter ``name`` in the backend; requests already running with it finish with it.
+
+        Raises:
+            NotFoundError: no adapter is loaded under ``name``.
+            EngineDeadError: the backend is down.
+            EngineUnavailableError: the backend did not answer within ``CALL_TIMEOUT`` seconds.
+
+        """
+        await self._call(UnloadLora(uuid.uuid4().hex, name))
+        self._lora_paths.pop(name, None)
+
+    async def list_loras(self) -> list[LoraAdapterInfo]:
+        """The adapters the backend has loaded (:class:`EngineDeadError` while it is down)."""
+        return await self._call(ListLoras(uuid.uuid4().hex))
+
+    async def _call(self, message: LoadLora | UnloadLora | ListLoras) -> list[LoraAdapterInfo]:
+        """Send an adapter call to the backend and await its reply (the output task routes it here)."""
+        self._start_output_task()
+        reply: asyncio.Future[LoraReply] = asyncio.get_running_loop().create_future()
+        self._calls[message.call_id] = reply
+        try:
+            self.connection.send(message)
+            async with asyncio.timeout(CALL_TIMEOUT):
+                answer = await reply
+        except TimeoutError:
+            raise EngineUnavailableError(
+                f"the backend did not answer a LoRA adapter call within {CALL_TIMEOUT:g} s: it may still carry it "
+                "out, check ListLoraAdapters before retrying"
+            ) from None
+        finally:
+            del self._calls[message.call_id]
+        if answer.error is not None:
+            raise answer.error.to_exception()
+        return answer.adapters
+
+    async def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
+        """The adapter a request names, loading its ``lora_path`` under its name unless it is loaded already."""
+        if lora_request is None or lora_request.lora_path is None:
+            return None if lora_request is None else lora_request.lora_name
+        name, path = lora_request.lora_name, os.path.realpath(lora_request.lora_path)
+        if self._lora_paths.get(name) != path:
+            try:
+                await self.load_lora(name, lora_request.lora_path)
+            except AlreadyExistsError:  # loaded before, or by a concurrent request: from the same path?
+                loaded = [adapter for adapter in await self.list_loras() if adapter.name == name]
+                if not loaded:  # unloaded again since: the request goes on and hears NOT_FOUND
+                    return name
+                check_same_adapter(lora_request, loaded[0])
+            self._lora_paths[name] = path
+        return name
+
+    async def embed(
+        self,
+        inputs: PromptInputs | Sequence[PromptInputs],
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed a batch of prompts (or one): all are queued at once, and the embeddings come back in input order.
+
+        Each prompt is one engine request, ``{request_id}-{i}``, prefilled in the backend's steps beside the other
+        requests and pooled as ``pooling_params`` say (:doc:`embeddings`). Every prompt is checked before any is
+        queued; an error names the prompt at fault as the ``Embed`` RPC does (``inputs[2].token_ids[0]``). When one
+        request fails, or the caller is cancelled, the others are aborted.
+
+        Raises:
+            InvalidRequestError: a bad prompt or parameter (``dimensions`` above the model's hidden size comes from
+                the backend), or a request id in use; nothing is left queued.
+            EngineUnavailableError: the backend is shutting down and refused a request.
+            EngineDeadError: the backend died during the requests, or is down when they come.
+
+        """
+        pooling = pooling_params or PoolingParams()
+        batch = [inputs] if isinstance(inputs, str | dict) else list(inputs)
+        prompts = []
+        for index, item in enumerate(batch):
+            try:
+                prompts.append(self.input_processor.process(item, None))
+            except InvalidRequestError as error:
+                raise refer_to_input(error, index) from None
+        request_id = request_id or uuid.uuid4().hex
+        request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+        self._start_output_task()
+        busy = [rid for rid in request_ids if rid in self.queues]
+        if busy:
+            raise InvalidRequestError("request_id", f"request ids {busy} are already in use")
+        queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
+        try:
+            for rid, prompt in zip(request_ids, prompts, strict=True):
+                state = RequestState(
+                    rid, prompt.prompt, prompt.prompt_token_ids, pooling, self.tokenizer, time.time(), False
+                )
+                queues[rid] = self.queues[rid] = asyncio.Queue()
+                self.output_processor.add_request(state)
+                self.connection.add_request(
+                    EngineRequest(
+                        rid,
+                        prompt.prompt_token_ids,
+                        EMBEDDING_SAMPLING_PARAMS,
+                        state.metrics.arrival_time,
+                        priority,
+                        pooling=pooling,
+                    )
+                )
+            logger.debug("Embedding requests added: %d prompts", len(prompts), extra={"request_id": request_id})
+            outputs = []
+            for queue in queues.values():
+                item = await queue.get()  # an embedding request has one output, when it ends
+                if isinstance(item, BaseException):
+                    raise item
+                outputs.append(item)
+            return outputs
+        finally:
+            for rid in queues:
+                del self.queues[rid]
+                if rid in self.output_processor.requests:  # failed or cancelled before it ended: free its blocks
+                    self._abort(rid)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with a final output whose unfinished completions end with ``ABORT``."""
@@ -188,7 +366,13 @@ class AsyncLLMEngine:
         self.connection.close()
 
     async def _stream(
-        self, request_id: str | None, prompt: ProcessedPrompt, params: SamplingParams, delta: bool, priority: int
+        self,
+        request_id: str | None,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        delta: bool,
+        priority: int,
+        lora_name: str | None,
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
         # Set in the consumer's context (a generator runs in its caller's), so that its log lines name the request;
@@ -214,8 +398,9 @@ class AsyncLLMEngine:
                 tools=prompt.tools,
             )
             self.output_processor.add_request(state)
+            arrival_time = state.metrics.arrival_time
             self.connection.add_request(
-                EngineRequest(request_id, prompt.prompt_token_ids, params, state.metrics.arrival_time, priority)
+                EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority, lora_name)
             )
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:
@@ -279,6 +464,9 @@ class AsyncLLMEngine:
                     self._stats_updated.set()  # get_stats() callers see the error through _check_alive
                     for queue in self.queues.values():
                         queue.put_nowait(dead)
+                    for reply in self._calls.values():
+                        if not reply.done():
+                            reply.set_exception(dead)
                     self.output_processor.abort_requests(list(self.output_processor.requests))
             await self._recover()
 
@@ -309,6 +497,10 @@ class AsyncLLMEngine:
                 queue = self.queues.get(message.request_id)
                 if queue is not None:
                     queue.put_nowait(message.to_exception())
+            elif isinstance(message, LoraReply):
+                reply = self._calls.get(message.call_id)
+                if reply is not None and not reply.done():  # else its caller gave up waiting
+                    reply.set_result(message)
             connection.check_alive()
 
     async def _recover(self) -> None:

@@ -7,6 +7,7 @@ call raises :class:`EngineDeadError` from then on (``AsyncLLMEngine`` then bring
 """
 
 import atexit
+import collections
 import logging
 import os
 import shutil
@@ -23,7 +24,8 @@ import zmq
 import zmq.asyncio
 
 from spindle.shared.config import EngineConfig, config_to_argv, configured_log_format
-from spindle.shared.errors import RequestRefusedError
+from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.lora import LoraAdapterInfo
 from spindle.shared.model_registry import ModelRegistry
 from spindle.shared.protocol import (
     HEARTBEAT_INTERVAL,
@@ -37,6 +39,9 @@ from spindle.shared.protocol import (
     FinishSequence,
     FrontendHeartbeat,
     Hello,
+    ListLoras,
+    LoadLora,
+    LoraReply,
     Ping,
     Pong,
     Ready,
@@ -44,9 +49,14 @@ from spindle.shared.protocol import (
     RequestError,
     SequenceDelta,
     StepOutputs,
+    UnloadLora,
 )
 
 logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT = 60.0
+"""Seconds a frontend waits for the answer to a LoRA adapter call: the backend runs it between two steps, after
+reading an adapter from disk, so a long prefill step comes first."""
 
 
 class EngineDeadError(RuntimeError):
@@ -260,7 +270,7 @@ class BackendConnection:
         self.close()
         raise EngineDeadError(f"no answer from a backend at {self.address} within {timeout:.0f} s")
 
-    def send(self, message: AddRequest | Abort | FinishSequence) -> None:
+    def send(self, message: AddRequest | Abort | FinishSequence | LoadLora | UnloadLora | ListLoras) -> None:
         """Queue a message for the backend (never blocks)."""
         self.check_alive()
         # Through the socket itself, not the blocking view: an asyncio socket must see its own sends, or it misses
@@ -361,6 +371,8 @@ class SyncCoreClient:
         self.connection = connection
         self.info = connection.info
         self.refused: list[tuple[str, RequestRefusedError]] = []
+        # Steps that came while waiting for the answer to an adapter call, for the next step() calls.
+        self.pending_steps: collections.deque[list[SequenceDelta]] = collections.deque()
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request in the backend."""
@@ -374,6 +386,40 @@ class SyncCoreClient:
         """End one completion in the backend."""
         self.connection.finish_sequence(request_id, index)
 
+    def add_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load the adapter at ``path`` (as the backend sees it) under ``name``, as :class:`EngineCore` does.
+
+        Raises:
+            InvalidRequestError: no adapter at ``path`` (or one the engine cannot serve).
+            AlreadyExistsError: ``name`` is taken.
+            EngineDeadError: the backend died.
+            EngineUnavailableError: no answer within ``CALL_TIMEOUT`` seconds.
+
+        """
+        return self._call(LoadLora(uuid.uuid4().hex, name, path))[0]
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter ``name`` (:class:`~spindle.shared.errors.NotFoundError` when unknown)."""
+        self._call(UnloadLora(uuid.uuid4().hex, name))
+
+    def list_loras(self) -> list[LoraAdapterInfo]:
+        """The adapters the backend has loaded."""
+        return self._call(ListLoras(uuid.uuid4().hex))
+
+    def _call(self, message: LoadLora | UnloadLora | ListLoras) -> list[LoraAdapterInfo]:
+        """Send an adapter call and wait for its reply, keeping the steps that come first for :meth:`step`."""
+        self.connection.send(message)
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while time.monotonic() < deadline:
+            reply = self._receive()
+            if isinstance(reply, LoraReply) and reply.call_id == message.call_id:
+                if reply.error is not None:
+                    raise reply.error.to_exception()
+                return reply.adapters
+            if isinstance(reply, list) and reply:  # a late reply to a call that timed out is dropped
+                self.pending_steps.append(reply)
+        raise EngineUnavailableError(f"the backend did not answer a LoRA adapter call within {CALL_TIMEOUT:g} s")
+
     def step(self) -> list[SequenceDelta]:
         """Wait for the backend's next step and return its deltas ([] after a heartbeat or a refusal).
 
@@ -383,16 +429,29 @@ class SyncCoreClient:
             EngineDeadError: the backend died.
 
         """
+        if self.pending_steps:
+            return self.pending_steps.popleft()
         while True:
-            self.connection.check_alive()
-            if not self.connection.sync_socket.poll(100):
-                continue
-            message = self.connection.decode(self.connection.sync_socket.recv())
-            if isinstance(message, StepOutputs):
-                return message.deltas
-            if isinstance(message, RequestError):
-                self.refused.append((message.request_id, message.to_exception()))
-            return []
+            received = self._receive()
+            if received is not None:
+                return [] if isinstance(received, LoraReply) else received
+
+    def _receive(self) -> list[SequenceDelta] | LoraReply | None:
+        """The next message from the backend, within 0.1 s (else ``None``): a step's deltas, or an adapter call's reply.
+
+        A heartbeat or a refusal gives ``[]``; the refusal is kept for :meth:`pop_refused`.
+        """
+        self.connection.check_alive()
+        if not self.connection.sync_socket.poll(100):
+            return None
+        message = self.connection.decode(self.connection.sync_socket.recv())
+        if isinstance(message, StepOutputs):
+            return message.deltas
+        if isinstance(message, LoraReply):
+            return message
+        if isinstance(message, RequestError):
+            self.refused.append((message.request_id, message.to_exception()))
+        return []
 
     def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
         """The requests the backend refused since the last call (as :meth:`EngineCore.pop_refused` reports them)."""

@@ -1,4 +1,4 @@
-"""Between ``spindle.v1`` messages and the engine's types: requests in, ``GenerateResponse`` deltas out.
+"""Between ``spindle.v1`` messages and the engine's types: requests in, response messages out.
 
 Nothing here knows the server's limits or status codes; a value the engine cannot take raises
 :class:`~spindle.shared.errors.InvalidRequestError` naming its field, as everywhere else.
@@ -9,8 +9,19 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from spindle.shared import CompletionOutput, FinishReason, Logprob, PromptInputs, RequestOutput, SamplingParams
+from spindle.frontend.input_processor import refer_to_input
+from spindle.shared import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    FinishReason,
+    Logprob,
+    PoolingParams,
+    PromptInputs,
+    RequestOutput,
+    SamplingParams,
+)
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.lora import LoraAdapterInfo, LoRARequest
 from spindle.shared.sampling_params import StructuredOutput
 from spindle.v1 import spindle_pb2
 
@@ -164,6 +175,23 @@ def tool_choice_from_proto(request: spindle_pb2.ChatRequest) -> str | dict[str, 
             return "auto"
 
 
+def lora_request_from_proto(request: spindle_pb2.GenerateRequest | spindle_pb2.ChatRequest) -> LoRARequest | None:
+    """The adapter a request names in ``lora_name``: by name only (a caller never gives a path here); empty is none.
+
+    Raises:
+        InvalidRequestError: ``lora_name`` is only whitespace.
+
+    """
+    return LoRARequest(request.lora_name) if request.lora_name else None
+
+
+def lora_adapter_to_proto(adapter: LoraAdapterInfo) -> spindle_pb2.LoraAdapter:
+    """The ``LoraAdapter`` message describing a loaded adapter."""
+    return spindle_pb2.LoraAdapter(
+        name=adapter.name, path=adapter.path, rank=adapter.rank, target_modules=adapter.target_modules
+    )
+
+
 def _position_logprobs(logprobs: dict[int, Logprob] | None) -> spindle_pb2.PositionLogprobs:
     return spindle_pb2.PositionLogprobs(
         tokens=[
@@ -229,3 +257,62 @@ class ResponseBuilder:
                 )
             )
         return response
+
+
+_POOLING_TYPES = {
+    spindle_pb2.POOLING_TYPE_UNSPECIFIED: None,
+    spindle_pb2.POOLING_TYPE_LAST: "last",
+    spindle_pb2.POOLING_TYPE_MEAN: "mean",
+    spindle_pb2.POOLING_TYPE_CLS: "cls",
+}
+"""The proto's pooling types as :class:`~spindle.shared.PoolingParams` takes them (unspecified: the model's)."""
+
+
+def embed_inputs_from_proto(request: spindle_pb2.EmbedRequest) -> list[PromptInputs]:
+    """The :data:`~spindle.shared.PromptInputs` of each of an ``EmbedRequest``'s inputs, in order.
+
+    Raises:
+        InvalidRequestError: there are no inputs (``inputs``), or one is empty (``inputs[i]``).
+
+    """
+    if not request.inputs:
+        raise InvalidRequestError("inputs", "the request has no inputs: give at least one prompt to embed")
+    inputs = []
+    for index, prompt in enumerate(request.inputs):
+        try:
+            inputs.append(prompt_inputs_from_proto(prompt))
+        except InvalidRequestError as error:
+            raise refer_to_input(error, index) from None
+    return inputs
+
+
+def pooling_params_from_proto(message: spindle_pb2.PoolingParams) -> PoolingParams:
+    """Build (and so validate) :class:`~spindle.shared.PoolingParams`; unset fields keep their defaults.
+
+    Raises:
+        InvalidRequestError: the pooling type is not one of the enum's values, or ``dimensions`` is below 1
+            (``pooling_params.<name>``).
+
+    """
+    if message.pooling not in _POOLING_TYPES:
+        raise InvalidRequestError(
+            "pooling_params.pooling", f"pooling_params.pooling={message.pooling} is not a PoolingType"
+        )
+    kwargs: dict[str, Any] = {"pooling": _POOLING_TYPES[message.pooling]}
+    for name in ("normalize", "dimensions"):
+        if message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    return PoolingParams(**kwargs)
+
+
+def embed_response(request_id: str, outputs: list[EmbeddingRequestOutput]) -> spindle_pb2.EmbedResponse:
+    """The ``EmbedResponse`` of an ``Embed`` call: the embeddings in input order and the prompt tokens they took."""
+    embeddings = [
+        spindle_pb2.Embedding(values=output.outputs.embedding, prompt_tokens=len(output.prompt_token_ids))
+        for output in outputs
+    ]
+    usage = spindle_pb2.Usage(
+        prompt_tokens=sum(e.prompt_tokens for e in embeddings),
+        cached_tokens=sum(output.num_cached_tokens for output in outputs),
+    )
+    return spindle_pb2.EmbedResponse(request_id=request_id, embeddings=embeddings, usage=usage)

@@ -7,6 +7,8 @@ server or engine drains, ``INTERNAL`` (logged) for a bug of ours. gRPC itself an
 message over the size limit, ``CANCELLED`` and ``DEADLINE_EXCEEDED`` (which abort the request in the backend: the
 handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc_server` adds
 ``UNAUTHENTICATED`` without the API key and ``INVALID_ARGUMENT`` for a request message that does not parse.
+The LoRA adapter calls add ``NOT_FOUND`` (an unknown adapter, with a field violation naming the field that holds the
+name), ``ALREADY_EXISTS`` (a name taken) and ``FAILED_PRECONDITION`` (loading adapters at run time is off).
 
 With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trace span
 (:mod:`spindle.frontend.tracing`); ``WatchLoad`` and ``GetServerInfo`` report the load that a
@@ -33,7 +35,12 @@ from spindle.frontend.core_client import EngineDeadError
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_mapping import (
     ResponseBuilder,
+    embed_inputs_from_proto,
+    embed_response,
+    lora_adapter_to_proto,
+    lora_request_from_proto,
     messages_from_proto,
+    pooling_params_from_proto,
     prompt_inputs_from_proto,
     sampling_params_from_proto,
     tool_choice_from_proto,
@@ -42,7 +49,7 @@ from spindle.frontend.grpc_mapping import (
 from spindle.frontend.metrics import Load, LoadTracker, kv_cache_usage
 from spindle.frontend.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
-from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
+from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,10 @@ class QueueFullError(Exception):
     """The server already holds ``max_queued_requests`` requests that wait for the backend: retry with backoff."""
 
 
+class RuntimeLoraDisabledError(Exception):
+    """A call loads or unloads a LoRA adapter, and the backend does not allow it (no ``--allow-runtime-lora``)."""
+
+
 def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolation]]:
     """The status code, message and field violations that end a call which raised ``error``.
 
@@ -67,18 +78,24 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
 
     Returns:
         ``INVALID_ARGUMENT`` with one violation per :attr:`~spindle.shared.errors.InvalidRequestError.fields` entry
-        for an :class:`~spindle.shared.errors.InvalidRequestError`; ``UNAVAILABLE`` for an
+        for an :class:`~spindle.shared.errors.InvalidRequestError`, but ``NOT_FOUND`` for a
+        :class:`~spindle.shared.errors.NotFoundError` and ``ALREADY_EXISTS`` for an
+        :class:`~spindle.shared.errors.AlreadyExistsError` (with the same violations); ``FAILED_PRECONDITION`` for a
+        :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
         :class:`~spindle.frontend.core_client.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
         :class:`QueueFullError`; ``INTERNAL`` for anything else, a bug (the caller logs it).
 
     """
     if isinstance(error, InvalidRequestError):
-        return (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            str(error),
-            [FieldViolation(field=field, description=error.reason) for field in error.fields],
-        )
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        if isinstance(error, NotFoundError):
+            code = grpc.StatusCode.NOT_FOUND
+        elif isinstance(error, AlreadyExistsError):
+            code = grpc.StatusCode.ALREADY_EXISTS
+        return code, str(error), [FieldViolation(field=field, description=error.reason) for field in error.fields]
+    if isinstance(error, RuntimeLoraDisabledError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(error), []
     if isinstance(error, EngineUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(error), []
     if isinstance(error, EngineDeadError):
@@ -179,7 +196,14 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
         def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
             inputs = prompt_inputs_from_proto(request.prompt)
-            return self.engine.generate(inputs, params, request_id, delta=True, priority=request.priority)
+            return self.engine.generate(
+                inputs,
+                params,
+                request_id,
+                delta=True,
+                priority=request.priority,
+                lora_request=lora_request_from_proto(request),
+            )
 
         async for response in self._stream(request, context, "Generate", start):
             yield response
@@ -203,10 +227,39 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 tools=tools,
                 tool_choice=tool_choice,
                 priority=request.priority,
+                lora_request=lora_request_from_proto(request),
             )
 
         async for response in self._stream(request, context, "Chat", start):
             yield response
+
+    @_ends_with_status
+    async def Embed(  # noqa: N802
+        self, request: spindle_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.EmbedResponse:
+        """Embed every input, each an engine request queued with the others at once; embeddings in input order."""
+        inputs = embed_inputs_from_proto(request)
+        pooling = pooling_params_from_proto(request.pooling_params)
+        request_id = request.request_id or uuid.uuid4().hex
+        if self.draining:
+            raise EngineUnavailableError("the server is shutting down: retry elsewhere")
+        if self.num_queued >= self.config.max_queued_requests:
+            raise QueueFullError(
+                f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}): "
+                "retry later with backoff"
+            )
+        # Counted as waiting until they end (an embedding request ends with its prefill), and as a stream to drain.
+        self.num_queued += len(inputs)
+        self.num_streams += 1
+        self.streams_done.clear()
+        try:
+            outputs = await self.engine.embed(inputs, pooling, request_id, priority=request.priority)
+        finally:
+            self.num_queued -= len(inputs)
+            self.num_streams -= 1
+            if not self.num_streams:
+                self.streams_done.set()
+        return embed_response(request_id, outputs)
 
     @_ends_with_status
     async def Tokenize(  # noqa: N802
@@ -303,6 +356,40 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 reported, reported_at = figures, time.monotonic()
                 yield _load_report(load)
             await self.load.wait(max(0.0, reported_at + interval - time.monotonic()))
+
+    @_ends_with_status
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: spindle_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.LoadLoraAdapterResponse:
+        """Load an adapter from the backend's adapter directory, if it loads adapters at run time."""
+        self._check_runtime_lora("load")
+        adapter = await self.engine.load_lora(request.name, request.path, confined=True)
+        return spindle_pb2.LoadLoraAdapterResponse(adapter=lora_adapter_to_proto(adapter))
+
+    @_ends_with_status
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: spindle_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.UnloadLoraAdapterResponse:
+        """Unload an adapter, if the backend loads adapters at run time; streams using it finish first."""
+        self._check_runtime_lora("unload")
+        await self.engine.unload_lora(request.name)
+        return spindle_pb2.UnloadLoraAdapterResponse()
+
+    @_ends_with_status
+    async def ListLoraAdapters(  # noqa: N802
+        self, request: spindle_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> spindle_pb2.ListLoraAdaptersResponse:
+        """List the adapters requests may name."""
+        adapters = await self.engine.list_loras()
+        return spindle_pb2.ListLoraAdaptersResponse(adapters=[lora_adapter_to_proto(a) for a in adapters])
+
+    def _check_runtime_lora(self, action: str) -> None:
+        """Refuse to change the adapters unless the backend's handshake said it allows it."""
+        if self.engine.info.runtime_lora_dir is None:
+            raise RuntimeLoraDisabledError(
+                f"this server does not {action} LoRA adapters at run time: its backend must run with "
+                "--allow-runtime-lora --lora-dir DIR (adapters given at start-up with --lora-modules serve anyway)"
+            )
 
     async def close(self) -> None:
         """Stop following the engine's load and export the trace spans still buffered."""

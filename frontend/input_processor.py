@@ -55,13 +55,14 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.supports_multimodal = supports_multimodal
 
-    def process(self, inputs: PromptInputs, params: SamplingParams) -> ProcessedPrompt:
+    def process(self, inputs: PromptInputs, params: SamplingParams | None) -> ProcessedPrompt:
         """Check one prompt and tokenize it if it is text.
 
         Args:
             inputs: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``, each dict optionally with
                 ``multi_modal_data``.
-            params: the request's sampling parameters (``max_tokens`` must fit after the prompt).
+            params: the request's sampling parameters (``max_tokens`` must fit after the prompt); ``None`` for an
+                embedding request, whose prompt may fill the context since nothing is generated after it.
 
         Returns:
             The prompt text (``None`` for token ids) and its token ids.
@@ -104,7 +105,14 @@ class InputProcessor:
             token_ids = self._check_token_ids(inputs["prompt_token_ids"])
         if not token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty: give at least one character or token id")
-        self._check_request(len(token_ids), params)
+        if params is not None:
+            self._check_request(len(token_ids), params)
+        elif len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(token_ids)} tokens, more than the model's context of "
+                f"max_model_len={self.max_model_len} tokens: shorten it",
+            )
         return ProcessedPrompt(prompt, token_ids, multi_modal_data)
 
     def process_chat(
@@ -207,6 +215,19 @@ class InputProcessor:
                 + (f" or lower max_tokens to at most {room}" if room >= 1 else ""),
                 also=["sampling_params.max_tokens"],
             )
+
+
+def refer_to_input(error: InvalidRequestError, index: int) -> InvalidRequestError:
+    """``error``, raised for a prompt, as the error of the ``index``-th prompt of a batch (the ``Embed`` RPC's inputs).
+
+    Its ``prompt`` fields become ``inputs[index]`` ones: with ``index=2``, ``prompt.token_ids[3]`` is
+    ``inputs[2].token_ids[3]``.
+    """
+
+    def rename(field: str) -> str:
+        return f"inputs[{index}]" + field.removeprefix("prompt") if field.startswith("prompt") else field
+
+    return InvalidRequestError(rename(error.field), error.reason, also=[rename(f) for f in error.fields[1:]])
 
 
 def _check_message(index: int, message: object) -> dict[str, Any]:

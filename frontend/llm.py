@@ -9,8 +9,9 @@ from tqdm import tqdm
 
 from spindle.frontend.llm_engine import LLMEngine
 from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.lora import LoRARequest
 
 ChatMessages = list[dict[str, Any]]
 
@@ -58,6 +59,7 @@ class LLM:
         use_tqdm: bool = True,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         prompt: str | list[str] | None = None,
         prompts: PromptInputs | Sequence[PromptInputs] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
@@ -74,6 +76,8 @@ class LLM:
                 ``prompt_token_ids``: token ids there raise a :class:`TypeError`.
             priority: one scheduling priority per prompt, under ``scheduling_policy="priority"`` (lower runs first,
                 as in vLLM); the ``fcfs`` policy ignores it. Default: 0 for every prompt.
+            lora_request: the LoRA adapter to generate with, one for all prompts or one (or ``None``) per prompt, as
+                in vLLM. One with a ``lora_path`` is loaded under its ``lora_name`` on first use (:doc:`lora`).
             prompt: deprecated; pass ``inputs`` (a string or a list of strings) instead.
             prompts: deprecated (vLLM's old keyword); pass the same value as ``inputs``, the first argument.
             prompt_token_ids: deprecated; pass ``{"prompt_token_ids": ids}`` (or a list of them) instead.
@@ -84,9 +88,11 @@ class LLM:
         Raises:
             TypeError: no prompt, a prompt both as ``inputs`` and as a deprecated keyword, or a non-bool third
                 positional argument.
-            ValueError: a list of ``sampling_params`` or ``priority`` not one per prompt, a deprecated
-                ``multi_modal_data`` value without one entry per prompt, or a prompt refused
-                (:class:`~spindle.shared.errors.InvalidRequestError`). Nothing is queued then.
+            ValueError: a list of ``sampling_params``, ``priority`` or ``lora_request`` not one per prompt, a
+                deprecated ``multi_modal_data`` value without one entry per prompt, or a prompt refused
+                (:class:`~spindle.shared.errors.InvalidRequestError`: also an adapter that does not load, one loaded
+                under its name from another path, or an unknown name, a
+                :class:`~spindle.shared.errors.NotFoundError`). Nothing is queued then.
 
         """
         if not isinstance(use_tqdm, bool):
@@ -107,8 +113,12 @@ class LLM:
         prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
+        loras = _lora_per_prompt(lora_request, len(prompt_list))
         add = self.llm_engine.add_request
-        adders = [partial(add, inputs=p, priority=q) for p, q in zip(prompt_list, priorities, strict=True)]
+        adders = [
+            partial(add, inputs=p, priority=q, lora_request=lora)
+            for p, q, lora in zip(prompt_list, priorities, loras, strict=True)
+        ]
         return self._run(adders, params_list, use_tqdm)
 
     def chat(
@@ -120,6 +130,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = "auto",
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate replies.
 
@@ -136,35 +147,76 @@ class LLM:
                 Each finished completion then carries its calls in
                 :attr:`~spindle.shared.CompletionOutput.tool_calls` (:doc:`tool_calling`).
             priority: one scheduling priority per conversation, as in :meth:`generate`.
+            lora_request: the LoRA adapter to generate with, one for all or one per conversation, as in
+                :meth:`generate`.
 
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params_list = self._params_per_prompt(sampling_params, len(conversations))
         priorities = _priority_per_prompt(priority, len(conversations))
+        loras = _lora_per_prompt(lora_request, len(conversations))
         add = partial(
             self.llm_engine.add_chat_request,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             tool_choice=tool_choice,
         )
-        adders = [partial(add, messages=conv, priority=q) for conv, q in zip(conversations, priorities, strict=True)]
+        adders = [
+            partial(add, messages=conv, priority=q, lora_request=lora)
+            for conv, q, lora in zip(conversations, priorities, loras, strict=True)
+        ]
+        return self._run(adders, params_list, use_tqdm)
+
+    def embed(
+        self,
+        inputs: PromptInputs | Sequence[PromptInputs],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a list of prompts, as vLLM's ``LLM.embed``; outputs come back in input order.
+
+        Each prompt is prefilled like a generation request's (in the same steps, in chunks when it is long) and its
+        final hidden states are pooled as its ``pooling_params`` say; nothing is generated, and its KV blocks are
+        freed as soon as it ends (:doc:`embeddings`). The embedding is ``outputs[i].outputs.embedding``.
+
+        Args:
+            inputs: a prompt or a list of prompts, as for :meth:`generate`.
+            pooling_params: one :class:`~spindle.shared.PoolingParams` for all prompts or one per prompt (default
+                ``PoolingParams()``: the last token's hidden state, normalized).
+            use_tqdm: show a progress bar.
+            priority: one scheduling priority per prompt, as in :meth:`generate`.
+
+        Raises:
+            ValueError: a list of ``pooling_params`` or ``priority`` not one per prompt, or a prompt refused
+                (:class:`~spindle.shared.errors.InvalidRequestError`: also ``dimensions`` above the model's hidden
+                size). Nothing is queued then.
+
+        """
+        prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
+        params_list = self._params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
+        priorities = _priority_per_prompt(priority, len(prompt_list))
+        add = self.llm_engine.add_request
+        adders = [partial(add, inputs=p, priority=q) for p, q in zip(prompt_list, priorities, strict=True)]
         return self._run(adders, params_list, use_tqdm)
 
     @staticmethod
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-    ) -> list[SamplingParams]:
-        if not isinstance(sampling_params, Sequence):
-            return [sampling_params or SamplingParams()] * num_prompts
-        if len(sampling_params) != num_prompts:
+        params: Any, num_prompts: int, kind: type[SamplingParams] | type[PoolingParams] = SamplingParams
+    ) -> list[Any]:
+        """One ``kind`` of parameters per prompt: the same for all (``kind()`` when None) unless a list gives each."""
+        if not isinstance(params, Sequence):
+            return [params or kind()] * num_prompts
+        if len(params) != num_prompts:
             raise ValueError(
-                f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts: give one, or one per prompt"
+                f"got {len(params)} {kind.__name__} for {num_prompts} prompts: give one, or one per prompt"
             )
-        return list(sampling_params)
+        return list(params)
 
     def _run(
-        self, adders: list[Callable[..., str]], params_list: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+        self, adders: list[Callable[..., str]], params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
+    ) -> list[Any]:
         """Queue every request (all or none), then step until all finish; outputs in input order."""
         engine = self.llm_engine
         order: dict[str, int] = {}
@@ -177,7 +229,7 @@ class LLM:
         except Exception:
             engine.abort_request(list(order))
             raise
-        results: list[RequestOutput | None] = [None] * len(adders)
+        results: list[RequestOutput | EmbeddingRequestOutput | None] = [None] * len(adders)
         bar = tqdm(total=len(adders), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         num_prompt_tokens = num_output_tokens = 0
         try:
@@ -187,7 +239,8 @@ class LLM:
                         continue
                     results[order[output.request_id]] = output
                     num_prompt_tokens += len(output.prompt_token_ids)
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):  # an embedding generates nothing
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     rates = num_prompt_tokens / elapsed, num_output_tokens / elapsed
                     bar.set_postfix_str("input: {:.0f} toks/s, output: {:.0f} toks/s".format(*rates))
@@ -207,6 +260,19 @@ def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> li
     if len(priority) != num_prompts:
         raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts: give one per prompt")
     return list(priority)
+
+
+def _lora_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or ``None``, the base model) per prompt: the same for all unless a list gives one each."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ValueError(
+            f"got {len(lora_request)} LoRA requests for {num_prompts} prompts: give one, or one per prompt"
+        )
+    return list(lora_request)
 
 
 def _inputs_from_legacy(

@@ -1,5 +1,6 @@
 """``LLMEngine``: the engine core driven in-process, with tokenization and detokenization around it."""
 
+import os
 import time
 import uuid
 from collections.abc import Iterable
@@ -7,11 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from spindle.frontend.core_client import BackendConnection, SyncCoreClient
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
-from spindle.frontend.output_processor import OutputProcessor, RequestState
+from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import PromptInputs, RequestOutput, SamplingParams
+from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name, check_same_adapter
 from spindle.shared.protocol import EngineRequest
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
         self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
+        self._lora_paths: dict[str, str] = {}
 
     @classmethod
     def from_args(cls, multiprocess: bool = False, backend_address: str | None = None, **kwargs: object) -> "LLMEngine":
@@ -76,23 +80,33 @@ class LLMEngine:
         self,
         request_id: str | None,
         inputs: PromptInputs,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         *,
         delta: bool = False,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and tokenize ``inputs`` and queue the request; returns its id (generated when ``None``).
 
+        With :class:`~spindle.shared.PoolingParams` it is an embedding request, as in vLLM: its one output, when it
+        finishes, is an :class:`~spindle.shared.EmbeddingRequestOutput` (:doc:`embeddings`).
+
         With ``delta=True`` each output carries only the text and tokens that are new since the previous one.
         ``priority`` orders the request under ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the
-        ``fcfs`` policy ignores it.
-        Raises :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for bad inputs or a request
-        id already in use; nothing is queued then.
+        ``fcfs`` policy ignores it. ``lora_request`` names the LoRA adapter to generate with (:doc:`lora`); one with
+        a ``lora_path`` is loaded under its name first unless it is loaded already.
+        Raises :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for bad inputs, a request
+        id already in use, an adapter that does not load, or one loaded under this name from another path; nothing
+        is queued then. An unknown adapter name is a :class:`~spindle.shared.errors.NotFoundError` (from a backend
+        process, out of a later :meth:`step`, as its other refusals).
         """
-        params = params or SamplingParams()
-        prompt = self.input_processor.process(inputs, params)
-        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority)
+        if isinstance(params, PoolingParams):
+            prompt = self.input_processor.process(inputs, None)
+        else:
+            params = params or SamplingParams()
+            prompt = self.input_processor.process(inputs, params)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
 
     def add_chat_request(
         self,
@@ -106,6 +120,7 @@ class LLMEngine:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = "auto",
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Like :meth:`add_request` for a conversation: the model's chat template renders it into the prompt.
 
@@ -118,22 +133,69 @@ class LLMEngine:
         prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
         if prompt.tools is not None:
             params = prompt.tools.constrain(params)
-        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load the PEFT adapter directory ``path`` under ``name``, for requests to name (:doc:`lora`).
+
+        Raises:
+            InvalidRequestError: an empty name, or no adapter the engine can serve at ``path``.
+            AlreadyExistsError: an adapter is loaded under ``name`` already.
+
+        """
+        check_lora_name(name)
+        return self.core.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload the adapter ``name``; requests already running with it finish with it.
+
+        Raises:
+            NotFoundError: no adapter is loaded under ``name``.
+
+        """
+        self.core.remove_lora(name)
+        self._lora_paths.pop(name, None)
+
+    def list_loras(self) -> list[LoraAdapterInfo]:
+        """The adapters loaded: at start-up (``lora_modules``), with :meth:`load_lora` or by a request's path."""
+        return self.core.list_loras()
+
+    def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
+        """The adapter a request names, loading its ``lora_path`` under its name unless it is loaded already."""
+        if lora_request is None or lora_request.lora_path is None:
+            return None if lora_request is None else lora_request.lora_name
+        name, path = lora_request.lora_name, os.path.realpath(lora_request.lora_path)
+        if self._lora_paths.get(name) != path:
+            loaded = next((adapter for adapter in self.core.list_loras() if adapter.name == name), None)
+            if loaded is None:
+                self.core.add_lora(name, lora_request.lora_path)
+            else:
+                check_same_adapter(lora_request, loaded)
+            self._lora_paths[name] = path
+        return name
 
     def _enqueue(
         self,
         request_id: str | None,
         prompt: ProcessedPrompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None,
         delta: bool,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         arrival_time = arrival_time or time.time()
-        self.core.add_request(EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority))
+        lora_name = self._lora_name(lora_request)
+        pooling = params if isinstance(params, PoolingParams) else None
+        engine_params = EMBEDDING_SAMPLING_PARAMS if pooling is not None else params
+        self.core.add_request(
+            EngineRequest(
+                request_id, prompt.prompt_token_ids, engine_params, arrival_time, priority, lora_name, pooling
+            )
+        )
         self.output_processor.add_request(
             RequestState(
                 request_id,
@@ -154,8 +216,11 @@ class LLMEngine:
         self.core.abort_requests(request_ids)
         self.output_processor.abort_requests(request_ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one scheduling + forward + sampling step; return the outputs of the requests that advanced.
+
+        An embedding request has one output, an :class:`~spindle.shared.EmbeddingRequestOutput`, in the step that
+        completes its prompt.
 
         Raises:
             InvalidRequestError: the engine dropped a request it had accepted, because its structured-output spec

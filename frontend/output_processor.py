@@ -1,7 +1,9 @@
 """Turns the engine core's token deltas into ``RequestOutput`` objects: detokenization, stop strings, logprobs."""
 
 import logging
+import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -10,8 +12,11 @@ from spindle.frontend.tokenizer import Tokenizer
 from spindle.frontend.tools import ChatTools
 from spindle.shared import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     FinishReason,
     Logprob,
+    PoolingParams,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -21,6 +26,9 @@ from spindle.shared import (
 from spindle.shared.protocol import SequenceDelta
 
 logger = logging.getLogger(__name__)
+
+EMBEDDING_SAMPLING_PARAMS = SamplingParams(max_tokens=None)
+"""The sampling parameters an embedding request carries to the engine core, which generates nothing for it."""
 
 
 @dataclass
@@ -40,7 +48,9 @@ class _Completion:
 class RequestState:
     """Everything the frontend tracks for one request between steps.
 
-    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes.
+    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes. Given
+    :class:`~spindle.shared.PoolingParams` instead of sampling parameters, it is an embedding request's: one
+    completion that gets no tokens, and an :class:`~spindle.shared.EmbeddingRequestOutput` as its output.
     """
 
     def __init__(
@@ -48,7 +58,7 @@ class RequestState:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         tokenizer: Tokenizer,
         arrival_time: float,
         delta: bool,
@@ -57,6 +67,10 @@ class RequestState:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.pooling = params if isinstance(params, PoolingParams) else None
+        self.embedding: list[float] = []
+        if self.pooling is not None:
+            params = EMBEDDING_SAMPLING_PARAMS
         self.params = params
         self.delta = delta
         self.tools = tools
@@ -80,12 +94,22 @@ class RequestState:
         """Whether every completion has ended."""
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | EmbeddingRequestOutput:
         """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode).
 
         A finished completion of a chat request with tools carries its tool calls: in every output from then on,
-        or in delta mode only in the one where it finishes.
+        or in delta mode only in the one where it finishes. An embedding request's is an ``EmbeddingRequestOutput``.
         """
+        if self.pooling is not None:
+            return EmbeddingRequestOutput(
+                request_id=self.request_id,
+                prompt=self.prompt,
+                prompt_token_ids=self.prompt_token_ids,
+                outputs=EmbeddingOutput(self.embedding),
+                finished=self.finished,
+                metrics=self.metrics,
+                num_cached_tokens=self.num_cached_tokens,
+            )
         outputs = []
         for index, c in enumerate(self.completions):
             finished = c.finish_reason is not None
@@ -170,11 +194,14 @@ class OutputProcessor:
             if state is not None:
                 self._tell("on_finished", state, now)
 
-    def process(self, deltas: list[SequenceDelta]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+    def process(
+        self, deltas: list[SequenceDelta]
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[tuple[str, int]]]:
         """Apply one step's deltas.
 
-        Returns the outputs of the requests that changed, in the order they first appear in ``deltas``, and the
-        ``(request_id, index)`` of completions that a stop string ended, which the engine core must still end.
+        Returns the outputs of the requests that changed, in the order they first appear in ``deltas`` (an embedding
+        request's once, when it ends), and the ``(request_id, index)`` of completions that a stop string ended,
+        which the engine core must still end.
         """
         now = time.time()
         changed: dict[str, RequestState] = {}
@@ -193,6 +220,8 @@ class OutputProcessor:
             if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = [None, *(self._logprob_dict(lp) for lp in delta.prompt_logprobs)]
             state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+            if delta.embedding is not None:
+                state.embedding = _floats(delta.embedding)
             c.token_ids.extend(delta.new_token_ids)
             for lp in delta.new_logprobs or []:
                 c.logprobs.append(self._logprob_dict(lp))
@@ -234,3 +263,11 @@ class OutputProcessor:
             token_id: Logprob(logprob, rank, self.tokenizer.id_to_text(token_id))
             for token_id, logprob, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True)
         }
+
+
+def _floats(data: bytes) -> list[float]:
+    """Little-endian float32 values (an embedding on the wire) as Python floats."""
+    values = array("f", data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -1,8 +1,10 @@
-"""Types both processes speak: prompt inputs, sampling parameters and request outputs."""
+"""Types both processes speak: prompt inputs, sampling and pooling parameters, and request outputs."""
 
 from spindle.shared.inputs import PromptInputs, TextPrompt, TokensPrompt
 from spindle.shared.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     FinishReason,
     Logprob,
     RequestMetrics,
@@ -10,12 +12,16 @@ from spindle.shared.outputs import (
     TokenLogprobs,
     ToolCall,
 )
+from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams, StructuredOutput
 
 __all__ = [
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "FinishReason",
     "Logprob",
+    "PoolingParams",
     "PromptInputs",
     "RequestMetrics",
     "RequestOutput",

@@ -59,6 +59,14 @@ class EngineConfig:
             ``arrival + priority * priority_aging``, which bounds starvation, as a request is never overtaken by one
             ``d`` levels better that arrived more than ``d * priority_aging`` seconds after it. ``0`` is strict
             priority (vLLM's), where a stream of better requests can starve a worse one.
+        lora_modules: LoRA adapters loaded at start-up, ``name=path`` of a PEFT adapter directory each (on the
+            command line ``--lora-modules sql=/adapters/sql chat=/adapters/chat``); requests pick one by name.
+        max_loras: adapter slots in memory: the most distinct adapters one step may use; more adapters may be
+            loaded, and the least recently used one leaves its slot for the one a new request needs.
+        max_lora_rank: the largest rank ``r`` an adapter may have (the slots are sized for it).
+        allow_runtime_lora: accept ``LoadLoraAdapter``/``UnloadLoraAdapter`` calls (off: a request must not make
+            the server read files unless the operator allows it).
+        lora_dir: the directory runtime-loaded adapters must lie in (required with ``allow_runtime_lora``).
 
     """
 
@@ -76,6 +84,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     priority_aging: float = 10.0
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    allow_runtime_lora: bool = False
+    lora_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -100,6 +113,26 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        if isinstance(self.lora_modules, list | tuple):  # from the command line: name=path strings
+            self.lora_modules = parse_lora_modules(self.lora_modules)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.allow_runtime_lora and not self.lora_dir:
+            raise ValueError("allow_runtime_lora needs lora_dir: the directory runtime-loaded adapters must lie in")
+
+
+def parse_lora_modules(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["name=path", ...]`` (``--lora-modules``) as a dict, refusing a malformed entry or a repeated name."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora module {spec!r} must be written name=path")
+        if name in modules:
+            raise ValueError(f"lora module name {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def attribute_help(cls: type) -> dict[str, str]:
@@ -119,6 +152,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if isinstance(default, str):
                 default = default.lower() in ("1", "true", "yes", "on")
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps[field.name])
+        elif field.type == dict[str, str] | None:  # name=value pairs, also space-separated in the environment
+            value = default.split() if isinstance(default, str) else None
+            parser.add_argument(flag, nargs="*", metavar="NAME=PATH", default=value, help=helps[field.name])
         else:
             kind = {int: int, int | None: int, float: float}.get(field.type, str)
             value = None if default is None else kind(default)
@@ -138,6 +174,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
         flag = "--" + field.name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            argv += [flag, *(f"{name}={path}" for name, path in value.items())]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

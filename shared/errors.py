@@ -52,3 +52,15 @@ def _rebuild_invalid(fields: tuple[str, ...], reason: str) -> InvalidRequestErro
 
 class EngineUnavailableError(RequestRefusedError, RuntimeError):
     """The engine is draining or shutting down and takes no new requests: retry them on another replica."""
+
+
+class NotFoundError(InvalidRequestError, LookupError):
+    """A request names something the engine does not have (a LoRA adapter): gRPC ``NOT_FOUND``.
+
+    An :class:`InvalidRequestError` too, naming the field that holds the name (``lora_name``), so that code
+    catching invalid requests catches it.
+    """
+
+
+class AlreadyExistsError(InvalidRequestError):
+    """A request would create something under a name already taken (a LoRA adapter): gRPC ``ALREADY_EXISTS``."""

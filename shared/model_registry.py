@@ -21,8 +21,10 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
+    "LlamaModel": "spindle.backend.models.llama:LlamaModel",
 }
-"""The architectures Spindle ships, and the class that serves each."""
+"""The architectures Spindle ships, and the class that serves each; ``LlamaModel`` (no LM head) serves embeddings
+only."""
 
 ENTRY_POINT_GROUP = "spindle.models"
 """The entry-point group of model plugins: each entry's name is an architecture, its value ``"module:Class"``."""

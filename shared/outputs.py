@@ -124,3 +124,39 @@ class RequestOutput(msgspec.Struct):
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+
+
+class EmbeddingOutput(msgspec.Struct):
+    """The embedding of one prompt.
+
+    Attributes:
+        embedding: the pooled vector: the model's hidden size long, or ``PoolingParams.dimensions``; of unit L2 norm
+            with ``PoolingParams.normalize`` (the default). Empty when the request was aborted.
+
+    """
+
+    embedding: list[float]
+
+
+class EmbeddingRequestOutput(msgspec.Struct):
+    """The result of one embedding request (one prompt), as vLLM's ``EmbeddingRequestOutput``.
+
+    Attributes:
+        request_id: the request's id.
+        prompt: the prompt text, when the prompt was given as text.
+        prompt_token_ids: the tokenized prompt, whose hidden states were pooled.
+        outputs: the embedding.
+        finished: whether the request has ended (an embedding request reports once, when it ends).
+        metrics: arrival and finish times.
+        num_cached_tokens: prompt tokens whose KV came from blocks shared with another sequence (``last`` pooling
+            only: ``mean`` and ``cls`` compute every position).
+
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0

@@ -11,11 +11,19 @@ import enum
 
 import msgspec
 
-from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
+from spindle.shared.errors import (
+    AlreadyExistsError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestRefusedError,
+)
+from spindle.shared.lora import LoraAdapterInfo
 from spindle.shared.outputs import FinishReason, TokenLogprobs
+from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -29,13 +37,20 @@ FRONTEND_TIMEOUT = 2.0
 
 
 class EngineRequest(msgspec.Struct):
-    """A tokenized request handed to the engine core; ``priority`` orders it under the priority policy (lower first)."""
+    """A tokenized request handed to the engine core.
+
+    ``priority`` orders it under the priority policy (lower first); ``lora_name`` names the LoRA adapter it
+    generates with (``None``: the base model). With ``pooling`` set it is an embedding request: the engine prefills
+    the prompt, pools its hidden states and finishes it, generating nothing (``params`` is then unused).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    lora_name: str | None = None
+    pooling: PoolingParams | None = None
 
 
 class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -43,7 +58,8 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
     ``prompt_logprobs`` comes once, with the first generated token. ``finish_reason`` is a :class:`FinishReason`:
     ``STOP`` (eos or a stop token, named by ``stop_reason`` for the latter), ``LENGTH`` or ``ABORT``; it travels as
-    its string value, and any other string fails to decode.
+    its string value, and any other string fails to decode. An embedding request's one delta carries no tokens, its
+    pooled embedding in ``embedding`` (little-endian float32 values) and ``finish_reason`` ``STOP``.
     """
 
     request_id: str
@@ -55,6 +71,7 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    embedding: bytes | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -78,7 +95,12 @@ class EngineStats(msgspec.Struct, array_like=True):
 
 
 class EngineInfo(msgspec.Struct):
-    """What a frontend needs to know about the engine it talks to (the backend's side of the handshake)."""
+    """What a frontend needs to know about the engine it talks to (the backend's side of the handshake).
+
+    ``runtime_lora_dir`` is the directory the backend loads adapters from at run time when a frontend asks for a
+    confined :class:`LoadLora` (it runs with ``allow_runtime_lora``); ``None`` when it refuses them. The backend
+    process sets it, as the policy belongs to the process that reads the files; an in-process core leaves it unset.
+    """
 
     model_name: str
     max_model_len: int
@@ -87,6 +109,7 @@ class EngineInfo(msgspec.Struct):
     num_kv_blocks: int
     block_size: int
     tokenizer_files: dict[str, bytes]
+    runtime_lora_dir: str | None = None
 
 
 # Frontend -> backend.
@@ -126,6 +149,34 @@ class FinishSequence(msgspec.Struct, tag="finish"):
     index: int
 
 
+class LoadLora(msgspec.Struct, tag="load_lora"):
+    """Load the PEFT adapter at ``path`` under ``name``; answered with a :class:`LoraReply` holding it.
+
+    With ``confined`` (the gRPC API asks so) the backend refuses it unless it runs with ``allow_runtime_lora``, and
+    takes ``path`` relative to its ``lora_dir``, refusing one that resolves outside
+    (:func:`~spindle.shared.lora.confine_adapter_path`). Without, it reads ``path`` as it is: the Python engines'
+    user owns the processes already.
+    """
+
+    call_id: str
+    name: str
+    path: str
+    confined: bool = False
+
+
+class UnloadLora(msgspec.Struct, tag="unload_lora"):
+    """Forget the adapter ``name``; answered with an empty :class:`LoraReply`. Requests running with it finish."""
+
+    call_id: str
+    name: str
+
+
+class ListLoras(msgspec.Struct, tag="list_loras"):
+    """Which adapters are loaded? Answered with a :class:`LoraReply` listing them."""
+
+    call_id: str
+
+
 class Ping(msgspec.Struct, tag="ping"):
     """Is a backend up here? Answered with a :class:`Pong` by the backend's I/O thread, outside any frontend session.
 
@@ -162,6 +213,10 @@ class RequestErrorKind(enum.StrEnum):
 
     INVALID = "invalid"
     """An :class:`~spindle.shared.errors.InvalidRequestError`."""
+    NOT_FOUND = "not_found"
+    """A :class:`~spindle.shared.errors.NotFoundError`."""
+    ALREADY_EXISTS = "already_exists"
+    """An :class:`~spindle.shared.errors.AlreadyExistsError`."""
     UNAVAILABLE = "unavailable"
     """An :class:`~spindle.shared.errors.EngineUnavailableError`."""
 
@@ -182,15 +237,37 @@ class RequestError(msgspec.Struct, tag="error"):
     def from_exception(cls, request_id: str, error: RequestRefusedError) -> "RequestError":
         """The message that carries ``error``, the refusal of request ``request_id``, to its frontend."""
         if isinstance(error, InvalidRequestError):
-            return cls(request_id, RequestErrorKind.INVALID, error.reason, list(error.fields))
+            kind = next(kind for kind, type_ in _INVALID_KINDS if isinstance(error, type_))
+            return cls(request_id, kind, error.reason, list(error.fields))
         return cls(request_id, RequestErrorKind.UNAVAILABLE, str(error))
 
     def to_exception(self) -> RequestRefusedError:
         """The exception the engine core raised, of the same type, fields and message."""
-        if self.kind is RequestErrorKind.INVALID:
-            field, *also = self.fields or [""]
-            return InvalidRequestError(field, self.reason, also=also)
-        return EngineUnavailableError(self.reason)
+        if self.kind is RequestErrorKind.UNAVAILABLE:
+            return EngineUnavailableError(self.reason)
+        field, *also = self.fields or [""]
+        return dict(_INVALID_KINDS)[self.kind](field, self.reason, also=also)
+
+
+# The most specific type first: NotFoundError and AlreadyExistsError are InvalidRequestErrors too.
+_INVALID_KINDS: list[tuple[RequestErrorKind, type[InvalidRequestError]]] = [
+    (RequestErrorKind.NOT_FOUND, NotFoundError),
+    (RequestErrorKind.ALREADY_EXISTS, AlreadyExistsError),
+    (RequestErrorKind.INVALID, InvalidRequestError),
+]
+
+
+class LoraReply(msgspec.Struct, tag="lora_reply"):
+    """The answer to a :class:`LoadLora`, :class:`UnloadLora` or :class:`ListLoras` of the same ``call_id``.
+
+    ``adapters`` holds the adapter loaded, every adapter listed, or nothing (unloaded); ``error`` instead says why
+    the call was refused (its ``request_id`` is the ``call_id``), e.g. a
+    :class:`~spindle.shared.errors.NotFoundError` for an unknown name.
+    """
+
+    call_id: str
+    adapters: list[LoraAdapterInfo] = []
+    error: RequestError | None = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -207,5 +284,7 @@ class Pong(msgspec.Struct, tag="pong"):
     draining: bool = False
 
 
-FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Ping
-BackendMessage = Ready | Refused | StepOutputs | RequestError | Heartbeat | Pong
+FrontendMessage = (
+    Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | LoadLora | UnloadLora | ListLoras | Ping
+)
+BackendMessage = Ready | Refused | StepOutputs | RequestError | LoraReply | Heartbeat | Pong

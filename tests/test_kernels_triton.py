@@ -298,6 +298,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
 
 KERNEL_NAMES = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
 KERNEL_NAMES += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel"]
+KERNEL_NAMES += ["_lora_shrink_kernel", "_lora_expand_kernel"]
 
 # compile_check runs, side by side (about a minute on two cores): every dtype with head sizes 64 and 128 x GQA groups
 # 1 and 8 (both weight bit widths come with every dtype), one process per architecture; and head size 80 (padded to a

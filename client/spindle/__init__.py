@@ -33,11 +33,15 @@ if TYPE_CHECKING:
     from spindle.shared.inputs import (
         TokensPrompt as TokensPrompt,
     )
+    from spindle.shared.lora import LoRARequest as LoRARequest
     from spindle.shared.model_registry import ModelRegistry as ModelRegistry
     from spindle.shared.outputs import CompletionOutput as CompletionOutput
+    from spindle.shared.outputs import EmbeddingOutput as EmbeddingOutput
+    from spindle.shared.outputs import EmbeddingRequestOutput as EmbeddingRequestOutput
     from spindle.shared.outputs import FinishReason as FinishReason
     from spindle.shared.outputs import RequestOutput as RequestOutput
     from spindle.shared.outputs import ToolCall as ToolCall
+    from spindle.shared.pooling_params import PoolingParams as PoolingParams
     from spindle.shared.sampling_params import SamplingParams as SamplingParams
     from spindle.shared.sampling_params import StructuredOutput as StructuredOutput
 
@@ -50,13 +54,17 @@ _PUBLIC = {
     "EngineConfig": "spindle.shared.config",
     "SamplingParams": "spindle.shared.sampling_params",
     "StructuredOutput": "spindle.shared.sampling_params",
+    "PoolingParams": "spindle.shared.pooling_params",
     "RequestOutput": "spindle.shared.outputs",
     "CompletionOutput": "spindle.shared.outputs",
+    "EmbeddingRequestOutput": "spindle.shared.outputs",
+    "EmbeddingOutput": "spindle.shared.outputs",
     "FinishReason": "spindle.shared.outputs",
     "ToolCall": "spindle.shared.outputs",
     "PromptInputs": "spindle.shared.inputs",
     "TextPrompt": "spindle.shared.inputs",
     "TokensPrompt": "spindle.shared.inputs",
+    "LoRARequest": "spindle.shared.lora",
     "InvalidRequestError": "spindle.shared.errors",
     "EngineUnavailableError": "spindle.shared.errors",
     "ModelRegistry": "spindle.shared.model_registry",

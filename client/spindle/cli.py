@@ -28,6 +28,10 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
+def _add_lora_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-name", default="", help="the server's LoRA adapter to generate with (default: none)")
+
+
 def _client(args: argparse.Namespace) -> SpindleClient:
     return SpindleClient(args.address, api_key=args.api_key, tls_ca=args.tls_ca)
 
@@ -56,7 +60,7 @@ def _report(error: grpc.RpcError) -> int:
 def _generate(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
-            _print_stream(client.generate(args.prompt, **_params(args)))
+            _print_stream(client.generate(args.prompt, lora_name=args.lora_name, **_params(args)))
         except grpc.RpcError as error:
             return _report(error)
     return 0
@@ -76,7 +80,7 @@ def _chat(args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
             try:
-                reply = _print_stream(client.chat(messages, **_params(args)))
+                reply = _print_stream(client.chat(messages, lora_name=args.lora_name, **_params(args)))
             except grpc.RpcError as error:
                 return _report(error)
             messages.append({"role": "assistant", "content": reply})
@@ -101,10 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="stream a completion of a prompt from a running server")
     generate.add_argument("prompt")
     _add_client_args(generate)
+    _add_lora_arg(generate)
     generate.set_defaults(run=_generate)
     chat = commands.add_parser("chat", help="chat with a running server: one user turn per line of stdin")
     chat.add_argument("--system", default=None, help="a system message that starts the conversation")
     _add_client_args(chat)
+    _add_lora_arg(chat)
     chat.set_defaults(run=_chat)
     check = commands.add_parser("health", help="exit 0 if a running server reports SERVING (a health probe)")
     check.add_argument("--service", default="", help="the service to check; empty checks the whole server")

@@ -8,7 +8,7 @@ Example::
 """
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -53,17 +53,22 @@ class SpindleClient:
         self.timeout = timeout
 
     def generate(
-        self, prompt: str | list[int], request_id: str = "", *, priority: int = 0, **params: Any
+        self, prompt: str | list[int], request_id: str = "", *, priority: int = 0, lora_name: str = "", **params: Any
     ) -> Iterator[spindle_pb2.GenerateResponse]:
         """Stream a completion of text or token ids; ``params`` are sampling parameter fields.
 
         ``priority`` orders the request on a server with ``--scheduling-policy priority`` (lower runs first).
+        ``lora_name`` names the LoRA adapter to generate with (:meth:`list_lora_adapters`); empty is the base model.
         """
         message = spindle_pb2.Prompt(text=prompt) if isinstance(prompt, str) else spindle_pb2.Prompt()
         if not isinstance(prompt, str):
             message.token_ids.ids.extend(prompt)
         request = spindle_pb2.GenerateRequest(
-            request_id=request_id, prompt=message, sampling_params=sampling_params(**params), priority=priority
+            request_id=request_id,
+            prompt=message,
+            sampling_params=sampling_params(**params),
+            priority=priority,
+            lora_name=lora_name,
         )
         return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
 
@@ -75,6 +80,7 @@ class SpindleClient:
         tools: list[dict[str, Any] | spindle_pb2.Tool] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         priority: int = 0,
+        lora_name: str = "",
         **params: Any,
     ) -> Iterator[spindle_pb2.GenerateResponse]:
         """Stream the model's reply to a conversation of ``{"role": ..., "content": ...}`` dicts.
@@ -90,6 +96,7 @@ class SpindleClient:
             tool_choice: ``"auto"``, ``"none"``, ``"required"``, a tool's name, or OpenAI's
                 ``{"type": "function", "function": {"name": ...}}``; unset is ``"auto"``.
             priority: the scheduling priority, as in :meth:`generate`.
+            lora_name: the LoRA adapter to generate with, as in :meth:`generate`.
             **params: sampling parameter fields.
 
         """
@@ -103,8 +110,51 @@ class SpindleClient:
             tools=[_tool(t) for t in tools or []],
             tool_choice=_tool_choice(tool_choice),
             priority=priority,
+            lora_name=lora_name,
         )
         return self.stub.Chat(request, timeout=self.timeout, metadata=self.metadata)
+
+    def embed(
+        self,
+        inputs: str | list[int] | Sequence[str | list[int]],
+        request_id: str = "",
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        priority: int = 0,
+    ) -> spindle_pb2.EmbedResponse:
+        """The embeddings of one input or a list of them (text, or token ids), in one call.
+
+        Args:
+            inputs: a text, a list of token ids, or a list of texts and token-id lists.
+            request_id: a client-chosen id; the server makes one when empty.
+            pooling: ``"last"``, ``"mean"`` or ``"cls"``; ``None`` is the model's default (``last``).
+            normalize: scale each embedding to unit L2 norm; ``None`` is the server's default (on).
+            dimensions: keep the first ``dimensions`` values (then normalize); ``None`` keeps them all.
+            priority: the scheduling priority, as in :meth:`generate`.
+
+        Returns:
+            The ``EmbedResponse`` message, with input ``i``'s embedding in ``embeddings[i].values``.
+
+        Raises:
+            ValueError: ``pooling`` is not one of those.
+
+        """
+        if pooling not in _POOLING_TYPES:
+            raise ValueError(f"pooling={pooling!r} is not one of None, 'last', 'mean', 'cls'")
+        batch = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        optional = {"normalize": normalize, "dimensions": dimensions}
+        pooling_params = spindle_pb2.PoolingParams(
+            pooling=_POOLING_TYPES[pooling], **{name: value for name, value in optional.items() if value is not None}
+        )
+        request = spindle_pb2.EmbedRequest(
+            request_id=request_id,
+            inputs=[_prompt(item) for item in batch],
+            pooling_params=pooling_params,
+            priority=priority,
+        )
+        return self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of ``text``."""
@@ -130,6 +180,25 @@ class SpindleClient:
         request = spindle_pb2.GetServerInfoRequest()
         return self.stub.GetServerInfo(request, timeout=self.timeout, metadata=self.metadata)
 
+    def load_lora_adapter(self, name: str, path: str) -> spindle_pb2.LoraAdapter:
+        """Load the LoRA adapter directory ``path`` (relative to the server's ``--lora-dir``) under ``name``.
+
+        The server must run with ``--allow-runtime-lora`` (else ``FAILED_PRECONDITION``); a path outside its adapter
+        directory is ``INVALID_ARGUMENT``, a name taken ``ALREADY_EXISTS``.
+        """
+        request = spindle_pb2.LoadLoraAdapterRequest(name=name, path=path)
+        return self.stub.LoadLoraAdapter(request, timeout=self.timeout, metadata=self.metadata).adapter
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload the adapter ``name`` (``NOT_FOUND`` when unknown); streams using it finish with it."""
+        request = spindle_pb2.UnloadLoraAdapterRequest(name=name)
+        self.stub.UnloadLoraAdapter(request, timeout=self.timeout, metadata=self.metadata)
+
+    def list_lora_adapters(self) -> list[spindle_pb2.LoraAdapter]:
+        """The adapters requests may name."""
+        request = spindle_pb2.ListLoraAdaptersRequest()
+        return list(self.stub.ListLoraAdapters(request, timeout=self.timeout, metadata=self.metadata).adapters)
+
     def health(self, service: str = "") -> str:
         """The health status name (``SERVING``, ``NOT_SERVING``, ...) of ``service`` (``""``: the whole server)."""
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -145,6 +214,12 @@ class SpindleClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _prompt(prompt: str | list[int]) -> spindle_pb2.Prompt:
+    if isinstance(prompt, str):
+        return spindle_pb2.Prompt(text=prompt)
+    return spindle_pb2.Prompt(token_ids=spindle_pb2.TokenIds(ids=prompt))
 
 
 def _json_text(value: str | dict[str, Any] | None) -> str:
@@ -184,4 +259,11 @@ _TOOL_CHOICE_MODES = {
     "auto": spindle_pb2.TOOL_CHOICE_MODE_AUTO,
     "none": spindle_pb2.TOOL_CHOICE_MODE_NONE,
     "required": spindle_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+_POOLING_TYPES = {
+    None: spindle_pb2.POOLING_TYPE_UNSPECIFIED,
+    "last": spindle_pb2.POOLING_TYPE_LAST,
+    "mean": spindle_pb2.POOLING_TYPE_MEAN,
+    "cls": spindle_pb2.POOLING_TYPE_CLS,
 }

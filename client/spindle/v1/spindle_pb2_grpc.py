@@ -76,6 +76,26 @@ class SpindleServiceStub:
                 request_serializer=spindle_dot_v1_dot_spindle__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=spindle_dot_v1_dot_spindle__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/spindle.v1.SpindleService/Embed',
+                request_serializer=spindle_dot_v1_dot_spindle__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=spindle_dot_v1_dot_spindle__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/spindle.v1.SpindleService/LoadLoraAdapter',
+                request_serializer=spindle_dot_v1_dot_spindle__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=spindle_dot_v1_dot_spindle__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/spindle.v1.SpindleService/UnloadLoraAdapter',
+                request_serializer=spindle_dot_v1_dot_spindle__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=spindle_dot_v1_dot_spindle__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/spindle.v1.SpindleService/ListLoraAdapters',
+                request_serializer=spindle_dot_v1_dot_spindle__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=spindle_dot_v1_dot_spindle__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class SpindleServiceServicer:
@@ -141,6 +161,36 @@ class SpindleServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one embedding per input, pooled from the model's last hidden states (prefill only, batched with
+        the generation requests).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a PEFT LoRA adapter under a name that requests then pick with lora_name. Refused with
+        FAILED_PRECONDITION unless the server runs with --allow-runtime-lora; the path must lie in its --lora-dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter forgets an adapter; requests already running with it finish first. NOT_FOUND when unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the adapters requests can name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpindleServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +233,26 @@ def add_SpindleServiceServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=spindle_dot_v1_dot_spindle__pb2.WatchLoadRequest.FromString,
                     response_serializer=spindle_dot_v1_dot_spindle__pb2.LoadReport.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=spindle_dot_v1_dot_spindle__pb2.EmbedRequest.FromString,
+                    response_serializer=spindle_dot_v1_dot_spindle__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=spindle_dot_v1_dot_spindle__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=spindle_dot_v1_dot_spindle__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=spindle_dot_v1_dot_spindle__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=spindle_dot_v1_dot_spindle__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=spindle_dot_v1_dot_spindle__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=spindle_dot_v1_dot_spindle__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -403,6 +473,114 @@ class SpindleService:
             '/spindle.v1.SpindleService/WatchLoad',
             spindle_dot_v1_dot_spindle__pb2.WatchLoadRequest.SerializeToString,
             spindle_dot_v1_dot_spindle__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spindle.v1.SpindleService/Embed',
+            spindle_dot_v1_dot_spindle__pb2.EmbedRequest.SerializeToString,
+            spindle_dot_v1_dot_spindle__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spindle.v1.SpindleService/LoadLoraAdapter',
+            spindle_dot_v1_dot_spindle__pb2.LoadLoraAdapterRequest.SerializeToString,
+            spindle_dot_v1_dot_spindle__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spindle.v1.SpindleService/UnloadLoraAdapter',
+            spindle_dot_v1_dot_spindle__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            spindle_dot_v1_dot_spindle__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spindle.v1.SpindleService/ListLoraAdapters',
+            spindle_dot_v1_dot_spindle__pb2.ListLoraAdaptersRequest.SerializeToString,
+            spindle_dot_v1_dot_spindle__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
