@@ -112,13 +112,7 @@ class LLM:
             raise TypeError("LLM.generate() needs inputs: a prompt or a list of prompts")
         prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        priorities = _priority_per_prompt(priority, len(prompt_list))
-        loras = _lora_per_prompt(lora_request, len(prompt_list))
-        add = self.llm_engine.add_request
-        adders = [
-            partial(add, inputs=p, priority=q, lora_request=lora)
-            for p, q, lora in zip(prompt_list, priorities, loras, strict=True)
-        ]
+        adders = _adders(self.llm_engine.add_request, "inputs", prompt_list, priority, lora_request)
         return self._run(adders, params_list, use_tqdm)
 
     def chat(
@@ -153,19 +147,13 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params_list = self._params_per_prompt(sampling_params, len(conversations))
-        priorities = _priority_per_prompt(priority, len(conversations))
-        loras = _lora_per_prompt(lora_request, len(conversations))
         add = partial(
             self.llm_engine.add_chat_request,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             tool_choice=tool_choice,
         )
-        adders = [
-            partial(add, messages=conv, priority=q, lora_request=lora)
-            for conv, q, lora in zip(conversations, priorities, loras, strict=True)
-        ]
-        return self._run(adders, params_list, use_tqdm)
+        return self._run(_adders(add, "messages", conversations, priority, lora_request), params_list, use_tqdm)
 
     def embed(
         self,
@@ -196,9 +184,7 @@ class LLM:
         """
         prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
         params_list = self._params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
-        priorities = _priority_per_prompt(priority, len(prompt_list))
-        add = self.llm_engine.add_request
-        adders = [partial(add, inputs=p, priority=q) for p, q in zip(prompt_list, priorities, strict=True)]
+        adders = _adders(self.llm_engine.add_request, "inputs", prompt_list, priority, None)
         return self._run(adders, params_list, use_tqdm)
 
     @staticmethod
@@ -251,6 +237,22 @@ class LLM:
         finally:
             bar.close()
         return results
+
+
+def _adders(
+    add: Callable[..., str],
+    key: str,
+    prompts: Sequence[Any],
+    priority: Sequence[int] | None,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+) -> list[Callable[..., str]]:
+    """``add`` bound to each prompt (as the keyword ``key``), with its priority and its LoRA adapter."""
+    priorities = _priority_per_prompt(priority, len(prompts))
+    loras = _lora_per_prompt(lora_request, len(prompts))
+    return [
+        partial(add, **{key: prompt}, priority=q, lora_request=lora)
+        for prompt, q, lora in zip(prompts, priorities, loras, strict=True)
+    ]
 
 
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
