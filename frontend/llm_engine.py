@@ -136,7 +136,9 @@ class LLMEngine:
         return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
 
     def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
-        """Load the PEFT adapter directory ``path`` under ``name``, for requests to name (:doc:`lora`).
+        """Load the PEFT adapter directory ``path`` under ``name``, for the requests that name it.
+
+        See :doc:`lora`.
 
         Raises:
             InvalidRequestError: an empty name, or no adapter the engine can serve at ``path``.

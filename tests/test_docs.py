@@ -54,16 +54,26 @@ def _engine_class(path: str) -> type:
 
 
 ENGINE_PAGES = [
-    ("api.html", "spindle.frontend.llm.LLM", ["generate", "chat", "get_tokenizer", "shutdown"]),
+    ("api.html", "spindle.frontend.llm.LLM", ["generate", "chat", "embed", "get_tokenizer", "shutdown"]),
     (
         "llm_engine.html",
         "spindle.frontend.llm_engine.LLMEngine",
-        ["from_args", "add_request", "add_chat_request", "abort_request", "step", "has_unfinished_requests"],
+        [
+            "from_args",
+            "add_request",
+            "add_chat_request",
+            "abort_request",
+            "step",
+            "has_unfinished_requests",
+            "load_lora",
+            "unload_lora",
+            "list_loras",
+        ],
     ),
     (
         "async_engine.html",
         "spindle.frontend.async_llm_engine.AsyncLLMEngine",
-        ["from_args", "generate", "chat", "abort"],
+        ["from_args", "generate", "chat", "embed", "abort", "load_lora", "unload_lora", "list_loras"],
     ),
 ]
 
@@ -78,7 +88,10 @@ def test_engine_pages_show_every_method_with_its_docstring(built, page, cls, met
         assert f'id="{anchor}"' in source, f"{anchor} is not documented on {page}"
         # The docstring's first sentence, as the reader sees it (reST markup stripped).
         doc = inspect.getdoc(engine if method is None else getattr(engine, method)).split("\n\n")[0]
-        first = re.sub(r":\w+:`~?([^`]+)`|``([^`]+)``", lambda m: (m[1] or m[2]).split(".")[-1], doc)
+        # A role with ~ shows the last name of its target, literal text shows as it is.
+        first = re.sub(
+            r":\w+:`(~?)([^`]+)`|``([^`]+)``", lambda m: m[3] or (m[2].split(".")[-1] if m[1] else m[2]), doc
+        )
         assert _normalize(first) in text, f"{anchor}'s docstring is missing from {page}"
 
 
