@@ -1,4 +1,5 @@
-// What the CPU kernels share: loads of the cache's element types as float, and the merge of partial softmax states.
+// What the CPU kernels share: loads of the cache's element types as float, the merge of partial softmax states, and
+// the dispatch of a small token count to a compile-time constant.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -16,6 +18,22 @@ inline float to_float(c10::BFloat16 x) {
   return out;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// Calls fn(std::integral_constant<int, tokens>{}) for 1 to 7 tokens, and with 8 for any more: the token count as a
+// compile-time constant, so that per-token accumulators live in registers.
+template <typename F>
+void with_tokens(int64_t tokens, F&& fn) {
+  switch (tokens) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
 
 // Merges the partial softmax states of one output row, computed over disjoint key ranges (flash-decoding): part p has
 // its running max at max[p * stride], its sum of exponentials at sum[p * stride] and its unnormalised output at

@@ -136,22 +136,6 @@ void expand_block(const float* t, int64_t rank, int64_t k0, int64_t k1, const T*
   }
 }
 
-// Calls fn(std::integral_constant<int, tokens>{}): the block's token count as a compile-time constant, so that the
-// per-token accumulators live in registers.
-template <typename F>
-void with_block(int tokens, F&& fn) {
-  switch (tokens) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 // A tile of output columns [c0, c1) inside one part of a fused projection.
 struct ColumnTile {
   int64_t part, c0, c1;
@@ -180,7 +164,7 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
         const T* row = xs + (block.first + m) * x.stride(0);
         for (int64_t i = 0; i < in; ++i) xf[m * in + i] = to_float(row[i]);
       }
-      with_block(block.tokens, [&](auto tokens) {
+      with_tokens(block.tokens, [&](auto tokens) {
         for (int64_t p = 0; p < parts; ++p) {
           const int64_t k0 = p * part_rank, k1 = k0 + slot_ranks[block.slot * parts + p];
           shrink_block<T, decltype(tokens)::value>(xf.data(), in, a + block.slot * rank * in, rank, k0, k1,
@@ -195,7 +179,7 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
     const ColumnTile& tile = tiles[item % num_tiles];
     const int64_t k0 = tile.part * part_rank, k1 = k0 + slot_ranks[block.slot * parts + tile.part];
     if (k0 == k1) continue;  // the adapter does not adapt this part
-    with_block(block.tokens, [&](auto tokens) {
+    with_tokens(block.tokens, [&](auto tokens) {
       expand_block<T, decltype(tokens)::value>(t.data() + block.first * rank, rank, k0, k1,
                                                bt + block.slot * rank * out, out, tile.c0, tile.c1,
                                                ys + block.first * y.stride(0), y.stride(0));

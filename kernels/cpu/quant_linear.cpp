@@ -69,22 +69,6 @@ void int8_rows(const std::vector<float>& x, int64_t inputs, const int8_t* qweigh
   }
 }
 
-// Calls fn(std::integral_constant<int, tokens>{}): the token count as a compile-time constant, so that the per-token
-// accumulators live in registers.
-template <typename F>
-void with_tokens(int64_t tokens, F&& fn) {
-  switch (tokens) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 // Calls fn with a null pointer of x's element type (float or bfloat16), to pick the template instance.
 template <typename F>
 void with_dtype(const at::Tensor& x, F&& fn) {
