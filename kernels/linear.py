@@ -13,19 +13,25 @@ import torch.nn.functional as F
 from spindle.kernels import cpu, quantized_linear
 from spindle.kernels.quant import QuantizedWeight
 
-MAX_QUANTIZED_TOKENS = {8: 3, 4: 8}
-"""Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense bf16 weight.
+MAX_QUANTIZED_TOKENS = {8: 3, 4: 8} if torch.backends.cpu.get_cpu_capability() == "AVX512" else {8: 8, 4: 0}
+"""Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense weight.
 
 Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
-step; bf16 oneDNN-packed / int8 ``spindle.kernels.cpu.int8_linear`` / int4 torch's ``_weight_int4pack_mm_for_cpu``,
-group 32): 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2, 8 tokens 16.6 / 30.8 /
-20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one token and 111 for 16.)
+step). On an AVX-512 EPYC (bf16 oneDNN-packed / int8 ``spindle.kernels.cpu.int8_linear`` / int4 torch's
+``_weight_int4pack_mm_for_cpu``, group 32): 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 /
+17.2 / 9.2, 8 tokens 16.6 / 30.8 / 20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one
+token and 111 for 16.) On an AVX2-only EPYC (Zen 3, no bf16: float32 dense / int8 ours / int4 torch's; medians of 5
+on a loaded machine): 1 token 36 / 25 / 140, 2 tokens 77 / 12 / 264, 4 tokens 73 / 17 / 522, 8 tokens 68 / 37 /
+1,050: torch's int4 kernel has no fast path there, so int4 projections run their dense copy. (A C++ int4 kernel of
+ours, built like the int8 one, ran 48 / 43 / 49 / 75 ms there: not enough ahead of the dense weight to keep.)
 """
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether :func:`pack_weight` applies: a bf16 weight on a CPU whose oneDNN build handles bf16."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether :func:`pack_weight` applies: a bf16 weight on a CPU where oneDNN runs bf16 (AVX-512, AVX-NE-CONVERT)."""
+    return (
+        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
