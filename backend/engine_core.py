@@ -1,13 +1,17 @@
 """The engine core: requests of token ids in, per-step token deltas out. Both engines drive it."""
 
+import atexit
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from spindle.backend import parallel
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.model_runner import ModelRunner
 from spindle.backend.models.config import ModelConfig
@@ -16,6 +20,7 @@ from spindle.backend.scheduler import Scheduler
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import propose
 from spindle.backend.structured_output import StructuredOutputManager
+from spindle.backend.worker import Workers, check_tensor_parallel
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError, RequestRefusedError
@@ -39,6 +44,20 @@ TOKENIZER_FILES = (
 """The files a frontend needs to build the tokenizer; they travel in the handshake, so it needs no shared disk."""
 
 
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The ``max_model_len`` served: the configured one, else the model's context.
+
+    Raises:
+        ValueError: the configured one exceeds the model's context.
+
+    """
+    # We attend over the whole context, so a sliding-window model is exact only up to its window.
+    model_max = min(filter(None, (model_config.max_position_embeddings, model_config.sliding_window)))
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_max} tokens")
+    return config.max_model_len or model_max
+
+
 class EngineCore:
     """Scheduler, block manager and model runner behind one ``step()``.
 
@@ -58,19 +77,24 @@ class EngineCore:
 
     A request may name a LoRA adapter loaded with :meth:`add_lora` (or ``lora_modules`` at start-up); requests of
     different adapters and of the base model run in the same steps (:mod:`spindle.backend.lora`).
+
+    With ``tensor_parallel_size > 1`` this process is rank 0: it starts its node's worker processes
+    (:class:`~spindle.backend.worker.Workers`), and its runner sends them each step. :meth:`close` stops them; a
+    worker that dies before is reported to ``on_worker_death`` (by default logged: the next step's collective fails).
+
+    Args:
+        config: the engine's settings.
+        on_worker_death: called with why, from a watcher thread, when a tensor-parallel worker dies.
+
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_worker_death: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        # We attend over the whole context, so a sliding-window model is exact only up to its window.
-        model_max = min(filter(None, (self.model_config.max_position_embeddings, self.model_config.sliding_window)))
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_max} tokens")
-        self.max_model_len = config.max_model_len or model_max
-        self.runner = ModelRunner(config, self.model_config, self.model_dir)
-        self.num_blocks = self.runner.init_cache(self.max_model_len)
+        self.max_model_len = context_length(config, self.model_config)
+        self.workers: Workers | None = None
+        self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -106,6 +130,49 @@ class EngineCore:
         )
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(name, path)
+
+    def _start_runner(self, config: EngineConfig, on_worker_death: Callable[[str], None]) -> tuple[ModelRunner, int]:
+        """Build the model runner and its KV cache; returns both.
+
+        Under tensor parallelism the workers start first, so that they load their shards while this process loads
+        its own.
+        """
+        if config.tensor_parallel_size > 1:
+            # Refused before any process starts; the workers would find the same.
+            check_tensor_parallel(config, self.model_config)
+            config = parallel.rendezvous(config)
+            local_size = config.tensor_parallel_size // config.nnodes
+            self.workers = Workers(config, self.model_dir, range(1, local_size), self.max_model_len)
+        try:
+            runner = ModelRunner(config, self.model_config, self.model_dir)
+            if self.workers is not None:
+                self.workers.wait_loaded()
+                parallel.init_group(config, runner.device)
+            num_blocks = runner.init_cache(self.max_model_len)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.kill()
+            parallel.destroy_group()
+            raise
+        if self.workers is not None:
+            self.workers.watch(on_worker_death)
+            atexit.register(self.close)  # an in-process engine nobody closed: stop the workers before exiting
+        return runner, num_blocks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group; nothing to do with one rank.
+
+        The engine serves no step after it.
+        """
+        if self.workers is None:
+            return
+        atexit.unregister(self.close)
+        workers, self.workers = self.workers, None
+        workers.closing = True
+        with contextlib.suppress(RuntimeError):  # a worker already gone fails the broadcast: it needs no stop
+            self.runner.close()
+        workers.join(timeout=10)
+        parallel.destroy_group()
 
     def add_lora(self, name: str, path: str) -> LoraAdapterInfo:
         """Load a PEFT LoRA adapter directory under ``name``; requests use it with ``lora_name=name``.

@@ -26,8 +26,11 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from spindle.backend.engine_core import EngineCore
+from spindle.backend.engine_core import EngineCore, context_length
 from spindle.backend.memory import bound_host_memory
+from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.loader import resolve_model
+from spindle.backend.worker import serve_node
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
@@ -109,7 +112,7 @@ class EngineProcess:
     def __init__(self, config: EngineConfig, address: str, grace_period: float = 30.0) -> None:
         if config.allow_runtime_lora and not Path(config.lora_dir).is_dir():
             raise ValueError(f"lora_dir={config.lora_dir!r} is not a directory")
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, on_worker_death=_die)
         # Frontends learn the runtime-loading policy from the handshake: it is this process's, as it reads the files.
         self.info = msgspec.structs.replace(
             self.core.info, runtime_lora_dir=config.lora_dir if config.allow_runtime_lora else None
@@ -151,6 +154,7 @@ class EngineProcess:
                     self._send_refusals(wake)
             self._abort_all(wake)
         finally:
+            self.core.close()
             wake.close(linger=0)
             self.stop_io = True
             self.io_thread.join(timeout=2)
@@ -389,6 +393,15 @@ class EngineProcess:
         wake.close(linger=0)
 
 
+def _die(reason: str) -> None:
+    """End this process at once, as a crash would: a tensor-parallel worker died, so the engine cannot step.
+
+    The frontends then see a dead backend (its socket and heartbeats gone), and one that owns it restarts it.
+    """
+    logger.critical("Engine dead: %s", reason)
+    os._exit(1)
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Have the kernel send us SIGTERM when the process that started us dies, so no backend is orphaned."""
     if sys.platform == "linux":
@@ -404,8 +417,13 @@ def run_backend(args: argparse.Namespace) -> int:
         die_with_parent(args.parent_pid)
     ModelRegistry.register_models(args.register_model)
     bound_host_memory()
+    config = config_from_args(args)
+    if config.node_rank > 0:
+        # Another node's ranks of a tensor-parallel engine: workers only; node 0 serves the frontends.
+        model_dir = resolve_model(config.model)
+        return serve_node(config, model_dir, context_length(config, ModelConfig.from_dir(model_dir)))
     try:
-        process = EngineProcess(config_from_args(args), args.listen, args.grace_period)
+        process = EngineProcess(config, args.listen, args.grace_period)
         signal.signal(signal.SIGTERM, process.drain)
         signal.signal(signal.SIGINT, process.drain)
         process.run()

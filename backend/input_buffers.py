@@ -7,6 +7,7 @@ kept row by row across steps and only their new entries are written, rather than
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +42,21 @@ class StepInputs:
     sample_rows: torch.Tensor
 
 
+class StepLayout(NamedTuple):
+    """The sizes that locate a step's inputs in :class:`InputBuffers`' two buffers.
+
+    With the buffers' used prefixes, they are all a tensor-parallel worker needs to rebuild the step
+    (:mod:`spindle.backend.parallel`).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    num_rows: int
+    width: int  # block-table columns
+    num_decodes: int
+    max_seq_len: int
+
+
 @dataclass
 class _TableRow:
     slot: int  # row of InputBuffers.tables
@@ -62,6 +78,8 @@ class InputBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
+        self.device = device
+        self.layout = StepLayout(0, 0, 0, 0, 0, 0)  # the last built step's
         pinned = device.type == "cuda"
         self._longs = torch.zeros(4 * _aligned(max_tokens), dtype=torch.int64, pin_memory=pinned)
         self._ints = torch.zeros(
@@ -115,21 +133,45 @@ class InputBuffers:
         longs[2 * t : 3 * t][:num_tokens] = block * self.block_size + positions % self.block_size
         longs[3 * t : 3 * t + num_rows] = sample_rows
 
-        device_longs, device_ints = self._device_longs, self._device_ints
-        if self._copied is not None:
-            device_longs[: 3 * t + num_rows].copy_(self._longs[: 3 * t + num_rows], non_blocking=True)
-            device_ints[: b + num_seqs * width].copy_(self._ints[: b + num_seqs * width], non_blocking=True)
-            self._copied.record()
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
+        self.layout = StepLayout(num_tokens, num_seqs, num_rows, width, num_decodes, int(seq_lens.max()))
+        if self._copied is not None:
+            longs_end, ints_end = self._ends(self.layout)
+            self._device_longs[:longs_end].copy_(self._longs[:longs_end], non_blocking=True)
+            self._device_ints[:ints_end].copy_(self._ints[:ints_end], non_blocking=True)
+            self._copied.record()
+        return self.views(self.layout, query_lens, seq_lens.tolist())
+
+    def prefixes(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The used prefixes of the device buffers for a step of ``layout``: all the step's integers, in two tensors."""
+        longs_end, ints_end = self._ends(layout)
+        return self._device_longs[:longs_end], self._device_ints[:ints_end]
+
+    def views(
+        self, layout: StepLayout, query_lens: list[int] | None = None, seq_lens: list[int] | None = None
+    ) -> StepInputs:
+        """The step of ``layout`` held in the device buffers, as :class:`StepInputs`.
+
+        ``query_lens`` and ``seq_lens`` are the host lists of the attention metadata; a tensor-parallel worker, which
+        received only the buffers, leaves them out and they are read back from the buffers.
+        """
+        num_tokens, num_seqs, num_rows, width, num_decodes, max_seq_len = layout
+        t, s = _aligned(num_tokens), _aligned(num_seqs)
+        b = s + _aligned(num_seqs + 1)
+        device_longs, device_ints = self._device_longs, self._device_ints
+        query_start_loc = device_ints[s : s + num_seqs + 1]
+        if seq_lens is None or query_lens is None:
+            seq_lens = device_ints[:num_seqs].tolist()
+            query_lens = query_start_loc.diff().tolist()
         meta = AttentionMetadata(
             slot_mapping=device_longs[2 * t : 2 * t + num_tokens],
-            query_start_loc=device_ints[s : s + num_seqs + 1],
+            query_start_loc=query_start_loc,
             seq_lens=device_ints[:num_seqs],
             block_tables=device_ints[b : b + num_seqs * width].view(num_seqs, width),
             num_decodes=num_decodes,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             query_lens_list=query_lens,
-            seq_lens_list=seq_lens.tolist(),
+            seq_lens_list=seq_lens,
         )
         return StepInputs(
             input_ids=device_longs[:num_tokens],
@@ -137,6 +179,13 @@ class InputBuffers:
             meta=meta,
             sample_rows=device_longs[3 * t : 3 * t + num_rows],
         )
+
+    @staticmethod
+    def _ends(layout: StepLayout) -> tuple[int, int]:
+        """Where a step of ``layout`` ends in the int64 and in the int32 buffer."""
+        s = _aligned(layout.num_seqs)
+        b = s + _aligned(layout.num_seqs + 1)
+        return 3 * _aligned(layout.num_tokens) + layout.num_rows, b + layout.num_seqs * layout.width
 
     def _table_slots(self, seqs: list[Sequence]) -> np.ndarray:
         """The rows of :attr:`tables` holding each sequence's block table, brought up to date.

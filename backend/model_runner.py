@@ -2,6 +2,7 @@
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,11 +14,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from spindle.backend import parallel
 from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.lora import LoraManager
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.config import ModelConfig, Shard
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
+from spindle.backend.parallel import TensorParallel
 from spindle.backend.pooler import pool
 from spindle.backend.sampler import LogprobTensors, Sampler
 from spindle.backend.scheduler import ScheduledBatch
@@ -198,6 +201,12 @@ class ModelRunner:
     runs) and runs eagerly: the decode graphs are captured without LoRA, and a step with adapters is never replayed.
     Steps of the base model alone run exactly as without LoRA.
 
+    Under tensor parallelism (``tensor_parallel_size > 1``) every rank has a runner over its
+    :class:`~spindle.backend.models.config.Shard` of the model and of the KV cache (its KV heads). Rank 0's
+    :meth:`execute` sends each step to the workers before its forward, and the workers' :meth:`follow` runs the same
+    forward and LM head; rank 0 alone samples, prompt log-probabilities and pools. Decodes run eagerly (no CUDA
+    graphs) and LoRA is refused.
+
     Attributes:
         decode_graphs: the CUDA graphs of decode steps, or None (on the CPU, before :meth:`init_cache`, or set to
             None to decode eagerly).
@@ -205,12 +214,22 @@ class ModelRunner:
 
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, rank: int = 0) -> None:
         self.config = config
         self.model_config = model_config
         self.block_size = config.block_size
+        self.parallel = TensorParallel.of(config, rank)
+        parallel.set_current(self.parallel)
+        self.shard = Shard.of(model_config, rank, self.parallel.size)
         use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
+        if self.parallel.size > 1 and use_cuda:
+            self.device = torch.device("cuda", self.parallel.local_rank)
+            torch.cuda.set_device(self.device)
+        if config.cpu_threads is not None or self.parallel.size > 1:
+            # The node's ranks (or data-parallel engines) share its cores: oversubscribed threads spin against each
+            # other, a step of one waiting on a thread that another's has descheduled.
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 1) // self.parallel.local_size))
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
             # Before the weights: the KV budget counts what this process takes from here on (spindle.backend.memory).
@@ -245,10 +264,13 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers: 2 (K, V) x layers x kv heads x head size x block size x dtype size."""
+        """Bytes of one KV block over all layers: 2 (K, V) x layers x kv heads x head size x block size x dtype size.
+
+        The kv heads are this rank's (:class:`~spindle.backend.models.config.Shard`).
+        """
         mc = self.model_config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.block_size * element_size
+        return 2 * mc.num_layers * self.shard.num_kv_heads * mc.head_dim * self.block_size * element_size
 
     def init_cache(self, max_model_len: int) -> int:
         """Profile one maximal step, size the KV cache from the memory budget, allocate it.
@@ -258,7 +280,8 @@ class ModelRunner:
         (:func:`~spindle.backend.memory.kv_cache_budget`); other processes' memory is not counted against it. On the
         CPU it is ``kv_cache_memory``. On CUDA the decode graphs are captured next; their memory pool comes out of the
         profiled peak's reserve, since a decode step never has more tokens than the profiled pass. Returns the number
-        of blocks.
+        of blocks. Under tensor parallelism every rank calls it (the profiled forward has collectives), and the cache
+        has the blocks that fit on every rank.
         """
         self._profile_run(max_model_len, sample=self.device.type == "cuda" and not self.is_pooling_model)
         if self.device.type == "cuda":
@@ -270,7 +293,7 @@ class ModelRunner:
         else:
             budget = self.config.kv_cache_memory
             knob = f"kv_cache_memory={budget / 2**20:.1f} MiB"
-        num_blocks = max(0, budget // self.block_bytes)
+        num_blocks = parallel.min_over_ranks(max(0, budget // self.block_bytes), self.device)
         blocks_per_seq = -(-max_model_len // self.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -294,7 +317,8 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self._warm_up_kernels()
-            self._capture_decode_graphs(max_model_len)
+            if self.parallel.size == 1:  # captured collectives would need NCCL graph support: TP decodes run eagerly
+                self._capture_decode_graphs(max_model_len)
         return num_blocks
 
     def _warm_up_kernels(self) -> None:
@@ -306,7 +330,7 @@ class ModelRunner:
         from spindle.kernels.triton.decode_attention import SPLIT_COUNTS, warm_up
 
         mc = self.model_config
-        query = torch.zeros(1, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        query = torch.zeros(1, self.shard.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         for count in tqdm(SPLIT_COUNTS, desc="Compiling the decode kernels", unit="variant"):
             warm_up(query, *self.kv_caches[0], count)
 
@@ -327,7 +351,7 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeros, not empty: batched decodes read padding slots (with zero weight), and garbage NaNs would spread.
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, self.shard.num_kv_heads, mc.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -363,10 +387,14 @@ class ModelRunner:
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)
             if not sample:
                 return
-            seqs = [Sequence("profile", i, [0], widest, 0.0) for i in range(num_seqs)]
-            self.sampler(self.model.compute_logits(hidden[:num_seqs]), seqs)
-            targets = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            self.sampler.prompt_logprobs(self.model.compute_logits(hidden), targets, MAX_LOGPROBS)
+            # Every rank computes its LM head shard (rank 0 gathers them); rank 0 alone samples.
+            logits = self.model.compute_logits(hidden[:num_seqs])
+            prompt_logits = self.model.compute_logits(hidden)
+            if self.parallel.rank == 0:
+                seqs = [Sequence("profile", i, [0], widest, 0.0) for i in range(num_seqs)]
+                self.sampler(logits, seqs)
+                targets = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+                self.sampler.prompt_logprobs(prompt_logits, targets, MAX_LOGPROBS)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -374,6 +402,8 @@ class ModelRunner:
 
         Prompt log-probabilities, when asked, are computed for the positions of the chunk just run, and embedding
         sequences pool their chunk's hidden states instead of sampling (:func:`~spindle.backend.pooler.pool`).
+        The LM head runs once, over every row anything needs (the rows to sample, then the prompt log-probability
+        positions), so that under tensor parallelism the ranks gather their logits once a step.
         Nothing in the sequences changes (their ``num_computed_tokens`` is still the one before this step); the
         returned :class:`RunnerOutput` holds the sampled tokens, the new prompt log-probabilities and the pooling
         results for the engine core to apply. On CUDA the step waits for the device once, to fetch what it returns
@@ -409,7 +439,11 @@ class ModelRunner:
             seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
             rows += range(query_start_loc[i + 1] - 1 - num_drafts, query_start_loc[i + 1])
             row_seqs += [seq] if not num_drafts else _draft_views(seq, num_drafts)
-        step = self.inputs.build(seqs, query_lens, input_ids, rows)
+        spans = _prompt_spans(seqs, query_start_loc)
+        prompt_rows = [row for _, start, end, first in spans for row in range(first, first + end - start)]
+        step = self.inputs.build(seqs, query_lens, input_ids, rows + prompt_rows)
+        if self.parallel.size > 1:
+            parallel.send_step(self.inputs)
 
         mapping = None if slots is None else LoraMapping.build([slots[i] for i in order], query_lens, self.device)
         graphs = self.decode_graphs
@@ -418,7 +452,8 @@ class ModelRunner:
         else:
             with lora_mapping(mapping):
                 hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
-        prompt = self._prompt_logprobs(seqs, query_start_loc, hidden)
+        logits = self.model.compute_logits(hidden[step.sample_rows]) if rows or prompt_rows else None
+        prompt = self._prompt_logprobs(spans, logits[len(rows) :] if prompt_rows else None)
         pooled = pool(seqs, query_start_loc, hidden)
         sampled = None
         if rows:
@@ -426,7 +461,7 @@ class ModelRunner:
             allowed = grammar_bitmask(
                 [seqs[i] for i in done], [seq_lens[i] - len(seqs[i]) for i in done], self.sampler.vocab_size
             )
-            sampled = self.sampler(self.model.compute_logits(hidden[step.sample_rows]), row_seqs, allowed)
+            sampled = self.sampler(logits[: len(rows)], row_seqs, allowed)
         # Fetched in this order: each sequence's prompt log-probabilities, the sampled tokens, the embeddings.
         tensors = [
             *(t for entry in prompt.values() for t in entry.tensors()),
@@ -455,19 +490,46 @@ class ModelRunner:
         return output
 
     def _prompt_logprobs(
-        self, seqs: list[Sequence], query_start_loc: list[int], hidden: torch.Tensor
+        self, spans: list[tuple[Sequence, int, int, int]], logits: torch.Tensor | None
     ) -> dict[int, LogprobTensors]:
-        """By ``seq_id``, the prompt log-probabilities of this step's positions that each sequence lacks."""
+        """By ``seq_id``, the prompt log-probabilities of the positions in ``spans`` (:func:`_prompt_spans`).
+
+        ``logits`` holds the spans' rows one after another.
+        """
         computed: dict[int, LogprobTensors] = {}
-        for i, seq in enumerate(seqs):
-            num = seq.params.prompt_logprobs
-            # A recomputed (preempted) sequence already has them: positions are recorded in order, once.
-            start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
-            end = min(seq.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i], seq.num_prompt_tokens - 1)
-            if num is None or start >= end:
-                continue
-            offset = query_start_loc[i] - seq.num_computed_tokens
-            logits = self.model.compute_logits(hidden[offset + start : offset + end])
+        row = 0
+        for seq, start, end, _ in spans:
             targets = to_device(seq.token_ids[start + 1 : end + 1], torch.int64, self.device)
-            computed[seq.seq_id] = self.sampler.prompt_logprobs(logits, targets, num)
+            rows = logits[row : row + end - start]  # type: ignore[index]
+            computed[seq.seq_id] = self.sampler.prompt_logprobs(rows, targets, seq.params.prompt_logprobs)
+            row += end - start
         return computed
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel worker: run the steps rank 0 sends (forward and LM head shard) until it stops."""
+        while (step := parallel.receive_step(self.inputs)) is not None:
+            hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+            if step.sample_rows.numel():
+                self.model.compute_logits(hidden[step.sample_rows])
+
+    def close(self) -> None:
+        """Rank 0 under tensor parallelism: tell the workers to stop (they leave their loop and exit)."""
+        if self.parallel.size > 1 and self.parallel.rank == 0:
+            parallel.send_stop(self.device)
+
+
+def _prompt_spans(seqs: list[Sequence], query_start_loc: list[int]) -> list[tuple[Sequence, int, int, int]]:
+    """The prompt log-probability positions this step computes that each sequence lacks.
+
+    One ``(seq, start, end, first_row)`` per sequence that has some: positions ``[start, end)`` of its prompt, whose
+    hidden states are the flat batch's rows from ``first_row`` on.
+    """
+    spans = []
+    for i, seq in enumerate(seqs):
+        # A recomputed (preempted) sequence already has them: positions are recorded in order, once.
+        start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+        end = min(seq.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i], seq.num_prompt_tokens - 1)
+        if seq.params.prompt_logprobs is not None and start < end:
+            spans.append((seq, start, end, query_start_loc[i] - seq.num_computed_tokens + start))
+    return spans

@@ -244,9 +244,8 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the backend process this engine started, if any (an in-process core needs nothing)."""
-        if isinstance(self.core, SyncCoreClient):
-            self.core.close()
+        """Stop the backend process this engine started, or an in-process core's tensor-parallel workers."""
+        self.core.close()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still in flight."""

@@ -58,6 +58,32 @@ class QuantizedWeight:
         low, high = (self.qweight & 0xF).to(torch.int32), (self.qweight >> 4).to(torch.int32)
         return torch.stack([low, high], dim=-1).flatten(-2)
 
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
+        """The part ``[start, start + length)`` of the output rows (``dim`` 0) or the inputs (``dim`` 1).
+
+        Inputs are cut along whole groups, so that every value keeps its scale (a tensor-parallel rank's slice).
+
+        Raises:
+            ValueError: when an input range does not start and end on a group boundary.
+
+        """
+        if dim == 0:
+            zeros = None if self.zeros is None else self.zeros[start : start + length]
+            return QuantizedWeight(
+                self.qweight[start : start + length], self.scales[start : start + length], zeros, self.group_size
+            )
+        if start % self.group_size or length % self.group_size:
+            raise ValueError(f"inputs [{start}, {start + length}) do not fall on groups of {self.group_size}")
+        per_byte = 1 if self.bits == 8 else 2
+        groups = slice(start // self.group_size, (start + length) // self.group_size)
+        zeros = None if self.zeros is None else self.zeros[:, groups]
+        return QuantizedWeight(
+            self.qweight[:, start // per_byte : (start + length) // per_byte],
+            self.scales[:, groups],
+            zeros,
+            self.group_size,
+        )
+
     def to(self, device: torch.device | str) -> "QuantizedWeight":
         """The same weight with its tensors on ``device``."""
         zeros = None if self.zeros is None else self.zeros.to(device)

@@ -67,6 +67,17 @@ class EngineConfig:
         allow_runtime_lora: accept ``LoadLoraAdapter``/``UnloadLoraAdapter`` calls (off: a request must not make
             the server read files unless the operator allows it).
         lora_dir: the directory runtime-loaded adapters must lie in (required with ``allow_runtime_lora``).
+        tensor_parallel_size: processes (ranks) the model is sharded over, Megatron-style, with ``torch.distributed``
+            (NCCL on CUDA, gloo on the CPU); rank 0 runs the engine core, the others are workers (:doc:`scaling`).
+        nnodes: machines the ranks are spread over; each runs ``tensor_parallel_size / nnodes`` of them.
+        node_rank: this machine's index among ``nnodes``: 0 runs the engine core, the others only workers.
+        master_addr: the address of node 0 for the ``torch.distributed`` rendezvous; unset: ``MASTER_ADDR`` from
+            the environment (as ``torchrun`` sets it), else ``127.0.0.1``.
+        master_port: the rendezvous port on node 0; unset: ``MASTER_PORT`` from the environment, else (one node
+            only) a free port.
+        cpu_threads: torch's threads in each process of the engine; unset: the machine's cores divided among the
+            processes of this node (tensor parallel ranks). Data-parallel engines that one ``spindle serve`` starts
+            get the cores divided among them: threads that outnumber the cores stall each other's steps.
 
     """
 
@@ -89,6 +100,12 @@ class EngineConfig:
     max_lora_rank: int = 16
     allow_runtime_lora: bool = False
     lora_dir: str | None = None
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -118,6 +135,18 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("tensor_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes}: "
+                "every node runs the same number of ranks"
+            )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.allow_runtime_lora and not self.lora_dir:
             raise ValueError("allow_runtime_lora needs lora_dir: the directory runtime-loaded adapters must lie in")
 

@@ -7,6 +7,8 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"llama3_tied"``: Llama 3 rope scaling with ``original_max_position_embeddings=64``, so all three frequency bands
   (kept, interpolated, slowed) occur in a head of 16; tied embeddings.
 - ``"qwen2"``: q/k/v biases.
+- ``"llama_tp"``: 8 query heads and 2 KV heads (head size 16) and a vocabulary of 254, for tensor parallelism:
+  TP=4 replicates the KV heads and pads the vocabulary.
 - ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
   context (the GPU tests' long contexts and big heads).
 
@@ -61,6 +63,15 @@ TINY_VARIANTS = {
         },
     ),
     "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "llama_tp": (
+        "LlamaConfig",
+        {
+            "hidden_size": 128,
+            "num_attention_heads": 8,
+            "vocab_size": 254,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
     **{
         f"llama_h128_g{group}": (
             "LlamaConfig",
@@ -115,8 +126,18 @@ def tiny_llama_dir(make_tiny_model: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llm_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama plus a byte-level tokenizer over its 256-token vocabulary, so text round-trips."""
-    path = tmp_path_factory.mktemp("tiny-llm")
-    for file in tiny_llama_dir.iterdir():
+    return _with_byte_tokenizer(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_llm_dir(make_tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``"llama_tp"`` variant (8 query heads, 2 KV heads, vocabulary 254) with the byte-level tokenizer."""
+    return _with_byte_tokenizer(make_tiny_model("llama_tp"), tmp_path_factory.mktemp("tiny-tp-llm"))
+
+
+def _with_byte_tokenizer(model_dir: Path, path: Path) -> Path:
+    """Copy ``model_dir`` into ``path`` with a byte-level tokenizer of 256 tokens (eos: the third); returns ``path``."""
+    for file in model_dir.iterdir():
         shutil.copy(file, path)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))

@@ -143,3 +143,56 @@ def _as_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a Llama-family model one rank holds.
+
+    Attributes:
+        num_heads: its query heads (``num_heads / size``, consecutive from ``rank * num_heads``).
+        num_kv_heads: its KV heads: ``num_kv_heads / size`` when they divide, else the one KV head its query heads
+            read (``rank * num_kv_heads // size``), replicated on ``size / num_kv_heads`` ranks.
+        first_kv_head: the first of its KV heads.
+        intermediate_size: its MLP columns (``intermediate_size / size``).
+        vocab_size: its rows of the embedding and the LM head: the vocabulary padded to a multiple of ``size``,
+            divided by ``size``; the padding rows are zero and their logits are dropped.
+
+    """
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    first_kv_head: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, size: int) -> "Shard":
+        """Rank ``rank``'s part of a model of ``config`` over ``size`` ranks.
+
+        Raises:
+            ValueError: when ``size`` does not split the model: query heads or the intermediate size not divisible
+                by it, or KV heads neither divisible by it nor dividing it.
+
+        """
+        problems = []
+        if config.num_heads % size:
+            problems.append(f"its {config.num_heads} query heads are not divisible by {size}")
+        if config.num_kv_heads % size and size % config.num_kv_heads:
+            problems.append(f"its {config.num_kv_heads} KV heads neither divide by {size} nor divide it")
+        if config.intermediate_size % size:
+            problems.append(f"its intermediate size {config.intermediate_size} is not divisible by {size}")
+        if problems:
+            raise ValueError(f"tensor_parallel_size={size} does not fit the model: {'; '.join(problems)}")
+        num_kv_heads = max(1, config.num_kv_heads // size)
+        return cls(
+            rank=rank,
+            size=size,
+            num_heads=config.num_heads // size,
+            num_kv_heads=num_kv_heads,
+            first_kv_head=rank * config.num_kv_heads // size if num_kv_heads == 1 else rank * num_kv_heads,
+            intermediate_size=config.intermediate_size // size,
+            vocab_size=-(-config.vocab_size // size),
+        )

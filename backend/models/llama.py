@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spindle.backend.models.config import ModelConfig
+from spindle.backend import parallel
+from spindle.backend.models.config import ModelConfig, Shard
 from spindle.kernels import (
     AttentionMetadata,
     add_lora,
@@ -41,15 +42,19 @@ def _with_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None) -> torc
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv projection, rotary, cache write, paged attention, output projection."""
+    """Self-attention: fused qkv projection, rotary, cache write, paged attention, output projection.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    Under tensor parallelism it holds its rank's query and KV heads (``shard``); the output projection is
+    row-parallel: each rank's partial sum is all-reduced.
+    """
+
+    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = shard.num_heads * config.head_dim
+        self.kv_size = shard.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size, dtype=dtype) if config.qkv_bias else None
@@ -79,20 +84,25 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v, *kv_cache, self.scale)
         out = out.view(num_tokens, self.q_size)
-        return _with_lora(linear(out, self.o_proj, prepared=self.prepared.get("o_proj")), out, self.lora.get("o_proj"))
+        out = _with_lora(linear(out, self.o_proj, prepared=self.prepared.get("o_proj")), out, self.lora.get("o_proj"))
+        return parallel.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and SwiGLU MLP blocks, with the residual adds fused into the norms."""
+    """Pre-norm attention and SwiGLU MLP blocks, with the residual adds fused into the norms.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    Under tensor parallelism the MLP holds its rank's intermediate columns (``shard``): gate/up column-parallel,
+    down row-parallel with an all-reduce.
+    """
+
+    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, shard, dtype)
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.gate_up_proj = _weight(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down_proj = _weight(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.gate_up_proj = _weight(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down_proj = _weight(config.hidden_size, shard.intermediate_size, dtype=dtype)
         self.prepared: dict[str, Projection] = {}
         self.lora: dict[str, LoraSlots] = {}
 
@@ -118,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = _with_lora(
             linear(act, self.down_proj, prepared=self.prepared.get("down_proj")), act, self.lora.get("down_proj")
         )
-        return hidden, residual
+        return parallel.all_reduce(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,17 +140,26 @@ class LlamaForCausalLM(nn.Module):
     into ``gate_up_proj``. The model runner calls :meth:`prepare_weights` after loading; every ``prepared`` dict then
     holds the :class:`~spindle.kernels.linear.Projection` (oneDNN-packed, quantized) that the forward runs instead of
     the plain weight.
+
+    Under tensor parallelism (:func:`spindle.backend.parallel.current`, read when the model is built) each rank
+    holds its :class:`~spindle.backend.models.config.Shard`: :meth:`shard_range` says which part of each checkpoint
+    tensor, and the parameters have the shard's shapes. The embedding and the LM head hold the rank's rows of the
+    vocabulary padded to a multiple of the ranks.
     """
+
+    supports_tensor_parallel = True
+    """Read by the model runner: this class shards itself over the ranks (a registered class may not)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers))
+        place = parallel.current()
+        self.shard = Shard.of(config, place.rank, place.size)
+        vocab = self.shard.vocab_size
+        self.embed_tokens = _weight(vocab, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.shard, dtype) for _ in range(config.num_layers))
         self.norm = _weight(config.hidden_size, dtype=dtype)
-        self.lm_head = (
-            None if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
-        )
+        self.lm_head = None if config.tie_word_embeddings else _weight(vocab, config.hidden_size, dtype=dtype)
         cos_sin_cache = build_cos_sin_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
@@ -204,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             The final-norm hidden states ``[T, hidden_size]``; pass the rows to sample to :meth:`compute_logits`.
 
         """
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         residual = None
         with attention_metadata(meta):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -212,10 +231,31 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states ``[N, hidden_size]`` to float32 logits ``[N, vocab_size]``."""
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids``.
+
+        Over several ranks each looks up the tokens of its vocabulary rows, zeros the others, and the ranks' results
+        are summed.
+        """
+        if self.shard.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        start = self.shard.rank * self.shard.vocab_size
+        local = input_ids - start
+        outside = (local < 0) | (local >= self.shard.vocab_size)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return parallel.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Project hidden states ``[N, hidden_size]`` to float32 logits ``[N, vocab_size]``.
+
+        Over several ranks every rank must call it with the same rows: each computes its vocabulary shard, and
+        rank 0 gets the whole logits; the other ranks get None.
+        """
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head, prepared=self.prepared.get("lm_head")).float()
+        logits = parallel.gather_columns(linear(hidden, head, prepared=self.prepared.get("lm_head")).float())
+        if logits is None or self.shard.size == 1:
+            return logits
+        return logits[:, : self.config.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters, stacking q/k/v and gate/up.
@@ -232,26 +272,44 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
                 continue
+            full_shape = tuple(tensor.shape)
+            spec = self.shard_range(hf_name)
+            if spec is not None:
+                dim, start, length = spec
+                tensor = tensor.narrow(dim, start, max(0, min(length, tensor.shape[dim] - start)))
             name, offset, rows = self.parameter_slice(hf_name)
             end = None if rows is None else offset + rows
             target = params[name].data[offset:end] if name in params else None
+            if target is not None and name in ("embed_tokens", "lm_head") and self.shard.size > 1:
+                # The last shard of a vocabulary that does not divide by the ranks ends in padding rows: zeros.
+                target[tensor.shape[0] :].zero_()
+                target = target[: tensor.shape[0]]
+                loaded[name] = loaded.get(name, 0) + len(params[name]) - tensor.shape[0]
             if target is None or target.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {hf_name} {tuple(tensor.shape)} does not fit this model")
+                raise ValueError(f"checkpoint tensor {hf_name} {full_shape} does not fit this model")
             target.copy_(tensor)
             loaded[name] = loaded.get(name, 0) + tensor.shape[0]
         missing = [name for name, p in params.items() if loaded.get(name, 0) != p.shape[0]]
         if missing:
             raise ValueError(f"the checkpoint left these parameters unloaded (or part loaded): {missing}")
 
+    def shard_range(self, hf_name: str) -> tuple[int, int, int] | None:
+        """The part of the full checkpoint tensor ``hf_name`` this rank holds: ``(dim, start, length)``, None for all.
+
+        Always None with one rank. A vocabulary range may run past the tensor's end: the rest is padding.
+        """
+        return _shard_range(hf_name, self.config, self.shard)
+
     def parameter_slice(self, hf_name: str) -> tuple[str, int, int | None]:
         """Where a Hugging Face tensor goes: ``(parameter name, first row, rows)``, rows None for the whole parameter.
 
         ``model.layers.3.self_attn.k_proj.weight`` -> ``("layers.3.self_attn.qkv_proj", q_size, kv_size)``. A name
-        the model does not know comes back as it is (the caller finds no such parameter).
+        the model does not know comes back as it is (the caller finds no such parameter). Under tensor parallelism
+        the offsets and rows are those of this rank's shard (the tensor cut by :meth:`shard_range`).
         """
-        config = self.config
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        intermediate = config.intermediate_size
+        shard, head_dim = self.shard, self.config.head_dim
+        q_size, kv_size = shard.num_heads * head_dim, shard.num_kv_heads * head_dim
+        intermediate = shard.intermediate_size
         # HF name part -> (our name part, offset, rows) of a slice of a fused parameter.
         fused = {
             "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0, q_size),
@@ -306,6 +364,38 @@ class LlamaModel(LlamaForCausalLM):
     def parameter_slice(self, hf_name: str) -> tuple[str, int, int | None]:
         """As :meth:`LlamaForCausalLM.parameter_slice`, for names with or without the ``model.`` prefix."""
         return super().parameter_slice(hf_name if hf_name.startswith("model.") else "model." + hf_name)
+
+    def shard_range(self, hf_name: str) -> tuple[int, int, int] | None:
+        """As :meth:`LlamaForCausalLM.shard_range`, for names with or without the ``model.`` prefix."""
+        return super().shard_range(hf_name if hf_name.startswith("model.") else "model." + hf_name)
+
+
+def _shard_range(hf_name: str, config: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
+    """The part of a full checkpoint tensor that ``shard`` holds: ``(dim, start, length)``, None for all of it.
+
+    Column-parallel projections (q/k/v, gate/up, with their biases) and the vocabulary take output rows (dim 0), the
+    row-parallel ones (o, down) input columns (dim 1). A vocabulary range may run past the tensor's end (padding).
+    """
+    if shard.size == 1:
+        return None
+    head_dim = config.head_dim
+    _, part = _split_layer_name(hf_name)
+    part = part.removeprefix("model.")
+    q_rows = (0, shard.rank * shard.num_heads * head_dim, shard.num_heads * head_dim)
+    kv_rows = (0, shard.first_kv_head * head_dim, shard.num_kv_heads * head_dim)
+    mlp_rows = (0, shard.rank * shard.intermediate_size, shard.intermediate_size)
+    ranges = {
+        "self_attn.q_proj": q_rows,
+        "self_attn.k_proj": kv_rows,
+        "self_attn.v_proj": kv_rows,
+        "self_attn.o_proj": (1, *q_rows[1:]),
+        "mlp.gate_proj": mlp_rows,
+        "mlp.up_proj": mlp_rows,
+        "mlp.down_proj": (1, *mlp_rows[1:]),
+        "embed_tokens": (0, shard.rank * shard.vocab_size, shard.vocab_size),
+        "lm_head": (0, shard.rank * shard.vocab_size, shard.vocab_size),
+    }
+    return ranges.get(part.rsplit(".", 1)[0])
 
 
 def _split_layer_name(hf_name: str) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from spindle.backend import parallel
 from spindle.backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from spindle.backend.models.registry import CausalLM, model_class
 from spindle.kernels.quant import QuantizedWeight, cat_rows, pack_int4, quantize
@@ -282,8 +283,10 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int) -> dict[str, 
 
     A projection comes from the GGUF file's own blocks where the conversion kept them at these bits
     (:data:`QUANTIZED_FILE`); the others are quantized at load from the loaded weights
-    (:func:`~spindle.kernels.quant.quantize`). The lm head is 8-bit in either case: 4-bit logits cost quality that
-    its share of the work does not repay, and GGUF files keep it at 6 bits or more for the same reason.
+    (:func:`~spindle.kernels.quant.quantize`). Under tensor parallelism the stored ones are cut to the rank's shard
+    (:meth:`~spindle.backend.models.llama.LlamaForCausalLM.shard_range`), inputs along whole groups only. The lm
+    head is 8-bit in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
+    files keep it at 6 bits or more for the same reason.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
@@ -297,10 +300,16 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int) -> dict[str, 
                 qweight, scales = f.get_tensor(key), f.get_tensor(f"{hf_name}.scales")
                 zeros = f.get_tensor(f"{hf_name}.zeros") if f"{hf_name}.zeros" in names else None
                 inputs = qweight.shape[1] * (1 if qweight.dtype == torch.int8 else 2)
+                weight = QuantizedWeight(qweight, scales, zeros, inputs // scales.shape[1])
+                spec = model.shard_range(hf_name) if parallel.current().size > 1 else None
+                if spec is not None:
+                    dim, start, length = spec
+                    length = min(length, weight.shape[dim] - start)
+                    if dim == 1 and (start % weight.group_size or length % weight.group_size):
+                        continue  # a rank's inputs that split a group: quantized again from its dense slice below
+                    weight = weight.narrow(dim, start, length)
                 name, offset, _ = model.parameter_slice(hf_name)
-                stored.setdefault(name, []).append(
-                    (offset, QuantizedWeight(qweight, scales, zeros, inputs // scales.shape[1]))
-                )
+                stored.setdefault(name, []).append((offset, weight))
     weights = {}
     for name, (module, attr) in model.projections().items():
         wanted = 8 if name == "lm_head" else bits

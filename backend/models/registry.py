@@ -53,8 +53,12 @@ class CausalLM(Protocol):
         ``spindle.kernels.attention_metadata(meta)`` does it, and attends over the cache.
         """
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[N, hidden]`` to float32 logits ``[N, vocab_size]``."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states ``[N, hidden]`` to float32 logits ``[N, vocab_size]``.
+
+        Under tensor parallelism every rank calls it on the same rows, and only rank 0 gets the logits (None
+        elsewhere).
+        """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill the parameters from the checkpoint's ``(name, tensor)`` pairs (every safetensors shard)."""
@@ -70,6 +74,12 @@ class CausalLM(Protocol):
 
     def parameter_slice(self, hf_name: str) -> tuple[str, int, int | None]:
         """With ``--quantization`` only: where a checkpoint tensor goes, ``(projection name, first row, rows)``."""
+
+    def shard_range(self, hf_name: str) -> tuple[int, int, int] | None:
+        """With ``tensor_parallel_size > 1`` only: the part ``(dim, start, length)`` of a tensor this rank holds.
+
+        None for the whole tensor. A class that shards itself also sets ``supports_tensor_parallel = True``.
+        """
 
 
 def model_class(architecture: str) -> type[CausalLM]:

@@ -1,0 +1,169 @@
+"""Tensor parallelism over ``torch.distributed``: each rank's slice of the model, the process group, the collectives.
+
+Megatron-style: every rank holds its :class:`~spindle.backend.models.config.Shard`, its query heads and KV heads (KV
+heads replicated when there are fewer than ranks), its share of the MLP's intermediate columns and of the (padded)
+vocabulary. The row-parallel projections (o and down) and the vocabulary-parallel embedding end in one all-reduce
+each, so every rank holds the whole hidden state between layers; the LM head's vocabulary shards are gathered on rank
+0, the only rank that samples.
+
+Rank 0 runs the engine core and sends each step to the workers as a small int64 header and the used prefixes of
+:class:`~spindle.backend.input_buffers.InputBuffers`' two integer buffers (:func:`send_step`): broadcasts of plain
+tensors, no pickling, and the workers rebuild the step's inputs from them (:func:`receive_step`).
+"""
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from spindle.backend.input_buffers import InputBuffers, StepInputs, StepLayout
+from spindle.shared.config import EngineConfig
+
+_STOP, _STEP = 0, 1
+_HEADER = 7  # kind, then the StepLayout's six fields
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A process's place among the ranks.
+
+    Attributes:
+        rank: its global rank; 0 runs the engine core.
+        size: the number of ranks (``tensor_parallel_size``).
+        local_rank: its index among the ranks of its node (its CUDA device there).
+        local_size: the ranks each node runs.
+
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    @classmethod
+    def of(cls, config: EngineConfig, rank: int) -> "TensorParallel":
+        """The place of global ``rank`` under ``config``'s ``tensor_parallel_size`` and ``nnodes``."""
+        local_size = config.tensor_parallel_size // config.nnodes
+        return cls(rank, config.tensor_parallel_size, rank % local_size, local_size)
+
+
+_current = TensorParallel()
+
+
+def current() -> TensorParallel:
+    """The place of this process, set by :func:`set_current` (rank 0 of 1 unless tensor parallel)."""
+    return _current
+
+
+def set_current(place: TensorParallel) -> None:
+    """Record this process's place; the model reads it when it builds its parameters.
+
+    It builds those of its :class:`~spindle.backend.models.config.Shard`.
+    """
+    global _current
+    _current = place
+
+
+def rendezvous(config: EngineConfig) -> EngineConfig:
+    """``config`` with node 0's address and port for the ``torch.distributed`` rendezvous filled in.
+
+    They are ``config``'s own, else ``MASTER_ADDR``/``MASTER_PORT`` from the environment (as ``torchrun`` sets them),
+    else 127.0.0.1 and a free port.
+
+    Raises:
+        ValueError: on several nodes without a port (``--master-port`` or ``MASTER_PORT``): the nodes must agree.
+
+    """
+    addr = config.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = config.master_port or os.environ.get("MASTER_PORT")
+    if port is None:
+        if config.nnodes > 1:
+            raise ValueError(f"nnodes={config.nnodes} needs master_port (or MASTER_PORT): every node must know it")
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+    return replace(config, master_addr=addr, master_port=int(port))
+
+
+def init_group(config: EngineConfig, device: torch.device) -> None:
+    """Join the process group of :func:`current`'s ranks at ``config``'s rendezvous: NCCL on CUDA, gloo on the CPU.
+
+    A lost rank fails a gloo collective at once (its connection closes); the timeout bounds the other waits.
+    """
+    place = current()
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        rank=place.rank,
+        world_size=place.size,
+        timeout=datetime.timedelta(minutes=10),
+    )
+
+
+def destroy_group() -> None:
+    """Leave the process group, if joined, and be a single rank again.
+
+    Another engine of this process, or a model loaded outside one, then starts afresh.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_current(TensorParallel())
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; ``x`` itself with one rank."""
+    if current().size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (each rank's KV cache budget: the cache must fit on all)."""
+    if current().size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def gather_columns(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every rank's ``x [N, cols]`` along the columns, on rank 0 (``[N, size * cols]``); None elsewhere."""
+    place = current()
+    if place.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(place.size)] if place.rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    return None if parts is None else torch.cat(parts, dim=1)
+
+
+def send_step(inputs: InputBuffers) -> None:
+    """Rank 0: broadcast the step :meth:`InputBuffers.build` just wrote: its layout, then its two buffer prefixes."""
+    layout = inputs.layout
+    header = torch.tensor([_STEP, *layout], dtype=torch.int64, device=inputs.device)
+    dist.broadcast(header, src=0)
+    longs, ints = inputs.prefixes(layout)
+    dist.broadcast(longs, src=0)
+    dist.broadcast(ints, src=0)
+
+
+def send_stop(device: torch.device) -> None:
+    """Rank 0: tell the workers that the engine is closing."""
+    dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=device), src=0)
+
+
+def receive_step(inputs: InputBuffers) -> StepInputs | None:
+    """A worker: the next step's inputs, received into ``inputs``' buffers; None when rank 0 stops."""
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=inputs.device)
+    dist.broadcast(header, src=0)
+    kind, *fields = header.tolist()
+    if kind == _STOP:
+        return None
+    layout = StepLayout(*fields)
+    longs, ints = inputs.prefixes(layout)
+    dist.broadcast(longs, src=0)
+    dist.broadcast(ints, src=0)
+    return inputs.views(layout)
