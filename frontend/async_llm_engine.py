@@ -166,8 +166,9 @@ class AsyncLLMEngine:
         """
         params = sampling_params or SamplingParams()
         prompt = self.input_processor.process(inputs, params)
-        lora_name = await self._lora_name(lora_request)
-        async for output in self._stream(request_id, prompt, params, delta, priority, lora_name):
+        async for output in self.generate_processed(
+            prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
+        ):
             yield output
 
     async def chat(
@@ -190,6 +191,28 @@ class AsyncLLMEngine:
         """
         params = sampling_params or SamplingParams()
         prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
+        async for output in self.generate_processed(
+            prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
+        ):
+            yield output
+
+    async def generate_processed(
+        self,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        delta: bool = False,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Like :meth:`generate` for a prompt that :attr:`input_processor` has already checked and tokenized.
+
+        A router that needs a prompt's token ids to choose an engine
+        (:class:`~spindle.frontend.data_parallel.DataParallelEngine`) tokenizes it once and streams it here; a chat
+        prompt with tools constrains ``params`` to its tool calls, as :meth:`chat` does. Raises what
+        :meth:`generate` raises, except for the checks of the inputs.
+        """
         if prompt.tools is not None:
             params = prompt.tools.constrain(params)
         lora_name = await self._lora_name(lora_request)
@@ -337,17 +360,21 @@ class AsyncLLMEngine:
                 if rid in self.output_processor.requests:  # failed or cancelled before it ended: free its blocks
                     self._abort(rid)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request: its stream ends with a final output whose unfinished completions end with ``ABORT``."""
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request: its stream ends with a final output whose unfinished completions end with ``ABORT``.
+
+        Returns whether the request was in flight (``False``: unknown or ended already, nothing to do).
+        """
         state = self.output_processor.requests.get(request_id)
         if state is None:
-            return
+            return False
         self._abort(request_id)
         for completion in state.completions:
             completion.finish_reason = completion.finish_reason or FinishReason.ABORT
         queue = self.queues.get(request_id)
         if queue is not None:
             queue.put_nowait(state.output())
+        return True
 
     async def get_stats(self) -> EngineStats:
         """The backend's scheduler and KV cache state, as of its next heartbeat or step (at most 0.25 s away)."""
@@ -526,7 +553,8 @@ class AsyncLLMEngine:
                         "The backend is down (%s): starting a new one in %g s (attempt %d)", cause, delay, attempt
                     )
                     await asyncio.sleep(delay)
-                    process, address = start_backend(old.config)  # from this thread: see start_backend
+                    # From this thread: see start_backend. With the variables the old one had (its devices).
+                    process, address = start_backend(old.config, env=old.process.extra_env)
                     connection = await self._open(address, old.config, old.startup_timeout, process)
                 else:
                     self._down = EngineDeadError(f"{cause}; reconnecting, attempt {attempt}")

@@ -11,26 +11,66 @@ import argparse
 import asyncio
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from spindle.frontend.grpc_args import add_server_args
 from spindle.shared.config import add_backend_args, add_engine_args, add_log_args, config_from_args, configure_logging
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 
+if TYPE_CHECKING:
+    from spindle.frontend.data_parallel import Engine
+
 
 def _serve(args: argparse.Namespace) -> int:
-    from spindle.frontend.async_llm_engine import AsyncLLMEngine
     from spindle.frontend.grpc_args import server_config_from_args
     from spindle.frontend.grpc_server import serve
 
-    configure_logging(args.log_format)  # first: the backend child started below logs in the same format
-    ModelRegistry.register_models(args.register_model)  # forwarded to the backend child; imported there only
+    configure_logging(args.log_format)  # first: the backend children started below log in the same format
+    ModelRegistry.register_models(args.register_model)  # forwarded to the backend children; imported there only
     server_config = server_config_from_args(args)
-    engine = AsyncLLMEngine.from_args(backend_address=args.backend_address, **vars(config_from_args(args)))
+    try:
+        engine = engine_from_args(args)
+    except ValueError as error:
+        print(f"spindle serve: {error}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve(engine, server_config))
     finally:
         engine.shutdown()
     return 0
+
+
+def engine_from_args(args: argparse.Namespace) -> "Engine":
+    """The engine ``spindle serve`` serves, connected to its backends.
+
+    One :class:`~spindle.frontend.async_llm_engine.AsyncLLMEngine`, or a
+    :class:`~spindle.frontend.data_parallel.DataParallelEngine` over ``--data-parallel-size`` backends (or over the
+    backends of a comma-separated ``--backend-address``).
+
+    Raises:
+        ValueError: a ``--data-parallel-size`` other than 1 or the number of backend addresses.
+
+    """
+    from spindle.frontend.async_llm_engine import AsyncLLMEngine
+    from spindle.frontend.data_parallel import DataParallelEngine
+
+    addresses = [address.strip() for address in (args.backend_address or "").split(",") if address.strip()]
+    if addresses and args.data_parallel_size not in (1, len(addresses)):
+        raise ValueError(
+            f"--data-parallel-size {args.data_parallel_size} but {len(addresses)} --backend-address values: "
+            "give one address per engine (the size then follows from them)"
+        )
+    engine_args = vars(config_from_args(args))
+    if max(len(addresses), args.data_parallel_size) == 1:
+        return AsyncLLMEngine.from_args(backend_address=addresses[0] if addresses else None, **engine_args)
+    return DataParallelEngine.from_args(None if addresses else args.data_parallel_size, addresses, **engine_args)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return number
 
 
 def _backend(args: argparse.Namespace) -> int:
@@ -80,7 +120,14 @@ def add_commands(commands: "argparse._SubParsersAction[argparse.ArgumentParser]"
     serve.add_argument(
         "--backend-address",
         default=os.environ.get("SPINDLE_BACKEND_ADDRESS"),
-        help="use the backend listening here instead of starting one",
+        help="use the backend listening here instead of starting one; a comma-separated list for one engine per "
+        "backend behind this frontend (data parallel)",
+    )
+    serve.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=os.environ.get("SPINDLE_DATA_PARALLEL_SIZE", "1"),  # a string default goes through the type too
+        help="start this many backend engines, each with its own KV cache, and route requests between them",
     )
     add_log_args(serve)
     add_register_model_args(serve)

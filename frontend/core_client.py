@@ -72,13 +72,22 @@ class BackendProcess(subprocess.Popen):
 
     Attributes:
         socket_dir: the private temporary directory holding its ipc socket, or ``None`` for an address it was given.
+        extra_env: the variables :func:`start_backend` set for it beside this process's environment (a backend
+            started again in its place gets them too).
 
     """
 
     EXIT_TIMEOUT = 5.0
 
-    def __init__(self, args: list[str], socket_dir: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        socket_dir: str | None = None,
+        env: dict[str, str] | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.socket_dir = socket_dir
+        self.extra_env = extra_env or {}
         self._exit_hook_registered = False
         super().__init__(args, env=env)
         atexit.register(self._stop_at_exit)
@@ -121,7 +130,7 @@ class BackendProcess(subprocess.Popen):
 
 
 def start_backend(
-    config: EngineConfig, address: str | None = None, grace_period: float = 30.0
+    config: EngineConfig, address: str | None = None, grace_period: float = 30.0, env: dict[str, str] | None = None
 ) -> tuple[BackendProcess, str]:
     """Start ``spindle backend`` as a child that dies with this process; returns it and its address.
 
@@ -131,7 +140,8 @@ def start_backend(
     was configured with (:func:`~spindle.shared.config.configure_logging`). The model classes registered in this
     process (:class:`~spindle.shared.model_registry.ModelRegistry`) go along as ``--register-model`` flags, and
     then this process's ``sys.path`` as the child's ``PYTHONPATH``, so that it imports their modules from where this
-    process would (a script's folder, say).
+    process would (a script's folder, say). ``env`` adds variables to the child's environment (e.g. the
+    ``CUDA_VISIBLE_DEVICES`` of one data-parallel engine).
 
     Call it from a thread that lives as long as the backend should (the main thread, or an event loop's): the
     backend's parent-death signal fires when the *thread* that started it ends.
@@ -161,12 +171,13 @@ def start_backend(
     log_format = configured_log_format()
     if log_format is not None:  # else the child reads SPINDLE_LOG_FORMAT from the environment it inherits
         argv += ["--log-format", log_format]
-    env = None
+    child_env = {**os.environ, **env} if env else None
     if registrations:
         argv += registrations
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path for path in sys.path if path))}
+        path = os.pathsep.join(dict.fromkeys(path for path in sys.path if path))
+        child_env = {**(child_env or os.environ), "PYTHONPATH": path}
     try:
-        process = BackendProcess([*argv, *config_to_argv(config)], socket_dir, env)
+        process = BackendProcess([*argv, *config_to_argv(config)], socket_dir, child_env, env)
     except BaseException:
         if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)

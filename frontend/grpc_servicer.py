@@ -1,4 +1,4 @@
-"""``spindle.v1.SpindleService`` over an :class:`AsyncLLMEngine`, and the one mapping of exceptions to status codes.
+"""``spindle.v1.SpindleService`` over an engine, and the one mapping of exceptions to status codes.
 
 Errors are status codes a caller can act on, chosen by the exception's type in :func:`status_for` and nowhere
 else: ``INVALID_ARGUMENT`` (with a ``google.rpc.BadRequest`` field violation per field at fault) for bad inputs and
@@ -30,8 +30,8 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.core_client import EngineDeadError
+from spindle.frontend.data_parallel import Engine
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_mapping import (
     ResponseBuilder,
@@ -162,12 +162,13 @@ def _version() -> str:
 
 
 class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
-    """Implements ``spindle.v1.SpindleService`` on an :class:`AsyncLLMEngine`.
+    """Implements ``spindle.v1.SpindleService`` on an engine.
 
     Each method raises what goes wrong; :func:`status_for` alone turns it into the call's status.
 
     Args:
-        engine: the engine, connected to its backend.
+        engine: the engine, connected to its backend: an :class:`~spindle.frontend.async_llm_engine.AsyncLLMEngine`,
+            or a :class:`~spindle.frontend.data_parallel.DataParallelEngine` whose figures are its engines' sums.
         config: the server's limits, and where to send traces.
 
     Attributes:
@@ -176,7 +177,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
     """
 
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.load = LoadTracker(engine)
@@ -292,9 +293,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self, request: spindle_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.AbortResponse:
         """Abort a request in flight."""
-        aborted = request.request_id in self.engine.output_processor.requests
-        await self.engine.abort(request.request_id)
-        return spindle_pb2.AbortResponse(aborted=aborted)
+        return spindle_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
 
     @_ends_with_status
     async def GetModelInfo(  # noqa: N802

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.data_parallel import Engine, replicas, sum_stats
 from spindle.frontend.output_processor import RequestState
 from spindle.shared import FinishReason
 from spindle.shared.protocol import EngineStats
@@ -204,63 +204,88 @@ class LoadTracker:
     """The engine's load as the server sees it: the latest stats, totals that survive backend restarts, and rates.
 
     :meth:`start` follows every stats update (each step and heartbeat) in a task, and every request's tokens as a
-    :class:`~spindle.frontend.output_processor.StepListener`. The backend's counts start from zero when it restarts;
-    the :attr:`totals` add up what they grew by, so they only ever grow.
+    :class:`~spindle.frontend.output_processor.StepListener`; for a
+    :class:`~spindle.frontend.data_parallel.DataParallelEngine`, those of each of its engines, whose figures add up.
+    The backend's counts start from zero when it restarts; the :attr:`totals` add up what they grew by, so they only
+    ever grow.
 
     Args:
-        engine: the engine, connected to its backend.
+        engine: the engine, connected to its backend (or backends).
         window: the seconds that the recent rates (throughput, prefix cache hit rate) cover.
 
     Attributes:
-        stats: the latest stats (``None`` before the first).
+        engines: the engines followed: ``engine`` itself, or its engines.
         totals: per cumulative :class:`EngineStats` field (``num_preemptions``, ``num_prefix_cache_queries``, ...),
-            its sum over every backend this engine has had.
+            its sum over every backend the engines have had.
 
     """
 
-    def __init__(self, engine: AsyncLLMEngine, window: float = 10.0) -> None:
+    def __init__(self, engine: Engine, window: float = 10.0) -> None:
         self.engine = engine
+        self.engines = replicas(engine)
         self.window = window
-        self.stats: EngineStats | None = None
         self.totals = dict.fromkeys(_CUMULATIVE_STATS, 0)
-        self._restarts = 0
+        # Per engine: its latest stats, whether it served at its latest look, and its restarts then.
+        self._latest: list[EngineStats | None] = [None] * len(self.engines)
+        self._serving = [True] * len(self.engines)
+        self._restarts = [0] * len(self.engines)
         self._started = time.monotonic()
         # One entry per second that saw activity: [second, tokens generated, prefix queries, prefix hits].
         self._seconds: collections.deque[list[int]] = collections.deque()
         self._updated = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The latest stats (``None`` before the first): with several engines, the sum over those that serve.
+
+        While none serves, the last ones seen stay, as they do for a single engine.
+        """
+        seen = [stats for stats in self._latest if stats is not None]
+        serving = [stats for stats, up in zip(self._latest, self._serving, strict=True) if stats is not None and up]
+        latest = serving or seen
+        if len(latest) <= 1:
+            return latest[0] if latest else None
+        return sum_stats(latest)
 
     def start(self) -> None:
-        """Start following the engine (from its event loop)."""
-        self.engine.output_processor.listeners.append(self)
-        self._task = asyncio.get_running_loop().create_task(self._follow())
+        """Start following the engines (from their event loop)."""
+        loop = asyncio.get_running_loop()
+        for member, engine in enumerate(self.engines):
+            engine.output_processor.listeners.append(self)
+            self._tasks.append(loop.create_task(self._follow(member)))
 
     async def close(self) -> None:
-        """Stop following the engine."""
-        with contextlib.suppress(ValueError):
-            self.engine.output_processor.listeners.remove(self)
-        if self._task is not None:
-            self._task.cancel()
+        """Stop following the engines."""
+        for engine in self.engines:
+            with contextlib.suppress(ValueError):
+                engine.output_processor.listeners.remove(self)
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
 
-    def update(self, stats: EngineStats) -> None:
-        """Take one stats update: add what the counts grew by to the totals and the window, wake the waiters."""
-        restarts = getattr(self.engine, "num_backend_restarts", 0)
+    def update(self, stats: EngineStats, member: int = 0) -> None:
+        """Take one stats update: add what the counts grew by to the totals and the window, wake the waiters.
+
+        ``member`` is the index, among :attr:`engines`, of the engine the stats come from.
+        """
+        restarts = getattr(self.engines[member], "num_backend_restarts", 0)
         # After a restart the new backend's counts start from zero, so all of them are new.
-        previous = self.stats if restarts == self._restarts else None
-        self._restarts = restarts
+        previous = self._latest[member] if restarts == self._restarts[member] else None
+        self._restarts[member] = restarts
         grown = {}
         for name in _CUMULATIVE_STATS:
             new, old = getattr(stats, name), getattr(previous, name, 0)
             # A count that went down means a new backend too (if the engine did not say so).
             grown[name] = new - old if new >= old else new
             self.totals[name] += grown[name]
-        if self.stats is not None:  # the first update brings what the backend counted before this server
+        if self._latest[member] is not None:  # the first update brings what the backend counted before this server
             second = self._second()
             second[2] += grown["num_prefix_cache_queries"]
             second[3] += grown["num_prefix_cache_hits"]
-        self.stats = stats
+        self._latest[member] = stats
+        self._serving[member] = True
         self._updated.set()
         self._updated = asyncio.Event()
 
@@ -306,16 +331,18 @@ class LoadTracker:
                 self._seconds.popleft()
         return self._seconds[-1]
 
-    async def _follow(self) -> None:
+    async def _follow(self, member: int) -> None:
+        engine = self.engines[member]
         while True:
             try:
-                stats = await self.engine.get_stats()  # the next step's or heartbeat's
+                stats = await engine.get_stats()  # the next step's or heartbeat's
             except Exception as error:
                 # The backend is down (EngineDeadError): nothing to follow until the engine has one again.
                 logger.debug("No engine stats (%s): trying again shortly", error)
+                self._serving[member] = False
                 await asyncio.sleep(0.5)
                 continue
-            self.update(stats)
+            self.update(stats, member)
 
 
 def _finished_reason(state: RequestState) -> str:
@@ -367,7 +394,7 @@ class MetricsServer:
     prometheus_client's global one, so that several servers can share a process.
 
     Args:
-        engine: the engine, connected to its backend.
+        engine: the engine, connected to its backend (or backends).
         load: the server's :class:`LoadTracker`, started.
         host: the interface to listen on.
         port: the TCP port; ``0`` picks a free one (:attr:`port` says which).
@@ -378,11 +405,10 @@ class MetricsServer:
 
     """
 
-    def __init__(self, engine: AsyncLLMEngine, load: LoadTracker, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: Engine, load: LoadTracker, host: str = "127.0.0.1", port: int = 0) -> None:
         # Imported here: only a server that serves metrics needs prometheus_client.
         import prometheus_client
 
-        self.engine = engine
         self.registry = prometheus_client.CollectorRegistry()
         prometheus_client.ProcessCollector(registry=self.registry)
         prometheus_client.PlatformCollector(registry=self.registry)
@@ -407,7 +433,9 @@ class MetricsServer:
         self._metrics = {name: metric.labels(model_name) for name, metric in metrics.items()}
         self.httpd, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
         self.port: int = self.httpd.server_address[1]
-        engine.output_processor.listeners.append(self)
+        self.engines = replicas(engine)
+        for member in self.engines:
+            member.output_processor.listeners.append(self)
         logger.info("Serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
@@ -442,8 +470,9 @@ class MetricsServer:
 
     def close(self) -> None:
         """Stop recording and serving."""
-        with contextlib.suppress(ValueError):
-            self.engine.output_processor.listeners.remove(self)
+        for member in self.engines:
+            with contextlib.suppress(ValueError):
+                member.output_processor.listeners.remove(self)
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(5)
