@@ -3,7 +3,8 @@
 The shapes are a real model's (``--config llama3-8b``: 32 layers, hidden 4096, 32 query and 8 KV heads of 128,
 MLP 14336), the weights normal with a small standard deviation (bf16 safetensors, one shard), and the tokenizer is
 the embedded SmolLM2's, so the vocabulary is its 49,152 tokens rather than Llama-3's 128,256: the lm head is smaller
-than the real model's, everything else is the same work. ``--config tiny`` writes a two-layer model in a second, to
+than the real model's, everything else is the same work. ``--config small`` writes a ~125M-parameter model whose
+heads tensor parallel 2 and 4 divide; ``--config tiny`` writes a two-layer model in a second, to
 try the script anywhere. The weights are drawn on the GPU when there is one (16 GB for the 8B shapes)::
 
     python -m bench.random_llama /tmp/llama3-8b-random --config llama3-8b
@@ -22,6 +23,10 @@ from spindle.backend.models.loader import resolve_model
 CONFIGS = {
     "llama3-8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    ),
+    # ~125M parameters (untied lm head), 8 query and 4 KV heads: tensor parallel 2 and 4 divide it (bench.scale).
+    "small": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4
     ),
     "tiny": dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
