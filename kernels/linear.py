@@ -13,17 +13,24 @@ import torch.nn.functional as F
 from spindle.kernels import cpu, quantized_linear
 from spindle.kernels.quant import QuantizedWeight
 
-MAX_QUANTIZED_TOKENS = {8: 3, 4: 8} if torch.backends.cpu.get_cpu_capability() == "AVX512" else {8: 8, 4: 0}
+_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+
+TORCH_INT4 = _CAPABILITY == "AVX512"
+"""Whether int4 projections run torch's CPU kernel (``_weight_int4pack_mm_for_cpu``, fast with AVX-512 only) rather
+than ours (``spindle.kernels.cpu.int4_linear``)."""
+
+MAX_QUANTIZED_TOKENS = {"AVX512": {8: 3, 4: 8}, "AVX2": {8: 8, 4: 8}}.get(_CAPABILITY, {8: 0, 4: 0})
 """Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense weight.
 
 Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
-step). On an AVX-512 EPYC (bf16 oneDNN-packed / int8 ``spindle.kernels.cpu.int8_linear`` / int4 torch's
-``_weight_int4pack_mm_for_cpu``, group 32): 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 /
-17.2 / 9.2, 8 tokens 16.6 / 30.8 / 20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one
-token and 111 for 16.) On an AVX2-only EPYC (Zen 3, no bf16: float32 dense / int8 ours / int4 torch's; medians of 5
-on a loaded machine): 1 token 36 / 25 / 140, 2 tokens 77 / 12 / 264, 4 tokens 73 / 17 / 522, 8 tokens 68 / 37 /
-1,050: torch's int4 kernel has no fast path there, so int4 projections run their dense copy. (A C++ int4 kernel of
-ours, built like the int8 one, ran 48 / 43 / 49 / 75 ms there: not enough ahead of the dense weight to keep.)
+step, medians). On an AVX-512 EPYC (bf16 oneDNN-packed / int8 ``spindle.kernels.cpu.int8_linear`` / int4 torch's
+kernel, group 32): 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2, 8 tokens 16.6 /
+30.8 / 20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one token and 111 for 16.) On an
+AVX2-only EPYC (Zen 3, no bf16: float32 dense / int8 ours / int4 ours): 1 token 40.6 / 12.5 / 12.5, 2 tokens 76.1 /
+14.8 / 13.3, 4 tokens 75.5 / 20.1 / 19.1, 8 tokens 67.9 / 39.3 / 40.1; torch's int4 kernel there: 140, 262, 523 and
+1,024 ms, which is why int4 runs ours on AVX2, and int8 a hand-written AVX2 loop (gcc left the generic one at 46 ms
+for one token).
+Other CPUs (no AVX2) are unmeasured: their projections run dense.
 """
 
 
@@ -71,7 +78,7 @@ class Projection:
             self.dense = None  # the packed copy stands in for it; keeping both would double the memory
         self.quantized = quantized
         self.bits = 0 if quantized is None else quantized.bits
-        self._cpu_quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
         if quantized is not None and quantized.qweight.device.type == "cpu":
             dtype = torch.float32 if weight is None else weight.dtype
             self._cpu_quantized = _repack_for_cpu(quantized, dtype)
@@ -92,30 +99,35 @@ class Projection:
         if self._cpu_quantized is None:
             return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
         rows = x.reshape(-1, x.shape[-1])
-        qweight, scales = self._cpu_quantized
+        qweight, scales = self._cpu_quantized[:2]
         group_size = self.quantized.group_size  # type: ignore[union-attr]
-        if self.bits == 4:
+        if self.bits == 4 and TORCH_INT4:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, qweight, group_size, scales.to(x.dtype))
         elif rows.shape[0] <= cpu.MAX_INT8_TOKENS and x.dtype in (torch.float32, torch.bfloat16):
-            out = cpu.int8_linear(rows, qweight, scales, group_size)
-        elif scales.shape[1] == 1:
+            kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
+            out = kernel(rows, *self._cpu_quantized, group_size)
+        elif self.bits == 8 and scales.shape[1] == 1:
             out = torch._weight_int8pack_mm(rows, qweight, scales[:, 0].to(x.dtype))
-        else:  # int8 by groups (GGUF's Q8_0) past our kernel's token count: torch has no kernel for it
+        else:  # past our kernels' token count, where torch has no kernel for the layout (Q8_0 groups, our int4)
             return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qweight, scales)`` in the layouts of torch's CPU kernels, scales in ``dtype``.
+def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The tensors the CPU kernel of ``weight`` takes, scales in ``dtype`` for torch's.
 
     int8: the int8 matrix and the float32 scales as they are (``spindle.kernels.cpu.int8_linear`` takes them so).
-    int4: the matrix repacked by
-    ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved ``[in // group, out, 2]``.
+    int4 for ours (:data:`TORCH_INT4` false): the packed matrix, scales and offsets as they are. int4 for torch's:
+    the matrix repacked by ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved
+    ``[in // group, out, 2]``.
     """
     if weight.bits == 8:
         return weight.qweight.contiguous(), weight.scales.float().contiguous()
+    if not TORCH_INT4:
+        zeros = weight.zeros.float().contiguous()  # type: ignore[union-attr]
+        return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)
     scales_and_zeros = torch.stack([weight.scales.T, weight.zeros.T], dim=-1)  # type: ignore[union-attr]
     return packed, scales_and_zeros.to(dtype).contiguous()

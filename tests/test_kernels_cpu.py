@@ -250,18 +250,25 @@ def test_gguf_blocks_decode_as_gguf_does(gguf_type: str) -> None:
     )
 
 
-@pytest.mark.parametrize("group_size", [96, 32], ids=["per_row", "q8_0_groups"])
+@pytest.mark.parametrize(
+    ("bits", "group_size"), [(8, 96), (8, 32), (4, 32)], ids=["int8_per_row", "int8_q8_0_groups", "int4_groups"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int8_kernel_matches_the_reference_for_every_token_count(dtype: torch.dtype, group_size: int) -> None:
-    generator = torch.Generator().manual_seed(8)
-    quantized = quant.quantize(torch.randn(72, 96, generator=generator) * 0.1, 8)
-    if group_size != 96:  # a scale per group, as GGUF's Q8_0 blocks have
+def test_quantized_kernels_match_the_reference_for_every_token_count(
+    dtype: torch.dtype, bits: int, group_size: int
+) -> None:
+    generator = torch.Generator().manual_seed(bits)
+    quantized = quant.quantize(torch.randn(72, 96, generator=generator) * 0.1, bits)
+    if bits == 8 and group_size != 96:  # a scale per group, as GGUF's Q8_0 blocks have
         quantized.scales = quantized.scales.repeat(1, 96 // group_size) * torch.rand(72, 96 // group_size) + 0.01
         quantized.group_size = group_size
     for rows in range(1, cpu.MAX_INT8_TOKENS + 1):
         x = torch.randn(rows, 96, generator=generator).to(dtype)
         want = quant.quantized_linear(x.float(), quantized)
-        out = cpu.int8_linear(x, quantized.qweight, quantized.scales, quantized.group_size)
+        if bits == 4:
+            out = cpu.int4_linear(x, quantized.qweight, quantized.scales, quantized.zeros, quantized.group_size)
+        else:
+            out = cpu.int8_linear(x, quantized.qweight, quantized.scales, quantized.group_size)
         assert out.dtype == dtype
         tolerance = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)

@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU path (attention, per-token ops, small-batch int8 projections, LoRA), built on use.
+"""C++ kernels for the CPU path (attention, per-token ops, small-batch int8/int4 projections, LoRA), built on use.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 50 s on a 2-core machine. The library is kept as
@@ -101,7 +101,7 @@ def rotary_embedding(
 
 
 MAX_INT8_TOKENS = 8
-"""The most tokens :func:`int8_linear` takes (it keeps a register accumulator per token)."""
+"""The most tokens :func:`int8_linear` and :func:`int4_linear` take (they keep a register accumulator per token)."""
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -118,6 +118,25 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
 
     """
     return cpu_ops().int8_linear(x, qweight, scales, group_size)
+
+
+def int4_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` of an int4 weight, for 1 to :data:`MAX_INT8_TOKENS` rows, the weights read once.
+
+    Args:
+        x: ``[tokens, in]``, float32 or bfloat16, dense rows.
+        qweight: uint8 ``[out, in // 2]``, two values a byte (``spindle.kernels.quant``'s layout).
+        scales: float32 ``[out, in // group_size]``.
+        zeros: float32 ``[out, in // group_size]``: ``w = (q - 8) * scale + zero``.
+        group_size: inputs per scale, a multiple of 32.
+
+    Returns:
+        ``[tokens, out]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().int4_linear(x, qweight, scales, zeros, group_size)
 
 
 def lora_add_(

@@ -17,6 +17,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group_size);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size);
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_bt,
                const at::Tensor& segments, const std::vector<int64_t>& part_ends, const at::Tensor& ranks);
 
@@ -28,5 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Neox rotary embedding of query and key heads.");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up row.");
   m.def("int8_linear", &int8_linear, "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
+  m.def("int4_linear", &int4_linear, "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
   m.def("lora_add_", &lora_add_, "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
 }
