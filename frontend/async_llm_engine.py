@@ -633,6 +633,7 @@ class AsyncLLMEngine:
             self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         self.info = info
         self.connection = connection
+        self._lora_paths.clear()  # a new backend has none of the adapters requests loaded: they load them again
         self.num_backend_restarts += 1
         self._up_since = time.monotonic()
         self._down = self._down_cause = None

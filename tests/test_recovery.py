@@ -14,8 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
+from test_lora_api import save_adapter
 from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
 
+from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
 from spindle.frontend.core_client import EngineDeadError, ping_backend
 from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
@@ -60,10 +62,25 @@ def owned_server(tiny_llm_dir, private_tmp, monkeypatch):  # noqa: F811 - privat
     server.close()
 
 
-def test_a_killed_backend_that_the_server_started_is_restarted(owned_server):
+def adapter_tokens(server: ServerThread, lora_request: LoRARequest) -> int:
+    """The tokens of a 4-token request through the engine's Python API with ``lora_request`` (loaded on first use)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run() -> int:
+        async for output in server.engine.generate("hello", params, lora_request=lora_request):
+            last = output
+        return len(last.outputs[0].token_ids)
+
+    return server.run(run())
+
+
+def test_a_killed_backend_that_the_server_started_is_restarted(owned_server, tiny_llm_dir, tmp_path):
     engine = owned_server.engine
+    save_adapter(tiny_llm_dir, tmp_path / "sql", seed=1)
+    adapter = LoRARequest("sql", 1, str(tmp_path / "sql"))
     with owned_server.client(timeout=30) as client:
         assert generated_text(client)
+        assert adapter_tokens(owned_server, adapter) == 4  # loads the adapter into this backend
         running = client.generate("in flight", **LONG)
         next(running)
         old = engine.connection.process.pid
@@ -75,6 +92,7 @@ def test_a_killed_backend_that_the_server_started_is_restarted(owned_server):
         assert_fast_unavailable(client, "a new backend is starting, attempt")
         wait_for_health(client, "SERVING", RECOVERY)
         assert generated_text(client)
+        assert adapter_tokens(owned_server, adapter) == 4  # the new backend had none: the request loaded it again
     assert engine.num_backend_restarts == 1 and engine.connection.process.pid != old
 
 
