@@ -50,6 +50,7 @@ inline void int8_row(const float* x, int64_t inputs, const int8_t* q, const floa
   }
   for (int m = 0; m < M; ++m) totals[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 #elif defined(__AVX2__)
+  // gcc leaves the generic loop below scalar (the int8 -> float widening): 46 ms for one token on a Zen 3, 12.5 here.
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < inputs; k += 2 * LANES) {
@@ -92,7 +93,7 @@ void int8_rows(const std::vector<float>& x, int64_t inputs, const int8_t* qweigh
 // with a token is sum_g (s_g sum_k q_k x_k + (z_g - 8 s_g) xsum_g): the group sums of x (xsums, per token) are
 // computed once per call, and the inner loop multiplies the scaled 4-bit values with x. x is permuted within each
 // 32 inputs to the nibble order (the 16 low nibbles' inputs, then the 16 high ones'), so that the loop reads both
-// with unit stride and gcc vectorizes it.
+// with unit stride.
 template <int M>
 inline void int4_row(const float* x, const float* xsums, int64_t inputs, const uint8_t* q, const float* scales,
                      const float* zeros, int64_t group_size, float* totals) {
