@@ -26,6 +26,24 @@ from spindle.kernels.triton.attention_tile import dot_in_fp32
 
 
 @triton.jit
+def _group_rows(starts_ptr, tokens_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """The program's block of its group's tokens: ``(first, end, tokens, in_group, slot)``; none when ``first >= end``.
+
+    Group ``program_id(2)`` holds the tokens ``starts[g]`` to ``starts[g + 1]`` of the token list, all of one adapter
+    ``slot``; block ``program_id(0)`` is the ``BLOCK_M`` of them from ``first``, masked by ``in_group``.
+    """
+    group = tl.program_id(2)
+    end = tl.load(starts_ptr + group + 1)
+    first = tl.load(starts_ptr + group) + tl.program_id(0) * BLOCK_M
+    idx = first + tl.arange(0, BLOCK_M)
+    in_group = idx < end
+    # int64 before the strides: a step's activations can hold more than 2**31 elements.
+    tokens = tl.load(tokens_ptr + idx, mask=in_group, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + group).to(tl.int64)
+    return first, end, tokens, in_group, slot
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -44,17 +62,9 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    group = tl.program_id(2)
-    start = tl.load(starts_ptr + group)
-    end = tl.load(starts_ptr + group + 1)
-    first = start + tl.program_id(0) * BLOCK_M
+    first, end, tokens, in_group, slot = _group_rows(starts_ptr, tokens_ptr, slots_ptr, BLOCK_M)
     if first >= end:
         return
-    idx = first + tl.arange(0, BLOCK_M)
-    in_group = idx < end
-    # int64 before the strides: a step's activations can hold more than 2**31 elements.
-    tokens = tl.load(tokens_ptr + idx, mask=in_group, other=0).to(tl.int64)
-    slot = tl.load(slots_ptr + group).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     k_range = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * stride_xm
@@ -91,16 +101,9 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    group = tl.program_id(2)
-    start = tl.load(starts_ptr + group)
-    end = tl.load(starts_ptr + group + 1)
-    first = start + tl.program_id(0) * BLOCK_M
+    first, end, tokens, in_group, slot = _group_rows(starts_ptr, tokens_ptr, slots_ptr, BLOCK_M)
     if first >= end:
         return
-    idx = first + tl.arange(0, BLOCK_M)
-    in_group = idx < end
-    tokens = tl.load(tokens_ptr + idx, mask=in_group, other=0).to(tl.int64)
-    slot = tl.load(slots_ptr + group).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_range = tl.arange(0, BLOCK_R)
     t_rows = t_ptr + tokens[:, None] * stride_tm
