@@ -162,8 +162,9 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> No
     Shard.of(model_config, 0, size)
     if not getattr(model_class(model_config.architecture), "supports_tensor_parallel", False):
         raise ValueError(
-            f"tensor_parallel_size={size}: the class serving {model_config.architecture} does not shard itself "
-            "(subclass spindle.backend.models.llama.LlamaForCausalLM)"
+            f"tensor_parallel_size={size}: the class serving {model_config.architecture} does not shard itself: "
+            "serve it with tensor_parallel_size=1 (a registered text model may subclass "
+            "spindle.backend.models.llama.LlamaForCausalLM, which does)"
         )
     if config.lora_modules or config.allow_runtime_lora:
         raise ValueError(f"LoRA adapters are not served with tensor_parallel_size={size}: use 1, or no adapters")

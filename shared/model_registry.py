@@ -22,9 +22,10 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "LlamaModel": "spindle.backend.models.llama:LlamaModel",
+    "LlavaForConditionalGeneration": "spindle.backend.models.llava:LlavaForConditionalGeneration",
 }
 """The architectures Spindle ships, and the class that serves each; ``LlamaModel`` (no LM head) serves embeddings
-only."""
+only, ``LlavaForConditionalGeneration`` (a CLIP vision tower before a Llama-family decoder) takes images too."""
 
 ENTRY_POINT_GROUP = "spindle.models"
 """The entry-point group of model plugins: each entry's name is an architecture, its value ``"module:Class"``."""

@@ -4,12 +4,15 @@ In one process, ``LLMEngine`` calls :class:`~spindle.backend.engine_core.EngineC
 processes they travel over one ZeroMQ DEALER (frontend) / ROUTER (backend) socket pair as msgpack (msgspec tagged
 unions, never pickle). Token ids stay plain msgpack integer arrays: measured with msgspec, encoding a 4,000-token
 prompt takes ~17 us as a list against ~117 us through a little-endian buffer, and decoding costs the same either
-way once the ids are back in the Python list the scheduler needs, so raw buffers would not be faster here.
+way once the ids are back in the Python list the scheduler needs, so raw buffers would not be faster here. Image
+pixels travel as raw little-endian float32 bytes (msgpack ``bin``), which decode without a copy per value.
 """
 
 import enum
+import hashlib
 
 import msgspec
+import numpy as np
 
 from spindle.shared.errors import (
     AlreadyExistsError,
@@ -23,7 +26,7 @@ from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -36,12 +39,42 @@ FRONTEND_TIMEOUT = 2.0
 """Seconds of silence after which the backend declares a frontend lost and aborts its requests."""
 
 
+class ImageInput(msgspec.Struct, array_like=True):
+    """One image of a prompt, preprocessed by the frontend, and the placeholder tokens its embeddings replace.
+
+    ``pixels`` holds the model's input (resized, cropped, normalised) as little-endian float32 values in C order of
+    ``shape`` (``[channels, height, width]``). Its placeholder is ``prompt_token_ids[offset:offset + length]``:
+    ``length`` image tokens, one per embedding the model's vision encoder gives the image. ``content_hash`` (SHA-256
+    of the shape and the pixels) keys the prefix cache's blocks that hold the placeholder, so requests with the same
+    image share them and different images never do. Build one with :meth:`from_pixels`.
+    """
+
+    pixels: bytes
+    shape: list[int]
+    offset: int
+    length: int
+    content_hash: bytes
+
+    @classmethod
+    def from_pixels(cls, pixels: np.ndarray, offset: int, length: int) -> "ImageInput":
+        """The image of the array ``pixels`` (``[channels, height, width]``, any float dtype) at its placeholder."""
+        data = np.ascontiguousarray(pixels, dtype="<f4")
+        shape = list(data.shape)
+        digest = hashlib.sha256(np.asarray(shape, dtype="<i8").tobytes() + data.tobytes()).digest()
+        return cls(data.tobytes(), shape, offset, length, digest)
+
+    def array(self) -> np.ndarray:
+        """The pixels as a read-only float32 array of ``shape`` (a view of ``pixels``)."""
+        return np.frombuffer(self.pixels, dtype="<f4").reshape(self.shape)
+
+
 class EngineRequest(msgspec.Struct):
     """A tokenized request handed to the engine core.
 
     ``priority`` orders it under the priority policy (lower first); ``lora_name`` names the LoRA adapter it
     generates with (``None``: the base model). With ``pooling`` set it is an embedding request: the engine prefills
-    the prompt, pools its hidden states and finishes it, generating nothing (``params`` is then unused).
+    the prompt, pools its hidden states and finishes it, generating nothing (``params`` is then unused). ``images``
+    are the prompt's images in prompt order, each at its placeholder tokens (a vision-language model only).
     """
 
     request_id: str
@@ -51,6 +84,7 @@ class EngineRequest(msgspec.Struct):
     priority: int = 0
     lora_name: str | None = None
     pooling: PoolingParams | None = None
+    images: list[ImageInput] = []
 
 
 class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):

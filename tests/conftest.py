@@ -12,6 +12,9 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
   context (the GPU tests' long contexts and big heads).
 
+``tiny_llava_dir`` is a tiny random LLaVA (CLIP vision tower, GELU projector, the tiny Llama as its decoder) with the
+byte-level tokenizer, an ``<image>`` token, a chat template that renders image parts, and a CLIP image processor.
+
 Weights are drawn wider than transformers' init (std 0.1, norm weights in [0.5, 1.5], random biases) so that
 attention is far from uniform and a wrong norm, bias or rotation changes the logits visibly.
 """
@@ -135,14 +138,79 @@ def tiny_tp_llm_dir(make_tiny_model: Callable[[str], Path], tmp_path_factory: py
     return _with_byte_tokenizer(make_tiny_model("llama_tp"), tmp_path_factory.mktemp("tiny-tp-llm"))
 
 
-def _with_byte_tokenizer(model_dir: Path, path: Path) -> Path:
-    """Copy ``model_dir`` into ``path`` with a byte-level tokenizer of 256 tokens (eos: the third); returns ``path``."""
-    for file in model_dir.iterdir():
-        shutil.copy(file, path)
+LLAVA_IMAGE_SIZE = 28
+LLAVA_PATCH_SIZE = 7
+LLAVA_IMAGE_TOKENS = (LLAVA_IMAGE_SIZE // LLAVA_PATCH_SIZE) ** 2
+"""Placeholder tokens per image of the tiny LLaVA: one per patch (the ``default`` strategy drops the CLS token)."""
+
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random ``LlavaForConditionalGeneration``: CLIP tower (3 layers, hidden 32, 28x28 images of 7x7
+    patches, so :data:`LLAVA_IMAGE_TOKENS` tokens an image), GELU projector, the tiny Llama decoder over 257 tokens
+    (the byte-level ones and ``<image>``, id 256), with its tokenizer, chat template and CLIP image processor."""
+    import transformers
+
+    text = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": 257})
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=LLAVA_IMAGE_SIZE,
+        patch_size=LLAVA_PATCH_SIZE,
+        hidden_act="quick_gelu",
+    )
+    config = transformers.LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=256,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.uniform_(0.5, 1.5)
+            else:  # wider than the init, biases and layer-norm shifts included, so that every term shows
+                param.normal_(0.0, 0.1)
+    path = tmp_path_factory.mktemp("tiny-llava")
+    model.save_pretrained(path)
+    _with_byte_tokenizer(path, path, extra_tokens=["<image>"], chat_template=LLAVA_CHAT_TEMPLATE)
+    processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+    )
+    processor.save_pretrained(path)
+    return path
+
+
+def _with_byte_tokenizer(
+    model_dir: Path, path: Path, extra_tokens: list[str] | None = None, chat_template: str | None = None
+) -> Path:
+    """Copy ``model_dir`` into ``path`` with a byte-level tokenizer of 256 tokens (eos: the third); returns ``path``.
+
+    ``extra_tokens`` become special tokens numbered from 256 on; ``chat_template`` goes into the tokenizer config.
+    """
+    if model_dir != path:
+        for file in model_dir.iterdir():
+            shutil.copy(file, path)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(extra_tokens or [])
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
+    config = {"eos_token": alphabet[2]} | ({"chat_template": chat_template} if chat_template else {})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path

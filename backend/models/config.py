@@ -7,8 +7,49 @@ from typing import Any
 
 from spindle.shared.model_registry import BUILTIN_MODELS, ModelRegistry
 
-SUPPORTED_ARCHITECTURES = tuple(BUILTIN_MODELS)
-"""The built-in architectures (the Llama family), the only ones a GGUF file is converted for."""
+SUPPORTED_ARCHITECTURES = tuple(
+    name for name, target in BUILTIN_MODELS.items() if target.startswith("spindle.backend.models.llama:")
+)
+"""The built-in text-only architectures (the Llama family), the only ones a GGUF file is converted for; LLaVA is
+built in too (:data:`~spindle.shared.model_registry.BUILTIN_MODELS`) but GGUF files do not carry it."""
+
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""The decoders a ``text_config`` (LLaVA's) may describe, by its ``model_type``: the Llama family."""
+
+# What transformers' config class of each decoder assumes for a field that a text_config omits: real LLaVA
+# checkpoints (llava-hf/llava-1.5-7b-hf) write only the fields that differ from these.
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "mistral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "qwen2": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 32768,
+    },
+}
 
 # Every architecture's config.json must have these: the KV cache, the sampler and the Llama layers are sized by them.
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -20,6 +61,9 @@ class ModelConfig:
 
     A registered architecture's ``config.json`` needs the standard fields read here (``num_hidden_layers``,
     ``num_attention_heads``, ...): the runner sizes the KV cache from them. Its own fields are in ``hf_config``.
+
+    A vision-language config (LLaVA's) nests its decoder in ``text_config``: the fields here are the decoder's,
+    read from there (see :meth:`from_dict`), while ``architecture`` and ``hf_config`` stay those of the whole model.
 
     Attributes:
         architecture: the Hugging Face class name: a built-in one (:data:`SUPPORTED_ARCHITECTURES`) or one
@@ -88,6 +132,11 @@ class ModelConfig:
     def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
         """Build from the parsed ``config.json`` (transformers v4 or v5 layout) and ``generation_config.json``.
 
+        A config with a ``text_config`` (LLaVA's) describes its decoder there: each decoder field comes from the
+        ``text_config``, else from the top level (LLaVA writes ``tie_word_embeddings`` there), else from the default
+        of the decoder's transformers config class (``model_type``, Llama when absent), as transformers reads it.
+        The checkpoint's ``dtype`` is the top level's.
+
         Raises:
             ValueError: when the architecture is neither built in nor registered, or a field the engine needs is
                 missing.
@@ -97,38 +146,56 @@ class ModelConfig:
         if len(architectures) != 1:
             raise ValueError(f"unsupported architecture {architectures}: config.json must name exactly one")
         ModelRegistry.get_model_cls_target(architectures[0])  # raises for an unknown one, listing the known ones
-        missing = [key for key in _REQUIRED_FIELDS if key not in config]
+        text, text_architecture = _text_part(config, architectures[0])
+        missing = [key for key in _REQUIRED_FIELDS if key not in text]
         if missing:
             raise ValueError(f"the config.json of a {architectures[0]} lacks {', '.join(missing)}, which Spindle needs")
-        num_heads = config["num_attention_heads"]
-        rope_theta, rope_scaling = _rope(config)
+        num_heads = text["num_attention_heads"]
+        rope_theta, rope_scaling = _rope(text)
         eos_token_ids: list[int] = []
-        for source in (config, generation_config or {}):
+        for source in (text, generation_config or {}):
             for token in _as_list(source.get("eos_token_id")):
                 if token not in eos_token_ids:
                     eos_token_ids.append(token)
-        uses_window = config.get("use_sliding_window", architectures[0] == "MistralForCausalLM")
+        uses_window = text.get("use_sliding_window", text_architecture == "MistralForCausalLM")
         return cls(
             architecture=architectures[0],
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            num_kv_heads=text.get("num_key_value_heads") or num_heads,
+            head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            qkv_bias=architectures[0] == "Qwen2ForCausalLM" or config.get("attention_bias", False),
+            max_position_embeddings=text.get("max_position_embeddings", 2048),
+            tie_word_embeddings=text.get("tie_word_embeddings", False),
+            qkv_bias=text_architecture == "Qwen2ForCausalLM" or text.get("attention_bias", False),
             eos_token_ids=eos_token_ids,
-            bos_token_id=config.get("bos_token_id"),
-            dtype=config.get("dtype") or config.get("torch_dtype"),
-            sliding_window=config.get("sliding_window") if uses_window else None,
+            bos_token_id=text.get("bos_token_id"),
+            dtype=config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
+            sliding_window=text.get("sliding_window") if uses_window else None,
             hf_config=config,
         )
+
+
+def _text_part(config: dict[str, Any], architecture: str) -> tuple[dict[str, Any], str]:
+    """The decoder's fields and architecture name: the config itself, or its ``text_config`` merged as transformers.
+
+    For a nested ``text_config`` a field comes from it, else from the top level, else from
+    :data:`_TEXT_DEFAULTS` of its ``model_type`` (``"llama"`` when absent, LLaVA's default). The architecture is
+    the text config's own ``architectures`` entry, else the Llama-family class of its ``model_type``.
+    """
+    text_config = config.get("text_config")
+    if text_config is None:
+        return config, architecture
+    model_type = text_config.get("model_type", "llama")
+    top_level = {key: value for key, value in config.items() if key not in ("text_config", "vision_config")}
+    text = {**_TEXT_DEFAULTS.get(model_type, {}), **top_level, **text_config}
+    text_architectures = text_config.get("architectures") or [TEXT_ARCHITECTURES.get(model_type, model_type)]
+    return text, text_architectures[0]
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

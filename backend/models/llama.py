@@ -210,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the flat batch through the decoder, writing the new tokens' K/V into ``kv_caches``.
 
@@ -218,12 +220,17 @@ class LlamaForCausalLM(nn.Module):
             positions: ``[T]`` int64, the absolute position of each token in its sequence.
             meta: the batch layout and cache slots.
             kv_caches: one ``(k_cache, v_cache)`` per layer.
+            image_rows: ``[R]`` int64, rows of the flat batch whose token embedding is replaced (a vision-language
+                model's image placeholders), or None.
+            image_embeds: ``[R, hidden_size]``, the embeddings that go into those rows (cast to the model dtype).
 
         Returns:
             The final-norm hidden states ``[T, hidden_size]``; pass the rows to sample to :meth:`compute_logits`.
 
         """
         hidden = self._embed(input_ids)
+        if image_rows is not None:  # the one test a text-only step pays
+            hidden[image_rows] = image_embeds.to(hidden.dtype)
         residual = None
         with attention_metadata(meta):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -30,6 +30,10 @@ class CausalLM(Protocol):
     CUDA graphs of the forward, so it must not synchronize with the host or branch on tensor values. Subclass
     :class:`torch.nn.Module` (``eval()`` and ``__call__`` come from it), or better ``LlamaForCausalLM``, overriding
     what differs.
+
+    A model that takes images (``spindle.backend.models.llava.LlavaForConditionalGeneration``) also sets
+    ``supports_images = True`` and has ``image_shape``, ``num_image_tokens``, ``image_token_id``,
+    ``embed_images(pixel_values)`` and the keyword arguments ``image_rows`` and ``image_embeds`` of its forward.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
