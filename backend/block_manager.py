@@ -27,13 +27,22 @@ def root_hash(cache_salt: str | None, lora_id: int | None = None) -> bytes:
     return root
 
 
-def block_hash(parent: bytes, token_ids: Iterable[int]) -> bytes:
-    """SHA-256 of the parent block's 32-byte digest followed by the block's token ids as 8-byte integers.
+def block_hash(parent: bytes, token_ids: Iterable[int], image_hashes: bytes = b"") -> bytes:
+    """SHA-256 of the parent block's 32-byte digest, the block's token ids as 8-byte integers, and image digests.
 
-    Both parts have a fixed width, so the encoding is unambiguous, and the chain makes a block's digest stand for
-    its whole prefix (and the salt at its root).
+    Every part has a fixed width (``image_hashes`` is a run of 32-byte digests), so the encoding is unambiguous, and
+    the chain makes a block's digest stand for its whole prefix (and the salt at its root). ``image_hashes`` holds the
+    content hashes of the images whose placeholder tokens the block holds: the placeholders are the same token ids
+    for every image, so without them two different images would share K/V.
     """
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent + array("q", token_ids).tobytes() + image_hashes).digest()
+
+
+def _image_hashes(seq: Sequence, start: int, end: int) -> bytes:
+    """The content hashes of ``seq``'s images whose placeholders overlap positions ``[start, end)``, in order."""
+    return b"".join(
+        image.content_hash for image in seq.images if image.offset < end and start < image.offset + image.length
+    )
 
 
 class Block:
@@ -50,9 +59,10 @@ class Block:
 class BlockManager:
     """Hands out KV cache blocks to sequences and shares full blocks between sequences with the same prefix.
 
-    A full block is keyed by the SHA-256 digest of its predecessor's digest and its own tokens
-    (:func:`block_hash`), so two sequences with the same first ``k * block_size`` tokens (the ``n`` completions of
-    one prompt, or prompts with the same system message) point at the same ``k`` blocks. The first block chains
+    A full block is keyed by the SHA-256 digest of its predecessor's digest, its own tokens and the content hashes of
+    the images whose placeholders it holds (:func:`block_hash`), so two sequences with the same first
+    ``k * block_size`` tokens (the ``n`` completions of one prompt, or prompts with the same system message, or the
+    same images at the same places) point at the same ``k`` blocks. The first block chains
     from the request's ``cache_salt`` and LoRA adapter (:func:`root_hash`), so requests with different salts or
     adapters, or a salted and an unsalted one, share no block; unsalted base-model requests share with each other.
     A cryptographic hash means no prompt can be crafted to collide with another's blocks, to read or poison the K/V
@@ -101,7 +111,8 @@ class BlockManager:
         hits: list[int] = []
         parent = root_hash(seq.params.cache_salt, seq.lora_id)
         for start in range(0, len(seq) - self.block_size + 1, self.block_size):
-            parent = block_hash(parent, seq.token_ids[start : start + self.block_size])
+            end = start + self.block_size
+            parent = block_hash(parent, seq.token_ids[start:end], _image_hashes(seq, start, end) if seq.images else b"")
             block_id = self.cached.get(parent)
             if block_id is None:
                 break
@@ -182,6 +193,8 @@ class BlockManager:
         )
         for i in range(first, end):
             block = self.blocks[seq.block_table[i]]
-            block.hash = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            start, stop = i * self.block_size, (i + 1) * self.block_size
+            images = _image_hashes(seq, start, stop) if seq.images else b""
+            block.hash = block_hash(parent, seq.token_ids[start:stop], images)
             self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash

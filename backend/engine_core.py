@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import torch
 
 from spindle.backend import parallel
 from spindle.backend.block_manager import BlockManager
@@ -40,8 +42,10 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
     "config.json",
+    "preprocessor_config.json",
 )
-"""The files a frontend needs to build the tokenizer; they travel in the handshake, so it needs no shared disk."""
+"""The files a frontend needs to build the tokenizer (and a vision-language model's image processor); they travel in
+the handshake, so it needs no shared disk."""
 
 
 def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -236,7 +240,10 @@ class EngineCore:
                 f"the prompt has {len(request.prompt_token_ids)} tokens, but max_model_len={self.max_model_len} "
                 "leaves no room for a completion",
             )
+        if request.images:
+            self._check_images(request)
         lora_id = self.runner.lora.lookup(request.lora_name) if request.lora_name else None
+        image_embeds: dict[int, torch.Tensor] = {}  # one for the n sequences: each image is encoded once
         seqs = [
             Sequence(
                 request.request_id,
@@ -247,6 +254,8 @@ class EngineCore:
                 request.priority,
                 pooling=pooling,
                 lora_id=lora_id,
+                images=request.images,
+                image_embeds=image_embeds,
             )
             for i in range(request.params.n)
         ]
@@ -257,6 +266,43 @@ class EngineCore:
             self.pending_grammars[request.request_id] = self.structured_output.compile(request.params.structured_output)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _check_images(self, request: EngineRequest) -> None:
+        """Refuse images the model cannot take: to a text-only model, or not as its vision encoder takes them.
+
+        The frontend preprocesses images for this model; a mismatch here is a frontend for another model or a
+        hand-built request.
+
+        Raises:
+            InvalidRequestError: the model takes no images, or an image's shape, pixels or placeholder span (its
+                place, length and tokens) do not fit the model and the prompt.
+
+        """
+        model = self.runner.model
+        if not getattr(model, "supports_images", False):
+            raise InvalidRequestError(
+                "prompt.multi_modal_data",
+                f"{self.info.model_name} (a {self.model_config.architecture}) takes text only: send no images",
+            )
+        prompt = request.prompt_token_ids
+        end_of_previous = 0
+        for i, image in enumerate(request.images):
+            span = prompt[image.offset : image.offset + image.length]
+            problem = None
+            if tuple(image.shape) != tuple(model.image_shape):
+                problem = f"has shape {image.shape}; the vision encoder takes {list(model.image_shape)}"
+            elif len(image.pixels) != 4 * math.prod(image.shape):
+                problem = f"has {len(image.pixels)} bytes of pixels, not the {4 * math.prod(image.shape)} of its shape"
+            elif image.length != model.num_image_tokens:
+                problem = f"has {image.length} placeholder tokens; the model gives an image {model.num_image_tokens}"
+            elif image.offset < end_of_previous or len(span) != image.length:
+                problem = f"has its placeholder at [{image.offset}, {image.offset + image.length}), outside the prompt "
+                problem += "or overlapping the previous image's"
+            elif any(token != model.image_token_id for token in span):
+                problem = f"has placeholder tokens other than the image token {model.image_token_id}"
+            if problem is not None:
+                raise InvalidRequestError(f"prompt.multi_modal_data[{i}]", f"image {i} {problem}")
+            end_of_previous = image.offset + image.length
 
     def _check_pooling(self, request: EngineRequest) -> PoolingParams:
         """An embedding request's pooling parameters with the model's default pooling (``last``) filled in.
@@ -351,6 +397,8 @@ class EngineCore:
             seq.num_computed_tokens += num_new
             if seq.seq_id in out.pooling_states:
                 seq.pooling_state = out.pooling_states[seq.seq_id]
+            if seq.images:
+                self._keep_image_embeds(seq, out.image_embeds.get(seq.seq_id))
         deltas = [
             self._finish_embedding(seq, embedding)
             for seq, embedding in zip(out.pooled_seqs, out.embeddings, strict=True)
@@ -392,6 +440,19 @@ class EngineCore:
             if seq.is_finished:
                 self._forget_if_done(seq.request_id)
         return deltas
+
+    @staticmethod
+    def _keep_image_embeds(seq: Sequence, encoded: dict[int, torch.Tensor] | None) -> None:
+        """Keep the images the step encoded for ``seq``'s later chunks; drop all once its placeholders are computed.
+
+        The dict is shared with the request's other sequences, which get the new embeddings too; dropping rebinds
+        ``seq``'s own, so the others keep theirs until their prompts are computed.
+        """
+        if encoded:
+            seq.image_embeds.update(encoded)
+        last = seq.images[-1]
+        if seq.image_embeds and seq.num_computed_tokens >= last.offset + last.length:
+            seq.image_embeds = {}
 
     def _finish_embedding(self, seq: Sequence, embedding: np.ndarray) -> SequenceDelta:
         """End an embedding sequence whose prompt is complete (its blocks are freed) and report its embedding."""

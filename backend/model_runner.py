@@ -33,6 +33,7 @@ from spindle.kernels.cpu import cpu_ops
 from spindle.kernels.lora import LoraMapping, lora_mapping
 from spindle.shared import SamplingParams, TokenLogprobs
 from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import ImageInput
 from spindle.shared.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class RunnerOutput:
             yet (a device tensor, :mod:`spindle.backend.pooler`): it replaces ``seq.pooling_state``.
         pooled_seqs: the embedding sequences whose prompt this step completed; they sampled nothing.
         embeddings: their embeddings, row for row (float32).
+        image_embeds: by ``seq_id``, the images this step encoded for the sequence (by image index: device tensors
+            ``[length, hidden_size]``), for its later chunks: they extend ``seq.image_embeds``.
 
     """
 
@@ -187,6 +190,7 @@ class RunnerOutput:
     pooling_states: dict[int, torch.Tensor] = field(default_factory=dict)
     pooled_seqs: list[Sequence] = field(default_factory=list)
     embeddings: list[np.ndarray] = field(default_factory=list)
+    image_embeds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -366,7 +370,8 @@ class ModelRunner:
         That is a forward of ``max_num_batched_tokens`` prompt tokens and, with ``sample`` (on CUDA, where the peak
         sizes the cache; on the CPU it would only slow the start by seconds), every one of ``max_num_seqs``
         sequences sampling with top-k/top-p over nearly the whole vocabulary and the most logprobs, and a full
-        chunk's prompt log-probabilities. The tokens form sequences of at most ``max_model_len``, as a real step's
+        chunk's prompt log-probabilities, and a vision-language model's encoder over :attr:`max_images_per_batch`
+        images. The tokens form sequences of at most ``max_model_len``, as a real step's
         do: a budget larger than the model's context must not ask for positions past it. (The profile's own small KV
         cache is in the peak too, which errs on the safe side.)
         """
@@ -387,6 +392,9 @@ class ModelRunner:
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)
             if not sample:
                 return
+            if getattr(self.model, "supports_images", False):
+                shape = (self.max_images_per_batch, *self.model.image_shape)
+                self.model.embed_images(torch.zeros(shape, dtype=self.dtype, device=self.device))
             # Every rank computes its LM head shard (rank 0 gathers them); rank 0 alone samples.
             logits = self.model.compute_logits(hidden[:num_seqs])
             prompt_logits = self.model.compute_logits(hidden)
@@ -446,12 +454,16 @@ class ModelRunner:
             parallel.send_step(self.inputs)
 
         mapping = None if slots is None else LoraMapping.build([slots[i] for i in order], query_lens, self.device)
+        images = self._image_rows(seqs, query_start_loc) if any(seq.images for seq in seqs) else None
         graphs = self.decode_graphs
-        if graphs is not None and mapping is None and len(input_ids) == len(seqs) <= graphs.max_batch:
+        decode_only = len(input_ids) == len(seqs)  # a prompt's last token may be an image's: not a graph's step
+        if graphs is not None and mapping is None and images is None and decode_only and len(seqs) <= graphs.max_batch:
             hidden = graphs.replay(step)
         else:
+            # Only a vision-language model takes image rows: a text model keeps the four-argument contract.
+            merge = {} if images is None else {"image_rows": images[0], "image_embeds": images[1]}
             with lora_mapping(mapping):
-                hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+                hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, **merge)
         logits = self.model.compute_logits(hidden[step.sample_rows]) if rows or prompt_rows else None
         prompt = self._prompt_logprobs(spans, logits[len(rows) :] if prompt_rows else None)
         pooled = pool(seqs, query_start_loc, hidden)
@@ -471,6 +483,8 @@ class ModelRunner:
         fetched = iter(fetch(tensors))
 
         output = RunnerOutput(pooling_states=pooled.states, pooled_seqs=pooled.finished)
+        if images is not None:
+            output.image_embeds = images[2]
         for seq_id, entry in prompt.items():
             output.prompt_logprobs[seq_id] = entry.from_host(*islice(fetched, len(entry.tensors())))
         if sampled is not None:
@@ -488,6 +502,64 @@ class ModelRunner:
                 row += num_drafts + 1
         output.embeddings = list(fetched)
         return output
+
+    def _image_rows(
+        self, seqs: list[Sequence], query_start_loc: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, dict[int, torch.Tensor]]] | None:
+        """The image embeddings of the step's placeholder tokens: ``(rows, embeds, encoded)``, or None without any.
+
+        ``rows`` are the flat batch's rows that hold placeholder tokens, ``embeds`` their embeddings, row for row.
+        An image is encoded in the first step that reaches its placeholder, once however many sequences of the step
+        hold it (by content hash), in one batch per image shape; ``encoded`` returns the new ones by ``seq_id`` and
+        image index, for the sequences' later chunks.
+        """
+        pieces: list[tuple[Sequence, int, int, int, int]] = []  # (seq, image index, first row, start, end)
+        to_encode: dict[bytes, ImageInput] = {}
+        for i, seq in enumerate(seqs):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i]
+            for k, image in enumerate(seq.images):
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                if lo < hi:
+                    pieces.append((seq, k, query_start_loc[i] + lo - start, lo - image.offset, hi - image.offset))
+                    if k not in seq.image_embeds:
+                        to_encode.setdefault(image.content_hash, image)
+        if not pieces:
+            return None
+        fresh = self._encode_images(list(to_encode.values()))
+        encoded: dict[int, dict[int, torch.Tensor]] = {}
+        rows, embeds = [], []
+        for seq, k, first_row, start, end in pieces:
+            image_embeds = seq.image_embeds.get(k)
+            if image_embeds is None:
+                image_embeds = fresh[seq.images[k].content_hash]
+                encoded.setdefault(seq.seq_id, {})[k] = image_embeds
+            rows.append(torch.arange(first_row, first_row + end - start))
+            embeds.append(image_embeds[start:end])
+        return torch.cat(rows).to(self.device), torch.cat(embeds), encoded
+
+    def _encode_images(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Run the vision encoder over ``images``, one batch per shape; their embeddings by content hash."""
+        by_shape: dict[tuple[int, ...], list[ImageInput]] = {}
+        for image in images:
+            by_shape.setdefault(tuple(image.shape), []).append(image)
+        encoded = {}
+        batch = self.max_images_per_batch
+        for group in by_shape.values():
+            for first in range(0, len(group), batch):
+                chunk = group[first : first + batch]
+                pixels = torch.from_numpy(np.stack([image.array() for image in chunk]))
+                embeds = self.model.embed_images(pixels.to(self.device, self.dtype))
+                encoded.update(zip((image.content_hash for image in chunk), embeds, strict=True))
+        return encoded
+
+    @property
+    def max_images_per_batch(self) -> int:
+        """The most images one vision-encoder call takes: as many as a step's token budget has placeholders for.
+
+        A step may reach more (one placeholder token each, at the end of many chunks); they are encoded in several
+        calls, so the encoder's peak memory is that of this many, which :meth:`init_cache` profiles.
+        """
+        return max(1, self.config.max_num_batched_tokens // getattr(self.model, "num_image_tokens", 1))
 
     def _prompt_logprobs(
         self, spans: list[tuple[Sequence, int, int, int]], logits: torch.Tensor | None

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from spindle.shared import FinishReason, SamplingParams, TokenLogprobs
 from spindle.shared.pooling_params import PoolingParams
+from spindle.shared.protocol import ImageInput
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,11 @@ class Sequence:
 
     With ``pooling`` set it is an embedding request's: its prompt is prefilled and pooled
     (:mod:`spindle.backend.pooler`), and it ends when the prompt is complete, generating nothing.
+
+    A vision-language prompt has ``images``, each at its placeholder tokens. The runner encodes an image in the first
+    step whose chunk reaches its placeholder, and ``image_embeds`` (by image index; one dict shared by the ``n``
+    sequences of a request, so that they encode each image once) keeps the embeddings for the later chunks until the
+    engine core drops them when the prompt is computed.
     """
 
     _ids = count()
@@ -42,6 +48,8 @@ class Sequence:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         lora_id: int | None = None,
+        images: list[ImageInput] | None = None,
+        image_embeds: "dict[int, torch.Tensor] | None" = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
@@ -73,6 +81,8 @@ class Sequence:
         # Embeddings: how to pool, and the pooling state after the chunks computed so far (a device tensor).
         self.pooling = pooling
         self.pooling_state: torch.Tensor | None = None
+        self.images = images or []
+        self.image_embeds: dict[int, torch.Tensor] = {} if image_embeds is None else image_embeds
 
     def __len__(self) -> int:
         return len(self.token_ids)
