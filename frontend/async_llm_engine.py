@@ -20,6 +20,7 @@ from spindle.frontend.core_client import (
     EngineDeadError,
     start_backend,
 )
+from spindle.frontend.image_processor import ImageProcessor
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
 from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
@@ -97,7 +98,12 @@ class AsyncLLMEngine:
         self.connection = connection
         self.info: EngineInfo = connection.info
         self.tokenizer = Tokenizer.from_files(self.info.tokenizer_files)
-        self.input_processor = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.info.max_model_len,
+            self.info.vocab_size,
+            ImageProcessor.from_files(self.info.tokenizer_files),
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
         self.stats: EngineStats | None = None
@@ -165,7 +171,7 @@ class AsyncLLMEngine:
 
         """
         params = sampling_params or SamplingParams()
-        prompt = self.input_processor.process(inputs, params)
+        prompt = await self.input_processor.process_async(inputs, params)
         async for output in self.generate_processed(
             prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
         ):
@@ -190,7 +196,9 @@ class AsyncLLMEngine:
         a finished completion of a request with tools carries its parsed calls (:doc:`tool_calling`).
         """
         params = sampling_params or SamplingParams()
-        prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
+        prompt = await self.input_processor.process_chat_async(
+            messages, params, add_generation_prompt, tools, tool_choice
+        )
         async for output in self.generate_processed(
             prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
         ):
@@ -344,6 +352,7 @@ class AsyncLLMEngine:
                         state.metrics.arrival_time,
                         priority,
                         pooling=pooling,
+                        images=prompt.images,
                     )
                 )
             logger.debug("Embedding requests added: %d prompts", len(prompts), extra={"request_id": request_id})
@@ -427,7 +436,9 @@ class AsyncLLMEngine:
             self.output_processor.add_request(state)
             arrival_time = state.metrics.arrival_time
             self.connection.add_request(
-                EngineRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority, lora_name)
+                EngineRequest(
+                    request_id, prompt.prompt_token_ids, params, arrival_time, priority, lora_name, images=prompt.images
+                )
             )
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:
@@ -630,7 +641,9 @@ class AsyncLLMEngine:
             self.info.max_model_len,
             self.info.vocab_size,
         ):
-            self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+            self.input_processor = InputProcessor(
+                self.tokenizer, info.max_model_len, info.vocab_size, ImageProcessor.from_files(info.tokenizer_files)
+            )
         self.info = info
         self.connection = connection
         self._lora_paths.clear()  # a new backend has none of the adapters requests loaded: they load them again

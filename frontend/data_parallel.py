@@ -291,7 +291,7 @@ class DataParallelEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs from the engine it is routed to (:meth:`AsyncLLMEngine.generate`)."""
         params = sampling_params or SamplingParams()
-        prompt = self._any().engine.input_processor.process(inputs, params)
+        prompt = await self._any().engine.input_processor.process_async(inputs, params)
         async for output in self._stream(prompt, params, request_id, delta, priority, lora_request):
             yield output
 
@@ -311,7 +311,7 @@ class DataParallelEngine:
         """Stream the reply to a conversation from the engine it is routed to (:meth:`AsyncLLMEngine.chat`)."""
         params = sampling_params or SamplingParams()
         input_processor = self._any().engine.input_processor
-        prompt = input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
+        prompt = await input_processor.process_chat_async(messages, params, add_generation_prompt, tools, tool_choice)
         async for output in self._stream(prompt, params, request_id, delta, priority, lora_request):
             yield output
 

@@ -96,10 +96,13 @@ def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> Struc
 
 
 def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
-    """The :data:`~spindle.shared.PromptInputs` of a ``Prompt`` message (text or token ids, and any media).
+    """The :data:`~spindle.shared.PromptInputs` of a ``Prompt`` message (text or token ids, and any images).
+
+    The images of ``prompt.multi_modal_data`` become ``multi_modal_data={"image": [bytes, ...]}``, in order.
 
     Raises:
-        InvalidRequestError: neither ``prompt.text`` nor ``prompt.token_ids`` is set.
+        InvalidRequestError: neither ``prompt.text`` nor ``prompt.token_ids`` is set, or an item of
+            ``prompt.multi_modal_data`` is not an image (``prompt.multi_modal_data[i]``).
 
     """
     kind = prompt.WhichOneof("input")
@@ -109,18 +112,46 @@ def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
         {"prompt": prompt.text} if kind == "text" else {"prompt_token_ids": list(prompt.token_ids.ids)}
     )
     if prompt.multi_modal_data:
-        data: dict[str, list[bytes]] = {}
-        for item in prompt.multi_modal_data:
-            data.setdefault(item.mime_type.split("/")[0], []).append(item.data)
-        inputs["multi_modal_data"] = data
+        images = [
+            _image_bytes(item, f"prompt.multi_modal_data[{index}]")
+            for index, item in enumerate(prompt.multi_modal_data)
+        ]
+        inputs["multi_modal_data"] = {"image": images}
     return inputs
 
 
+def _image_bytes(item: spindle_pb2.MultiModalItem, field: str) -> bytes:
+    """The encoded image of a ``MultiModalItem``; raises naming ``field`` when its MIME type is not ``image/*``."""
+    if not item.mime_type.lower().startswith("image/"):
+        raise InvalidRequestError(
+            field, f"{field} has mime_type {item.mime_type!r}: only images (image/png, image/jpeg, ...) are taken"
+        )
+    return item.data
+
+
 def messages_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]]:
-    """A ``ChatRequest``'s conversation as the engine takes it: tool calls in OpenAI's form, arguments as JSON text."""
+    """A ``ChatRequest``'s conversation as the engine takes it: tool calls in OpenAI's form, arguments as JSON text.
+
+    A message's ``parts`` become its content, a list of ``{"type": "text", "text"}`` and ``{"type": "image",
+    "image": bytes}`` parts.
+
+    Raises:
+        InvalidRequestError: a message has both ``content`` and ``parts`` (``messages[i].content``), or a part is
+            empty or an image with another MIME type than ``image/*`` (``messages[i].parts[j]``).
+
+    """
     messages = []
-    for message in request.messages:
+    for index, message in enumerate(request.messages):
         converted: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.parts:
+            if message.content:
+                raise InvalidRequestError(
+                    f"messages[{index}].content",
+                    f"messages[{index}] has both content and parts: put its text in a text part, or send no parts",
+                )
+            converted["content"] = [
+                _content_part(part, f"messages[{index}].parts[{number}]") for number, part in enumerate(message.parts)
+            ]
         if message.tool_calls:
             converted["tool_calls"] = [
                 {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -130,6 +161,17 @@ def messages_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]
             converted["tool_call_id"] = message.tool_call_id
         messages.append(converted)
     return messages
+
+
+def _content_part(part: spindle_pb2.ContentPart, field: str) -> dict[str, Any]:
+    """A ``ContentPart`` as a chat message's content part; raises naming ``field`` for an empty or non-image one."""
+    match part.WhichOneof("part"):
+        case "text":
+            return {"type": "text", "text": part.text}
+        case "image":
+            return {"type": "image", "image": _image_bytes(part.image, field)}
+        case _:
+            raise InvalidRequestError(field, f"{field} is empty: set its text or its image")
 
 
 def tools_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]] | None:

@@ -1,35 +1,52 @@
-"""Checks and tokenizes prompts and chat conversations before they reach the engine core."""
+"""Checks and tokenizes prompts and chat conversations before they reach the engine core.
 
+A vision-language model's prompt holds one placeholder per image, its image token (``<image>``), in the images'
+order; each placeholder is expanded into the image's full run of image tokens (one per embedding of the image), and
+the images are preprocessed into :class:`~spindle.shared.protocol.ImageInput` pixels at their runs.
+"""
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import itertools
 import json
-from dataclasses import dataclass
+import reprlib
 from typing import Any
 
 import msgspec
 
+from spindle.frontend.image_processor import ImageProcessor
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.frontend.tools import ChatTools
 from spindle.shared import PromptInputs, SamplingParams, ToolCall
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.protocol import ImageInput
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _ALLOWED_KEYS = frozenset((*_PROMPT_KEYS, "multi_modal_data"))
+_CONTENT_PARTS = (
+    "{'type': 'text', 'text': str}, {'type': 'image', 'image': PIL image or bytes} or "
+    "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}"
+)
 
 
-@dataclass
+@dataclasses.dataclass
 class ProcessedPrompt:
     """A checked prompt, ready for the engine core.
 
     Attributes:
         prompt: the prompt text, when the prompt was given as text.
-        prompt_token_ids: the prompt's token ids.
-        multi_modal_data: the prompt's images, audio, ... (only for a multimodal model).
+        prompt_token_ids: the prompt's token ids, each image placeholder expanded to the image's run of tokens.
+        images: the prompt's preprocessed images in prompt order, each at its run of image tokens (a vision-language
+            model only).
         tools: a chat request's tools and tool choice, ``None`` when it has none (or chose ``"none"``).
 
     """
 
     prompt: str | None
     prompt_token_ids: list[int]
-    multi_modal_data: dict[str, Any] | None = None
+    images: list[ImageInput] = dataclasses.field(default_factory=list)
     tools: ChatTools | None = None
 
 
@@ -43,33 +60,44 @@ class InputProcessor:
         tokenizer: the model's tokenizer.
         max_model_len: the most tokens (prompt plus completion) one sequence may hold.
         vocab_size: the model's vocabulary size; token ids must be below it.
-        supports_multimodal: whether prompts may carry ``multi_modal_data``.
+        image_processor: a vision-language model's image processor; ``None`` for a text-only model, whose prompts
+            may carry no images.
 
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, supports_multimodal: bool = False
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        image_processor: ImageProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.supports_multimodal = supports_multimodal
+        self.image_processor = image_processor
 
     def process(self, inputs: PromptInputs, params: SamplingParams | None) -> ProcessedPrompt:
-        """Check one prompt and tokenize it if it is text.
+        """Check one prompt, tokenize it if it is text, and expand and preprocess its images.
+
+        A text prompt's every image token (``<image>``) is one image's placeholder. In a token-id prompt, a run of
+        one image token is a placeholder, and so is a run already as long as an image's tokens.
 
         Args:
             inputs: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``, each dict optionally with
-                ``multi_modal_data``.
+                ``multi_modal_data``: ``{"image": image}`` or ``{"image": [image, ...]}`` (one per placeholder, in
+                order), an image being a PIL image or encoded image bytes (see
+                :meth:`~spindle.frontend.image_processor.ImageProcessor.preprocess`).
             params: the request's sampling parameters (``max_tokens`` must fit after the prompt); ``None`` for an
                 embedding request, whose prompt may fill the context since nothing is generated after it.
 
         Returns:
-            The prompt text (``None`` for token ids) and its token ids.
+            The prompt text (``None`` for token ids), its token ids with the placeholders expanded, and its images.
 
         Raises:
             InvalidRequestError: the prompt is malformed, empty, has token ids outside the vocabulary, does not leave
-                room for ``max_tokens`` in the context, or carries multimodal data the model cannot take.
+                room for ``max_tokens`` in the context (its placeholders expanded), carries multimodal data the model
+                cannot take, has not one placeholder per image, or an image is not decodable or too large.
 
         """
         if isinstance(inputs, str):
@@ -90,11 +118,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 "prompt", f"a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids', got {given}"
             )
-        multi_modal_data = inputs.get("multi_modal_data")
-        if multi_modal_data is not None and not self.supports_multimodal:
-            raise InvalidRequestError(
-                "prompt.multi_modal_data", "this model takes text only: remove 'multi_modal_data' from the prompt"
-            )
+        images = self._prompt_images(inputs.get("multi_modal_data"))
         if "prompt" in inputs:
             prompt = inputs["prompt"]
             if not isinstance(prompt, str):
@@ -105,6 +129,10 @@ class InputProcessor:
             token_ids = self._check_token_ids(inputs["prompt_token_ids"])
         if not token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty: give at least one character or token id")
+        prompt_field = "prompt.text" if prompt is not None else "prompt.token_ids"
+        token_ids, offsets = self._expand_placeholders(
+            token_ids, len(images), ("prompt.multi_modal_data", prompt_field), runs=prompt is None
+        )
         if params is not None:
             self._check_request(len(token_ids), params)
         elif len(token_ids) > self.max_model_len:
@@ -113,7 +141,32 @@ class InputProcessor:
                 f"the prompt has {len(token_ids)} tokens, more than the model's context of "
                 f"max_model_len={self.max_model_len} tokens: shorten it",
             )
-        return ProcessedPrompt(prompt, token_ids, multi_modal_data)
+        return ProcessedPrompt(prompt, token_ids, self._preprocess(images, offsets))
+
+    async def process_async(self, inputs: PromptInputs, params: SamplingParams | None) -> ProcessedPrompt:
+        """:meth:`process` for an event loop: off the loop, in a worker thread, for a vision-language model.
+
+        Decoding and resizing an image takes from milliseconds to a few hundred of them (a large JPEG), which would
+        stall every stream the loop serves; a text-only model's prompts are processed on the loop, as a thread hop
+        would cost more than tokenizing.
+        """
+        if self.image_processor is None:
+            return self.process(inputs, params)
+        return await asyncio.to_thread(self.process, inputs, params)
+
+    async def process_chat_async(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
+    ) -> ProcessedPrompt:
+        """:meth:`process_chat` for an event loop: off the loop for a vision-language model (:meth:`process_async`)."""
+        args = (messages, params, add_generation_prompt, tools, tool_choice)
+        if self.image_processor is None:
+            return self.process_chat(*args)
+        return await asyncio.to_thread(self.process_chat, *args)
 
     def process_chat(
         self,
@@ -129,11 +182,17 @@ class InputProcessor:
         tools in OpenAI's form as ``tools`` (``None`` without tools or under ``tool_choice="none"``), and the
         messages as Hugging Face templates expect them: an assistant turn's ``tool_calls`` as
         ``{"id", "type": "function", "function": {"name", "arguments"}}`` with the arguments decoded into a dict, a
-        ``None`` content (usual beside tool calls) as ``""``.
+        ``None`` content (usual beside tool calls) as ``""``, a content of parts as ``{"type": "text", "text"}`` and
+        ``{"type": "image"}`` parts for a vision-language model (the template writes each image's placeholder), as
+        the text parts joined by newlines for a text-only one. The images are taken in the conversation's order, one
+        for each placeholder of the rendered prompt.
 
         Args:
-            messages: the conversation, a non-empty list of dicts with str ``role`` and ``content``; an assistant
-                turn may carry ``tool_calls`` (OpenAI's form, the flat ``{"id", "name", "arguments"}``, or
+            messages: the conversation, a non-empty list of dicts with str ``role`` and ``content``; the content may
+                be a list of parts instead, ``{"type": "text", "text": str}``, ``{"type": "image", "image": image}``
+                (a PIL image or encoded image bytes) or OpenAI's ``{"type": "image_url", "image_url": {"url":
+                "data:image/png;base64,..."}}`` (data URLs only: the server fetches nothing). An assistant turn may
+                carry ``tool_calls`` (OpenAI's form, the flat ``{"id", "name", "arguments"}``, or
                 :class:`~spindle.shared.ToolCall` objects; arguments as JSON text or a dict), a tool turn a
                 ``tool_call_id``.
             params: the request's sampling parameters (``max_tokens`` must fit after the prompt).
@@ -148,15 +207,23 @@ class InputProcessor:
 
         Raises:
             InvalidRequestError: a message or tool is malformed, the tool choice is not possible, the model has no
-                chat template, the template rejected the conversation, or the prompt does not leave room for
-                ``max_tokens``.
+                chat template, the template rejected the conversation, the prompt does not leave room for
+                ``max_tokens``, an image part is given to a text-only model or is not decodable or too large, or the
+                rendered prompt has not one placeholder per image.
 
         """
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError(
                 "messages", "messages must be a non-empty list of {'role': str, 'content': str} dicts"
             )
-        messages = [_check_message(index, message) for index, message in enumerate(messages)]
+        takes_images = self.image_processor is not None
+        images: list[tuple[str, object]] = []
+        checked = []
+        for index, message in enumerate(messages):
+            checked_message, message_images = _check_message(index, message, takes_images)
+            checked.append(checked_message)
+            images += message_images
+        messages = checked
         chat_tools = ChatTools.from_request(tools, tool_choice, params)
         try:
             prompt = self.tokenizer.apply_chat_template(
@@ -167,8 +234,81 @@ class InputProcessor:
         except ValueError as error:  # no chat template, or the template refused the conversation
             raise InvalidRequestError("messages", str(error)) from error
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        token_ids, offsets = self._expand_placeholders(token_ids, len(images), ("messages",), runs=False)
         self._check_request(len(token_ids), params)
-        return ProcessedPrompt(prompt, token_ids, tools=chat_tools)
+        return ProcessedPrompt(prompt, token_ids, self._preprocess(images, offsets), chat_tools)
+
+    def _prompt_images(self, multi_modal_data: object) -> list[tuple[str, object]]:
+        """The images of a prompt's ``multi_modal_data``, each with the field that names it (not decoded yet)."""
+        if multi_modal_data is None:
+            return []
+        if self.image_processor is None:
+            raise InvalidRequestError(
+                "prompt.multi_modal_data", "this model takes text only: remove 'multi_modal_data' from the prompt"
+            )
+        if not isinstance(multi_modal_data, dict) or multi_modal_data.keys() != {"image"}:
+            given = (
+                f"the keys {sorted(map(str, multi_modal_data))}"
+                if isinstance(multi_modal_data, dict)
+                else f"a {type(multi_modal_data).__name__}"
+            )
+            raise InvalidRequestError(
+                "prompt.multi_modal_data",
+                f"this model takes images only: multi_modal_data must be {{'image': an image or a list of images}}, "
+                f"got {given}",
+            )
+        images = multi_modal_data["image"]
+        images = images if isinstance(images, list | tuple) else [images]
+        return [(f"prompt.multi_modal_data[{index}]", image) for index, image in enumerate(images)]
+
+    def _expand_placeholders(
+        self, token_ids: list[int], num_images: int, fields: tuple[str, ...], runs: bool
+    ) -> tuple[list[int], list[int]]:
+        """``token_ids`` with each image placeholder expanded to an image's run of tokens, and the runs' offsets.
+
+        Every image token is a placeholder, or with ``runs`` (token-id prompts) every run of image tokens, which must
+        be one token or a full image's. There must be ``num_images`` placeholders, else the error names ``fields``.
+        """
+        if self.image_processor is None:
+            return token_ids, []
+        image_token_id, length = self.image_processor.image_token_id, self.image_processor.num_image_tokens
+        expanded: list[int] = []
+        offsets: list[int] = []
+        position = 0
+        for token_id, group in itertools.groupby(token_ids):
+            count = len(list(group))
+            if token_id != image_token_id:
+                expanded += [token_id] * count
+            elif runs and count not in (1, length):
+                raise InvalidRequestError(
+                    f"prompt.token_ids[{position}]",
+                    f"prompt_token_ids[{position}:{position + count}] is a run of {count} image tokens "
+                    f"({image_token_id}): an image's placeholder is 1 image token or all {length} of the image's",
+                )
+            else:
+                for _ in range(1 if runs else count):
+                    offsets.append(len(expanded))
+                    expanded += [image_token_id] * length
+            position += count
+        if len(offsets) != num_images:
+            token = self.tokenizer.id_to_text(image_token_id)
+            raise InvalidRequestError(
+                fields[0],
+                f"the prompt has {len(offsets)} image placeholders ({token}) but {num_images} images were given: "
+                f"put one {token} where each image goes, in the images' order",
+                also=fields[1:],
+            )
+        return expanded, offsets
+
+    def _preprocess(self, images: list[tuple[str, object]], offsets: list[int]) -> list[ImageInput]:
+        """Each ``(field, image)`` decoded and preprocessed, at its placeholder's offset."""
+        if not images:  # also every text-only model's prompt: their images were refused
+            return []
+        length = self.image_processor.num_image_tokens
+        return [
+            ImageInput.from_pixels(self.image_processor.preprocess(image, field), offset, length)
+            for (field, image), offset in zip(images, offsets, strict=True)
+        ]
 
     def _check_token_ids(self, token_ids: object) -> list[int]:
         if not isinstance(token_ids, list):
@@ -230,19 +370,31 @@ def refer_to_input(error: InvalidRequestError, index: int) -> InvalidRequestErro
     return InvalidRequestError(rename(error.field), error.reason, also=[rename(f) for f in error.fields[1:]])
 
 
-def _check_message(index: int, message: object) -> dict[str, Any]:
-    """A copy of one chat message as templates take it; raises for what no template could render."""
+def _check_message(index: int, message: object, takes_images: bool) -> tuple[dict[str, Any], list[tuple[str, object]]]:
+    """A copy of one chat message as templates take it, and its images with their fields (see :func:`_check_parts`).
+
+    Raises for what no template could render.
+    """
     field = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise InvalidRequestError(field, f"{field} must be a dict with 'role' and 'content', not {message!r}")
+        raise InvalidRequestError(
+            field, f"{field} must be a dict with 'role' and 'content', not {reprlib.repr(message)}"
+        )
     if not isinstance(message.get("role"), str):
         raise InvalidRequestError(f"{field}.role", f"{field} needs a str 'role', got {message.get('role')!r}")
     content, tool_calls = message.get("content"), message.get("tool_calls")
     # OpenAI's clients send an assistant turn that only calls tools with a null content.
-    if not isinstance(content, str) and not (content is None and tool_calls):
-        raise InvalidRequestError(f"{field}.content", f"{field} needs a str 'content', got {content!r}")
+    if not isinstance(content, str | list) and not (content is None and tool_calls):
+        raise InvalidRequestError(
+            f"{field}.content",
+            f"{field} needs a str 'content', got {reprlib.repr(content)}: give text, or a list of parts",
+        )
     checked = {key: value for key, value in message.items() if value is not None}
-    checked["content"] = content or ""
+    images: list[tuple[str, object]] = []
+    if isinstance(content, list):
+        checked["content"], images = _check_parts(index, content, takes_images)
+    else:
+        checked["content"] = content or ""
     if tool_calls is not None:
         if not isinstance(tool_calls, list):
             raise InvalidRequestError(
@@ -255,7 +407,64 @@ def _check_message(index: int, message: object) -> dict[str, Any]:
         raise InvalidRequestError(
             f"{field}.tool_call_id", f"{field}'s tool_call_id must be a str, got {message['tool_call_id']!r}"
         )
-    return checked
+    return checked, images
+
+
+def _check_parts(
+    index: int, parts: list[object], takes_images: bool
+) -> tuple[str | list[dict[str, str]], list[tuple[str, object]]]:
+    """Message ``index``'s content parts as the chat template takes them, and its images with their fields.
+
+    A vision-language model's template gets the parts as ``{"type": "text", "text"}`` and ``{"type": "image"}``; a
+    text-only model's (which expects a str) the text parts joined by newlines, and image parts are refused. The
+    fields are ``messages[i].parts[j]``, as the gRPC API names a part.
+    """
+    rendered: list[dict[str, str]] = []
+    images: list[tuple[str, object]] = []
+    for number, part in enumerate(parts):
+        field = f"messages[{index}].parts[{number}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            rendered.append({"type": "text", "text": part["text"]})
+        elif kind in ("image", "image_url") and not takes_images:
+            raise InvalidRequestError(field, f"this model takes text only: {field} is an image part")
+        elif kind == "image" and "image" in part:
+            images.append((field, part["image"]))
+            rendered.append({"type": "image"})
+        elif kind == "image_url":
+            images.append((field, _data_url_image(field, part.get("image_url"))))
+            rendered.append({"type": "image"})
+        else:
+            raise InvalidRequestError(field, f"{field} must be {_CONTENT_PARTS}, not {reprlib.repr(part)}")
+    if not takes_images:
+        return "\n".join(part["text"] for part in rendered), []
+    return rendered, images
+
+
+def _data_url_image(field: str, image_url: object) -> bytes:
+    """The image bytes of an ``image_url`` part's base64 ``data:`` URL; other URLs are refused (nothing is fetched)."""
+    url = image_url.get("url") if isinstance(image_url, dict) else None
+    if not isinstance(url, str):
+        raise InvalidRequestError(
+            field, f"{field} needs an 'image_url' of {{'url': str}}, got {reprlib.repr(image_url)}"
+        )
+    header, comma, data = url.partition(",")
+    scheme = header.partition(":")[0].lower()
+    if scheme in ("http", "https"):
+        raise InvalidRequestError(
+            field,
+            f"{field} is an {scheme} URL, and the server fetches nothing: send the image inline, as a data URL "
+            "(data:image/png;base64,...) or as image bytes",
+        )
+    media_type = header[len("data:") :].lower()
+    if scheme != "data" or not comma or not media_type.startswith("image/") or not media_type.endswith(";base64"):
+        raise InvalidRequestError(
+            field, f"{field}'s url must be a base64 image data URL (data:image/png;base64,...), got {url[:40]!r}"
+        )
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as error:
+        raise InvalidRequestError(field, f"{field}'s data URL is not valid base64: {error}") from error
 
 
 def _check_tool_call(field: str, call: object) -> dict[str, Any]:

@@ -69,7 +69,10 @@ class LLM:
 
         Args:
             inputs: a string, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` (each optionally with
-                ``multi_modal_data``), or a list of these.
+                ``multi_modal_data``), or a list of these. A vision-language model's prompt takes images as
+                ``"multi_modal_data": {"image": image}`` (or a list of images), each a PIL image or encoded image
+                bytes (PNG, JPEG, ...), one ``<image>`` placeholder in the prompt for each, in order
+                (:meth:`~spindle.frontend.input_processor.InputProcessor.process`).
             sampling_params: one :class:`SamplingParams` for all prompts or one per prompt (default
                 ``SamplingParams()``).
             use_tqdm: show a progress bar. It is the third positional argument, where vLLM's old signature had
@@ -130,7 +133,11 @@ class LLM:
 
         Args:
             messages: a conversation (``{"role": ..., "content": ...}`` dicts; an assistant turn may carry
-                ``tool_calls``, a tool turn a ``tool_call_id``), or a list of conversations.
+                ``tool_calls``, a tool turn a ``tool_call_id``), or a list of conversations. A content may be a list
+                of parts: ``{"type": "text", "text": ...}`` and, for a vision-language model, images as
+                ``{"type": "image", "image": image}`` (a PIL image or encoded image bytes) or OpenAI's
+                ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
+                (:meth:`~spindle.frontend.input_processor.InputProcessor.process_chat`).
             sampling_params: one :class:`SamplingParams` for all conversations or one per conversation.
             use_tqdm: show a progress bar.
             add_generation_prompt: end each prompt with the header that starts an assistant turn.

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from spindle.frontend.core_client import BackendConnection, SyncCoreClient
+from spindle.frontend.image_processor import ImageProcessor
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
@@ -48,7 +49,9 @@ class LLMEngine:
             self.core = engine_core.EngineCore(config)
         info = self.core.info
         self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
-        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer, info.max_model_len, info.vocab_size, ImageProcessor.from_files(info.tokenizer_files)
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
         self._lora_paths: dict[str, str] = {}
@@ -195,7 +198,14 @@ class LLMEngine:
         engine_params = EMBEDDING_SAMPLING_PARAMS if pooling is not None else params
         self.core.add_request(
             EngineRequest(
-                request_id, prompt.prompt_token_ids, engine_params, arrival_time, priority, lora_name, pooling
+                request_id,
+                prompt.prompt_token_ids,
+                engine_params,
+                arrival_time,
+                priority,
+                lora_name,
+                pooling,
+                images=prompt.images,
             )
         )
         self.output_processor.add_request(

@@ -1,17 +1,26 @@
-"""Prompt inputs accepted by every engine: a string, a text prompt or a token-id prompt."""
+"""Prompt inputs accepted by every engine: a string, a text prompt or a token-id prompt.
+
+A vision-language model's prompt dict carries its images as ``multi_modal_data``: ``{"image": image}`` or
+``{"image": [image, ...]}``, an image being a PIL image or encoded image bytes (PNG, JPEG, ...), one for each image
+placeholder of the prompt, in order.
+"""
 
 from typing import Any, NotRequired, TypedDict
 
 
 class TextPrompt(TypedDict):
-    """A prompt given as text; the frontend tokenizes it."""
+    """A prompt given as text; the frontend tokenizes it. Each image token (``<image>``) is one image's placeholder."""
 
     prompt: str
     multi_modal_data: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):
-    """A prompt given as token ids, passed to the model unchanged."""
+    """A prompt given as token ids, passed to the model unchanged but for its image placeholders.
+
+    A placeholder is a run of image tokens, one token long (the frontend expands it to the image's count) or
+    already as long as the image's count.
+    """
 
     prompt_token_ids: list[int]
     multi_modal_data: NotRequired[dict[str, Any]]

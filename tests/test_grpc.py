@@ -24,7 +24,7 @@ from spindle.client import SpindleClient
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.core_client import EngineDeadError, start_backend
 from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_mapping import sampling_params_from_proto
+from spindle.frontend.grpc_mapping import messages_from_proto, prompt_inputs_from_proto, sampling_params_from_proto
 from spindle.frontend.grpc_server import GrpcServer
 from spindle.frontend.grpc_servicer import QueueFullError, status_for
 from spindle.shared import SamplingParams
@@ -225,6 +225,18 @@ def assert_invalid(error: grpc.RpcError, fields: list[str], message: str) -> Non
     assert message in error.details() and violated_fields(error) == fields
 
 
+PNG_ITEM = spindle_pb2.MultiModalItem(mime_type="image/png", data=b"\x89PNG")
+AUDIO_ITEM = spindle_pb2.MultiModalItem(mime_type="audio/wav", data=b"RIFF")
+
+
+def image_prompt(*items: spindle_pb2.MultiModalItem) -> spindle_pb2.GenerateRequest:
+    return spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text="look", multi_modal_data=items))
+
+
+def chat_parts(*parts: spindle_pb2.ContentPart, content: str = "") -> spindle_pb2.ChatRequest:
+    return spindle_pb2.ChatRequest(messages=[spindle_pb2.ChatMessage(role="user", content=content, parts=parts)])
+
+
 @pytest.mark.parametrize(
     "call,fields,message",
     [
@@ -243,6 +255,32 @@ def assert_invalid(error: grpc.RpcError, fields: list[str], message: str) -> Non
         ),
         (lambda c: c.chat([]), ["messages"], "non-empty list"),
         (lambda c: c.detokenize([5, 256]), ["token_ids"], "outside the vocabulary"),
+        (
+            lambda c: c.stub.Generate(image_prompt(PNG_ITEM, AUDIO_ITEM), timeout=30),
+            ["prompt.multi_modal_data[1]"],
+            "prompt.multi_modal_data[1] has mime_type 'audio/wav': only images (image/png, image/jpeg, ...) are taken",
+        ),
+        (lambda c: c.stub.Generate(image_prompt(PNG_ITEM), timeout=30), ["prompt.multi_modal_data"], "text only"),
+        (
+            lambda c: c.stub.Chat(chat_parts(spindle_pb2.ContentPart(image=AUDIO_ITEM)), timeout=30),
+            ["messages[0].parts[0]"],
+            "has mime_type 'audio/wav'",
+        ),
+        (
+            lambda c: c.stub.Chat(chat_parts(spindle_pb2.ContentPart(text="a"), content="b"), timeout=30),
+            ["messages[0].content"],
+            "messages[0] has both content and parts",
+        ),
+        (
+            lambda c: c.stub.Chat(chat_parts(spindle_pb2.ContentPart(text="a"), spindle_pb2.ContentPart()), timeout=30),
+            ["messages[0].parts[1]"],
+            "messages[0].parts[1] is empty: set its text or its image",
+        ),
+        (
+            lambda c: c.stub.Chat(chat_parts(spindle_pb2.ContentPart(image=PNG_ITEM)), timeout=30),
+            ["messages[0].parts[0]"],
+            "this model takes text only: messages[0].parts[0] is an image part",
+        ),
     ],
     ids=[
         "temperature",
@@ -256,10 +294,31 @@ def assert_invalid(error: grpc.RpcError, fields: list[str], message: str) -> Non
         "too-long",
         "no-messages",
         "detokenize",
+        "prompt-not-an-image",
+        "prompt-image-to-a-text-model",
+        "part-not-an-image",
+        "content-and-parts",
+        "empty-part",
+        "part-image-to-a-text-model",
     ],
 )
 def test_bad_fields_are_invalid_argument_with_field_violations(client, call, fields, message):
     assert_invalid(refusal(lambda: call(client)), fields, message)
+
+
+def test_prompt_images_and_message_parts_map_in_order():
+    jpeg = spindle_pb2.MultiModalItem(mime_type="image/jpeg", data=b"\xff\xd8")
+    prompt = spindle_pb2.Prompt(token_ids=spindle_pb2.TokenIds(ids=[5, 6]), multi_modal_data=[PNG_ITEM, jpeg])
+    assert prompt_inputs_from_proto(prompt) == {
+        "prompt_token_ids": [5, 6],
+        "multi_modal_data": {"image": [b"\x89PNG", b"\xff\xd8"]},
+    }
+    request = chat_parts(spindle_pb2.ContentPart(text="Compare "), spindle_pb2.ContentPart(image=jpeg))
+    request.messages.append(spindle_pb2.ChatMessage(role="assistant", content="Same."))
+    assert messages_from_proto(request) == [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image", "image": b"\xff\xd8"}]},
+        {"role": "assistant", "content": "Same."},
+    ]
 
 
 def test_a_request_id_in_use_is_a_field_violation(client):

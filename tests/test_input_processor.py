@@ -1,8 +1,13 @@
+import base64
 import re
 
 import pytest
+from conftest import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS
+from test_image_processor import encode, model_files, random_image
+from transformers import AutoTokenizer
 
 from spindle import SamplingParams
+from spindle.frontend.image_processor import ImageProcessor
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared.errors import InvalidRequestError
@@ -63,13 +68,6 @@ def refused(call, fields: tuple[str, ...], message: str) -> InvalidRequestError:
 )
 def test_malformed_prompts_are_refused(processor, inputs, field, message):
     refused(lambda: processor.process(inputs, SamplingParams()), (field,), message)
-
-
-def test_a_multimodal_model_keeps_the_data(tokenizer):
-    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, tokenizer.vocab_size, supports_multimodal=True)
-    data = {"image": "cat.png"}
-    processed = processor.process({"prompt_token_ids": [1, 2], "multi_modal_data": data}, SamplingParams(max_tokens=1))
-    assert processed == ProcessedPrompt(None, [1, 2], data)
 
 
 @pytest.mark.parametrize(
@@ -148,14 +146,33 @@ def test_chat_prompts_get_no_second_bos(llama_style_tokenizer):
         ),
         ([{"role": 3, "content": "a"}], "messages[0].role", "messages[0] needs a str 'role', got 3"),
         (
-            [{"role": "user", "content": ["parts"]}],
+            [{"role": "user", "content": 42}],
             "messages[0].content",
-            "messages[0] needs a str 'content', got ['parts']",
+            "messages[0] needs a str 'content', got 42: give text, or a list of parts",
+        ),
+        (
+            [{"role": "user", "content": ["parts"]}],
+            "messages[0].parts[0]",
+            "messages[0].parts[0] must be {'type': 'text', 'text': str}, {'type': 'image', 'image': PIL image or "
+            "bytes} or {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}, not 'parts'",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "image": b"png"}]}],
+            "messages[0].parts[1]",
+            "this model takes text only: messages[0].parts[1] is an image part",
         ),
     ],
 )
 def test_malformed_conversations_are_refused(processor, messages, field, message):
     refused(lambda: processor.process_chat(messages, SamplingParams()), (field,), message)
+
+
+def test_a_text_only_model_gets_text_parts_joined_by_newlines(processor):
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    processor = InputProcessor(processor.tokenizer, 1000, processor.vocab_size)
+    params = SamplingParams(max_tokens=1)
+    joined = processor.process_chat([{"role": "user", "content": "Hi\nthere"}], params)
+    assert processor.process_chat([{"role": "user", "content": parts}], params) == joined
 
 
 @pytest.mark.parametrize(
@@ -180,3 +197,210 @@ def test_sampling_token_ids_must_be_in_the_vocabulary(tokenizer, field, value):
         (f"sampling_params.{field}",),
         f"SamplingParams.{field} names token ids",
     )
+
+
+# A vision-language model: the tiny LLaVA, whose <image> (token 256) stands for 16 image tokens.
+
+IMAGE = 256
+LLAVA_MAX_MODEL_LEN = 200
+IMAGES = [random_image((30, 20), "RGB", seed) for seed in range(3)]
+
+
+@pytest.fixture(scope="module")
+def llava(tiny_llava_dir) -> InputProcessor:
+    tokenizer = Tokenizer.from_dir(tiny_llava_dir)
+    image_processor = ImageProcessor.from_files(model_files(tiny_llava_dir))
+    return InputProcessor(tokenizer, LLAVA_MAX_MODEL_LEN, tokenizer.vocab_size, image_processor)
+
+
+def expanded(llava: InputProcessor, pieces: list[str | None]) -> tuple[list[int], list[int]]:
+    """The token ids of text ``pieces`` with each ``None`` an image's run of image tokens, and the runs' offsets."""
+    token_ids, offsets = [], []
+    for piece in pieces:
+        if piece is None:
+            offsets.append(len(token_ids))
+            token_ids += [IMAGE] * LLAVA_IMAGE_TOKENS
+        else:
+            token_ids += llava.tokenizer.encode(piece)
+    return token_ids, offsets
+
+
+def assert_images(llava: InputProcessor, processed: ProcessedPrompt, images: list, offsets: list[int]) -> None:
+    """``processed`` carries ``images``, preprocessed, at ``offsets``."""
+    assert [(image.offset, image.length) for image in processed.images] == [(o, LLAVA_IMAGE_TOKENS) for o in offsets]
+    for image, given in zip(processed.images, images, strict=True):
+        assert image.shape == [3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE]
+        assert (image.array() == llava.image_processor.preprocess(given)).all()
+
+
+PIECES = ["USER: ", None, "\nCompare with ", None, " ASSISTANT:"]
+
+
+@pytest.mark.parametrize("second", [IMAGES[1], encode(IMAGES[1])], ids=["pil", "png-bytes"])
+def test_each_image_token_of_a_text_prompt_expands_to_an_image(llava, second):
+    prompt = "USER: <image>\nCompare with <image> ASSISTANT:"
+    processed = llava.process({"prompt": prompt, "multi_modal_data": {"image": [IMAGES[0], second]}}, SamplingParams())
+    token_ids, offsets = expanded(llava, PIECES)
+    assert processed.prompt == prompt and processed.prompt_token_ids == token_ids
+    assert_images(llava, processed, [IMAGES[0], second], offsets)
+
+
+@pytest.mark.parametrize("run", [1, LLAVA_IMAGE_TOKENS], ids=["one-token", "full-run"])
+def test_an_image_run_of_a_token_prompt_expands_to_an_image(llava, run):
+    text_ids, offsets = expanded(llava, PIECES)
+    pieces = [[IMAGE] * run if piece is None else llava.tokenizer.encode(piece) for piece in PIECES]
+    inputs = {"prompt_token_ids": sum(pieces, []), "multi_modal_data": {"image": IMAGES[:2]}}
+    processed = llava.process(inputs, SamplingParams())
+    assert processed.prompt is None and processed.prompt_token_ids == text_ids
+    assert_images(llava, processed, IMAGES[:2], offsets)
+
+
+@pytest.mark.parametrize("images", [IMAGES[0], (IMAGES[0],), [IMAGES[0]]], ids=["one", "tuple", "list"])
+def test_one_image_may_come_alone_or_in_a_sequence(llava, images):
+    processed = llava.process({"prompt": "<image>hi", "multi_modal_data": {"image": images}}, None)
+    assert_images(llava, processed, [IMAGES[0]], [0])
+
+
+def test_equal_images_hash_equal_and_different_ones_differ(llava):
+    inputs = {
+        "prompt": "<image><image><image>",
+        "multi_modal_data": {"image": [IMAGES[0], encode(IMAGES[0]), IMAGES[1]]},
+    }
+    first, same, other = (image.content_hash for image in llava.process(inputs, SamplingParams()).images)
+    assert first == same != other
+
+
+def data_url(image, media_type: str = "image/png") -> dict:
+    return {
+        "type": "image_url",
+        "image_url": {"url": f"data:{media_type};base64,{base64.b64encode(encode(image)).decode()}"},
+    }
+
+
+def test_chat_image_parts_render_as_the_template_places_them(llava, tiny_llava_dir):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image", "image": IMAGES[0]}]},
+        {"role": "user", "content": [data_url(IMAGES[1]), {"type": "text", "text": "with it."}]},
+    ]
+    processed = llava.process_chat(messages, SamplingParams())
+    as_the_template_sees_it = [
+        messages[0],
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "with it."}]},
+    ]
+    expected = AutoTokenizer.from_pretrained(tiny_llava_dir).apply_chat_template(
+        as_the_template_sees_it, tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        processed.prompt
+        == expected
+        == "SYSTEM: Be brief.\nUSER: Compare <image>\n\nUSER: <image>\nwith it.\nASSISTANT:"
+    )
+    token_ids, offsets = expanded(
+        llava, ["SYSTEM: Be brief.\nUSER: Compare ", None, "\n\nUSER: ", None, "\nwith it.\nASSISTANT:"]
+    )
+    assert processed.prompt_token_ids == token_ids
+    assert_images(llava, processed, IMAGES[:2], offsets)
+
+
+def test_the_context_limit_counts_the_expanded_prompt(llava):
+    room = LLAVA_MAX_MODEL_LEN - LLAVA_IMAGE_TOKENS - 2
+    inputs = {"prompt": "<image>ab", "multi_modal_data": {"image": IMAGES[0]}}
+    assert len(llava.process(inputs, SamplingParams(max_tokens=room)).prompt_token_ids) == LLAVA_IMAGE_TOKENS + 2
+    refused(
+        lambda: llava.process(inputs, SamplingParams(max_tokens=room + 1)),
+        ("prompt", "sampling_params.max_tokens"),
+        f"the prompt has {LLAVA_IMAGE_TOKENS + 2} tokens and max_tokens={room + 1}",
+    )
+
+
+def with_images(prompt: str | list[int], *images) -> dict:
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "multi_modal_data": {"image": list(images)}}
+
+
+@pytest.mark.parametrize(
+    "inputs,fields,message",
+    [
+        (
+            {"prompt": "<image>", "multi_modal_data": {"audio": b"wav"}},
+            ("prompt.multi_modal_data",),
+            "this model takes images only: multi_modal_data must be {'image': an image or a list of images}, "
+            "got the keys ['audio']",
+        ),
+        ({"prompt": "<image>", "multi_modal_data": [IMAGES[0]]}, ("prompt.multi_modal_data",), "got a list"),
+        (with_images("<image>", "cat.png"), ("prompt.multi_modal_data[0]",), "not str"),
+        (
+            with_images("<image><image>", IMAGES[0]),
+            ("prompt.multi_modal_data", "prompt.text"),
+            "the prompt has 2 image placeholders (<image>) but 1 images were given: put one <image> where each image "
+            "goes, in the images' order",
+        ),
+        (with_images("no placeholder", IMAGES[0]), ("prompt.multi_modal_data", "prompt.text"), "has 0 image"),
+        ({"prompt": "<image>"}, ("prompt.multi_modal_data", "prompt.text"), "1 image placeholders (<image>) but 0"),
+        (
+            with_images([IMAGE, 5, IMAGE], IMAGES[0]),
+            ("prompt.multi_modal_data", "prompt.token_ids"),
+            "the prompt has 2 image placeholders",
+        ),
+        (
+            with_images([1, IMAGE, IMAGE, 2], IMAGES[0]),
+            ("prompt.token_ids[1]",),
+            "prompt_token_ids[1:3] is a run of 2 image tokens (256): an image's placeholder is 1 image token or all "
+            "16 of the image's",
+        ),
+        (with_images("<image><image>", IMAGES[0], b"junk"), ("prompt.multi_modal_data[1]",), "is not a PNG, JPEG"),
+    ],
+    ids=[
+        "other-modality",
+        "not-a-dict",
+        "not-an-image",
+        "too-few-images",
+        "no-placeholder",
+        "no-images",
+        "token-placeholders",
+        "partial-run",
+        "undecodable",
+    ],
+)
+def test_image_prompts_are_refused_naming_the_field(llava, inputs, fields, message):
+    refused(lambda: llava.process(inputs, SamplingParams()), fields, message)
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+TEXT_PART = {"type": "text", "text": "Look: "}
+
+
+@pytest.mark.parametrize(
+    "messages,field,message",
+    [
+        (
+            user(TEXT_PART, {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
+            "messages[0].parts[1]",
+            "messages[0].parts[1] is an https URL, and the server fetches nothing: send the image inline",
+        ),
+        (
+            user(TEXT_PART, {"type": "image_url", "image_url": {"url": "data:image/png,raw"}}),
+            "messages[0].parts[1]",
+            "url must be a base64 image data URL (data:image/png;base64,...), got 'data:image/png,raw'",
+        ),
+        (user(data_url(IMAGES[0], "text/plain")), "messages[0].parts[0]", "must be a base64 image data URL"),
+        (
+            user({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}),
+            "messages[0].parts[0]",
+            "data URL is not valid base64",
+        ),
+        (user({"type": "image_url", "image_url": "cat.png"}), "messages[0].parts[0]", "needs an 'image_url' of"),
+        (user({"type": "image"}), "messages[0].parts[0]", "messages[0].parts[0] must be {'type': 'text'"),
+        (user({"type": "audio", "audio": b""}), "messages[0].parts[0]", "must be {'type': 'text'"),
+        (user({"type": "image", "image": b"junk"}), "messages[0].parts[0]", "is not a PNG, JPEG"),
+        (user({"type": "text", "text": "<image>"}), "messages", "the prompt has 1 image placeholders (<image>) but 0"),
+    ],
+    ids=["http", "not-base64", "not-an-image", "bad-base64", "url-not-a-dict", "no-image", "unknown", "junk", "count"],
+)
+def test_chat_image_parts_are_refused_naming_the_part(llava, messages, field, message):
+    refused(lambda: llava.process_chat(messages, SamplingParams()), (field,), message)

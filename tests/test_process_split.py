@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import LLAVA_IMAGE_SIZE
 
 from spindle import LLM, FinishReason, LLMEngine, SamplingParams
 from spindle.backend.engine_process import prepare_address
@@ -210,9 +211,22 @@ def socket_dirs(tmp: Path) -> list[Path]:
 
 
 FRONTEND_SCRIPT = """
-import asyncio, json, sys
+import asyncio, io, json, pathlib, sys
+from PIL import Image
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.image_processor import ImageProcessor
+from spindle.frontend.input_processor import InputProcessor
+from spindle.frontend.tokenizer import Tokenizer
 from spindle import SamplingParams
+
+# An image prompt for the LLaVA model, decoded and preprocessed as the frontend does it.
+llava = pathlib.Path({llava!r})
+files = {{name: (llava / name).read_bytes() for name in ("config.json", "preprocessor_config.json")}}
+png = io.BytesIO()
+Image.new("RGB", (40, 30), (200, 10, 60)).save(png, format="PNG")
+tokenizer = Tokenizer.from_dir(llava)
+inputs = {{"prompt": "<image>hi", "multi_modal_data": {{"image": png.getvalue()}}}}
+image = InputProcessor(tokenizer, 100, tokenizer.vocab_size, ImageProcessor.from_files(files)).process(inputs, None)
 
 engine = AsyncLLMEngine.from_args(backend_address=sys.argv[1]) if len(sys.argv) > 1 else AsyncLLMEngine.from_args(
     model={model!r}, dtype="float32", kv_cache_memory="4MiB")
@@ -224,22 +238,27 @@ async def main():
             heavy = ("torch", "triton", "transformers", "spindle.backend.engine_core")
             loaded = sorted(m for m in heavy if m in sys.modules)
             child = engine.connection.process.pid if engine.connection.process else None
-            print(json.dumps({{"loaded": loaded, "child": child}}), flush=True)
+            report = {{"loaded": loaded, "child": child, "image_shape": image.images[0].shape}}
+            print(json.dumps(report), flush=True)
             await asyncio.sleep(3600)
 
 asyncio.run(main())
 """
 
 
-def start_frontend(tiny_llm_dir: Path, *args: str) -> tuple[subprocess.Popen, dict]:
-    script = textwrap.dedent(FRONTEND_SCRIPT.format(model=str(tiny_llm_dir)))
+def start_frontend(tiny_llm_dir: Path, tiny_llava_dir: Path, *args: str) -> tuple[subprocess.Popen, dict]:
+    """A frontend process streaming from the tiny model, having processed an image prompt of the tiny LLaVA."""
+    script = textwrap.dedent(FRONTEND_SCRIPT.format(model=str(tiny_llm_dir), llava=str(tiny_llava_dir)))
     process = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
     return process, json.loads(process.stdout.readline())
 
 
-def test_the_frontend_process_never_imports_model_code_and_a_lost_frontend_is_cleaned_up(backend, tiny_llm_dir):
-    process, report = start_frontend(tiny_llm_dir, backend)
-    assert report["loaded"] == []  # streaming from a live backend with no torch, triton or model code
+def test_the_frontend_process_never_imports_model_code_and_a_lost_frontend_is_cleaned_up(
+    backend, tiny_llm_dir, tiny_llava_dir
+):
+    process, report = start_frontend(tiny_llm_dir, tiny_llava_dir, backend)
+    # Streaming from a live backend, after preprocessing an image, with no torch, triton or model code.
+    assert report["loaded"] == [] and report["image_shape"] == [3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE]
     process.kill()
     process.wait()
     lost_at = time.monotonic()
@@ -252,8 +271,8 @@ def test_the_frontend_process_never_imports_model_code_and_a_lost_frontend_is_cl
     assert time.monotonic() - lost_at < FRONTEND_TIMEOUT + 3
 
 
-def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir, private_tmp):
-    process, report = start_frontend(tiny_llm_dir)
+def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir, tiny_llava_dir, private_tmp):
+    process, report = start_frontend(tiny_llm_dir, tiny_llava_dir)
     child = report["child"]
     assert len(socket_dirs(private_tmp)) == 1
     process.kill()

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import grpc
 
@@ -58,9 +59,10 @@ def _report(error: grpc.RpcError) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    images = [Path(path).read_bytes() for path in args.image]
     with _client(args) as client:
         try:
-            _print_stream(client.generate(args.prompt, lora_name=args.lora_name, **_params(args)))
+            _print_stream(client.generate(args.prompt, lora_name=args.lora_name, images=images, **_params(args)))
         except grpc.RpcError as error:
             return _report(error)
     return 0
@@ -104,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         entry_point.load()(commands)
     generate = commands.add_parser("generate", help="stream a completion of a prompt from a running server")
     generate.add_argument("prompt")
+    generate.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image file for the prompt's next <image> placeholder (repeat for several; vision-language models)",
+    )
     _add_client_args(generate)
     _add_lora_arg(generate)
     generate.set_defaults(run=_generate)

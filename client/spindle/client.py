@@ -16,6 +16,43 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
+# The leading bytes of each image format the server decodes, and its MIME type.
+_IMAGE_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+)
+
+
+def image_item(data: bytes) -> spindle_pb2.MultiModalItem:
+    """An encoded image as a ``MultiModalItem``, its MIME type read from its leading bytes.
+
+    Raises:
+        ValueError: the bytes are not a PNG, JPEG, WebP, GIF or BMP file.
+
+    """
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return spindle_pb2.MultiModalItem(mime_type="image/webp", data=data)
+    for signature, mime_type in _IMAGE_SIGNATURES:
+        if data.startswith(signature):
+            return spindle_pb2.MultiModalItem(mime_type=mime_type, data=data)
+    raise ValueError(f"not a PNG, JPEG, WebP, GIF or BMP image: it starts with {bytes(data[:12])!r}")
+
+
+def _chat_message(message: dict[str, Any]) -> spindle_pb2.ChatMessage:
+    """A conversation's message as the proto's: tool calls converted, a list of parts as ``parts``."""
+    fields = {**message, "tool_calls": [_tool_call(c) for c in message.get("tool_calls") or []]}
+    if isinstance(fields.get("content"), list):
+        fields["parts"] = [
+            spindle_pb2.ContentPart(image=image_item(part["image"]))
+            if part["type"] == "image"
+            else spindle_pb2.ContentPart(text=part["text"])
+            for part in fields.pop("content")
+        ]
+    return spindle_pb2.ChatMessage(**fields)
+
 
 def sampling_params(**fields: Any) -> spindle_pb2.SamplingParams:
     """Build the ``SamplingParams`` message from ``spindle.SamplingParams`` field names; ``None`` leaves unset."""
@@ -53,16 +90,30 @@ class SpindleClient:
         self.timeout = timeout
 
     def generate(
-        self, prompt: str | list[int], request_id: str = "", *, priority: int = 0, lora_name: str = "", **params: Any
+        self,
+        prompt: str | list[int],
+        request_id: str = "",
+        *,
+        priority: int = 0,
+        lora_name: str = "",
+        images: Sequence[bytes] = (),
+        **params: Any,
     ) -> Iterator[spindle_pb2.GenerateResponse]:
         """Stream a completion of text or token ids; ``params`` are sampling parameter fields.
 
         ``priority`` orders the request on a server with ``--scheduling-policy priority`` (lower runs first).
         ``lora_name`` names the LoRA adapter to generate with (:meth:`list_lora_adapters`); empty is the base model.
+        ``images`` are encoded images (PNG, JPEG, WebP, GIF or BMP files' bytes) for a vision-language model, one for
+        each of the prompt's image placeholders (``<image>``), in order.
+
+        Raises:
+            ValueError: an image's bytes are of none of those formats.
+
         """
         message = spindle_pb2.Prompt(text=prompt) if isinstance(prompt, str) else spindle_pb2.Prompt()
         if not isinstance(prompt, str):
             message.token_ids.ids.extend(prompt)
+        message.multi_modal_data.extend(image_item(data) for data in images)
         request = spindle_pb2.GenerateRequest(
             request_id=request_id,
             prompt=message,
@@ -86,9 +137,11 @@ class SpindleClient:
         """Stream the model's reply to a conversation of ``{"role": ..., "content": ...}`` dicts.
 
         Args:
-            messages: the conversation; an assistant turn may carry ``tool_calls`` (``ToolCall`` messages, as a
-                response's choices carry them, objects with ``id``, ``name`` and ``arguments``, or dicts in OpenAI's
-                form or flat, arguments as JSON text or a dict), a tool turn a ``tool_call_id``.
+            messages: the conversation; a message's ``content`` is text, or a list of parts for a vision-language
+                model, ``{"type": "text", "text": str}`` and ``{"type": "image", "image": bytes}`` (an encoded image,
+                as :meth:`generate` takes them); an assistant turn may carry ``tool_calls`` (``ToolCall`` messages, as
+                a response's choices carry them, objects with ``id``, ``name`` and ``arguments``, or dicts in
+                OpenAI's form or flat, arguments as JSON text or a dict), a tool turn a ``tool_call_id``.
             request_id: a client-chosen id (for :meth:`abort`); the server makes one when empty.
             tools: functions the model may call: ``Tool`` messages, or dicts in OpenAI's form
                 (``{"type": "function", "function": {"name", "description", "parameters"}}``) or bare, the
@@ -102,10 +155,7 @@ class SpindleClient:
         """
         request = spindle_pb2.ChatRequest(
             request_id=request_id,
-            messages=[
-                spindle_pb2.ChatMessage(**{**m, "tool_calls": [_tool_call(c) for c in m.get("tool_calls") or []]})
-                for m in messages
-            ],
+            messages=[_chat_message(m) for m in messages],
             sampling_params=sampling_params(**params),
             tools=[_tool(t) for t in tools or []],
             tool_choice=_tool_choice(tool_choice),
