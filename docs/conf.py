@@ -28,7 +28,7 @@ extensions = [
 
 # The docs build in an environment with only docs/requirements.txt: the model side's heavy imports are mocked, so
 # autodoc can import the backend modules and read their docstrings (tests/test_docs.py checks the pages are full).
-autodoc_mock_imports = ["torch", "triton", "transformers", "safetensors", "gguf", "accelerate", "numpy"]
+autodoc_mock_imports = ["torch", "triton", "transformers", "safetensors", "gguf", "accelerate", "numpy", "PIL"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_class_signature = "separated"
@@ -42,7 +42,7 @@ nitpick_ignore_regex = [
     (
         "py:class",
         r"(torch|numpy|zmq|msgspec|tokenizers|argparse|asyncio|enum|subprocess|pathlib|collections\.abc|typing"
-        r"|xgrammar|concurrent\.futures)\..*",
+        r"|xgrammar|concurrent\.futures|PIL)\..*",
     ),
     # xgrammar's classes, named in annotations only when type-checking (the backend imports xgrammar lazily).
     ("py:class", r"(Future|CompiledGrammar|GrammarCompiler|GrammarMatcher)(\[.*\])?"),

@@ -1,0 +1,243 @@
+"""Images end to end on a tiny random LLaVA: greedy tokens equal transformers', prefix caching by image content.
+
+The reference is transformers' ``LlavaForConditionalGeneration`` given its own ``CLIPImageProcessor``'s pixels and
+the prompt with each ``<image>`` expanded to :data:`LLAVA_IMAGE_TOKENS` image tokens; Spindle gets the images as PIL
+images, PNG bytes through ``LLM.generate``, or PNG bytes through gRPC.
+"""
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import LLAVA_IMAGE_TOKENS
+from PIL import Image
+from test_grpc import ServerThread, assert_invalid, collect, refusal, tiny_config
+
+from spindle import LLM, SamplingParams
+from spindle.backend.engine_core import EngineCore
+from spindle.backend.model_runner import RunnerOutput
+from spindle.backend.scheduler import ScheduledBatch
+from spindle.frontend.core_client import start_backend
+from spindle.frontend.tokenizer import Tokenizer
+from spindle.shared.errors import InvalidRequestError
+from spindle.shared.protocol import EngineRequest, ImageInput
+from spindle.v1 import spindle_pb2
+
+IMAGE_TOKEN = 256
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GRPC_GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+def random_image(seed: int, width: int, height: int) -> Image.Image:
+    """Smooth random colours (a small random image scaled up), so that resizing keeps them apart."""
+    small = np.random.default_rng(seed).integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((width, height), Image.Resampling.BILINEAR)
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+IMAGES = [random_image(1, 40, 60), random_image(2, 90, 30), random_image(3, 28, 28)]
+
+# (prompt, indices into IMAGES): images of different sizes, two images in one prompt, and text-only prompts.
+PROMPTS = [
+    ("USER: <image>\nWhat is shown? ASSISTANT:", [0]),
+    ("Plain text, no image at all", []),
+    ("USER: compare <image> with <image> please ASSISTANT:", [1, 2]),
+    ("USER: <image>\nDescribe it in detail. ASSISTANT:", [1]),
+    ("Another text prompt", []),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llava_dir: Path) -> list[list[int]]:
+    """Transformers' greedy tokens for each of :data:`PROMPTS`."""
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
+    processor = transformers.CLIPImageProcessor.from_pretrained(tiny_llava_dir)
+    tokenizer = Tokenizer.from_dir(tiny_llava_dir)
+    outputs = []
+    for prompt, indices in PROMPTS:
+        ids = []
+        for token in tokenizer.encode(prompt):
+            ids += [IMAGE_TOKEN] * LLAVA_IMAGE_TOKENS if token == IMAGE_TOKEN else [token]
+        kwargs = {}
+        if indices:
+            kwargs["pixel_values"] = processor([IMAGES[i] for i in indices], return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False, **kwargs)
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def prompt_inputs(as_png: bool) -> list[dict]:
+    inputs = []
+    for prompt, indices in PROMPTS:
+        entry: dict = {"prompt": prompt}
+        if indices:
+            images = [png(IMAGES[i]) if as_png else IMAGES[i] for i in indices]
+            entry["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+        inputs.append(entry)
+    return inputs
+
+
+class EncoderSpy:
+    """Records the vision encoder's work and which steps mix image and text sequences.
+
+    ``images_encoded`` counts the images the encoder ran on; ``encoded`` lists ``(seq_id, image index)`` for every
+    image a step encoded for a sequence.
+    """
+
+    def __init__(self, core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.images_encoded = 0
+        self.encoded: list[tuple[int, int]] = []
+        self.mixed_steps = 0
+        model, runner = core.runner.model, core.runner
+        embed_images, execute = model.embed_images, runner.execute
+
+        def counting_embed(pixels: torch.Tensor) -> torch.Tensor:
+            self.images_encoded += pixels.shape[0]
+            return embed_images(pixels)
+
+        def watching_execute(batch: ScheduledBatch) -> RunnerOutput:
+            self.mixed_steps += {bool(seq.images) for seq in batch.seqs} == {True, False}
+            output = execute(batch)
+            self.encoded += [(seq_id, k) for seq_id, new in output.image_embeds.items() for k in new]
+            return output
+
+        monkeypatch.setattr(model, "embed_images", counting_embed)
+        monkeypatch.setattr(runner, "execute", watching_execute)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava_dir: Path) -> Iterator[LLM]:
+    # A step budget of 12 tokens: every image's 16 placeholders span two or three chunks, beside other prompts.
+    llm = LLM(str(tiny_llava_dir), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=12, block_size=8)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("as_png", [False, True], ids=["pil", "png"])
+def test_greedy_tokens_match_transformers(
+    llm: LLM, reference: list[list[int]], as_png: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = EncoderSpy(llm.llm_engine.core, monkeypatch)
+    outputs = llm.generate(prompt_inputs(as_png), GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == reference
+    # Image and text prompts ran in the same steps, and every image's placeholders spanned two or three chunks; yet
+    # no sequence had an image encoded twice, and an image two sequences of a step hold was encoded once.
+    assert spy.mixed_steps > 0
+    assert len(spy.encoded) == len(set(spy.encoded))
+    assert spy.images_encoded <= len(spy.encoded)
+    if not as_png:
+        assert len(spy.encoded) == 4
+    # (The PNG run finds the same images' blocks in the prefix cache, all but each prompt's last block, and encodes
+    # only the images that reach into a block it computes.)
+
+
+def test_prefix_cache_keys_image_blocks_by_content(llm: LLM) -> None:
+    prompt = "USER: <image>\nA question long enough to fill blocks after the image. ASSISTANT:"
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(seed: int) -> int:
+        [out] = llm.generate({"prompt": prompt, "multi_modal_data": {"image": random_image(seed, 50, 50)}}, params)
+        return out.num_cached_tokens
+
+    assert cached(10) == 0
+    num_prompt = len(llm.get_tokenizer().encode(prompt)) - 1 + LLAVA_IMAGE_TOKENS
+    # The same image again: every full block but the last, which is computed for its logits.
+    assert cached(10) == (num_prompt - 1) // 8 * 8
+    # Another image: its placeholders start in the first block, so nothing is shared.
+    assert cached(11) == 0
+    # Same text and image under n=2: both completions read the same blocks and the image is encoded once.
+    [out] = llm.generate(
+        {"prompt": prompt, "multi_modal_data": {"image": random_image(12, 50, 50)}},
+        SamplingParams(temperature=0, max_tokens=3, n=2),
+    )
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+
+
+def test_engine_core_refuses_images_that_do_not_fit(tiny_llava_dir: Path, tiny_llm_dir: Path) -> None:
+    pixels = np.zeros((3, 28, 28), dtype=np.float32)
+    ids = [5] * 4 + [IMAGE_TOKEN] * LLAVA_IMAGE_TOKENS + [6]
+
+    def request(*images: ImageInput, prompt: list[int] = ids) -> EngineRequest:
+        return EngineRequest("r", prompt, SamplingParams(max_tokens=2), 0.0, images=list(images))
+
+    text_core = EngineCore(tiny_config(tiny_llm_dir))
+    with pytest.raises(InvalidRequestError, match="takes text only") as error:
+        text_core.add_request(request(ImageInput.from_pixels(pixels, 4, LLAVA_IMAGE_TOKENS)))
+    assert error.value.field == "prompt.multi_modal_data"
+
+    core = EngineCore(tiny_config(tiny_llava_dir))
+    refusals = [
+        (ImageInput.from_pixels(np.zeros((3, 14, 14)), 4, LLAVA_IMAGE_TOKENS), "shape"),
+        (ImageInput.from_pixels(pixels, 4, LLAVA_IMAGE_TOKENS - 1), "placeholder tokens; the model"),
+        (ImageInput.from_pixels(pixels, 3, LLAVA_IMAGE_TOKENS), "other than the image token"),
+        (ImageInput.from_pixels(pixels, 10, LLAVA_IMAGE_TOKENS), "outside the prompt"),
+    ]
+    for image, message in refusals:
+        with pytest.raises(InvalidRequestError, match=message) as error:
+            core.add_request(request(image))
+        assert error.value.field == "prompt.multi_modal_data[0]"
+    assert not core.has_unfinished_requests()
+    core.add_request(request(ImageInput.from_pixels(pixels, 4, LLAVA_IMAGE_TOKENS)))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava_dir: Path) -> Iterator[ServerThread]:
+    process, address = start_backend(tiny_config(tiny_llava_dir, max_num_batched_tokens=12, block_size=8))
+    server = ServerThread(address)
+    yield server
+    server.close()
+    process.terminate()
+    process.wait(30)
+
+
+def test_grpc_generate_with_png_images(server: ServerThread, reference: list[list[int]]) -> None:
+    with server.client(timeout=60) as client:
+        for (prompt, indices), expected in zip(PROMPTS, reference, strict=True):
+            images = [png(IMAGES[i]) for i in indices]
+            choices, _ = collect(client.generate(prompt, images=images, **GRPC_GREEDY))
+            assert choices[0]["token_ids"] == expected
+
+
+def test_grpc_chat_with_image_parts_matches_llm_chat(server: ServerThread, llm: LLM) -> None:
+    def conversation(image: object) -> list[dict]:
+        return [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]},
+        ]
+
+    [expected] = llm.chat(conversation(IMAGES[0]), GREEDY, use_tqdm=False)
+    with server.client(timeout=60) as client:
+        choices, _ = collect(client.chat(conversation(png(IMAGES[0])), **GRPC_GREEDY))
+    assert choices[0]["token_ids"] == expected.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "images,fields,message",
+    [
+        ([b"not an image at all"], ["prompt.multi_modal_data[0]"], "image"),
+        ([], ["prompt.multi_modal_data", "prompt.text"], "1 image placeholders (<image>) but 0 images"),
+    ],
+    ids=["undecodable", "no-image"],
+)
+def test_grpc_refuses_bad_images(server: ServerThread, images: list[bytes], fields: list[str], message: str) -> None:
+    items = [spindle_pb2.MultiModalItem(mime_type="image/png", data=data) for data in images]
+    request = spindle_pb2.GenerateRequest(
+        prompt=spindle_pb2.Prompt(text="USER: <image> ASSISTANT:", multi_modal_data=items)
+    )
+    with server.client(timeout=60) as client:
+        assert_invalid(refusal(lambda: client.stub.Generate(request, timeout=60)), fields, message)
+        # Nothing else was lost: the server still serves.
+        choices, _ = collect(client.generate("still here", temperature=0, max_tokens=2))
+        assert len(choices[0]["token_ids"]) == 2
