@@ -141,6 +141,28 @@ def test_greedy_tokens_match_transformers(
     # only the images that reach into a block it computes.)
 
 
+def test_preempted_image_prompts_keep_parity(
+    tiny_llava_dir: Path, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache of 8 blocks of 16 tokens for five prompts of 1-4 blocks each: sequences are preempted, and those whose
+    # prompt was computed (its embeddings dropped) encode their images again when recomputed.
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 KV heads, head size 16, 16 tokens, float32
+    llm = LLM(
+        str(tiny_llava_dir),
+        dtype="float32",
+        kv_cache_memory=8 * block_bytes,
+        max_model_len=128,
+        max_num_batched_tokens=12,
+        enable_prefix_caching=False,
+    )
+    spy = EncoderSpy(llm.llm_engine.core, monkeypatch)
+    outputs = llm.generate(prompt_inputs(as_png=False), GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == reference
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    # At least one sequence was preempted after its images' embeddings were dropped, and encoded them again.
+    assert len(spy.encoded) > 4
+
+
 def test_prefix_cache_keys_image_blocks_by_content(llm: LLM) -> None:
     prompt = "USER: <image>\nA question long enough to fill blocks after the image. ASSISTANT:"
     params = SamplingParams(temperature=0, max_tokens=2)
