@@ -29,7 +29,7 @@ from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, 
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest
-from spindle.shared.protocol import EngineInfo, EngineStats
+from spindle.shared.protocol import EngineInfo, EngineStats, ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +41,25 @@ AFFINITY_SLACK_RATIO = 0.5
 """The same slack as a share of the least loaded engine's load, when that is more than :data:`AFFINITY_SLACK`."""
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, salt: object = None) -> list[int]:
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, salt: object = None, images: Sequence[ImageInput] = ()
+) -> list[int]:
     """Chained hashes of the full ``block_size``-token blocks of a prompt: each covers its block and all before it.
 
     Two prompts share the first ``k`` hashes exactly when they share their first ``k`` blocks (and ``salt``: the
     LoRA adapter and cache salt, which keep the backend's prefix cache apart too), as the backend's block hashes do.
-    Python's ``hash`` is enough: the hashes stay in this process, and a collision only misroutes a request.
+    A block that holds image tokens hashes the content hashes of its ``images`` too, as the backend's does, since the
+    image tokens are the same for every image. Python's ``hash`` is enough: the hashes stay in this process, and a
+    collision only misroutes a request.
     """
     hashes = []
     parent = hash(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, *token_ids[start : start + block_size]))
+        end = start + block_size
+        seen = tuple(
+            image.content_hash for image in images if image.offset < end and start < image.offset + image.length
+        )
+        parent = hash((parent, *token_ids[start:end], *seen))
         hashes.append(parent)
     return hashes
 
@@ -426,7 +434,7 @@ class DataParallelEngine:
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
         salt = (lora_request.lora_name if lora_request is not None else None, params.cache_salt)
-        replica = self._route(prompt.prompt_token_ids, salt)
+        replica = self._route(prompt.prompt_token_ids, salt, prompt.images)
         self._claim([request_id], replica)
         try:
             await self._restored(replica)
@@ -437,11 +445,11 @@ class DataParallelEngine:
         finally:
             self._release([request_id], replica)
 
-    def _route(self, token_ids: Sequence[int], salt: object) -> _Replica:
+    def _route(self, token_ids: Sequence[int], salt: object, images: Sequence[ImageInput]) -> _Replica:
         """The engine for a prompt, by the rule of the class docstring; it remembers the prompt's blocks."""
         live = self._live()
         block_size = live[0].engine.info.block_size
-        hashes = prefix_hashes(token_ids, block_size, salt)
+        hashes = prefix_hashes(token_ids, block_size, salt, images)
         least = self._least_loaded(live)
         matches = {replica: replica.match(hashes) for replica in live}
         affine = max(live, key=lambda replica: (matches[replica], -replica.load()))

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from test_grpc import LONG, ServerThread, collect, tiny_config
 from test_lora_api import save_adapter
@@ -21,6 +22,7 @@ from spindle.frontend.data_parallel import DataParallelEngine, device_groups, pr
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_server import GrpcServer
 from spindle.shared import SamplingParams
+from spindle.shared.protocol import ImageInput
 from spindle.v1 import spindle_pb2
 
 TINY_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB"]
@@ -132,6 +134,13 @@ def test_prefix_hashes_cover_full_blocks_each_with_all_before_it():
     assert prefix_hashes(prompt[:32] + [7], 16) == prefix_hashes(prompt, 16)
     salted = prefix_hashes(prompt, 16, ("sql", None))  # another adapter (or cache salt): another cache
     assert not set(salted) & set(prefix_hashes(prompt, 16))
+    # An image whose tokens start in the second block: the first is shared, the second differs with the image.
+    pixels = np.zeros((3, 2, 2), dtype=np.float32)
+    image, other = ImageInput.from_pixels(pixels, 20, 12), ImageInput.from_pixels(pixels + 1, 20, 12)
+    with_image, with_other = prefix_hashes(prompt, 16, images=[image]), prefix_hashes(prompt, 16, images=[other])
+    assert with_image[0] == with_other[0] == prefix_hashes(prompt, 16)[0]
+    assert len({with_image[1], with_other[1], prefix_hashes(prompt, 16)[1]}) == 3
+    assert prefix_hashes(prompt, 16, images=[ImageInput.from_pixels(pixels, 20, 12)]) == with_image
 
 
 def test_each_engine_gets_its_own_gpus_or_they_share_too_few(monkeypatch):
