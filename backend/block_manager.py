@@ -40,9 +40,7 @@ def block_hash(parent: bytes, token_ids: Iterable[int], image_hashes: bytes = b"
 
 def _image_hashes(seq: Sequence, start: int, end: int) -> bytes:
     """The content hashes of ``seq``'s images whose placeholders overlap positions ``[start, end)``, in order."""
-    return b"".join(
-        image.content_hash for image in seq.images if image.offset < end and start < image.offset + image.length
-    )
+    return b"".join(image.content_hash for image in seq.images if image.overlaps(start, end))
 
 
 class Block:

@@ -56,9 +56,7 @@ def prefix_hashes(
     parent = hash(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
-        seen = tuple(
-            image.content_hash for image in images if image.offset < end and start < image.offset + image.length
-        )
+        seen = tuple(image.content_hash for image in images if image.overlaps(start, end))
         parent = hash((parent, *token_ids[start:end], *seen))
         hashes.append(parent)
     return hashes

@@ -63,6 +63,10 @@ class ImageInput(msgspec.Struct, array_like=True):
         digest = hashlib.sha256(np.asarray(shape, dtype="<i8").tobytes() + data.tobytes()).digest()
         return cls(data.tobytes(), shape, offset, length, digest)
 
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether the placeholder holds any of the prompt positions ``[start, end)``."""
+        return self.offset < end and start < self.offset + self.length
+
     def array(self) -> np.ndarray:
         """The pixels as a read-only float32 array of ``shape`` (a view of ``pixels``)."""
         return np.frombuffer(self.pixels, dtype="<f4").reshape(self.shape)
