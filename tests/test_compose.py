@@ -199,7 +199,6 @@ NOT_IN_THE_FRONTEND = {
     "gguf",
     "accelerate",
     "safetensors",
-    "numpy",
     "tqdm",
     "ninja",
     "xgrammar",
