@@ -2,7 +2,8 @@
 long prefill does to the decode streams running beside it.
 
 Part 1: one prompt of ``--lengths`` tokens (fresh random ids each run, so no prefix-cache hit) through
-``LLM.generate`` with ``max_tokens=1``, against Hugging Face transformers' one bf16 forward over the same ids
+``LLM.generate`` with ``max_tokens=1``, against Hugging Face transformers' one forward (same ``--dtype``; ``auto`` is
+what ``LLM`` picks on this CPU: bf16 with AVX-512 bf16, else float32) over the same ids
 (``logits_to_keep=1``: the last position's logits only, as we compute). Prints tokens per second of each (medians of
 ``--repeats``) and the ratio.
 
@@ -22,10 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spindle import LLM, LLMEngine, SamplingParams
-from spindle.backend.models.loader import resolve_model
+from spindle.backend.models.loader import resolve_dtype, resolve_model
 from spindle.shared.config import EngineConfig
-
-DTYPE = "bfloat16"
 
 
 def fresh_ids(length: int, seed: int) -> list[int]:
@@ -89,16 +88,18 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--beside", type=int, default=7680)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    engine_args = {"dtype": DTYPE, "max_model_len": 8192, "kv_cache_memory": "2GiB"}
+    dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")
+    engine_args = {"dtype": dtype, "max_model_len": 8192, "kv_cache_memory": "2GiB"}
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(**engine_args)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=getattr(torch, DTYPE)).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=getattr(torch, dtype)).eval()
     spindle_prefill(llm, 256, 1)  # warm-up
     transformers_prefill(model, 256, 1)
     budget = llm.llm_engine.config.max_num_batched_tokens
-    print(f"prefill, {DTYPE}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
+    print(f"prefill, {dtype}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
     for length in args.lengths:
         ours = spindle_prefill(llm, length, args.repeats)
         theirs = transformers_prefill(model, length, args.repeats)

@@ -23,7 +23,7 @@ from spindle.kernels.linear import MAX_QUANTIZED_TOKENS, Projection, linear
 
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
-NUM_BLOCKS = 256
+NUM_BLOCKS = 512
 
 # Sequences as (cached tokens, new tokens), in multiples of the block size `b` so that they cross block boundaries.
 BATCHES = {
@@ -35,6 +35,9 @@ BATCHES = {
     "long_chunks": lambda b: [(0, 150), (300, 70), (5 * b + 1, 33)],
     # A short chunk after a long prefix: too few tiles for the threads, so its keys split and the partials merge.
     "split_keys": lambda b: [(2 * b, 1), (1500, 3)],
+    # float32 chunks of 64+ tokens whose sequence reaches 1,024 run torch's flash attention (a fresh one, and one after
+    # a cached prefix), beside a decode and a short chunk that stay on our kernels.
+    "flash_chunks": lambda b: [(b + 1, 1), (0, 1030), (2 * b, 5), (960, 64)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
     "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
 }
