@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import reprlib
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -150,9 +151,7 @@ class InputProcessor:
         stall every stream the loop serves; a text-only model's prompts are processed on the loop, as a thread hop
         would cost more than tokenizing.
         """
-        if self.image_processor is None:
-            return self.process(inputs, params)
-        return await asyncio.to_thread(self.process, inputs, params)
+        return await self._off_loop_for_images(self.process, inputs, params)
 
     async def process_chat_async(
         self,
@@ -163,10 +162,15 @@ class InputProcessor:
         tool_choice: str | dict[str, Any] | None = "auto",
     ) -> ProcessedPrompt:
         """:meth:`process_chat` for an event loop: off the loop for a vision-language model (:meth:`process_async`)."""
-        args = (messages, params, add_generation_prompt, tools, tool_choice)
+        return await self._off_loop_for_images(
+            self.process_chat, messages, params, add_generation_prompt, tools, tool_choice
+        )
+
+    async def _off_loop_for_images(self, method: Callable[..., ProcessedPrompt], *args: object) -> ProcessedPrompt:
+        """``method(*args)`` in a worker thread for a vision-language model, on the loop for a text-only one."""
         if self.image_processor is None:
-            return self.process_chat(*args)
-        return await asyncio.to_thread(self.process_chat, *args)
+            return method(*args)
+        return await asyncio.to_thread(method, *args)
 
     def process_chat(
         self,
