@@ -1,6 +1,6 @@
 """Projections (``x @ W.T + b``) as the forward runs them: dense, pre-packed for oneDNN, or weight-only quantized.
 
-On the CPU in bf16 a dense weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
+On the CPU a dense float32 or bf16 weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
 projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs a weight-only kernel (int8 ours,
 ``spindle.kernels.cpu.int8_linear``; int4 torch's) for small batches only, and keeps the dense copy for the rest: see
 :data:`MAX_QUANTIZED_TOKENS` for what was measured. On CUDA
@@ -35,18 +35,24 @@ Other CPUs (no AVX2) are unmeasured: their projections run dense.
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether :func:`pack_weight` applies: a bf16 weight on a CPU where oneDNN runs bf16 (AVX-512, AVX-NE-CONVERT)."""
-    return (
-        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether :func:`pack_weight` applies: a CPU weight in float32, or in bf16 where oneDNN runs bf16 (AVX-512)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Return oneDNN's blocked copy of ``weight [out, in]``, which :class:`Projection` runs in place of it.
 
-    ``F.linear`` reorders a plain bf16 weight into this layout on every call. Measured on 2 cores over SmolLM2's
-    projections (30 layers and the lm head, ms per step): batch 1 17.5 -> 10.4, batch 64 68.4 -> 56.4, a 512-token
-    prefill 463 -> 436.
+    ``F.linear`` reorders a plain bf16 weight into this layout on every call, and runs a float32 one through MKL's
+    sgemm, which is slower at small batches. Measured on 2 cores over SmolLM2's projections, ms per step (plain /
+    packed). bf16 on an AVX-512 EPYC (30 layers and the lm head): batch 1 17.5 / 10.4, batch 64 68.4 / 56.4, a
+    512-token prefill 463 / 436. float32 on an AVX2-only EPYC (Zen 3), the 30 layers: batch 1 38.0 / 25.5, batch 8
+    62.7 / 38.2, batch 64 130 / 128, batch 256 375 / 362, 512 tokens 823 / 754; its lm head: batch 1 8.0 / 4.0,
+    batch 8 18.3 / 6.6, batch 64 39.5 / 25.9, batch 256 127 / 117. Packed float32 sums in another order than MKL:
+    results differ from ``F.linear`` by float32 rounding (~1e-4 relative), not bit for bit.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
@@ -56,7 +62,7 @@ class Projection:
 
     Args:
         weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
-            On the CPU in bf16 it is pre-packed (:func:`pack_weight`).
+            On the CPU it is pre-packed where :func:`can_pack` says so (:func:`pack_weight`).
         bias: ``[out]`` or None.
         quantized: the weight-only quantized form, or None. On the CPU int4 is repacked into the layout of torch's
             kernel and int8 stays as it is, for ours; on CUDA both stay as they are, for the Triton kernel.

@@ -205,18 +205,23 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_linear_equals_plain(rows: int) -> None:
+def test_packed_linear_equals_plain(rows: int, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=generator).bfloat16()
-    bias = torch.randn(96, generator=generator).bfloat16()
-    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(rows, 64, generator=generator).to(dtype)
     projection = Projection(weight, bias)
 
-    # Packed where oneDNN runs bf16 (AVX-512); elsewhere (AVX2) packing would fail: the plain weight stays.
-    packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # float32 is always packed; bf16 where oneDNN runs it (AVX-512): elsewhere (AVX2) the plain weight stays.
+    packs = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert (projection.packed is not None) == packs and (projection.dense is None) == packs
-    assert torch.equal(linear(x, torch.empty(0), prepared=projection), F.linear(x, weight, bias))
+    out = linear(x, torch.empty(0), prepared=projection)
+    if dtype == torch.bfloat16:  # the same oneDNN kernel either way
+        assert torch.equal(out, F.linear(x, weight, bias))
+    else:  # oneDNN's and MKL's float32 GEMMs sum in different orders
+        torch.testing.assert_close(out, F.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -293,7 +298,9 @@ def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(bits: int, d
         assert out.shape == (rows, 96) and out.dtype == dtype
         if rows > limit:
             assert not projection.uses_quantized(rows)
-            torch.testing.assert_close(out, F.linear(x, weight, bias), atol=0, rtol=0)
+            # The dense weight, packed for oneDNN: its GEMM sums float32 in another order than F.linear's MKL.
+            exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {}
+            torch.testing.assert_close(out, F.linear(x, weight, bias), **exact)
             continue
         assert projection.uses_quantized(rows)
         want = quant.quantized_linear(x.float(), quantized, bias.float())

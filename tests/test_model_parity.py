@@ -250,24 +250,37 @@ def test_smollm2_matches_transformers_on_the_gguf(
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN runs no bf16 on this CPU: nothing is packed"
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN runs no bf16 on this CPU: no packing"
+            ),
+        ),
+    ],
 )
 @pytest.mark.parametrize("variant", ["llama", "llama3_tied"])
 def test_packed_weights_give_the_same_logits(
-    variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
+    variant: str, dtype: torch.dtype, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
-    """bf16 projections pre-packed for oneDNN (the CPU serving path) compute exactly what plain F.linear does."""
+    """Projections pre-packed for oneDNN (the CPU serving path) compute what plain F.linear does.
+
+    bf16 exactly (the same kernel), float32 to rounding (oneDNN's GEMM against MKL's).
+    """
     model_dir = make_tiny_model(variant)
-    plain = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
-    packed = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    plain = load_model(model_dir, dtype, torch.device("cpu"))
+    packed = load_model(model_dir, dtype, torch.device("cpu"))
     packed.prepare_weights()
     assert not plain.prepared and packed.prepared["lm_head"].packed is not None
     assert all(p.packed is not None for p in packed.layers[0].prepared.values())
 
     expected = run_schedule(plain, prompts, SCHEDULES["mixed"])
+    exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {}
     for want, got in zip(expected, run_schedule(packed, prompts, SCHEDULES["mixed"]), strict=True):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(got, want, **exact)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
