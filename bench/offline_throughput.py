@@ -1,16 +1,21 @@
 """Offline batch throughput: Spindle's ``LLM.generate`` against Hugging Face transformers' ``generate``.
 
-Both run the embedded SmolLM2-135M-Instruct on this machine's CPU, greedy, on the same prompts, in float32 and in
-bfloat16. Two workloads:
+Both run the embedded SmolLM2-135M-Instruct on this machine's CPU, greedy (eos ignored), on the same prompts of 10 to
+160 words. Two workloads:
 
-- ``fixed``: every prompt generates ``--max-tokens`` tokens (eos ignored): a static batch's best case.
-- ``varied``: prompt ``i`` generates its own length, from ``--max-tokens / 4`` up to ``--max-tokens``, as real
-  requests do. transformers' batch runs until its longest request is done; only the tokens each request asked for
-  count as output.
+- ``varied`` (the default): prompt ``i`` generates its own length, from ``--min-tokens`` to ``--max-tokens``, as real
+  requests do. transformers runs static batches of ``--peer-batches`` prompts (its best size counts); each batch runs
+  until its longest request is done, and only the tokens each request asked for count as output.
+- ``fixed``: every prompt generates ``--max-tokens`` tokens: a static batch's best case.
 
-Prints each side's output-token rate (median of ``--repeats`` runs) and the ratios, in one run:
+``--dtypes auto`` is what ``LLM`` picks on this CPU (bf16 with AVX-512 bf16, else float32). Prints each side's
+output-token rate (median of ``--repeats`` runs), the ratio per dtype and against transformers' best dtype, and the
+fraction of the machine's matmul rate that Spindle's run achieved: the run's FLOPs (every projection, the attention
+and the LM head rows sampled, counted from the model's shapes and the run's token counts) over its time, against a
+large ``torch.mm`` in the same dtype, measured in the same run. Defaults are the workload of issue 10 (64 prompts,
+16 to 192 tokens each, transformers at batch 32 and 64):
 
-    .venv/bin/python -m bench.offline_throughput --num-prompts 32 --max-tokens 64
+    .venv/bin/python -m bench.offline_throughput
 """
 
 import argparse
@@ -21,89 +26,123 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.flops import Shapes, matmul_rate
 from spindle import LLM, SamplingParams
-from spindle.backend.models.loader import resolve_model
+from spindle.backend.models.loader import resolve_dtype, resolve_model
 
 TOPICS = ["the ocean", "a small town", "machine learning", "the history of Rome", "coffee", "a robot", "winter", "jazz"]
+CONTEXT = "Make it vivid and surprising, with a twist at the end. "  # 10 words
 
 
 def make_prompts(num_prompts: int) -> list[str]:
-    """Prompts of different lengths: a topic and a growing amount of context."""
-    prompts = []
-    for i in range(num_prompts):
-        topic = TOPICS[i % len(TOPICS)]
-        prompts.append(f"Write a short story about {topic}. " + "Make it vivid and surprising. " * (i % 7))
-    return prompts
+    """Prompts of 10 to 160 words: a numbered topic and a different amount of context for each.
+
+    The number comes within the first cache block, so that no two prompts share a cached prefix: the prefill is
+    computed in full, as transformers computes it.
+    """
+    return [
+        f"Story {i}: write about {TOPICS[i % len(TOPICS)]}. " + CONTEXT * ((i * 7) % 16) for i in range(num_prompts)
+    ]
 
 
-def output_lengths(workload: str, num_prompts: int, max_tokens: int) -> list[int]:
+def output_lengths(workload: str, num_prompts: int, min_tokens: int, max_tokens: int) -> list[int]:
     """How many tokens each prompt generates in ``workload``."""
     if workload == "fixed":
         return [max_tokens] * num_prompts
     rng = random.Random(0)
-    return [rng.randint(max_tokens // 4, max_tokens) for _ in range(num_prompts)]
+    return [rng.randint(min_tokens, max_tokens) for _ in range(num_prompts)]
 
 
 def bench_spindle(
     model: str | None, prompts: list[str], lengths: list[int], repeats: int, dtype: str, quantization: str
-) -> float:
+) -> tuple[float, float, list[int]]:
+    """Spindle's median output rate, the median run's seconds, and the prompts' token counts."""
     llm = LLM(model, kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    rates = []
+    times, prompt_lens = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
-    return statistics.median(rates)
+        times.append(time.perf_counter() - start)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+        prompt_lens = [len(o.prompt_token_ids) for o in outputs]
+    seconds = statistics.median(times)
+    return sum(lengths) / seconds, seconds, prompt_lens
 
 
 def bench_transformers(
-    model: str | None, prompts: list[str], lengths: list[int], repeats: int, dtype: torch.dtype
-) -> float:
+    model: str | None, prompts: list[str], lengths: list[int], repeats: int, dtype: torch.dtype, batch_sizes: list[int]
+) -> tuple[float, int]:
+    """transformers' best median output rate over static batches of ``batch_sizes``, and the size that gave it.
+
+    Each batch runs until its longest request is done.
+    """
     model_dir = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    longest = max(lengths)
-    kwargs = dict(max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    greedy = dict(do_sample=False, pad_token_id=0)
+    best = (0.0, 0)
     with torch.inference_mode():
-        model.generate(**tokenizer(prompts[:2], return_tensors="pt", padding=True), **kwargs)  # warm-up
-        rates = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.generate(**batch, **kwargs)
-            rates.append(sum(lengths) / (time.perf_counter() - start))
-    return statistics.median(rates)
+        hf.generate(**tokenizer(prompts[:2], return_tensors="pt", padding=True), max_new_tokens=4, **greedy)  # warm-up
+        for size in batch_sizes:
+            batches = [(prompts[i : i + size], max(lengths[i : i + size])) for i in range(0, len(prompts), size)]
+            rates = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for chunk, longest in batches:
+                    inputs = tokenizer(chunk, return_tensors="pt", padding=True)
+                    hf.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, **greedy)
+                rates.append(sum(lengths) / (time.perf_counter() - start))
+            best = max(best, (statistics.median(rates), size))
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-tokens", type=int, default=16, help="the varied workload's shortest output")
+    parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", nargs="+", default=["fixed", "varied"], choices=["fixed", "varied"])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--workloads", nargs="+", default=["varied"], choices=["fixed", "varied"])
+    parser.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--peer-batches", type=int, nargs="+", default=[32, 64], help="transformers' batch sizes")
     parser.add_argument("--quantization", default="auto", help="Spindle's --quantization (auto: the file's int4)")
     parser.add_argument("--model", default=None, help="a model directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers (a large model on a GPU, say)")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
+    dtypes = list(dict.fromkeys(resolve_dtype(d, torch.device("cpu")) for d in args.dtypes))
+    shapes = Shapes.of(str(resolve_model(args.model)))
     print(
-        f"prompts={args.num_prompts} max_tokens={args.max_tokens} threads={torch.get_num_threads()} "
-        f"spindle quantization={args.quantization}"
+        f"prompts={args.num_prompts} threads={torch.get_num_threads()} spindle quantization={args.quantization} "
+        f"transformers batches={args.peer_batches}"
     )
     for workload in args.workloads:
-        lengths = output_lengths(workload, args.num_prompts, args.max_tokens)
-        for dtype in args.dtypes:
-            spindle = bench_spindle(args.model, prompts, lengths, args.repeats, dtype, args.quantization)
-            if args.no_peer:
-                print(f"{workload:6s} {dtype:8s}  spindle {spindle:7.1f} tok/s  (median of {args.repeats})")
-                continue
-            hf = bench_transformers(args.model, prompts, lengths, args.repeats, getattr(torch, dtype))
+        lengths = output_lengths(workload, args.num_prompts, args.min_tokens, args.max_tokens)
+        print(f"{workload}: {min(lengths)}-{max(lengths)} tokens per prompt, {sum(lengths)} in all")
+        rates: dict[torch.dtype, tuple[float, float]] = {}
+        for dtype in dtypes:
+            name = str(dtype).removeprefix("torch.")
+            spindle, seconds, prompt_lens = bench_spindle(
+                args.model, prompts, lengths, args.repeats, name, args.quantization
+            )
+            achieved, ceiling = shapes.flops(prompt_lens, lengths) / seconds, matmul_rate(dtype)
+            line = (
+                f"  {name:8s} spindle {spindle:7.1f} tok/s = {achieved / 1e9:5.1f} GFLOP/s, "
+                f"{achieved / ceiling:4.0%} of this machine's {name} matmul rate ({ceiling / 1e9:.0f} GFLOP/s)"
+            )
+            if not args.no_peer:
+                hf, size = bench_transformers(args.model, prompts, lengths, args.repeats, dtype, args.peer_batches)
+                rates[dtype] = (spindle, hf)
+                line += f"  transformers {hf:7.1f} tok/s (batch {size})  ratio {spindle / hf:5.2f}x"
+            print(line + f"  (medians of {args.repeats})", flush=True)
+        if rates:
+            best_dtype, (_, best_hf) = max(rates.items(), key=lambda item: item[1][1])
+            spindle_best = max(spindle for spindle, _ in rates.values())
             print(
-                f"{workload:6s} {dtype:8s}  spindle {spindle:7.1f} tok/s  transformers {hf:7.1f} tok/s  "
-                f"ratio {spindle / hf:5.2f}x  (medians of {args.repeats})"
+                f"  best: spindle {spindle_best:.1f} tok/s against transformers' best ({best_dtype}) "
+                f"{best_hf:.1f} tok/s: {spindle_best / best_hf:.2f}x"
             )
 
 

@@ -5,7 +5,8 @@ Part 1: one prompt of ``--lengths`` tokens (fresh random ids each run, so no pre
 ``LLM.generate`` with ``max_tokens=1``, against Hugging Face transformers' one forward (same ``--dtype``; ``auto`` is
 what ``LLM`` picks on this CPU: bf16 with AVX-512 bf16, else float32) over the same ids
 (``logits_to_keep=1``: the last position's logits only, as we compute). Prints tokens per second of each (medians of
-``--repeats``) and the ratio.
+``--repeats``), the ratio, and each side's FLOP rate as a fraction of this machine's matmul rate in that dtype
+(:mod:`bench.flops`): a side near the matmul rate cannot be outrun by much more than the rest of its fraction.
 
 Part 2: ``--streams`` greedy decode streams run alone, then beside one ``--beside``-token prompt, in an engine with
 the serving default ``max_decode_slowdown=2`` and in one without the bound (``0``, as ``LLM`` runs). Prints the
@@ -22,6 +23,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.flops import Shapes, matmul_rate
 from spindle import LLM, LLMEngine, SamplingParams
 from spindle.backend.models.loader import resolve_dtype, resolve_model
 from spindle.shared.config import EngineConfig
@@ -99,13 +101,17 @@ def main() -> None:
     spindle_prefill(llm, 256, 1)  # warm-up
     transformers_prefill(model, 256, 1)
     budget = llm.llm_engine.config.max_num_batched_tokens
+    shapes, ceiling = Shapes.of(str(resolve_model(None))), matmul_rate(getattr(torch, dtype))
     print(f"prefill, {dtype}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
+    print(f"  this machine's {dtype} matmul rate: {ceiling / 1e9:.0f} GFLOP/s (2048-cubed torch.mm, best of 10)")
     for length in args.lengths:
         ours = spindle_prefill(llm, length, args.repeats)
         theirs = transformers_prefill(model, length, args.repeats)
+        per_token = shapes.flops([length], [1]) / length
         print(
-            f"  {length:5d} tokens  spindle {ours:7.1f} tok/s ({length / ours:5.2f} s to first token)  "
-            f"transformers {theirs:7.1f} tok/s  ratio {ours / theirs:4.2f}x  (medians of {args.repeats})"
+            f"  {length:5d} tokens  spindle {ours:7.1f} tok/s ({length / ours:5.2f} s to first token, "
+            f"{ours * per_token / ceiling:4.0%} of the matmul rate)  transformers {theirs:7.1f} tok/s "
+            f"({theirs * per_token / ceiling:4.0%})  ratio {ours / theirs:4.2f}x  (medians of {args.repeats})"
         )
     del model, llm
     for slowdown in (0, 2):

@@ -2,9 +2,10 @@
 
 One backend process serves both frontends in turn. Load is Poisson arrivals (``--rate`` requests/s) or a fixed
 number of concurrent clients (``--concurrency``). Prints throughput and p50/p99 time to first token and inter-token
-latency for each path.
+latency for each path, then, once the server has stopped, the offline rate of the same requests through
+``LLM.generate`` (in this process) and each path's output rate as a fraction of it.
 
-    python -m bench.serving --model PATH --num-requests 64 --concurrency 8
+    python -m bench.serving --num-requests 128 --concurrency 64
 """
 
 import argparse
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from spindle import SamplingParams
+from spindle import LLM, SamplingParams
 from spindle.client import sampling_params
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.core_client import start_backend
@@ -90,10 +91,22 @@ async def drive(one_request, prompts: list[str], args) -> tuple[float, list[floa
     return time.perf_counter() - begin, ttfts, itls, tokens
 
 
-def report(name: str, elapsed: float, ttfts: list[float], itls: list[float], tokens: int, n: int) -> None:
+def report(name: str, elapsed: float, ttfts: list[float], itls: list[float], tokens: int, n: int) -> float:
+    """Print one path's throughput and latencies; returns its output tokens per second."""
     ttft = f"TTFT p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms"
     itl = f"ITL p50 {percentile(itls, 0.5) * 1e3:6.2f} ms p99 {percentile(itls, 0.99) * 1e3:6.2f} ms"
-    print(f"{name:>6}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {ttft} | {itl}")
+    print(f"{name:>7}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {ttft} | {itl}")
+    return tokens / elapsed
+
+
+def offline_rate(config: EngineConfig, prompts: list[str], max_tokens: int) -> float:
+    """Output tokens per second of the same requests through ``LLM.generate``, in this process."""
+    llm = LLM(config.model, kv_cache_memory=config.kv_cache_memory)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
 async def grpc_run(address: str, prompts: list[str], args):
@@ -130,7 +143,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=8, help="0: unlimited (use with --rate)")
+    parser.add_argument("--concurrency", type=int, default=64, help="0: unlimited (use with --rate)")
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 sends at once")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args = parser.parse_args()
@@ -143,9 +156,14 @@ def main() -> None:
             elapsed, *rest = asyncio.run(engine_run(engine, prompts, args))
         finally:
             engine.shutdown()
-        report("engine", elapsed, *rest, len(prompts))
+        rates = {"engine": report("engine", elapsed, *rest, len(prompts))}
         elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{server.port}", prompts, args))
-        report("gRPC", elapsed, *rest, len(prompts))
+        rates["gRPC"] = report("gRPC", elapsed, *rest, len(prompts))
+    offline = offline_rate(config, prompts, args.max_tokens)
+    print(
+        f"offline: {offline:8.1f} tok/s (LLM.generate); "
+        + ", ".join(f"{k} {v / offline:.0%}" for k, v in rates.items())
+    )
 
 
 if __name__ == "__main__":

@@ -2,15 +2,17 @@
 //
 // Work items are (sequence, partition of 256 tokens), spread over OpenMP threads with dynamic
 // scheduling, so a batch of very different context lengths costs the sum of its contexts (no padding to the
-// longest) and one long context still keeps every core busy. Each item computes, for the query heads of its kv
-// head, the partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second
-// pass merges the partitions of each (sequence, query head) with the usual log-sum-exp rescaling.
+// longest) and one long context still keeps every core busy. Each item computes, for each query head, the
+// partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second pass merges
+// the partitions of each (sequence, query head) with the usual log-sum-exp rescaling.
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -19,38 +21,59 @@ namespace {
 
 constexpr int64_t PARTITION = 256;
 
-template <typename T>
-void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+// The largest head size the kernel takes (a head's query and accumulators are stack arrays of this many floats).
+constexpr int64_t MAX_HEAD = 256;
+
+// Eight floats, in whatever vector registers the machine has (gcc's vector extension: AVX2 here, NEON on Arm).
+// Written out because gcc's own vectorizer turned the four-key dot products below into gathers, 2x slower.
+typedef float f8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f8 load8(const c10::BFloat16* p) {
+  u16x8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const u32x8 bits = __builtin_convertvector(raw, u32x8) << 16;  // bf16 is the top half of a float
+  f8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+template <typename T>  // half and double (which the dispatch also instantiates): element by element
+inline f8 load8(const T* p) {
+  f8 v;
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+inline float sum8(f8 v) {
+  float total = 0.f;
+  for (int i = 0; i < 8; ++i) total += v[i];
+  return total;
 }
 
-// Calls fn(i, kvh) for the i-th token from `start` to `end` of one sequence and each kv head, with that head's row
-// of the token loaded into `row` as floats. A cache slot holds every kv head of a token side by side, so each slot
-// is read whole, once. `start` is on a block boundary.
-template <typename T, typename Fn>
-void for_each_row(const T* cache, const int32_t* table, int64_t start, int64_t end, int64_t block_size,
-                  int64_t num_kv_heads, int64_t head_size, float* __restrict row, Fn&& fn) {
-  const int64_t token_stride = num_kv_heads * head_size;
-  for (int64_t t0 = start; t0 < end; t0 += block_size) {
-    const T* block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
-    const int64_t n = std::min(block_size, end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        load_row(block + j * token_stride + kvh * head_size, row, head_size);
-        fn(t0 + j - start, kvh);
-      }
-    }
-  }
-}
-
-template <typename T>
+// HEAD is the head size when it is known at compile time (64, 128: a head's query and output then live in
+// registers), or 0 for any other, read at run time; a head size that is not a multiple of 8 ends in scalar steps.
+//
+// Each work item walks its partition once per query head: four keys' dot products at a time (four independent
+// sums), then the exp-weighted sum of the values into the head's accumulators. The partition's rows stay in the L2
+// cache between the heads of a group. Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2's 9/3 heads of 64, 48
+// contexts of 160 tokens, ms per layer: 0.89-0.97, against 1.17-1.23 for the earlier walk (token by token, each
+// token's row updating every head's accumulators in memory, its dot products one chain each).
+template <typename T, int64_t HEAD>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                            at::Tensor& out) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t head_size = HEAD ? HEAD : query.size(2);
+  const int64_t chunks = head_size / 8;  // whole vectors per row; the rest, head_size % 8, are scalar steps
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_size;
   const T* q = query.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
@@ -77,47 +100,77 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
 
 #pragma omp parallel
   {
-    // Per query head: its scaled query, then the partition's scores (exponentiated in place).
-    std::vector<float> qf(num_heads * head_size), row(head_size), scores(num_heads * partition), maxes(num_heads);
+    // The partition's scores of one head (exponentiated in place) and where each of its tokens' slots starts.
+    std::vector<float> scores(partition), merged(head_size);
+    std::vector<int64_t> slot(partition);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t s = item_seq[item];
       const int64_t start = (item - first_item[s]) * partition;
-      const int64_t end = std::min<int64_t>(lens[s], start + partition);
+      const int64_t n = std::min<int64_t>(lens[s], start + partition) - start;
       const int32_t* table = tables + s * max_blocks;
+      for (int64_t b = 0; b < n; b += block_size) {
+        const int64_t base = static_cast<int64_t>(table[(start + b) / block_size]) * block_size * token_stride;
+        for (int64_t j = 0; j < std::min(block_size, n - b); ++j) slot[b + j] = base + j * token_stride;
+      }
       for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t kv_offset = (h / group) * head_size;
         const T* src = q + s * q_seq_stride + h * q_head_stride;
-        for (int64_t d = 0; d < head_size; ++d) qf[h * head_size + d] = to_float(src[d]) * fscale;
-      }
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      for_each_row(kc, table, start, end, block_size, num_kv_heads, head_size, row.data(), [&](int64_t i, int64_t kvh) {
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          float dot = 0.f;
-          const float* qh = qf.data() + h * head_size;
-          for (int64_t d = 0; d < head_size; ++d) dot += qh[d] * row[d];
-          scores[h * partition + i] = dot;
-          maxes[h] = std::max(maxes[h], dot);
+        float qf[HEAD ? HEAD : MAX_HEAD];
+        for (int64_t d = 0; d < head_size; ++d) qf[d] = to_float(src[d]) * fscale;
+        f8 qv[HEAD ? HEAD / 8 : MAX_HEAD / 8];
+        for (int64_t c = 0; c < chunks; ++c) qv[c] = load8(qf + 8 * c);
+        // The score of the key at `key` whose whole vectors summed to `sum`: the vector's lanes and the scalar rest.
+        const auto finish = [&](const T* key, f8 sum) {
+          float total = sum8(sum);
+          for (int64_t d = 8 * chunks; d < head_size; ++d) total += qf[d] * to_float(key[d]);
+          return total;
+        };
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+          const T* k0 = kc + slot[i] + kv_offset;
+          const T* k1 = kc + slot[i + 1] + kv_offset;
+          const T* k2 = kc + slot[i + 2] + kv_offset;
+          const T* k3 = kc + slot[i + 3] + kv_offset;
+          f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          for (int64_t c = 0; c < chunks; ++c) {
+            a0 += qv[c] * load8(k0 + 8 * c);
+            a1 += qv[c] * load8(k1 + 8 * c);
+            a2 += qv[c] * load8(k2 + 8 * c);
+            a3 += qv[c] * load8(k3 + 8 * c);
+          }
+          scores[i] = finish(k0, a0);
+          scores[i + 1] = finish(k1, a1);
+          scores[i + 2] = finish(k2, a2);
+          scores[i + 3] = finish(k3, a3);
         }
-      });
-      float* acc_item = part_acc.data() + item * num_heads * head_size;
-      std::fill_n(acc_item, num_heads * head_size, 0.f);
-      for (int64_t h = 0; h < num_heads; ++h) {
+        for (; i < n; ++i) {
+          const T* key = kc + slot[i] + kv_offset;
+          f8 sum = {};
+          for (int64_t c = 0; c < chunks; ++c) sum += qv[c] * load8(key + 8 * c);
+          scores[i] = finish(key, sum);
+        }
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (i = 0; i < n; ++i) max_score = std::max(max_score, scores[i]);
         float total = 0.f;
-        float* sh = scores.data() + h * partition;
-        for (int64_t t = 0; t < end - start; ++t) {
-          sh[t] = std::exp(sh[t] - maxes[h]);
-          total += sh[t];
+        for (i = 0; i < n; ++i) {
+          scores[i] = std::exp(scores[i] - max_score);
+          total += scores[i];
         }
-        part_max[item * num_heads + h] = maxes[h];
+        f8 acc[HEAD ? HEAD / 8 : MAX_HEAD / 8] = {};
+        float tail[8] = {};
+        for (i = 0; i < n; ++i) {
+          const T* value = vc + slot[i] + kv_offset;
+          const float weight = scores[i];
+          for (int64_t c = 0; c < chunks; ++c) acc[c] += weight * load8(value + 8 * c);
+          for (int64_t d = 8 * chunks; d < head_size; ++d) tail[d - 8 * chunks] += weight * to_float(value[d]);
+        }
+        part_max[item * num_heads + h] = max_score;
         part_sum[item * num_heads + h] = total;
+        float* dst = part_acc.data() + (item * num_heads + h) * head_size;
+        for (int64_t c = 0; c < chunks; ++c) std::memcpy(dst + 8 * c, &acc[c], sizeof(f8));
+        std::copy_n(tail, head_size - 8 * chunks, dst + 8 * chunks);
       }
-      for_each_row(vc, table, start, end, block_size, num_kv_heads, head_size, row.data(), [&](int64_t i, int64_t kvh) {
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          const float p = scores[h * partition + i];
-          float* acc = acc_item + h * head_size;
-          for (int64_t d = 0; d < head_size; ++d) acc[d] += p * row[d];
-        }
-      });
     }
 #pragma omp for collapse(2)
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -126,7 +179,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
         merge_partials(first_item[s + 1] - first, part_max.data() + first * num_heads + h,
                        part_sum.data() + first * num_heads + h, num_heads,
                        part_acc.data() + (first * num_heads + h) * head_size, num_heads * head_size, head_size,
-                       row.data(), out.data_ptr<T>() + (s * num_heads + h) * head_size);
+                       merged.data(), out.data_ptr<T>() + (s * num_heads + h) * head_size);
       }
     }
   }
@@ -144,8 +197,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32, contiguous");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  TORCH_CHECK(query.size(2) <= MAX_HEAD, "head_size must be at most ", MAX_HEAD);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    switch (query.size(2)) {
+      case 64: decode_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
+      case 128: decode_attention_impl<scalar_t, 128>(query, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
+      default: decode_attention_impl<scalar_t, 0>(query, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    }
   });
   return out;
 }
