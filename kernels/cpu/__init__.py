@@ -86,6 +86,11 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm in one pass per token, with the residual add fused in; the contract of ``spindle.kernels.norm``'s."""
+    if x.dim() == 2:
+        # The model's own calls (flat [tokens, hidden] batches): no reshapes, at ~3 us each on 2 cores, 61 calls a step.
+        if residual is None:
+            return cpu_ops().rms_norm(x, weight, eps)
+        return cpu_ops().add_rms_norm(x, residual, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
     if residual is None:
         return cpu_ops().rms_norm(rows, weight, eps).view(x.shape)
