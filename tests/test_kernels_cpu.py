@@ -67,15 +67,19 @@ def naive_attention(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize(
-    ("batch", "block_size"),
-    # Blocks larger than the CPU decode kernel's 256-token partitions make each partition one block.
-    [(batch, block_size) for batch in BATCHES for block_size in (8, 16, 32)] + [("skewed_decodes", 512)],
+    ("batch", "block_size", "head_size"),
+    # Blocks larger than the CPU decode kernel's 256-token partitions make each partition one block. That kernel has
+    # compiled-in head sizes (64, 128) and a run-time one (20: two 8-float vectors and a scalar rest).
+    [(batch, block_size, HEAD_SIZE) for batch in BATCHES for block_size in (8, 16, 32)]
+    + [("skewed_decodes", 512, HEAD_SIZE), ("decodes", 16, 128), ("skewed_decodes", 16, 20), ("mixed", 16, 20)],
 )
-def test_paged_attention_matches_dense(batch: str, block_size: int, group: int, dtype: torch.dtype) -> None:
+def test_paged_attention_matches_dense(
+    batch: str, block_size: int, head_size: int, group: int, dtype: torch.dtype
+) -> None:
     generator = torch.Generator().manual_seed(block_size * 10 + group)
     seqs = sorted(BATCHES[batch](block_size), key=lambda s: s[1] != 1)  # decodes first
     num_heads = NUM_KV_HEADS * group
-    cache_shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_SIZE)
+    cache_shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, head_size)
     # Finite garbage everywhere: padding and stale slots are read and must be masked out.
     k_cache = (torch.randn(cache_shape, generator=generator) * 100).to(dtype)
     v_cache = (torch.randn(cache_shape, generator=generator) * 100).to(dtype)
@@ -83,8 +87,8 @@ def test_paged_attention_matches_dense(batch: str, block_size: int, group: int, 
     keys, values, tables = [], [], []
     for cached, new in seqs:
         seq_len = cached + new
-        keys.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(dtype))
-        values.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(dtype))
+        keys.append(torch.randn(seq_len, NUM_KV_HEADS, head_size, generator=generator).to(dtype))
+        values.append(torch.randn(seq_len, NUM_KV_HEADS, head_size, generator=generator).to(dtype))
         tables.append([free.pop() for _ in range(-(-seq_len // block_size))])
         for p in range(cached):  # the cached prefix, written by an earlier step
             k_cache[tables[-1][p // block_size], p % block_size] = keys[-1][p]
@@ -95,8 +99,8 @@ def test_paged_attention_matches_dense(batch: str, block_size: int, group: int, 
     new_keys = torch.cat([k[c:] for k, (c, _) in zip(keys, seqs, strict=True)])
     new_values = torch.cat([v[c:] for v, (c, _) in zip(values, seqs, strict=True)])
     reshape_and_cache(new_keys, new_values, k_cache, v_cache, meta.slot_mapping)
-    query = torch.randn(sum(new_lens), num_heads, HEAD_SIZE, generator=generator).to(dtype)
-    scale = HEAD_SIZE**-0.5
+    query = torch.randn(sum(new_lens), num_heads, head_size, generator=generator).to(dtype)
+    scale = head_size**-0.5
 
     out = paged_attention(query, k_cache, v_cache, meta, scale)
 
