@@ -60,15 +60,14 @@ def bench_spindle(
     llm = LLM(model, kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    times, prompt_lens = [], []
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
-        prompt_lens = [len(o.prompt_token_ids) for o in outputs]
     seconds = statistics.median(times)
-    return sum(lengths) / seconds, seconds, prompt_lens
+    return sum(lengths) / seconds, seconds, [len(o.prompt_token_ids) for o in outputs]
 
 
 def bench_transformers(

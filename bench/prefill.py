@@ -97,11 +97,12 @@ def main() -> None:
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(**engine_args)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=getattr(torch, dtype)).eval()
+    model_dir = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     spindle_prefill(llm, 256, 1)  # warm-up
     transformers_prefill(model, 256, 1)
     budget = llm.llm_engine.config.max_num_batched_tokens
-    shapes, ceiling = Shapes.of(str(resolve_model(None))), matmul_rate(getattr(torch, dtype))
+    shapes, ceiling = Shapes.of(str(model_dir)), matmul_rate(getattr(torch, dtype))
     print(f"prefill, {dtype}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
     print(f"  this machine's {dtype} matmul rate: {ceiling / 1e9:.0f} GFLOP/s (2048-cubed torch.mm, best of 10)")
     for length in args.lengths:
