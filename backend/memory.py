@@ -21,8 +21,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MMAP_THRESHOLD = 128 * 1024
-"""Bytes from which glibc's malloc serves a block with its own mapping, returned to the system when freed."""
+MMAP_THRESHOLD = 4 * 2**20
+"""Bytes from which glibc's malloc serves a block with its own mapping, returned to the system when freed.
+
+4 MiB, not lower: a mapped block's pages fault in again each time it is taken, and a step's activations are
+hundreds of KiB each (a batch of 64 rows of SmolLM2's MLP in float32: 393 KiB). At 128 KiB the backend took 4.7M page
+faults where the in-process engine took 0.9M for the same 64 x 64-token batch, and ran it 25% slower (float32, 2 EPYC
+cores: 236 against 300 tok/s; `python -m bench.split_overhead --concurrency 64`: 70% of the in-process rate, 96% at
+4 MiB). Its resident memory over 160 mixed steps of new shapes grew as at 128 KiB (2,129 -> 2,207 MiB against 2,122 ->
+2,203, 1 GiB of KV cache included)."""
 
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 256
 """oneDNN's compiled matmuls kept, one per shape (its default, 1,024, held ~135 MiB more over 400 shapes)."""
@@ -35,8 +42,9 @@ def bound_host_memory() -> None:
     (a step's logits are megabytes) come from the heap, whose freed pieces, fragmented by the next shapes, stay
     resident: measured on SmolLM2's projections over 400 token counts, 1.37 GiB and still rising, against a plateau of
     0.62 GiB (reached by 300 shapes) with the threshold fixed at 128 KiB and oneDNN's primitive cache at 256
-    (``bench/soak.py`` measures the whole server). Setting the threshold also stops its adjustment. Call this first
-    thing in the backend process, before oneDNN reads its environment. Other C libraries are left alone.
+    (``bench/soak.py`` measures the whole server). Setting the threshold also stops its adjustment; it is fixed at
+    :data:`MMAP_THRESHOLD`, above a step's per-layer activations, so that those are reused from the heap. Call this
+    first thing in the backend process, before oneDNN reads its environment. Other C libraries are left alone.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
     name = ctypes.util.find_library("c")
