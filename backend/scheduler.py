@@ -10,14 +10,21 @@ from spindle.backend.sequence import Sequence, SequenceStatus
 from spindle.shared import FinishReason
 
 # The cost model of the decode-latency bound, in units of one prompt token's projections and MLP: a chunk of n tokens
-# after c cached ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN), and a step of decodes alone costs STEP_OVERHEAD
-# plus one unit per decode. Measured on 2 EPYC cores, SmolLM2-135M bf16, 8 decode streams beside a 4,096-token prompt
-# chunked at 32, 128 and 512 tokens: 8 decodes alone 34-40 ms (64 alone ~100 ms), each added prompt token 1.2-1.5 ms,
-# each (query, cached key) pair of a chunk 0.8-1.5 us. Checked against the C++ prefill kernel, 8 streams beside a
-# 7,680-token prompt at slowdown 2: steps of 56-70 ms while under 2k tokens are cached (35 alone), 107-124 ms at 3-4k,
-# where walking the whole prefix, which the model leaves out, dominates a short chunk's cost.
-KEYS_PER_TOKEN = 1000
+# after c computed ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN) + c / PREFIX_KEYS, its queries' keys plus one walk
+# over the cached prefix in every layer; a step of decodes costs STEP_OVERHEAD plus one unit per decode plus its
+# contexts over KEYS_PER_TOKEN. Measured on 2 EPYC cores, SmolLM2-135M float32 (int4 decodes), 8 decode streams beside
+# one chunk of n tokens after c cached (ms a step): alone 35.5; c=0: n=1 49.8, 32 106, 128 324 (a prompt token 2.2
+# ms); c=7,168: n=1 82.2, 8 217, 32 504, 128 1,922 (1.7 us per (query, cached key) pair, and 3 us per cached key
+# however short the chunk). The decodes' cost against a prompt token's is the machine's, dtype's and quantization's
+# (27 units for 8 decodes in bf16 on AVX-512, 16 here), so the scheduler learns it from the steps it times.
+KEYS_PER_TOKEN = 1300
+PREFIX_KEYS = 700
 STEP_OVERHEAD = 24
+CREDIT_STEPS = 2
+"""Steps of unspent prefill credit a scheduler may save for one chunk, so a chunk whose prefix walk costs more than
+one step's credit still runs, on every other step, within the bound on average."""
+SMOOTHING = 0.2
+"""The newest step's weight in the running averages of the steps' seconds and cost units."""
 
 
 @dataclass
@@ -33,6 +40,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     num_preempted: int = 0
     running_loras: frozenset[int] = frozenset()
+    decode_cost: float = 0.0  # in the cost model's units, where the decode-latency bound applies
+    prefill_cost: float = 0.0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -70,11 +79,14 @@ class Scheduler:
     is passed over while its own grammar compiles). With T = 0 the order is strict priority, and a steady stream of
     better requests can starve a worse one.
 
-    With ``max_decode_slowdown`` > 1, a step that carries decodes takes only as much prefill work as keeps its
-    estimated cost within that factor of the decodes' own (the cost model above), so streams keep their inter-token
-    latency while a long prompt is prefilled beside them, at the price of that prompt's time to first token. Each
-    such step still advances the first prefill by at least one token. 0 turns the bound off: prefill chunks fill
-    the token budget (best throughput).
+    With ``max_decode_slowdown`` > 1, the steps that carry decodes take only as much prefill work as keeps their
+    estimated cost within that factor of the decodes' own (the cost model above), so streams keep their rate while a
+    long prompt is prefilled beside them, at the price of that prompt's time to first token. Each such step earns
+    ``slowdown - 1`` times its decodes' cost in prefill credit, up to ``CREDIT_STEPS`` steps' worth, and its chunks
+    spend it; when the credit is full and pays for no token, the first prefill still gets one, so a prompt always
+    advances. The decodes' cost in prompt-token units is learned from the measured step times that
+    :meth:`observe` is given (until then it is the model's). 0 turns the bound off: prefill chunks fill the token
+    budget (best throughput).
     """
 
     def __init__(
@@ -101,6 +113,12 @@ class Scheduler:
         self.max_loras = max_loras
         # LoRA adapter id -> its running sequences.
         self.running_loras: dict[int, int] = {}
+        self.prefill_credit = 0.0
+        # Running averages of (seconds, cost units) from observe(), of decode steps and of prefill chunks: their
+        # ratios are a unit's seconds, weighted by cost (an average of per-step ratios would overweight the short
+        # chunks, whose fixed costs the model leaves out, and hold the prefill to less than its share).
+        self.decode_time: tuple[float, float] | None = None
+        self.prefill_time: tuple[float, float] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -117,7 +135,7 @@ class Scheduler:
         made_room = self._make_room() if self.by_priority else 0
         batch = ScheduledBatch([], [], made_room)
         budget = self.max_num_batched_tokens
-        prefill_cost = self._prefill_cost_budget()
+        prefill_cost, credit_full = self._earn_prefill_credit(batch)
         prefills = i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -130,7 +148,9 @@ class Scheduler:
                     # Drafts are worth no one's preemption.
                     seq.spec_token_ids, num_new = [], 1
             elif num_new > 1:
-                num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills)
+                num_new, prefill_cost = self._bounded_chunk(
+                    seq, num_new, prefill_cost, first=not prefills and credit_full
+                )
                 prefills += 1
                 if not num_new:
                     i += 1
@@ -158,7 +178,7 @@ class Scheduler:
                 # Prompt logprobs need logits, and mean/cls pooling hidden states, at every prompt position.
                 self.block_manager.match_prefix(seq)
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills)
+            num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills and credit_full)
             prefills += 1
             if not num_new or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free_blocks(seq)
@@ -174,7 +194,35 @@ class Scheduler:
             budget -= num_new
         if self.running_loras:
             batch.running_loras = frozenset(self.running_loras)
+        if batch.decode_cost:
+            batch.prefill_cost = self.prefill_credit - prefill_cost
+            self.prefill_credit = prefill_cost
         return batch
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Learn the cost model's scale from the measured time of a step that ran ``batch``.
+
+        A step of decodes alone gives the seconds of a decode unit; a step with prefill chunks beside decodes, what
+        is left of its time after its decodes' estimate, the seconds of a prefill unit.
+        """
+        if not batch.decode_cost:
+            return
+        if not batch.prefill_cost:
+            self.decode_time = _smoothed(self.decode_time, (seconds, batch.decode_cost))
+        elif self.decode_unit_seconds is not None:
+            rest = seconds - batch.decode_cost * self.decode_unit_seconds
+            if rest > 0:
+                self.prefill_time = _smoothed(self.prefill_time, (rest, batch.prefill_cost))
+
+    @property
+    def decode_unit_seconds(self) -> float | None:
+        """The measured seconds of a decode step's cost unit (``None`` before a decode step was observed)."""
+        return None if self.decode_time is None else self.decode_time[0] / self.decode_time[1]
+
+    @property
+    def prefill_unit_seconds(self) -> float | None:
+        """The measured seconds of a prefill chunk's cost unit (``None`` before a chunk beside decodes was observed)."""
+        return None if self.prefill_time is None else self.prefill_time[0] / self.prefill_time[1]
 
     def _key(self, seq: Sequence) -> tuple[float, float, int]:
         """The priority policy's rank of ``seq`` (lowest first): its aged priority, then arrival, then creation."""
@@ -213,31 +261,45 @@ class Scheduler:
             num_preempted += 1
         return num_preempted
 
-    def _prefill_cost_budget(self) -> float:
-        """The prefill work this step may carry beside its decodes (infinite without decodes or without the bound)."""
+    def _earn_prefill_credit(self, batch: ScheduledBatch) -> tuple[float, bool]:
+        """The prefill credit of the step being scheduled (infinite without decodes or the bound); whether it is full.
+
+        Sets ``batch.decode_cost``, the decodes' cost in the model's units, where the bound applies.
+        """
         if self.max_decode_slowdown <= 1:
-            return math.inf
+            return math.inf, True
         decode_contexts = [len(s) for s in self.running if len(s) - s.num_computed_tokens == 1]
         if not decode_contexts:
-            return math.inf
-        decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
-        return (self.max_decode_slowdown - 1) * decode_cost
+            self.prefill_credit = 0.0
+            return math.inf, True
+        batch.decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
+        # The decodes' cost in prompt-token units: the model's, scaled by the measured seconds of each kind of unit.
+        scale = 1.0
+        if self.decode_unit_seconds is not None and self.prefill_unit_seconds is not None:
+            scale = self.decode_unit_seconds / self.prefill_unit_seconds
+        earned = (self.max_decode_slowdown - 1) * batch.decode_cost * scale
+        cap = CREDIT_STEPS * earned
+        self.prefill_credit = min(self.prefill_credit + earned, cap)
+        return self.prefill_credit, self.prefill_credit >= cap
 
     @staticmethod
     def _bounded_chunk(seq: Sequence, num_new: int, cost_left: float, first: bool) -> tuple[int, float]:
         """The largest chunk of at most ``num_new`` tokens that ``cost_left`` pays for, and the cost then left.
 
-        A chunk of n tokens after c computed ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN). The ``first`` chunk of
-        a step gets a token even when the budget pays for none, so that a prompt always advances.
+        A chunk of n tokens after c computed ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN) + c / PREFIX_KEYS.
+        A ``first`` chunk gets a token even when the credit pays for none, so that a prompt always advances.
         """
         if cost_left == math.inf:
             return num_new, cost_left
         per_token = 1 + seq.num_computed_tokens / KEYS_PER_TOKEN
-        # The largest n with n * (per_token + n / (2 * KEYS_PER_TOKEN)) <= cost_left: that quadratic's positive root.
-        root = math.sqrt(per_token * per_token + 2 * max(cost_left, 0) / KEYS_PER_TOKEN)
+        walk = seq.num_computed_tokens / PREFIX_KEYS
+        # The largest n with n * (per_token + n / (2 * KEYS_PER_TOKEN)) <= cost_left - walk: that quadratic's root.
+        root = math.sqrt(per_token * per_token + 2 * max(cost_left - walk, 0) / KEYS_PER_TOKEN)
         affordable = int(KEYS_PER_TOKEN * (root - per_token))
         num_new = min(num_new, max(affordable, int(first)))
-        return num_new, cost_left - num_new * (per_token + num_new / (2 * KEYS_PER_TOKEN))
+        if not num_new:
+            return 0, cost_left
+        return num_new, cost_left - num_new * (per_token + num_new / (2 * KEYS_PER_TOKEN)) - walk
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End ``seq`` (eos, stop token, length or abort) and free its blocks at once."""
@@ -274,3 +336,13 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq, front=True)
+
+
+def _smoothed(average: tuple[float, float] | None, sample: tuple[float, float]) -> tuple[float, float]:
+    """The next value of an exponential moving average of (seconds, units) pairs (the first sample as it is)."""
+    if average is None:
+        return sample
+    return (
+        (1 - SMOOTHING) * average[0] + SMOOTHING * sample[0],
+        (1 - SMOOTHING) * average[1] + SMOOTHING * sample[1],
+    )

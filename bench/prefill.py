@@ -10,8 +10,9 @@ what ``LLM`` picks on this CPU: bf16 with AVX-512 bf16, else float32) over the s
 
 Part 2: ``--streams`` greedy decode streams run alone, then beside one ``--beside``-token prompt, in an engine with
 the serving default ``max_decode_slowdown=2`` and in one without the bound (``0``, as ``LLM`` runs). Prints the
-streams' median inter-token latency (one engine step yields one token per stream) alone and during the prefill, the
-ratio, and the long prompt's time to first token beside them.
+streams' mean inter-token latency (one engine step yields one token per stream; the mean is the inverse of their
+rate) alone (before the prompt and after its first token) and during the prefill, the ratio, the medians and the p99
+beside it, and the long prompt's time to first token beside them.
 
     .venv/bin/python -m bench.prefill --lengths 1024 7680
 """
@@ -56,19 +57,28 @@ def transformers_prefill(model: torch.nn.Module, length: int, repeats: int) -> f
     return statistics.median(rates)
 
 
-def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> tuple[float, float, float]:
-    """Median step time of ``streams`` decodes alone, then while a ``beside``-token prompt is prefilled, and the
-    seconds that prompt waited for its first token."""
-    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> tuple[list[float], list[float], float]:
+    """Step times of ``streams`` decodes alone, then while a ``beside``-token prompt is prefilled, and the seconds
+    that prompt waited for its first token.
+
+    The decodes alone are timed before the prompt and again after its first token: their contexts grow by one token
+    a step during the prefill, and so does their step time, so both ends together are the fair reference.
+    """
+    params = SamplingParams(temperature=0, max_tokens=8192 - 32, ignore_eos=True)
     for i in range(streams):
         engine.add_request(f"stream-{i}", {"prompt_token_ids": fresh_ids(32, 100 + i)}, params)
     while any(not o.outputs[0].token_ids for o in engine.step()):
         pass  # the streams' prefills
-    alone = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        alone.append(time.perf_counter() - start)
+
+    def alone() -> list[float]:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    before = alone()
     engine.add_request("long", {"prompt_token_ids": fresh_ids(beside, 999)}, SamplingParams(max_tokens=1))
     during = []
     begin = time.perf_counter()
@@ -79,8 +89,9 @@ def decode_latency(engine: LLMEngine, streams: int, beside: int, steps: int) -> 
         if any(o.request_id == "long" for o in outputs):
             break
     ttft = time.perf_counter() - begin
+    after = alone()
     engine.abort_request([f"stream-{i}" for i in range(streams)])
-    return statistics.median(alone), statistics.median(during), ttft
+    return before + after, during, ttft
 
 
 def main() -> None:
@@ -118,10 +129,14 @@ def main() -> None:
     for slowdown in (0, 2):
         engine = LLMEngine(EngineConfig(**engine_args, max_decode_slowdown=slowdown))
         alone, during, ttft = decode_latency(engine, args.streams, args.beside, steps=20)
+        mean_alone, mean_during = statistics.mean(alone), statistics.mean(during)
+        p99 = sorted(during)[int(0.99 * (len(during) - 1))]
         print(
             f"  max_decode_slowdown={slowdown}: {args.streams} decode streams' inter-token latency "
-            f"{alone * 1e3:6.1f} ms alone, {during * 1e3:6.1f} ms beside a {args.beside}-token prefill "
-            f"({during / alone:4.1f}x, medians); that prompt's first token after {ttft:5.1f} s"
+            f"{mean_alone * 1e3:6.1f} ms alone, {mean_during * 1e3:6.1f} ms beside a {args.beside}-token prefill "
+            f"({mean_during / mean_alone:4.1f}x, means; medians {statistics.median(alone) * 1e3:.1f} and "
+            f"{statistics.median(during) * 1e3:.1f} ms, p99 beside {p99 * 1e3:.1f} ms); "
+            f"that prompt's first token after {ttft:5.1f} s"
         )
         engine.shutdown()
 

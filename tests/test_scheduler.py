@@ -4,7 +4,14 @@ import pytest
 
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
-from spindle.backend.scheduler import KEYS_PER_TOKEN, STEP_OVERHEAD, ScheduledBatch, Scheduler
+from spindle.backend.scheduler import (
+    CREDIT_STEPS,
+    KEYS_PER_TOKEN,
+    PREFIX_KEYS,
+    STEP_OVERHEAD,
+    ScheduledBatch,
+    Scheduler,
+)
 from spindle.backend.sequence import Sequence, SequenceStatus
 
 
@@ -114,26 +121,66 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
 
 
 def chunk_cost(computed: int, n: int) -> float:
-    return n * (1 + (computed + n / 2) / KEYS_PER_TOKEN)
+    return n * (1 + (computed + n / 2) / KEYS_PER_TOKEN) + computed / PREFIX_KEYS if n else 0.0
+
+
+def prefill_beside_streams(sched: Scheduler, prompt_len: int, scale: float = 1.0) -> list[int]:
+    """Prefill a prompt beside 4 decode streams, checking the credit rule at each step; returns the chunk sizes.
+
+    Each step earns ``slowdown - 1`` (here 1) times its decodes' cost, times ``scale`` (prompt-token units per decode
+    unit), up to ``CREDIT_STEPS`` steps' worth; its chunk is the largest that the credit pays for, or one token when
+    the credit is full and pays for none.
+    """
+    streams = [add(sched, 40, max_tokens=100_000, first_token=10_000 * (i + 1)) for i in range(4)]
+    fake_step(sched)  # the streams' prefills: no decodes yet, so no bound
+    long = add(sched, prompt_len, max_tokens=1, first_token=1)
+    chunks, credit = [], 0.0
+    while long.num_output_tokens == 0:
+        computed = long.num_computed_tokens
+        earned = scale * (STEP_OVERHEAD + sum(1 + len(s) / KEYS_PER_TOKEN for s in streams))
+        credit = min(credit + earned, CREDIT_STEPS * earned)
+        batch = fake_step(sched)
+        assert batch.seqs[:4] == streams and batch.num_new_tokens[:4] == [1] * 4  # every stream decodes each step
+        n = batch.num_new_tokens[4] if len(batch) > 4 else 0
+        if n == 1 and chunk_cost(computed, 1) > credit:
+            assert credit == CREDIT_STEPS * earned
+        else:
+            assert chunk_cost(computed, n) <= credit
+            assert n == prompt_len - computed or chunk_cost(computed, n + 1) > credit
+        credit -= chunk_cost(computed, n)
+        chunks.append(n)
+    return chunks
 
 
 def test_decode_slowdown_bounds_the_prefill_beside_decodes():
+    chunks = prefill_beside_streams(make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0), 6000)
+    assert chunks[0] > 20 and chunks[-1] <= 5 and 0 not in chunks
+
+
+def test_the_bound_learns_the_cost_of_decodes_from_step_times():
+    """Decode units measured at a quarter of a prompt token's seconds buy a quarter of the prefill; where walking the
+    prefix alone costs more than a step earns, the chunks run on every other step."""
     sched = make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0)
-    streams = [add(sched, 40, max_tokens=5000, first_token=10_000 * (i + 1)) for i in range(4)]
-    fake_step(sched)  # the streams' prefills: no decodes yet, so no bound
-    long = add(sched, 6000, max_tokens=1)
-    chunks = []
-    while long.num_output_tokens == 0:
-        computed = long.num_computed_tokens
-        decode_cost = STEP_OVERHEAD + sum(1 + len(s) / KEYS_PER_TOKEN for s in streams)
-        batch = fake_step(sched)
-        assert batch.seqs[:4] == streams and batch.num_new_tokens[:4] == [1] * 4  # every stream decodes each step
-        n = batch.num_new_tokens[4]
-        # The largest chunk the budget pays for, or one token when it pays for none.
-        assert chunk_cost(computed, n) <= max(decode_cost, chunk_cost(computed, 1))
-        assert n == 6000 - computed or chunk_cost(computed, n + 1) > decode_cost
-        chunks.append(n)
-    assert chunks[0] > 20 and chunks[-1] <= 5 and chunks == sorted(chunks, reverse=True)
+    sched.observe(ScheduledBatch([], [], decode_cost=30.0), 0.030)  # decodes alone: 1 ms a unit
+    sched.observe(ScheduledBatch([], [], decode_cost=30.0, prefill_cost=10.0), 0.030 + 0.040)  # 4 ms a unit
+    assert sched.decode_unit_seconds == pytest.approx(0.001) and sched.prefill_unit_seconds == pytest.approx(0.004)
+    chunks = prefill_beside_streams(sched, 7000, scale=0.25)
+    assert chunks[0] == 7  # a quarter of 28.1 units of decodes: 7 tokens of the empty prefix, 1 unit each
+    skipped = [i for i, n in enumerate(chunks) if n == 0]
+    assert skipped and chunks[skipped[-1] + 1] > 0
+
+
+def test_observed_steps_update_a_cost_weighted_running_average():
+    sched = make_scheduler(slowdown=2.0)
+    sched.observe(ScheduledBatch([], [], decode_cost=10.0), 0.010)
+    sched.observe(ScheduledBatch([], [], decode_cost=10.0), 0.020)
+    sched.observe(ScheduledBatch([], [], decode_cost=30.0), 0.030)
+    # Weighted by cost: the second step's 2 ms a unit over 10 units counts for less than the third's 1 ms over 30.
+    seconds = (0.010 * 0.8 + 0.020 * 0.2) * 0.8 + 0.030 * 0.2
+    units = 10.0 * 0.8 + 30.0 * 0.2
+    assert sched.decode_unit_seconds == pytest.approx(seconds / units)
+    sched.observe(ScheduledBatch([], []), 5.0)  # a step without decodes (no bound applied) teaches nothing
+    assert sched.prefill_unit_seconds is None and sched.decode_unit_seconds == pytest.approx(seconds / units)
 
 
 def test_prefill_fills_the_token_budget_without_decodes_or_without_the_bound():
