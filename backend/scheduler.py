@@ -15,16 +15,20 @@ from spindle.shared import FinishReason
 # contexts over KEYS_PER_TOKEN. Measured on 2 EPYC cores, SmolLM2-135M float32 (int4 decodes), 8 decode streams beside
 # one chunk of n tokens after c cached (ms a step): alone 35.5; c=0: n=1 49.8, 32 106, 128 324 (a prompt token 2.2
 # ms); c=7,168: n=1 82.2, 8 217, 32 504, 128 1,922 (1.7 us per (query, cached key) pair, and 3 us per cached key
-# however short the chunk). The decodes' cost against a prompt token's is the machine's, dtype's and quantization's
-# (27 units for 8 decodes in bf16 on AVX-512, 16 here), so the scheduler learns it from the steps it times.
+# however short the chunk). STEP_OVERHEAD is from a bf16 AVX-512 machine (8 decodes 34-40 ms, a prompt token 1.2-1.5
+# ms: 27 units). Here 8 int4 decodes cost only 16 prompt tokens, so the bound lets in twice the prefill it means to:
+# 8 streams beside a 7,680-token prompt ran 2.8x slower than alone. Learning that ratio from timed steps was tried
+# (running averages of a decode unit's seconds from steps of decodes alone, and of a prefill unit's from what mixed
+# steps took beyond them): 1.9x there, but serving 128 requests 64 at a time it starved the prompts that arrive beside
+# a few remaining decodes (a chunk's fixed cost, the batch leaving the int4 kernels past 8 tokens, read as a dear
+# prefill unit): TTFT p50 0.7 -> 8.8-16.8 s, 250 -> 173-216 tok/s. A joint least-squares fit kept serving (269 tok/s)
+# but not the bound (2.8x: beside a long prompt nearly every step mixes the two in one proportion).
 KEYS_PER_TOKEN = 1300
 PREFIX_KEYS = 700
 STEP_OVERHEAD = 24
 CREDIT_STEPS = 2
 """Steps of unspent prefill credit a scheduler may save for one chunk, so a chunk whose prefix walk costs more than
 one step's credit still runs, on every other step, within the bound on average."""
-SMOOTHING = 0.2
-"""The newest step's weight in the running averages of the steps' seconds and cost units."""
 
 
 @dataclass
@@ -40,8 +44,6 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     num_preempted: int = 0
     running_loras: frozenset[int] = frozenset()
-    decode_cost: float = 0.0  # in the cost model's units, where the decode-latency bound applies
-    prefill_cost: float = 0.0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -84,9 +86,7 @@ class Scheduler:
     long prompt is prefilled beside them, at the price of that prompt's time to first token. Each such step earns
     ``slowdown - 1`` times its decodes' cost in prefill credit, up to ``CREDIT_STEPS`` steps' worth, and its chunks
     spend it; when the credit is full and pays for no token, the first prefill still gets one, so a prompt always
-    advances. The decodes' cost in prompt-token units is learned from the measured step times that
-    :meth:`observe` is given (until then it is the model's). 0 turns the bound off: prefill chunks fill the token
-    budget (best throughput).
+    advances. 0 turns the bound off: prefill chunks fill the token budget (best throughput).
     """
 
     def __init__(
@@ -114,11 +114,6 @@ class Scheduler:
         # LoRA adapter id -> its running sequences.
         self.running_loras: dict[int, int] = {}
         self.prefill_credit = 0.0
-        # Running averages of (seconds, cost units) from observe(), of decode steps and of prefill chunks: their
-        # ratios are a unit's seconds, weighted by cost (an average of per-step ratios would overweight the short
-        # chunks, whose fixed costs the model leaves out, and hold the prefill to less than its share).
-        self.decode_time: tuple[float, float] | None = None
-        self.prefill_time: tuple[float, float] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -135,7 +130,7 @@ class Scheduler:
         made_room = self._make_room() if self.by_priority else 0
         batch = ScheduledBatch([], [], made_room)
         budget = self.max_num_batched_tokens
-        prefill_cost, credit_full = self._earn_prefill_credit(batch)
+        prefill_cost, credit_full = self._earn_prefill_credit()
         prefills = i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -194,35 +189,9 @@ class Scheduler:
             budget -= num_new
         if self.running_loras:
             batch.running_loras = frozenset(self.running_loras)
-        if batch.decode_cost:
-            batch.prefill_cost = self.prefill_credit - prefill_cost
+        if prefill_cost != math.inf:
             self.prefill_credit = prefill_cost
         return batch
-
-    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Learn the cost model's scale from the measured time of a step that ran ``batch``.
-
-        A step of decodes alone gives the seconds of a decode unit; a step with prefill chunks beside decodes, what
-        is left of its time after its decodes' estimate, the seconds of a prefill unit.
-        """
-        if not batch.decode_cost:
-            return
-        if not batch.prefill_cost:
-            self.decode_time = _smoothed(self.decode_time, (seconds, batch.decode_cost))
-        elif self.decode_unit_seconds is not None:
-            rest = seconds - batch.decode_cost * self.decode_unit_seconds
-            if rest > 0:
-                self.prefill_time = _smoothed(self.prefill_time, (rest, batch.prefill_cost))
-
-    @property
-    def decode_unit_seconds(self) -> float | None:
-        """The measured seconds of a decode step's cost unit (``None`` before a decode step was observed)."""
-        return None if self.decode_time is None else self.decode_time[0] / self.decode_time[1]
-
-    @property
-    def prefill_unit_seconds(self) -> float | None:
-        """The measured seconds of a prefill chunk's cost unit (``None`` before a chunk beside decodes was observed)."""
-        return None if self.prefill_time is None else self.prefill_time[0] / self.prefill_time[1]
 
     def _key(self, seq: Sequence) -> tuple[float, float, int]:
         """The priority policy's rank of ``seq`` (lowest first): its aged priority, then arrival, then creation."""
@@ -261,23 +230,16 @@ class Scheduler:
             num_preempted += 1
         return num_preempted
 
-    def _earn_prefill_credit(self, batch: ScheduledBatch) -> tuple[float, bool]:
-        """The prefill credit of the step being scheduled (infinite without decodes or the bound); whether it is full.
-
-        Sets ``batch.decode_cost``, the decodes' cost in the model's units, where the bound applies.
-        """
+    def _earn_prefill_credit(self) -> tuple[float, bool]:
+        """The prefill credit of the step being scheduled (infinite without decodes or the bound), and if it is full."""
         if self.max_decode_slowdown <= 1:
             return math.inf, True
         decode_contexts = [len(s) for s in self.running if len(s) - s.num_computed_tokens == 1]
         if not decode_contexts:
             self.prefill_credit = 0.0
             return math.inf, True
-        batch.decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
-        # The decodes' cost in prompt-token units: the model's, scaled by the measured seconds of each kind of unit.
-        scale = 1.0
-        if self.decode_unit_seconds is not None and self.prefill_unit_seconds is not None:
-            scale = self.decode_unit_seconds / self.prefill_unit_seconds
-        earned = (self.max_decode_slowdown - 1) * batch.decode_cost * scale
+        decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
+        earned = (self.max_decode_slowdown - 1) * decode_cost
         cap = CREDIT_STEPS * earned
         self.prefill_credit = min(self.prefill_credit + earned, cap)
         return self.prefill_credit, self.prefill_credit >= cap
@@ -336,13 +298,3 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq, front=True)
-
-
-def _smoothed(average: tuple[float, float] | None, sample: tuple[float, float]) -> tuple[float, float]:
-    """The next value of an exponential moving average of (seconds, units) pairs (the first sample as it is)."""
-    if average is None:
-        return sample
-    return (
-        (1 - SMOOTHING) * average[0] + SMOOTHING * sample[0],
-        (1 - SMOOTHING) * average[1] + SMOOTHING * sample[1],
-    )

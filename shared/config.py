@@ -46,10 +46,9 @@ class EngineConfig:
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: the per-step token budget that chunked prefill splits long prompts against.
         max_decode_slowdown: how much slower than their decodes alone the steps may get, on average, from the
-            prefill chunks beside them (an estimate from a cost model scaled by timed steps): bounds the inter-token
-            latency of running streams while a long prompt is prefilled, at the price of that prompt's time to first
-            token. ``0`` turns the bound off, so
-            chunks fill ``max_num_batched_tokens`` (best throughput; ``LLM``'s default).
+            prefill chunks beside them (an estimate from a cost model): bounds the inter-token latency of running
+            streams while a long prompt is prefilled, at the price of that prompt's time to first token. ``0`` turns
+            the bound off, so chunks fill ``max_num_batched_tokens`` (best throughput; ``LLM``'s default).
         kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
         gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
         enable_prefix_caching: share full KV blocks between sequences with the same prefix.
