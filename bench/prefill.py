@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.flops import Shapes, matmul_rate
+from bench.serving import percentile
 from spindle import LLM, LLMEngine, SamplingParams
 from spindle.backend.models.loader import resolve_dtype, resolve_model
 from spindle.shared.config import EngineConfig
@@ -130,12 +131,11 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(**engine_args, max_decode_slowdown=slowdown))
         alone, during, ttft = decode_latency(engine, args.streams, args.beside, steps=20)
         mean_alone, mean_during = statistics.mean(alone), statistics.mean(during)
-        p99 = sorted(during)[int(0.99 * (len(during) - 1))]
         print(
             f"  max_decode_slowdown={slowdown}: {args.streams} decode streams' inter-token latency "
             f"{mean_alone * 1e3:6.1f} ms alone, {mean_during * 1e3:6.1f} ms beside a {args.beside}-token prefill "
             f"({mean_during / mean_alone:4.1f}x, means; medians {statistics.median(alone) * 1e3:.1f} and "
-            f"{statistics.median(during) * 1e3:.1f} ms, p99 beside {p99 * 1e3:.1f} ms); "
+            f"{statistics.median(during) * 1e3:.1f} ms, p99 beside {percentile(during, 0.99) * 1e3:.1f} ms); "
             f"that prompt's first token after {ttft:5.1f} s"
         )
         engine.shutdown()

@@ -1,4 +1,5 @@
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -154,6 +155,8 @@ def prefill_beside_streams(sched: Scheduler, prompt_len: int, num_streams: int =
 def test_decode_slowdown_bounds_the_prefill_beside_decodes():
     chunks = prefill_beside_streams(make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0), 6000)
     assert chunks[0] > 20 and chunks[-1] <= 5 and 0 not in chunks
+    # The chunks shrink as the prefix grows; credit left over from a step adds at most one token to the next.
+    assert all(later <= earlier + 1 for earlier, later in pairwise(chunks))
 
 
 def test_a_chunk_whose_prefix_walk_outgrows_a_steps_credit_runs_on_saved_credit():
