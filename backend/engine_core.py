@@ -108,6 +108,7 @@ class EngineCore:
             config.scheduling_policy,
             config.priority_aging,
             config.max_loras,
+            config.long_prefill_token_threshold,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
@@ -391,7 +392,9 @@ class EngineCore:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        start = time.perf_counter()
         out = self.runner.execute(batch)
+        self.scheduler.observe(batch, time.perf_counter() - start)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.prompt_logprobs.extend(out.prompt_logprobs.get(seq.seq_id, ()))
             seq.num_computed_tokens += num_new

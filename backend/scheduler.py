@@ -15,20 +15,19 @@ from spindle.shared import FinishReason
 # contexts over KEYS_PER_TOKEN. Measured on 2 EPYC cores, SmolLM2-135M float32 (int4 decodes), 8 decode streams beside
 # one chunk of n tokens after c cached (ms a step): alone 35.5; c=0: n=1 49.8, 32 106, 128 324 (a prompt token 2.2
 # ms); c=7,168: n=1 82.2, 8 217, 32 504, 128 1,922 (1.7 us per (query, cached key) pair, and 3 us per cached key
-# however short the chunk). STEP_OVERHEAD is from a bf16 AVX-512 machine (8 decodes 34-40 ms, a prompt token 1.2-1.5
-# ms: 27 units). Here 8 int4 decodes cost only 16 prompt tokens, so the bound lets in twice the prefill it means to:
-# 8 streams beside a 7,680-token prompt ran 2.8x slower than alone. Learning that ratio from timed steps was tried
-# (running averages of a decode unit's seconds from steps of decodes alone, and of a prefill unit's from what mixed
-# steps took beyond them): 1.9x there, but serving 128 requests 64 at a time it starved the prompts that arrive beside
-# a few remaining decodes (a chunk's fixed cost, the batch leaving the int4 kernels past 8 tokens, read as a dear
-# prefill unit): TTFT p50 0.7 -> 8.8-16.8 s, 250 -> 173-216 tok/s. A joint least-squares fit kept serving (269 tok/s)
-# but not the bound (2.8x: beside a long prompt nearly every step mixes the two in one proportion).
+# however short the chunk). The decodes' cost against a prompt token's is the machine's, dtype's and quantization's
+# (27 units for 8 decodes in bf16 on AVX-512, 16 here; STEP_OVERHEAD is the former's): with the fixed model, 8 streams
+# beside a 7,680-token prompt ran 2.8x slower than alone here, so the scheduler learns the two units' seconds from the
+# steps it times. A joint least-squares fit of both over recent steps was tried and left 2.8x: beside a long prompt
+# nearly every step mixes the two in one proportion, so the fit cannot tell them apart.
 KEYS_PER_TOKEN = 1300
 PREFIX_KEYS = 700
 STEP_OVERHEAD = 24
 CREDIT_STEPS = 2
 """Steps of unspent prefill credit a scheduler may save for one chunk, so a chunk whose prefix walk costs more than
 one step's credit still runs, on every other step, within the bound on average."""
+SMOOTHING = 0.2
+"""The newest step's weight in the running averages of the steps' seconds and cost units."""
 
 
 @dataclass
@@ -44,6 +43,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     num_preempted: int = 0
     running_loras: frozenset[int] = frozenset()
+    decode_cost: float = 0.0  # in the cost model's units, where the decode-latency bound applies
+    prefill_cost: float = 0.0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -81,12 +82,17 @@ class Scheduler:
     is passed over while its own grammar compiles). With T = 0 the order is strict priority, and a steady stream of
     better requests can starve a worse one.
 
-    With ``max_decode_slowdown`` > 1, the steps that carry decodes take only as much prefill work as keeps their
-    estimated cost within that factor of the decodes' own (the cost model above), so streams keep their rate while a
-    long prompt is prefilled beside them, at the price of that prompt's time to first token. Each such step earns
-    ``slowdown - 1`` times its decodes' cost in prefill credit, up to ``CREDIT_STEPS`` steps' worth, and its chunks
-    spend it; when the credit is full and pays for no token, the first prefill still gets one, so a prompt always
-    advances. 0 turns the bound off: prefill chunks fill the token budget (best throughput).
+    With ``max_decode_slowdown`` > 1, the steps that carry decodes take only as much prefill work of long prompts
+    (more than ``long_prefill_token_threshold`` tokens) as keeps their estimated cost within that factor of the
+    decodes' own (the cost model above), so streams keep their rate while a long prompt is prefilled beside them, at
+    the price of that prompt's time to first token. Each such step earns ``slowdown - 1`` times its decodes' cost in
+    prefill credit, up to ``CREDIT_STEPS`` steps' worth, and long prompts' chunks spend it; when the credit is full
+    and pays for no token, the first long prefill still gets one, so a prompt always advances. The decodes' cost in
+    prompt-token units is learned from the measured step times that :meth:`observe` is given (until then it is the
+    model's). Shorter prompts are prefilled whole, beside the streams, as without the bound: holding a burst of them
+    to a few streams' credit would starve them, as each finished prompt adds a stream that earns a little more
+    (serving 128 requests of ~15 tokens 64 at a time: TTFT p50 9-17 s, against 1.4-2.0 s prefilled whole). 0 turns
+    the bound off: prefill chunks fill the token budget (best throughput).
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class Scheduler:
         policy: str = "fcfs",
         priority_aging: float = 0.0,
         max_loras: int | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={policy!r} must be fcfs or priority")
@@ -113,7 +120,15 @@ class Scheduler:
         self.max_loras = max_loras
         # LoRA adapter id -> its running sequences.
         self.running_loras: dict[int, int] = {}
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefill_credit = 0.0
+        # Whether the step being scheduled may give its first long prefill a token the credit does not pay for.
+        self.force_token = False
+        # Running averages of (seconds, cost units) from observe(), of decode steps and of prefill chunks: their
+        # ratios are a unit's seconds, weighted by cost (an average of per-step ratios would overweight the short
+        # chunks, whose fixed costs the model leaves out, and hold the prefill to less than its share).
+        self.decode_time: tuple[float, float] | None = None
+        self.prefill_time: tuple[float, float] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -130,8 +145,8 @@ class Scheduler:
         made_room = self._make_room() if self.by_priority else 0
         batch = ScheduledBatch([], [], made_room)
         budget = self.max_num_batched_tokens
-        prefill_cost, credit_full = self._earn_prefill_credit()
-        prefills = i = 0
+        self._earn_prefill_credit(batch)
+        i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
@@ -143,10 +158,7 @@ class Scheduler:
                     # Drafts are worth no one's preemption.
                     seq.spec_token_ids, num_new = [], 1
             elif num_new > 1:
-                num_new, prefill_cost = self._bounded_chunk(
-                    seq, num_new, prefill_cost, first=not prefills and credit_full
-                )
-                prefills += 1
+                num_new = self._prefill_chunk(seq, num_new, batch)
                 if not num_new:
                     i += 1
                     continue
@@ -173,8 +185,7 @@ class Scheduler:
                 # Prompt logprobs need logits, and mean/cls pooling hidden states, at every prompt position.
                 self.block_manager.match_prefix(seq)
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            num_new, prefill_cost = self._bounded_chunk(seq, num_new, prefill_cost, first=not prefills and credit_full)
-            prefills += 1
+            num_new = self._prefill_chunk(seq, num_new, batch)
             if not num_new or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free_blocks(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -189,9 +200,32 @@ class Scheduler:
             budget -= num_new
         if self.running_loras:
             batch.running_loras = frozenset(self.running_loras)
-        if prefill_cost != math.inf:
-            self.prefill_credit = prefill_cost
         return batch
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Learn the cost model's scale from the measured time of a step that ran ``batch``.
+
+        A step of decodes alone gives the seconds of a decode unit; a step with prefill chunks beside decodes, what
+        is left of its time after its decodes' estimate, the seconds of a prefill unit.
+        """
+        if not batch.decode_cost:
+            return
+        if not batch.prefill_cost:
+            self.decode_time = _smoothed(self.decode_time, (seconds, batch.decode_cost))
+        elif self.decode_unit_seconds is not None:
+            rest = seconds - batch.decode_cost * self.decode_unit_seconds
+            if rest > 0:
+                self.prefill_time = _smoothed(self.prefill_time, (rest, batch.prefill_cost))
+
+    @property
+    def decode_unit_seconds(self) -> float | None:
+        """The measured seconds of a decode step's cost unit (``None`` before a decode step was observed)."""
+        return None if self.decode_time is None else self.decode_time[0] / self.decode_time[1]
+
+    @property
+    def prefill_unit_seconds(self) -> float | None:
+        """The measured seconds of a prefill chunk's cost unit (``None`` before a chunk beside decodes was observed)."""
+        return None if self.prefill_time is None else self.prefill_time[0] / self.prefill_time[1]
 
     def _key(self, seq: Sequence) -> tuple[float, float, int]:
         """The priority policy's rank of ``seq`` (lowest first): its aged priority, then arrival, then creation."""
@@ -230,38 +264,57 @@ class Scheduler:
             num_preempted += 1
         return num_preempted
 
-    def _earn_prefill_credit(self) -> tuple[float, bool]:
-        """The prefill credit of the step being scheduled (infinite without decodes or the bound), and if it is full."""
+    def _earn_prefill_credit(self, batch: ScheduledBatch) -> None:
+        """Add this step's earnings to the prefill credit where the bound applies, setting ``batch.decode_cost``.
+
+        The decodes' cost is in the model's units, and what they earn in prompt-token units: the model's, scaled by
+        the measured seconds of each kind of unit once both are known.
+        """
+        self.force_token = False
         if self.max_decode_slowdown <= 1:
-            return math.inf, True
+            return
         decode_contexts = [len(s) for s in self.running if len(s) - s.num_computed_tokens == 1]
         if not decode_contexts:
             self.prefill_credit = 0.0
-            return math.inf, True
-        decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
-        earned = (self.max_decode_slowdown - 1) * decode_cost
+            return
+        batch.decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
+        scale = 1.0
+        if self.decode_unit_seconds is not None and self.prefill_unit_seconds is not None:
+            scale = self.decode_unit_seconds / self.prefill_unit_seconds
+        earned = (self.max_decode_slowdown - 1) * batch.decode_cost * scale
         cap = CREDIT_STEPS * earned
         self.prefill_credit = min(self.prefill_credit + earned, cap)
-        return self.prefill_credit, self.prefill_credit >= cap
+        self.force_token = self.prefill_credit >= cap
+
+    def _prefill_chunk(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> int:
+        """How many of ``seq``'s next ``num_new`` prompt tokens to prefill in this step, adding their cost to ``batch``.
+
+        All of them where the bound does not apply (no decodes in the step, or a prompt of at most
+        ``long_prefill_token_threshold`` tokens); else the largest chunk that the prefill credit pays for, spent from
+        it. The step's first long prefill gets a token even when the credit pays for none, if the credit is full, so
+        that a prompt always advances.
+        """
+        if not batch.decode_cost:
+            return num_new
+        computed = seq.num_computed_tokens
+        if len(seq) > self.long_prefill_token_threshold:
+            per_token = 1 + computed / KEYS_PER_TOKEN
+            walk = computed / PREFIX_KEYS
+            # The largest n with n * (per_token + n / (2 * KEYS_PER_TOKEN)) <= credit - walk: that quadratic's root.
+            root = math.sqrt(per_token * per_token + 2 * max(self.prefill_credit - walk, 0) / KEYS_PER_TOKEN)
+            affordable = int(KEYS_PER_TOKEN * (root - per_token))
+            num_new = min(num_new, max(affordable, int(self.force_token)))
+            self.force_token = False
+            self.prefill_credit -= self._chunk_cost(computed, num_new)
+        batch.prefill_cost += self._chunk_cost(computed, num_new)
+        return num_new
 
     @staticmethod
-    def _bounded_chunk(seq: Sequence, num_new: int, cost_left: float, first: bool) -> tuple[int, float]:
-        """The largest chunk of at most ``num_new`` tokens that ``cost_left`` pays for, and the cost then left.
-
-        A chunk of n tokens after c computed ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN) + c / PREFIX_KEYS.
-        A ``first`` chunk gets a token even when the credit pays for none, so that a prompt always advances.
-        """
-        if cost_left == math.inf:
-            return num_new, cost_left
-        per_token = 1 + seq.num_computed_tokens / KEYS_PER_TOKEN
-        walk = seq.num_computed_tokens / PREFIX_KEYS
-        # The largest n with n * (per_token + n / (2 * KEYS_PER_TOKEN)) <= cost_left - walk: that quadratic's root.
-        root = math.sqrt(per_token * per_token + 2 * max(cost_left - walk, 0) / KEYS_PER_TOKEN)
-        affordable = int(KEYS_PER_TOKEN * (root - per_token))
-        num_new = min(num_new, max(affordable, int(first)))
-        if not num_new:
-            return 0, cost_left
-        return num_new, cost_left - num_new * (per_token + num_new / (2 * KEYS_PER_TOKEN)) - walk
+    def _chunk_cost(computed: int, n: int) -> float:
+        """The model's cost of a chunk of ``n`` tokens after ``computed`` ones (none for no tokens)."""
+        if not n:
+            return 0.0
+        return n * (1 + (computed + n / 2) / KEYS_PER_TOKEN) + computed / PREFIX_KEYS
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End ``seq`` (eos, stop token, length or abort) and free its blocks at once."""
@@ -298,3 +351,13 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq, front=True)
+
+
+def _smoothed(average: tuple[float, float] | None, sample: tuple[float, float]) -> tuple[float, float]:
+    """The next value of an exponential moving average of (seconds, units) pairs (the first sample as it is)."""
+    if average is None:
+        return sample
+    return (
+        (1 - SMOOTHING) * average[0] + SMOOTHING * sample[0],
+        (1 - SMOOTHING) * average[1] + SMOOTHING * sample[1],
+    )

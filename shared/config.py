@@ -49,6 +49,9 @@ class EngineConfig:
             prefill chunks beside them (an estimate from a cost model): bounds the inter-token latency of running
             streams while a long prompt is prefilled, at the price of that prompt's time to first token. ``0`` turns
             the bound off, so chunks fill ``max_num_batched_tokens`` (best throughput; ``LLM``'s default).
+        long_prefill_token_threshold: prompts longer than this many tokens are long (vLLM's term): only their
+            prefill is held to ``max_decode_slowdown``; shorter ones are prefilled whole beside the streams, so that
+            a burst of them is not starved by a few streams' bound. ``0``: every prompt is held to it.
         kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
         gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
         enable_prefix_caching: share full KV blocks between sequences with the same prefix.
@@ -90,6 +93,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
     max_decode_slowdown: float = 2.0
+    long_prefill_token_threshold: int = 256
     kv_cache_memory: int | str = "2GiB"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -121,6 +125,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_decode_slowdown != 0 and self.max_decode_slowdown < 1:
             raise ValueError(f"max_decode_slowdown={self.max_decode_slowdown} must be 0 (no bound) or >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if self.scheduling_policy not in ("fcfs", "priority"):

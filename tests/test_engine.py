@@ -48,6 +48,8 @@ SCENARIOS = {
     "no_prefix_caching_small_blocks": dict(enable_prefix_caching=False, block_size=8),
     # A step budget past the context: the start-up profile pass splits it into sequences the model can hold.
     "budget_past_the_context": dict(max_model_len=128, max_num_batched_tokens=1000),
+    # The serving default's decode-latency bound (LLM turns it off), on every prompt longer than 16 tokens.
+    "decode_bound": dict(max_num_batched_tokens=64, max_decode_slowdown=2.0, long_prefill_token_threshold=16),
 }
 
 
@@ -62,6 +64,8 @@ def test_greedy_matches_transformers(scenario, speculative, tiny_llm_dir, prompt
     assert [o.prompt_token_ids for o in outputs] == prompts
     core = llm.llm_engine.core
     assert (core.scheduler.num_preemptions > 0) == (scenario == "preemption")
+    # Under the bound the engine core times its steps: the last ones, decodes alone, give a decode unit's seconds.
+    assert (core.scheduler.decode_unit_seconds is not None) == (scenario == "decode_bound")
     assert core.block_manager.num_free_blocks == core.num_blocks
     stats = core.stats()
     # The tiny model's greedy output repeats itself, so drafts are found; some are rejected.

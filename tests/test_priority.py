@@ -111,6 +111,8 @@ def test_the_servicer_passes_the_request_priority_to_the_engine(method, request_
         (dict(scheduling_policy="lottery"), "scheduling_policy='lottery' must be fcfs or priority"),
         (dict(priority_aging=-1.0), "priority_aging=-1.0 must be >= 0"),
         (dict(priority_aging=float("nan")), "priority_aging=nan must be >= 0"),
+        (dict(max_decode_slowdown=0.5), r"max_decode_slowdown=0.5 must be 0 \(no bound\) or >= 1"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold=-1 must be >= 0"),
     ],
 )
 def test_bad_scheduling_settings_are_refused(fields, message):
@@ -121,6 +123,11 @@ def test_bad_scheduling_settings_are_refused(fields, message):
 def test_the_scheduling_flags_reach_the_config_and_a_backend_started_with_it():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    config = config_from_args(parser.parse_args(["--scheduling-policy", "priority", "--priority-aging", "2.5"]))
-    assert (config.scheduling_policy, config.priority_aging) == ("priority", 2.5)
+    argv = ["--scheduling-policy", "priority", "--priority-aging", "2.5", "--long-prefill-token-threshold", "64"]
+    config = config_from_args(parser.parse_args(argv))
+    assert (config.scheduling_policy, config.priority_aging, config.long_prefill_token_threshold) == (
+        "priority",
+        2.5,
+        64,
+    )
     assert config_from_args(parser.parse_args(config_to_argv(config))) == config

@@ -24,8 +24,17 @@ def make_scheduler(
     slowdown: float = 0.0,
     policy: str = "fcfs",
     aging: float = 0.0,
+    long_threshold: int = 0,
 ) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, slowdown, policy, aging)
+    return Scheduler(
+        BlockManager(num_blocks, block_size),
+        max_num_seqs,
+        budget,
+        slowdown,
+        policy,
+        aging,
+        long_prefill_token_threshold=long_threshold,
+    )
 
 
 def add(
@@ -125,11 +134,12 @@ def chunk_cost(computed: int, n: int) -> float:
     return n * (1 + (computed + n / 2) / KEYS_PER_TOKEN) + computed / PREFIX_KEYS if n else 0.0
 
 
-def prefill_beside_streams(sched: Scheduler, prompt_len: int, num_streams: int = 4) -> list[int]:
+def prefill_beside_streams(sched: Scheduler, prompt_len: int, num_streams: int = 4, scale: float = 1.0) -> list[int]:
     """Prefill a prompt beside decode streams, checking the credit rule at each step; returns the chunk sizes.
 
-    Each step earns ``slowdown - 1`` (here 1) times its decodes' cost, up to ``CREDIT_STEPS`` steps' worth; its chunk
-    is the largest that the credit pays for, or one token when the credit is full and pays for none.
+    Each step earns ``slowdown - 1`` (here 1) times its decodes' cost, times ``scale`` (prompt-token units per decode
+    unit), up to ``CREDIT_STEPS`` steps' worth; its chunk is the largest that the credit pays for, or one token when
+    the credit is full and pays for none.
     """
     streams = [add(sched, 40, max_tokens=100_000, first_token=100_000 * (i + 1)) for i in range(num_streams)]
     fake_step(sched)  # the streams' prefills: no decodes yet, so no bound
@@ -137,7 +147,7 @@ def prefill_beside_streams(sched: Scheduler, prompt_len: int, num_streams: int =
     chunks, credit = [], 0.0
     while long.num_output_tokens == 0:
         computed = long.num_computed_tokens
-        earned = STEP_OVERHEAD + sum(1 + len(s) / KEYS_PER_TOKEN for s in streams)
+        earned = scale * (STEP_OVERHEAD + sum(1 + len(s) / KEYS_PER_TOKEN for s in streams))
         credit = min(credit + earned, CREDIT_STEPS * earned)
         batch = fake_step(sched)
         assert batch.seqs[:num_streams] == streams and batch.num_new_tokens[:num_streams] == [1] * num_streams
@@ -166,6 +176,48 @@ def test_a_chunk_whose_prefix_walk_outgrows_a_steps_credit_runs_on_saved_credit(
     chunks = prefill_beside_streams(sched, 19_000, num_streams=1)
     skipped = [i for i, n in enumerate(chunks) if n == 0]
     assert skipped and all(chunks[i + 1] for i in skipped)
+
+
+def test_the_bound_learns_the_cost_of_decodes_from_step_times():
+    """Decode units measured at a quarter of a prompt token's seconds buy a quarter of the prefill."""
+    sched = make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0)
+    sched.observe(ScheduledBatch([], [], decode_cost=30.0), 0.030)  # decodes alone: 1 ms a unit
+    sched.observe(ScheduledBatch([], [], decode_cost=30.0, prefill_cost=10.0), 0.030 + 0.040)  # 4 ms a unit
+    assert sched.decode_unit_seconds == pytest.approx(0.001) and sched.prefill_unit_seconds == pytest.approx(0.004)
+    chunks = prefill_beside_streams(sched, 3000, scale=0.25)
+    assert chunks[0] == 7  # a quarter of 28.1 units of decodes: 7 tokens of the empty prefix, 1 unit each
+
+
+def test_observed_steps_update_a_cost_weighted_running_average():
+    sched = make_scheduler(slowdown=2.0)
+    sched.observe(ScheduledBatch([], [], decode_cost=10.0), 0.010)
+    sched.observe(ScheduledBatch([], [], decode_cost=10.0), 0.020)
+    sched.observe(ScheduledBatch([], [], decode_cost=30.0), 0.030)
+    # Weighted by cost: the second step's 2 ms a unit over 10 units counts for less than the third's 1 ms over 30.
+    seconds = (0.010 * 0.8 + 0.020 * 0.2) * 0.8 + 0.030 * 0.2
+    units = 10.0 * 0.8 + 30.0 * 0.2
+    assert sched.decode_unit_seconds == pytest.approx(seconds / units)
+    sched.observe(ScheduledBatch([], []), 5.0)  # a step without decodes (no bound applied) teaches nothing
+    assert sched.prefill_unit_seconds is None and sched.decode_unit_seconds == pytest.approx(seconds / units)
+    sched.observe(ScheduledBatch([], [], decode_cost=20.0, prefill_cost=5.0), 20.0 * seconds / units + 0.050)
+    assert sched.prefill_unit_seconds == pytest.approx(0.010)  # what the step took beyond its decodes, per unit
+
+
+def test_short_prompts_are_prefilled_whole_beside_decodes_and_long_ones_held_to_the_bound():
+    sched = make_scheduler(num_blocks=2048, block_size=16, budget=1024, slowdown=2.0, long_threshold=256)
+    stream = add(sched, 40, max_tokens=100)
+    fake_step(sched)
+    long = add(sched, 3000, max_tokens=1, first_token=1000)
+    shorts = [add(sched, 256, max_tokens=1, first_token=10_000 * (i + 1)) for i in range(2)]
+    earned = STEP_OVERHEAD + 1 + len(stream) / KEYS_PER_TOKEN
+    batch = fake_step(sched)
+    n = batch.num_new_tokens[1]
+    assert batch.seqs == [stream, long, *shorts] and batch.num_new_tokens == [1, n, 256, 256]
+    assert chunk_cost(0, n) <= earned < chunk_cost(0, n + 1)  # the long prompt spends the credit alone
+    assert sched.prefill_credit == pytest.approx(earned - chunk_cost(0, n))
+    # Every chunk counts in the step's prefill cost, which the step's measured time is set against.
+    assert batch.decode_cost == pytest.approx(earned)
+    assert batch.prefill_cost == pytest.approx(chunk_cost(0, n) + 2 * chunk_cost(0, 256))
 
 
 def test_prefill_fills_the_token_budget_without_decodes_or_without_the_bound():
