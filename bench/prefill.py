@@ -32,7 +32,11 @@ from spindle.shared.config import EngineConfig
 
 
 def fresh_ids(length: int, seed: int) -> list[int]:
-    """Random token ids from the ordinary part of the vocabulary, different for every seed."""
+    """Random token ids from the ordinary part of the vocabulary, different for every seed.
+
+    Prompts of one seed share their first tokens whatever their lengths (a 1,024-token prompt starts with the
+    256-token one), so every prompt that must miss the prefix cache needs a seed of its own.
+    """
     return torch.randint(1000, 40000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -40,10 +44,11 @@ def spindle_prefill(llm: LLM, length: int, repeats: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=1)
     rates = []
     for seed in range(repeats):
-        ids = fresh_ids(length, seed)
+        ids = fresh_ids(length, length * 1000 + seed)
         start = time.perf_counter()
-        llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+        output = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
         rates.append(length / (time.perf_counter() - start))
+        assert not output.num_cached_tokens  # the whole prompt computed, as transformers computes it
     return statistics.median(rates)
 
 
@@ -51,7 +56,7 @@ def transformers_prefill(model: torch.nn.Module, length: int, repeats: int) -> f
     rates = []
     with torch.inference_mode():
         for seed in range(repeats):
-            ids = torch.tensor([fresh_ids(length, seed)])
+            ids = torch.tensor([fresh_ids(length, length * 1000 + seed)])
             start = time.perf_counter()
             model(ids, logits_to_keep=1)
             rates.append(length / (time.perf_counter() - start))
