@@ -1,7 +1,8 @@
 """Scaling overheads: tensor parallel 2 against 1 (offline ``LLM.generate``) and data parallel 2 against 1 (gRPC).
 
-- **Tensor parallel**: the same prompts, greedy, every one generating ``--max-tokens`` tokens (eos ignored), through
-  ``LLM(tensor_parallel_size=N)`` for each ``N`` of ``--tp``; output tokens per second, median of ``--repeats``.
+- **Tensor parallel**: the same prompts for every size (each run its own), greedy, every one generating
+  ``--max-tokens`` tokens (eos ignored), through ``LLM(tensor_parallel_size=N)`` for each ``N`` of ``--tp``; output
+  tokens per second, median of ``--repeats``.
 - **Data parallel**: ``spindle serve --data-parallel-size N`` for each ``N`` of ``--dp``, driven through gRPC by
   ``--concurrency`` clients (``bench.serving``'s load generator); output tokens per second and p50/p99 latencies.
 
@@ -33,19 +34,25 @@ from spindle import LLM, SamplingParams
 REPO = Path(__file__).resolve().parents[1]
 
 
-def prompts_for(num: int) -> list[str]:
-    """``num`` different prompts of 10-30 words."""
-    return [f"Request {i}: " + "tell me about the number seven and its friends. " * (1 + i % 3) for i in range(num)]
+def prompts_for(num: int, first: int = 0) -> list[str]:
+    """``num`` different prompts of 10-30 words, numbered from ``first``.
+
+    Every run gets prompts of its own numbers: run again, the same prompts would find their first blocks in the
+    prefix cache of the engine that served them before (with data parallel engines, only of that one).
+    """
+    return [
+        f"Request {first + i}: " + "tell me about the number seven and its friends. " * (1 + i % 3) for i in range(num)
+    ]
 
 
-def tensor_parallel_rate(model: str, size: int, prompts: list[str], args: argparse.Namespace) -> float:
-    """Median output tokens per second of ``LLM.generate`` over ``prompts`` with ``tensor_parallel_size=size``."""
+def tensor_parallel_rate(model: str, size: int, runs: list[list[str]], args: argparse.Namespace) -> float:
+    """Median output tokens per second of ``LLM.generate`` over ``runs`` with ``tensor_parallel_size=size``."""
     llm = LLM(model, tensor_parallel_size=size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        llm.generate(prompts_for(2), params, use_tqdm=False)  # warm-up, on prompts no run has
         rates = []
-        for _ in range(args.repeats):
+        for prompts in runs:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
@@ -70,13 +77,13 @@ def served(model: str, size: int, args: argparse.Namespace) -> Iterator[str]:
         server.wait(120)
 
 
-def data_parallel_rate(model: str, size: int, prompts: list[str], args: argparse.Namespace) -> float:
-    """Output tokens per second of the gRPC load against ``--data-parallel-size size`` (best of ``--repeats``)."""
+def data_parallel_rate(model: str, size: int, runs: list[list[str]], args: argparse.Namespace) -> float:
+    """Output tokens per second of the gRPC load against ``--data-parallel-size size`` (best of ``runs``)."""
     with served(model, size, args) as address:
-        asyncio.run(grpc_run(address, prompts[:4], args))  # warm-up
-        runs = [asyncio.run(grpc_run(address, prompts, args)) for _ in range(args.repeats)]
-    elapsed, ttfts, itls, tokens = min(runs, key=lambda run: run[0])
-    report(f"DP={size}", elapsed, ttfts, itls, tokens, len(prompts))
+        asyncio.run(grpc_run(address, prompts_for(4), args))  # warm-up
+        results = [asyncio.run(grpc_run(address, prompts, args)) for prompts in runs]
+    elapsed, ttfts, itls, tokens = min(results, key=lambda result: result[0])
+    report(f"DP={size}", elapsed, ttfts, itls, tokens, len(runs[0]))
     return tokens / elapsed
 
 
@@ -93,17 +100,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     args.rate = 0.0  # bench.serving's load generator: every client sends at once
-    prompts = prompts_for(args.num_prompts)
+    runs = [prompts_for(args.num_prompts, first=(r + 1) * args.num_prompts) for r in range(args.repeats)]
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
         if model is None:
             model = str(Path(scratch) / "small")
             write(Path(model), "small")
         print(f"model={model} prompts={args.num_prompts} max_tokens={args.max_tokens} cores={os.cpu_count()}")
-        tp = {size: tensor_parallel_rate(model, size, prompts, args) for size in args.tp}
+        tp = {size: tensor_parallel_rate(model, size, runs, args) for size in args.tp}
         for size, rate in tp.items():
             print(f"TP={size}: {rate:8.1f} tok/s  ratio to TP={args.tp[0]}: {rate / tp[args.tp[0]]:5.2f}x")
-        dp = {size: data_parallel_rate(model, size, prompts, args) for size in args.dp}
+        dp = {size: data_parallel_rate(model, size, runs, args) for size in args.dp}
         for size, rate in dp.items():
             print(f"DP={size}: {rate:8.1f} tok/s  ratio to DP={args.dp[0]}: {rate / dp[args.dp[0]]:5.2f}x")
 
