@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers (a large model on a GPU, say)")
     args = parser.parse_args()
-    runs = [make_prompts(args.num_prompts, first=(r + 1) * args.num_prompts) for r in range(args.repeats)]
+    # Numbered past the warm-up's two prompts, and past each other.
+    runs = [make_prompts(args.num_prompts, first=2 + r * args.num_prompts) for r in range(args.repeats)]
     dtypes = list(dict.fromkeys(resolve_dtype(d, torch.device("cpu")) for d in args.dtypes))
     shapes = Shapes.of(str(resolve_model(args.model)))
     print(

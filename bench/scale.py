@@ -100,7 +100,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     args.rate = 0.0  # bench.serving's load generator: every client sends at once
-    runs = [prompts_for(args.num_prompts, first=(r + 1) * args.num_prompts) for r in range(args.repeats)]
+    # Numbered past the warm-ups' four prompts, and past each other.
+    runs = [prompts_for(args.num_prompts, first=4 + r * args.num_prompts) for r in range(args.repeats)]
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
         if model is None:
