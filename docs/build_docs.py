@@ -30,7 +30,7 @@ def docs_python() -> Path:
     if not python.exists() or not stamp.exists() or stamp.read_text() != digest:
         shutil.rmtree(VENV, ignore_errors=True)
         venv.create(VENV, with_pip=True)
-        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
         subprocess.run([*pip, "-r", str(REQUIREMENTS)], check=True)
         # spindle-client first: spindle-serve requires it, and must not look for it on the index.
         for project in (REPO / "client", REPO):
