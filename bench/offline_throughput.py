@@ -63,7 +63,7 @@ def bench_spindle(
     prompts' token counts (of the last run)."""
     llm = LLM(model, kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    llm.generate(make_prompts(2), params[:2], use_tqdm=False)  # warm-up, on prompts no run has
+    llm.generate(make_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, on prompts no run has
     times = []
     for prompts in runs:
         start = time.perf_counter()
