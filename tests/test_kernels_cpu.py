@@ -128,6 +128,14 @@ def test_metadata_rejects_a_decode_after_a_prefill() -> None:
         AttentionMetadata.from_lists([3, 1], [3, 5], [[0], [1]], block_size=8)
 
 
+def test_decode_attention_refuses_heads_past_its_stack_buffers() -> None:
+    query = torch.randn(1, 2, 264)  # past MAX_HEAD (256), the size of the kernel's per-head arrays
+    k_cache, v_cache = torch.randn(2, 1, 4, 2, 264).unbind(0)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="head_size must be at most 256"):
+        cpu.cpu_ops().decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(with_residual: bool, dtype: torch.dtype) -> None:
