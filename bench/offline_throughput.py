@@ -56,12 +56,9 @@ def output_lengths(workload: str, num_prompts: int, min_tokens: int, max_tokens:
     return [rng.randint(min_tokens, max_tokens) for _ in range(num_prompts)]
 
 
-def bench_spindle(
-    model: str | None, runs: list[list[str]], lengths: list[int], dtype: str, quantization: str
-) -> tuple[float, float, list[int]]:
-    """Spindle's median output rate over ``runs`` (prompts of their own each), the median run's seconds, and the
+def bench_spindle(llm: LLM, runs: list[list[str]], lengths: list[int]) -> tuple[float, float, list[int]]:
+    """``llm``'s median output rate over ``runs`` (prompts of their own each), the median run's seconds, and the
     prompts' token counts (of the last run)."""
-    llm = LLM(model, kv_cache_memory="2GiB", dtype=dtype, quantization=quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(make_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, on prompts no run has
     times = []
@@ -130,7 +127,9 @@ def main() -> None:
         rates: dict[torch.dtype, tuple[float, float]] = {}
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
-            spindle, seconds, prompt_lens = bench_spindle(args.model, runs, lengths, name, args.quantization)
+            llm = LLM(args.model, kv_cache_memory="2GiB", dtype=name, quantization=args.quantization)
+            spindle, seconds, prompt_lens = bench_spindle(llm, runs, lengths)
+            del llm
             achieved, ceiling = shapes.flops(prompt_lens, lengths) / seconds, matmul_rate(dtype)
             line = (
                 f"  {name:8s} spindle {spindle:7.1f} tok/s = {achieved / 1e9:5.1f} GFLOP/s, "
