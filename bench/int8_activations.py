@@ -42,14 +42,16 @@ class Int8Projection:
 
     Args:
         inner: Spindle's projection, which keeps the smaller calls.
+        weight: its float32 ``[out, in]`` weight (:func:`dense_weight`).
         smooth: SmoothQuant's per-input-channel divisor, or None for plain per-token quantization.
         reduce_range: 7-bit activations (the x86 and fbgemm engines need them; onednn does not).
 
     """
 
-    def __init__(self, inner: Projection, smooth: torch.Tensor | None, reduce_range: bool) -> None:
+    def __init__(
+        self, inner: Projection, weight: torch.Tensor, smooth: torch.Tensor | None, reduce_range: bool
+    ) -> None:
         self.inner = inner
-        weight = dense_weight(inner)
         self.inverse_smooth = None if smooth is None else 1 / smooth
         if smooth is not None:
             weight = weight * smooth
@@ -89,10 +91,14 @@ class MaxRecorder:
         return self.inner(x)
 
 
+def stored(projection: Projection) -> torch.Tensor:
+    """The dense weight a prepared CPU projection keeps: oneDNN's packed copy, or the plain one."""
+    return projection.packed if projection.packed is not None else projection.dense
+
+
 def dense_weight(projection: Projection) -> torch.Tensor:
     """The float32 ``[out, in]`` weight a prepared projection applies (recovered through it: packed copies only)."""
-    weight = projection.packed if projection.packed is not None else projection.dense  # on the CPU, one of them
-    identity = torch.eye(weight.shape[1], dtype=weight.dtype)
+    identity = torch.eye(stored(projection).shape[1], dtype=stored(projection).dtype)
     out = projection(identity)  # more rows than DENSE_TOKENS: the dense weight, not the quantized kernel
     if projection.bias is not None:
         out = out - projection.bias
@@ -119,12 +125,12 @@ def use_int8(llm: LLM, alpha: float | None, reduce_range: bool) -> None:
         for prepared, key in slots(llm):
             prepared[key] = prepared[key].inner
     for prepared, key in slots(llm):
-        smooth = None
+        weight, smooth = dense_weight(prepared[key]), None
         if alpha is not None:
-            weight_max = dense_weight(prepared[key]).abs().amax(0).clamp_min(1e-5)
+            weight_max = weight.abs().amax(0).clamp_min(1e-5)
             act_max = recorders[id(prepared), key].channel_max.clamp_min(1e-5)
             smooth = act_max**alpha / weight_max ** (1 - alpha)
-        prepared[key] = Int8Projection(prepared[key], smooth, reduce_range)
+        prepared[key] = Int8Projection(prepared[key], weight, smooth, reduce_range)
 
 
 def restore(llm: LLM) -> None:
@@ -149,10 +155,10 @@ def gemm_rates(llm: LLM, reduce_range: bool) -> None:
     """Print GFLOP/s of each distinct projection shape: dense, int8 per tensor, int8 per token."""
     shapes = {}
     for prepared, key in slots(llm):
-        shapes.setdefault(tuple(dense_weight(prepared[key]).shape), (key, prepared[key]))
+        shapes.setdefault(tuple(stored(prepared[key]).shape), (key, prepared[key]))
     print("GFLOP/s per projection shape (dense packed | int8 per tensor | int8 per token):")
     for (out_features, in_features), (key, projection) in shapes.items():
-        int8 = Int8Projection(projection, None, reduce_range)
+        int8 = Int8Projection(projection, dense_weight(projection), None, reduce_range)
         per_tensor = functools.partial(
             torch.ops.quantized.linear_dynamic, W_prepack=int8.packed, reduce_range=reduce_range
         )

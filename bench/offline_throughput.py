@@ -129,7 +129,7 @@ def main() -> None:
             name = str(dtype).removeprefix("torch.")
             llm = LLM(args.model, kv_cache_memory="2GiB", dtype=name, quantization=args.quantization)
             spindle, seconds, prompt_lens = bench_spindle(llm, runs, lengths)
-            del llm
+            del llm  # its KV cache freed before transformers loads
             achieved, ceiling = shapes.flops(prompt_lens, lengths) / seconds, matmul_rate(dtype)
             line = (
                 f"  {name:8s} spindle {spindle:7.1f} tok/s = {achieved / 1e9:5.1f} GFLOP/s, "
