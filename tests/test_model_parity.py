@@ -3,9 +3,10 @@
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import gguf
 import pytest
 import safetensors.torch
 import torch
@@ -165,21 +166,35 @@ def test_load_weights_refuses_incomplete_or_foreign_checkpoints(tiny_llama_dir: 
         model.load_weights([*weights.items(), ("model.layers.0.mlp.extra.weight", torch.zeros(1))])
 
 
+@dataclasses.dataclass
+class Converted:
+    """The embedded GGUF converted into a fresh cache: where, how often ``gguf`` parsed the file, the cache hit's s."""
+
+    model_dir: Path
+    parses: int
+    second_resolve_s: float
+
+
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    """The embedded SmolLM2 GGUF converted into a fresh cache dir: (directory, seconds of the second resolve)."""
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Converted]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPINDLE_CACHE_DIR", str(tmp_path_factory.mktemp("spindle-cache")))
+        parses = []
+        parse = gguf.GGUFReader.__init__
+        patch.setattr(gguf.GGUFReader, "__init__", lambda self, *args, **kw: parses.append(parse(self, *args, **kw)))
         model_dir = resolve_model(None)
         start = time.perf_counter()
         assert resolve_model(None) == model_dir
-        yield model_dir, time.perf_counter() - start
+        yield Converted(model_dir, len(parses), time.perf_counter() - start)
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_conversion(smollm2: tuple[Path, float]) -> None:
-    model_dir, second_resolve_s = smollm2
-    assert second_resolve_s < 5
+def test_smollm2_gguf_conversion(smollm2: Converted) -> None:
+    model_dir = smollm2.model_dir
+    assert smollm2.second_resolve_s < 5
+    # transformers reads the file for the config, the tensors and the tokenizer, we for its quantized blocks: one
+    # parse serves them all (a parse of the 49,152-token vocabulary takes seconds).
+    assert smollm2.parses == 1
     config = ModelConfig.from_dir(model_dir)
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
     assert (config.vocab_size, config.tie_word_embeddings, config.eos_token_ids) == (49152, True, [2])
@@ -196,10 +211,9 @@ def test_smollm2_gguf_conversion(smollm2: tuple[Path, float]) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_reference(smollm2: tuple[Path, float]) -> tuple[int, list[int], torch.Tensor]:
+def smollm2_reference(smollm2: Converted) -> tuple[int, list[int], torch.Tensor]:
     """transformers' fp32 model on the same GGUF: (prompt length, prompt + 8 greedy tokens, logits at every token)."""
-    model_dir, _ = smollm2
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.model_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     gguf = embedded_gguf()
@@ -220,7 +234,7 @@ def smollm2_reference(smollm2: tuple[Path, float]) -> tuple[int, list[int], torc
 def test_smollm2_matches_transformers_on_the_gguf(
     dtype: torch.dtype,
     bits: int | None,
-    smollm2: tuple[Path, float],
+    smollm2: Converted,
     smollm2_reference: tuple[int, list[int], torch.Tensor],
 ) -> None:
     """Unquantized, and int4 from the file's own blocks (the weights transformers dequantizes) or int8 requantized.
@@ -228,9 +242,9 @@ def test_smollm2_matches_transformers_on_the_gguf(
     The decode steps (one token) run the quantized kernels; the prompt's prefill the dense copy.
     """
     prompt_len, tokens, reference = smollm2_reference
-    model = load_model(smollm2[0], dtype, torch.device("cpu"))
+    model = load_model(smollm2.model_dir, dtype, torch.device("cpu"))
     if bits:
-        model.prepare_weights(quantized_weights(model, smollm2[0], bits))
+        model.prepare_weights(quantized_weights(model, smollm2.model_dir, bits))
     # The prompt in one prefill, then the greedy tokens one decode step each.
     ours = run_schedule(model, [tokens], [[(0, prompt_len)]] + [[(0, 1)]] * (len(tokens) - prompt_len))[0]
     generated = slice(prompt_len - 1, len(tokens) - 1)
