@@ -1,7 +1,9 @@
 """C++ kernels for the CPU path (attention, per-token ops, small-batch int8/int4 projections, LoRA), built on use.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
-The build takes about 50 s on a 2-core machine. The library is kept as
+The build takes about 40 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
+bindings all of torch's C++ API: each file now includes the headers it uses, and the kernels are instantiated for
+the three model dtypes only). The library is kept as
 ``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>.so`` (default ``~/.cache/spindle``, the variable the model
 loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's versions: every
 checkout and virtualenv with the same build shares it, and a changed source builds anew. It is compiled for the

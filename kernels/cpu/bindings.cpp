@@ -1,5 +1,5 @@
 // The Python module of the CPU kernels: one entry per kernel, each defined in its own file.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <tuple>
 #include <vector>

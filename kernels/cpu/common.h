@@ -1,14 +1,21 @@
-// What the CPU kernels share: loads of the cache's element types as float, the merge of partial softmax states, and
-// the dispatch of a small token count to a compile-time constant.
+// What the CPU kernels share: the model dtypes they are built for, loads of those types as float, the merge of partial
+// softmax states, and the dispatch of a small token count to a compile-time constant.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+// The model dtypes (float32, bfloat16, float16): the kernels are instantiated for these alone, with scalar_t the
+// element type, as AT_DISPATCH_FLOATING_TYPES_AND2 would (which adds double, which no model runs in).
+#define DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                            \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
+                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {

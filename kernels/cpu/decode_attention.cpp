@@ -5,7 +5,9 @@
 // longest) and one long context still keeps every core busy. Each item computes, for each query head, the
 // partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second pass merges
 // the partitions of each (sequence, query head) with the usual log-sum-exp rescaling.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +44,7 @@ inline f8 load8(const c10::BFloat16* p) {
   std::memcpy(&v, &bits, sizeof(v));
   return v;
 }
-template <typename T>  // half and double (which the dispatch also instantiates): element by element
+template <typename T>  // half: element by element
 inline f8 load8(const T* p) {
   f8 v;
   for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
@@ -197,7 +199,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) <= MAX_HEAD, "head_size must be at most ", MAX_HEAD);
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
+  DISPATCH_MODEL_TYPES(query.scalar_type(), "decode_attention", [&] {
     switch (query.size(2)) {
       case 64: decode_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
       case 128: decode_attention_impl<scalar_t, 128>(query, k_cache, v_cache, block_tables, seq_lens, scale, out); break;

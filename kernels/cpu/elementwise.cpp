@@ -1,7 +1,9 @@
 // The small per-token ops of a decoder layer on the CPU, each one pass over its tokens: RMSNorm (with the residual
 // add fused in), rotary embedding of the query and key heads, and SwiGLU. In eager torch each is a chain of 4 to 10
 // ops, each a dispatch plus a full pass over memory; here each token is read once and written once, in float.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
@@ -100,7 +102,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be a dense [hidden] of x's dtype");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(x, nullptr, weight, eps, out, nullptr);
   });
   return out;
@@ -117,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
               "weight must be a dense [hidden] of x's dtype");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   auto sum = at::empty({x.size(0), x.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_impl<scalar_t>(x, &residual, weight, eps, out, &sum);
   });
   return {out, sum};
@@ -142,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " is outside the rotary cache");
   auto q_out = at::empty(query.sizes(), query.options());
   auto k_out = at::empty(key.sizes(), key.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
+  DISPATCH_MODEL_TYPES(query.scalar_type(), "rotary_embedding", [&] {
     const scalar_t* cache = cos_sin_cache.data_ptr<scalar_t>();
     rotate_impl<scalar_t>(pos, query, cache, cos_sin_cache.size(1) / 2, q_out);
     rotate_impl<scalar_t>(pos, key, cache, cos_sin_cache.size(1) / 2, k_out);
@@ -155,7 +157,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x's width must be even (gate and up halves)");
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_impl<scalar_t>(x, out);
   });
   return out;

@@ -6,7 +6,9 @@
 // (flash attention's running max and sum), so nothing of the context is gathered or padded and no mask is built.
 // Each key tile is converted to float once per item, K transposed, so that both products vectorize over a tile's
 // keys (Q.K) or over the head dimension (P.V) without horizontal sums, and is reused by every row of the item.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -231,7 +233,7 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) <= MAX_HEAD, "head_size must be at most ", MAX_HEAD);
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "prefill_attention", [&] {
+  DISPATCH_MODEL_TYPES(query.scalar_type(), "prefill_attention", [&] {
     switch (query.size(2)) {
       case 64:
         prefill_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);

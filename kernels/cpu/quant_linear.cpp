@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #endif
 
+#include <ATen/ops/empty.h>
+
 #include <cstdint>
 #include <type_traits>
 #include <vector>
