@@ -263,7 +263,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    process, address = start_backend(EngineConfig(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048))
+    process, address = start_backend(EngineConfig(kv_cache_memory="256MiB", max_model_len=2048))
     ping_backend(address, timeout=300)  # loaded: the server's own handshake then waits no longer than usual
     server = ServerThread(address)
     yield server
