@@ -16,6 +16,7 @@ from spindle.backend.models import LlamaForCausalLM, ModelConfig, load_model, re
 from spindle.backend.models.loader import (
     QUANTIZATION_FILE,
     embedded_gguf,
+    gguf_read_once,
     quantized_weights,
     resolve_quantization,
 )
@@ -216,10 +217,11 @@ def smollm2_reference(smollm2: Converted) -> tuple[int, list[int], torch.Tensor]
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.model_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    gguf = embedded_gguf()
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    file = embedded_gguf()
+    with gguf_read_once(file):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=torch.float32
+        ).eval()
     with torch.inference_mode():
         tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
         return len(prompt), tokens, reference(torch.tensor([tokens])).logits[0]

@@ -130,13 +130,13 @@ def _convert_gguf_atomically(gguf_file: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def _gguf_work_done_once(gguf_file: Path) -> Iterator[None]:
-    """While converting ``gguf_file``, have ``gguf`` parse the file and build its tensor name map once each.
+def gguf_read_once(gguf_file: Path) -> Iterator[None]:
+    """While transformers loads ``gguf_file``, have ``gguf`` parse the file and build its tensor name map once each.
 
     transformers parses the file afresh for the config, the tensors and the tokenizer, and ``GGUFReader`` walks a
     vocabulary's strings one by one (5 s a parse for SmolLM2's 49,152 tokens on 2 cores); it also builds the same
     GGUF-to-HF name map for each of the model's 397 modules. Both are looked up on the ``gguf`` module when used, so
-    swapping the module's attributes for the span of a conversion shares one parse (memory-mapped read-only) and one
+    swapping the module's attributes for the span of the load shares one parse (memory-mapped read-only) and one
     map (only read): SmolLM2 converted in 42 s before, ~20 s after.
     """
     import gguf
@@ -173,7 +173,7 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    with _gguf_work_done_once(gguf_file):
+    with gguf_read_once(gguf_file):
         config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if architecture not in SUPPORTED_ARCHITECTURES:
