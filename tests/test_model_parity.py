@@ -182,7 +182,12 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Converted]:
         patch.setenv("SPINDLE_CACHE_DIR", str(tmp_path_factory.mktemp("spindle-cache")))
         parses = []
         parse = gguf.GGUFReader.__init__
-        patch.setattr(gguf.GGUFReader, "__init__", lambda self, *args, **kw: parses.append(parse(self, *args, **kw)))
+
+        def counted_parse(self: gguf.GGUFReader, *args: object, **kwargs: object) -> None:
+            parses.append(args)
+            parse(self, *args, **kwargs)
+
+        patch.setattr(gguf.GGUFReader, "__init__", counted_parse)
         model_dir = resolve_model(None)
         start = time.perf_counter()
         assert resolve_model(None) == model_dir

@@ -142,23 +142,18 @@ def gguf_read_once(gguf_file: Path) -> Iterator[None]:
     import gguf
 
     reader = gguf.GGUFReader(gguf_file)
-    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
     def shared_reader(path: os.PathLike[str] | str, mode: str = "r") -> gguf.GGUFReader:
         if mode == "r" and Path(path).resolve() == gguf_file.resolve():
             return reader
-        return originals["GGUFReader"](path, mode)
+        return original_reader(path, mode)
 
-    for name, value in (
-        ("GGUFReader", shared_reader),
-        ("get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
-    ):
-        setattr(gguf, name, value)
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(original_name_map)
     try:
         yield
     finally:
-        for name, value in originals.items():
-            setattr(gguf, name, value)
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:

@@ -17,7 +17,6 @@
 // read as stored (float32 or bfloat16), y rounded once. Only each slot's own ranks are computed: a fused projection's
 // B is block-diagonal (a part's columns read its own rank block), and an adapter's rank pads to the slot's with
 // zeros: the kernel skips both.
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 
 #ifdef __AVX512F__
