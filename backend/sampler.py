@@ -18,6 +18,7 @@ import torch
 
 from spindle.backend.sequence import Sequence
 from spindle.backend.transfers import fetch, to_device
+from spindle.kernels import argmax
 from spindle.shared import SamplingParams, TokenLogprobs
 
 # Top-p first looks for a row's nucleus among this many most likely tokens, because a full sort of the
@@ -146,13 +147,13 @@ class Sampler:
 
         greedy, rest = _partition([p.greedy for p in params])
         if not rest:
-            tokens = logits.argmax(-1)
+            tokens = argmax(logits)
         elif not greedy:
             tokens = self._sample(logits, seqs)
         else:
             tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
             rows = _index(greedy, logits)
-            tokens[rows] = logits[rows].argmax(-1)
+            tokens[rows] = argmax(logits[rows])
             rows = _index(rest, logits)
             tokens[rows] = self._sample(logits[rows], [seqs[i] for i in rest])
 
@@ -270,7 +271,7 @@ class Sampler:
             columns = torch.arange(q.shape[1], device=q.device).expand(len(seeded), -1)
             q[rows] = _seeded_uniforms(keys, columns if token_ids is None else token_ids[rows])
         # -log(U) is Exp(1), ~5x faster than exponential_() on the CPU; U < 1 keeps q > 0 (no 0 / 0).
-        return probs.div_(q.log_().neg_()).argmax(-1)
+        return argmax(probs.div_(q.log_().neg_()))
 
 
 def _top_k_top_p(

@@ -25,6 +25,7 @@ from spindle.kernels.rotary import build_cos_sin_cache
 __all__ = [
     "AttentionMetadata",
     "add_lora",
+    "argmax",
     "attend",
     "attention_metadata",
     "build_cos_sin_cache",
@@ -93,6 +94,27 @@ quantized_linear = _dispatch(quant.quantized_linear)
 # Batched LoRA (spindle.kernels.lora): on the CPU one C++ call per projection, as torch's small matmuls cost more in
 # overhead than the LoRA deltas themselves (measured in kernels/cpu/lora.cpp).
 add_lora = _dispatch(lora.add_lora, lora.add_lora_cpu)
+
+
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, as ``logits.argmax(-1)`` (the first of equal maxima, or the first NaN).
+
+    Float32 CPU rows go to a C++ op of ours (``kernels/cpu/argmax.cpp``): torch's CPU argmax compares one value at a
+    time, 3.6 ms over a batch-64 step's ``[64, 49152]`` logits on 2 AVX2 cores against 0.2 ms for a sum over them.
+    Everything else (CUDA, other dtypes or shapes) runs torch's.
+
+    Args:
+        logits: ``[rows, width]``, ``width > 0``.
+
+    Returns:
+        ``[rows]`` int64, on the logits' device.
+
+    """
+    if logits.is_cuda or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    return cpu.argmax(logits)
 
 
 _metadata: AttentionMetadata | None = None

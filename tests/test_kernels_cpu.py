@@ -8,6 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from spindle.kernels import (
     AttentionMetadata,
+    argmax,
     attend,
     attention_metadata,
     build_cos_sin_cache,
@@ -215,6 +216,41 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
     assert out.shape == (5, 3, 48) and out.dtype == dtype
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])
+
+
+def _argmax_cases() -> dict[str, torch.Tensor]:
+    """Rows that exercise each branch of the C++ argmax: its 256-value spans, the values past them, ties, NaN, -inf."""
+    g = torch.Generator().manual_seed(0)
+    vocab = torch.randn(64, 49152, generator=g)
+    ties = torch.zeros(6, 1000)
+    ties[0, [3, 700]] = 1.0  # two spans
+    ties[1, [300, 301]] = 1.0  # one span
+    ties[2, [10, 900]] = 1.0  # a span and the tail past the last whole one (768..999)
+    ties[3, [800, 990]] = 1.0  # the tail only
+    ties[4] = 1.0  # all equal
+    ties[5, 999] = 2.0  # the last value
+    nan = torch.randn(5, 600, generator=g)
+    nan[0, 40] = nan[0, 500] = float("nan")  # in a span, first of two
+    nan[1, 550] = float("nan")  # in the tail
+    nan[2, 300], nan[2, 10] = float("nan"), 1e30  # after the maximum
+    nan[3, :] = float("-inf")
+    nan[4, :] = float("-inf")
+    nan[4, 599] = -1e30
+    return {
+        "vocab": vocab,
+        "padded_rows": torch.randn(9, 49160, generator=g)[:, :49152],  # a padded lm head's view: row stride > width
+        "short": torch.randn(7, 37, generator=g),
+        "ties": ties,
+        "nan_and_inf": nan,
+        "one_value": torch.tensor([[float("-inf")], [3.0]]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_argmax_cases()))
+def test_argmax_matches_torch(case: str) -> None:
+    logits = _argmax_cases()[case]
+
+    assert torch.equal(argmax(logits), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

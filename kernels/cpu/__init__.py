@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU path (attention, per-token ops, small-batch int8/int4 projections, LoRA), built on use.
+"""C++ kernels for the CPU path: attention, per-token ops, int8/int4 projections, LoRA, argmax; built on use.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 40 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
@@ -37,6 +37,7 @@ _SOURCES = [
         "elementwise.cpp",
         "quant_linear.cpp",
         "lora.cpp",
+        "argmax.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("common.h")]
@@ -98,6 +99,11 @@ def rms_norm(
         return cpu_ops().rms_norm(rows, weight, eps).view(x.shape)
     out, summed = cpu_ops().add_rms_norm(rows, residual.reshape(rows.shape), weight, eps)
     return out.view(x.shape), summed.view(x.shape)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, as ``logits.argmax(-1)``: float32 ``[rows, width]``, dense rows."""
+    return cpu_ops().argmax_rows(logits)
 
 
 def rotary_embedding(
