@@ -1,9 +1,11 @@
 """Serving benchmark: the same load through gRPC (``spindle serve``) and straight through ``AsyncLLMEngine``.
 
 One backend process serves both frontends in turn. Load is Poisson arrivals (``--rate`` requests/s) or a fixed
-number of concurrent clients (``--concurrency``). Prints throughput and p50/p99 time to first token and inter-token
-latency for each path, then, once the server has stopped, the offline rate of the same requests through
-``LLM.generate`` (in this process) and each path's output rate as a fraction of it.
+number of concurrent clients (``--concurrency``). Each of ``--rounds`` rounds runs the requests through the engine
+path, through gRPC, and through ``LLM.generate`` in this process (the offline rate), one after the other, each on
+prompts of its own so that no run finds another's in the prefix cache. Prints each round's rates, then each path's
+median output rate, p50/p99 time to first token and inter-token latency over all rounds, and the median over rounds
+of its rate as a fraction of the offline one: on a shared machine a single pair of runs differs by 10-20% either way.
 
     python -m bench.serving --num-requests 128 --concurrency 64
 """
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -91,19 +94,21 @@ async def drive(one_request, prompts: list[str], args) -> tuple[float, list[floa
     return time.perf_counter() - begin, ttfts, itls, tokens
 
 
+def latencies(ttfts: list[float], itls: list[float]) -> str:
+    """p50 and p99 of the times to first token and of the inter-token latencies, in ms."""
+    ttft = f"TTFT p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms"
+    return f"{ttft} | ITL p50 {percentile(itls, 0.5) * 1e3:6.2f} ms p99 {percentile(itls, 0.99) * 1e3:6.2f} ms"
+
+
 def report(name: str, elapsed: float, ttfts: list[float], itls: list[float], tokens: int, n: int) -> float:
     """Print one path's throughput and latencies; returns its output tokens per second."""
-    ttft = f"TTFT p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms"
-    itl = f"ITL p50 {percentile(itls, 0.5) * 1e3:6.2f} ms p99 {percentile(itls, 0.99) * 1e3:6.2f} ms"
-    print(f"{name:>7}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {ttft} | {itl}")
+    print(f"{name:>7}: {n / elapsed:6.2f} req/s {tokens / elapsed:8.1f} tok/s | {latencies(ttfts, itls)}")
     return tokens / elapsed
 
 
-def offline_rate(config: EngineConfig, prompts: list[str], max_tokens: int) -> float:
-    """Output tokens per second of the same requests through ``LLM.generate``, in this process."""
-    llm = LLM(config.model, kv_cache_memory=config.kv_cache_memory)
+def offline_rate(llm: LLM, prompts: list[str], max_tokens: int) -> float:
+    """Output tokens per second of the requests through ``LLM.generate``, in this process."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
@@ -137,6 +142,11 @@ async def engine_run(engine: AsyncLLMEngine, prompts: list[str], args):
     return await drive(one, prompts, args)
 
 
+def make_prompts(tag: str, n: int) -> list[str]:
+    """``n`` short requests whose first token differs from any other tag's, so no run reuses another's cache."""
+    return [f"{tag} request {i}: tell me about the number {i * 7}." for i in range(n)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
@@ -145,25 +155,42 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64, help="0: unlimited (use with --rate)")
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 sends at once")
+    parser.add_argument("--rounds", type=int, default=3, help="engine, gRPC and offline runs, interleaved")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args = parser.parse_args()
-    prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(args.num_requests)]
     config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)
+    n = args.num_requests
+    llm = LLM(config.model, kv_cache_memory=config.kv_cache_memory)
+    rates: dict[str, list[float]] = {"engine": [], "gRPC": [], "offline": []}
+    times = {path: ([], []) for path in ("engine", "gRPC")}  # TTFTs, ITLs over all rounds
     with spindle_server(config, args.port) as server:
         engine = AsyncLLMEngine.from_args(backend_address=server.backend_address)
+        address = f"127.0.0.1:{server.port}"
+        runs = {
+            "engine": lambda prompts: asyncio.run(engine_run(engine, prompts, args)),
+            "gRPC": lambda prompts: asyncio.run(grpc_run(address, prompts, args)),
+        }
         try:
-            asyncio.run(engine_run(engine, prompts[:4], args))  # warm-up
-            elapsed, *rest = asyncio.run(engine_run(engine, prompts, args))
+            for path, run in runs.items():
+                run(make_prompts(f"Warm-up {path}", 4))
+            offline_rate(llm, make_prompts("Warm-up offline", 4), args.max_tokens)
+            for round_ in range(args.rounds):
+                print(f"round {round_ + 1}/{args.rounds}")
+                for path, run in runs.items():
+                    elapsed, ttfts, itls, tokens = run(make_prompts(f"Round {round_} {path}", n))
+                    rates[path].append(report(path, elapsed, ttfts, itls, tokens, n))
+                    times[path][0].extend(ttfts)
+                    times[path][1].extend(itls)
+                rates["offline"].append(offline_rate(llm, make_prompts(f"Round {round_} offline", n), args.max_tokens))
+                print(f"offline: {rates['offline'][-1]:8.1f} tok/s (LLM.generate)")
         finally:
             engine.shutdown()
-        rates = {"engine": report("engine", elapsed, *rest, len(prompts))}
-        elapsed, *rest = asyncio.run(grpc_run(f"127.0.0.1:{server.port}", prompts, args))
-        rates["gRPC"] = report("gRPC", elapsed, *rest, len(prompts))
-    offline = offline_rate(config, prompts, args.max_tokens)
-    print(
-        f"offline: {offline:8.1f} tok/s (LLM.generate); "
-        + ", ".join(f"{k} {v / offline:.0%}" for k, v in rates.items())
-    )
+    print(f"over {args.rounds} rounds (medians of the rates; latencies over all requests):")
+    for path, (ttfts, itls) in times.items():
+        ratio = statistics.median(r / o for r, o in zip(rates[path], rates["offline"], strict=True))
+        rate = statistics.median(rates[path])
+        print(f"{path:>7}: {rate:8.1f} tok/s, {ratio:.0%} of offline | {latencies(ttfts, itls)}")
+    print(f"offline: {statistics.median(rates['offline']):8.1f} tok/s (LLM.generate)")
 
 
 if __name__ == "__main__":
