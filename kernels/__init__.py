@@ -96,8 +96,6 @@ quantized_linear = _dispatch(quant.quantized_linear)
 add_lora = _dispatch(lora.add_lora, lora.add_lora_cpu)
 
 
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, as ``logits.argmax(-1)`` (the first of equal maxima, or the first NaN).
 
