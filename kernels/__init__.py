@@ -1,8 +1,8 @@
 """Attention and hot ops: a CPU path, a Triton kernel for CUDA, and torch references that the tests hold both to.
 
 Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`spindle.kernels.triton`,
-CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention, norms, rotary, SwiGLU; the cache write is torch's
-``index_copy_``). The torch versions of the norm, rotary, SwiGLU and quantized projection stay as references, and all
+CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention and the cache write, norms, rotary, SwiGLU). The torch
+versions of the cache write, norm, rotary, SwiGLU and quantized projection stay as references, and all
 three paths share their signatures (on the CPU, quantized projections run through
 :class:`~spindle.kernels.linear.Projection`). :func:`force_triton` sends CPU tensors to Triton too, which runs
 them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was first imported: that is how the
@@ -84,7 +84,8 @@ def _dispatch(reference: Callable[P, R], cpu: Callable[P, R] | None = None) -> C
 # Measured on a decode forward of SmolLM2 bf16 on 2 cores, eager torch against them: batch 1 27.1 vs 22.1 ms, batch 8
 # 28.5 vs 26.3, batch 64 91.7 vs 91.4, batch 256 398 vs 388: the win is the per-op overhead of small batches.
 paged_attention = _dispatch(attention.paged_attention)
-reshape_and_cache = _dispatch(attention.reshape_and_cache)
+# The cache write too: torch's index_copy_ took 2.5 ms of a batch-64 decode step (see kernels/cpu/cache.cpp).
+reshape_and_cache = _dispatch(attention.reshape_and_cache, cpu.reshape_and_cache)
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
 rotary_embedding = _dispatch(rotary.rotary_embedding, cpu.rotary_embedding)
 silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)

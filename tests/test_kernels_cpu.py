@@ -109,11 +109,17 @@ def test_paged_attention_matches_dense(
     torch.testing.assert_close(out.double(), naive_attention(query, keys, values, new_lens, scale), **TOLERANCES[dtype])
 
 
-def test_reshape_and_cache_writes_only_the_slots() -> None:
-    k_cache, v_cache = torch.randn(2, 6, 4, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["dense", "qkv_view"])
+def test_reshape_and_cache_writes_only_the_slots(fused: bool, dtype: torch.dtype) -> None:
+    k_cache, v_cache = torch.randn(2, 6, 4, NUM_KV_HEADS, HEAD_SIZE).to(dtype).unbind(0)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots = torch.tensor([5, 0, 13, 22])
-    key, value = torch.randn(2, 4, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
+    if fused:  # the model's layout: K and V are views into each token's fused q/k/v row
+        qkv = torch.randn(4, 3 * NUM_KV_HEADS * HEAD_SIZE).to(dtype)
+        key, value = qkv[:, NUM_KV_HEADS * HEAD_SIZE :].view(4, 2, NUM_KV_HEADS, HEAD_SIZE).unbind(1)
+    else:
+        key, value = torch.randn(2, 4, NUM_KV_HEADS, HEAD_SIZE).to(dtype).unbind(0)
 
     reshape_and_cache(key, value, k_cache, v_cache, slots)
 
@@ -122,6 +128,16 @@ def test_reshape_and_cache_writes_only_the_slots() -> None:
         assert torch.equal(flat[slots], new)
         untouched = torch.ones(flat.shape[0], dtype=torch.bool).index_fill_(0, slots, False)
         assert torch.equal(flat[untouched], flat_before[untouched])
+
+
+def test_reshape_and_cache_refuses_a_slot_outside_the_cache_and_writes_nothing() -> None:
+    caches = torch.zeros(2, 6, 4, NUM_KV_HEADS, HEAD_SIZE)
+    key, value = torch.ones(2, 2, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
+
+    with pytest.raises(RuntimeError, match="slot 24 of token 1 is outside the cache"):
+        reshape_and_cache(key, value, caches[0], caches[1], torch.tensor([3, 24]))
+
+    assert not caches.any()
 
 
 def test_metadata_rejects_a_decode_after_a_prefill() -> None:

@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU path: attention, per-token ops, int8/int4 projections, LoRA, argmax; built on use.
+"""C++ kernels for the CPU path: attention and the cache write, per-token ops, int8/int4 projections, LoRA, argmax.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 40 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
@@ -38,6 +38,7 @@ _SOURCES = [
         "quant_linear.cpp",
         "lora.cpp",
         "argmax.cpp",
+        "cache.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("common.h")]
@@ -99,6 +100,16 @@ def rms_norm(
         return cpu_ops().rms_norm(rows, weight, eps).view(x.shape)
     out, summed = cpu_ops().add_rms_norm(rows, residual.reshape(rows.shape), weight, eps)
     return out.view(x.shape), summed.view(x.shape)
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Copy the new tokens' K/V heads into their cache slots; the contract of ``spindle.kernels.attention``'s.
+
+    A slot outside the cache raises, and nothing is written then.
+    """
+    cpu_ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                 const at::Tensor& seq_lens, double scale);
 at::Tensor argmax_rows(const at::Tensor& x);
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                                 double eps);
@@ -26,6 +28,7 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, con
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "One query token per sequence over its paged context.");
   m.def("prefill_attention", &prefill_attention, "Causal attention of prefill chunks over their paged context.");
+  m.def("reshape_and_cache", &reshape_and_cache, "Copy each new token's K/V heads into its cache slot.");
   m.def("argmax_rows", &argmax_rows, "Index of each float32 row's largest value, the first of equals or NaNs.");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, weighted.");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normalised, sum).");
