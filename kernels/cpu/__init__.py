@@ -1,7 +1,7 @@
 """C++ kernels for the CPU path: attention and the cache write, per-token ops, int8/int4 projections, LoRA, argmax.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
-The build takes about 40 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
+The build takes about 45 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
 bindings all of torch's C++ API: each file now includes the headers it uses, and the kernels are instantiated for
 the three model dtypes only). The library is kept as
 ``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>.so`` (default ``~/.cache/spindle``, the variable the model

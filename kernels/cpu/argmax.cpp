@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common.h"
+
 namespace {
 
 constexpr int64_t SPAN = 256;
@@ -19,14 +21,14 @@ constexpr int64_t SPAN = 256;
 // Below this many values a call takes microseconds, less than waking the OpenMP threads.
 constexpr int64_t PARALLEL_VALUES = 1 << 16;
 
-typedef float f8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
 // NaN tests on the bits: the kernels build with -ffast-math, under which the compiler may assume no float is a NaN.
+// A float is a NaN when its bits without the sign exceed infinity's.
+constexpr uint32_t INFINITY_BITS = 0x7F800000u, NO_SIGN = 0x7FFFFFFFu;
+
 inline bool is_nan(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  return (bits & NO_SIGN) > INFINITY_BITS;
 }
 
 // The maximum of the SPAN values at p, and in `nan` whether any of them is a NaN.
@@ -41,7 +43,7 @@ inline float span_max(const float* p, bool& nan) {
       std::memcpy(&v, p + i + 8 * k, sizeof(v));
       std::memcpy(&bits, &v, sizeof(bits));
       m[k] = v > m[k] ? v : m[k];
-      nans |= (u32x8)((bits & 0x7FFFFFFFu) > 0x7F800000u);
+      nans |= (u32x8)((bits & NO_SIGN) > INFINITY_BITS);
     }
   }
   f8 all = m[0];

@@ -1,5 +1,5 @@
-// What the CPU kernels share: the model dtypes they are built for, loads of those types as float, the merge of partial
-// softmax states, and the dispatch of a small token count to a compile-time constant.
+// What the CPU kernels share: the model dtypes they are built for, 8-lane vector types, loads of those dtypes as
+// float, the merge of partial softmax states, and the dispatch of a small token count to a compile-time constant.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -16,6 +16,11 @@
 #define DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                            \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
                          AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+// Eight floats or 32-bit integers, in whatever vector registers the machine has (gcc's vector extension: AVX2 here,
+// NEON on Arm), for loops gcc does not vectorize well on its own.
+typedef float f8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {

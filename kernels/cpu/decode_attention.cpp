@@ -25,11 +25,9 @@ constexpr int64_t PARTITION = 256;
 // The largest head size the kernel takes (a head's query and accumulators are stack arrays of this many floats).
 constexpr int64_t MAX_HEAD = 256;
 
-// Eight floats, in whatever vector registers the machine has (gcc's vector extension: AVX2 here, NEON on Arm).
-// Written out because gcc's own vectorizer turned the four-key dot products below into gathers, 2x slower.
-typedef float f8 __attribute__((vector_size(32)));
+// The explicit vectors of common.h, because gcc's own vectorizer turned the four-key dot products below into
+// gathers, 2x slower.
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 inline f8 load8(const float* p) {
   f8 v;
