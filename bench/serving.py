@@ -13,6 +13,7 @@ of its rate as a fraction of the offline one: on a shared machine a single pair 
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import statistics
@@ -142,9 +143,9 @@ async def engine_run(engine: AsyncLLMEngine, prompts: list[str], args):
     return await drive(one, prompts, args)
 
 
-def make_prompts(tag: str, n: int) -> list[str]:
-    """``n`` short requests whose first token differs from any other tag's, so no run reuses another's cache."""
-    return [f"{tag} request {i}: tell me about the number {i * 7}." for i in range(n)]
+def make_prompts(run: int, n: int) -> list[str]:
+    """``n`` short requests new to the prefix cache, as long in every run (its number is written with 3 digits)."""
+    return [f"Run {run:03d}, request {i}: tell me about the number {i * 7}." for i in range(n)]
 
 
 def main() -> None:
@@ -170,18 +171,19 @@ def main() -> None:
             "engine": lambda prompts: asyncio.run(engine_run(engine, prompts, args)),
             "gRPC": lambda prompts: asyncio.run(grpc_run(address, prompts, args)),
         }
+        run_numbers = itertools.count()
         try:
-            for path, run in runs.items():
-                run(make_prompts(f"Warm-up {path}", 4))
-            offline_rate(llm, make_prompts("Warm-up offline", 4), args.max_tokens)
+            for run in runs.values():
+                run(make_prompts(next(run_numbers), 4))  # warm-ups
+            offline_rate(llm, make_prompts(next(run_numbers), 4), args.max_tokens)
             for round_ in range(args.rounds):
                 print(f"round {round_ + 1}/{args.rounds}")
                 for path, run in runs.items():
-                    elapsed, ttfts, itls, tokens = run(make_prompts(f"Round {round_} {path}", n))
+                    elapsed, ttfts, itls, tokens = run(make_prompts(next(run_numbers), n))
                     rates[path].append(report(path, elapsed, ttfts, itls, tokens, n))
                     times[path][0].extend(ttfts)
                     times[path][1].extend(itls)
-                rates["offline"].append(offline_rate(llm, make_prompts(f"Round {round_} offline", n), args.max_tokens))
+                rates["offline"].append(offline_rate(llm, make_prompts(next(run_numbers), n), args.max_tokens))
                 print(f"offline: {rates['offline'][-1]:8.1f} tok/s (LLM.generate)")
         finally:
             engine.shutdown()
