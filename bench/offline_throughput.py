@@ -16,12 +16,17 @@ large ``torch.mm`` in the same dtype, measured in the same run. Defaults are the
 16 to 192 tokens each, transformers at batch 32 and 64):
 
     .venv/bin/python -m bench.offline_throughput
+
+``--projection-bound`` adds one more Spindle run with every projection call timed (the layers' linears and the LM
+head, whichever kernel each call runs): their share of the run, and the rate the run would reach if nothing else took
+any time, the bound that this machine's matmul kernels set on any engine that computes the same projections.
 """
 
 import argparse
 import random
 import statistics
 import time
+from unittest import mock
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.flops import Shapes, matmul_rate
 from spindle import LLM, SamplingParams
 from spindle.backend.models.loader import resolve_dtype, resolve_model
+from spindle.kernels.linear import Projection
 
 TOPICS = ["the ocean", "a small town", "machine learning", "the history of Rome", "coffee", "a robot", "winter", "jazz"]
 CONTEXT = "Make it vivid and surprising, with a twist at the end. "  # 10 words
@@ -72,6 +78,29 @@ def bench_spindle(llm: LLM, runs: list[list[str]], lengths: list[int]) -> tuple[
     return sum(lengths) / seconds, seconds, [len(o.prompt_token_ids) for o in outputs]
 
 
+def projection_seconds(llm: LLM, prompts: list[str], lengths: list[int]) -> tuple[float, float]:
+    """One run of ``llm`` on ``prompts`` with every projection call timed: the run's seconds and the projections'.
+
+    ``LLM`` steps the model in this process, so the timer sees every call; the wrapper adds ~1 us to each of a
+    step's ~120 calls.
+    """
+    spent = 0.0
+    call = Projection.__call__
+
+    def timed(projection: Projection, x: torch.Tensor) -> torch.Tensor:
+        nonlocal spent
+        start = time.perf_counter()
+        out = call(projection, x)
+        spent += time.perf_counter() - start
+        return out
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    with mock.patch.object(Projection, "__call__", timed):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, spent
+
+
 def bench_transformers(
     model: str | None, runs: list[list[str]], lengths: list[int], dtype: torch.dtype, batch_sizes: list[int]
 ) -> tuple[float, int]:
@@ -112,6 +141,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="Spindle's --quantization (auto: the file's int4)")
     parser.add_argument("--model", default=None, help="a model directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers (a large model on a GPU, say)")
+    parser.add_argument(
+        "--projection-bound", action="store_true", help="one more run, its projections timed: the rate they allow"
+    )
     args = parser.parse_args()
     # Numbered past the warm-up's two prompts, and past each other.
     runs = [make_prompts(args.num_prompts, first=2 + r * args.num_prompts) for r in range(args.repeats)]
@@ -129,6 +161,15 @@ def main() -> None:
             name = str(dtype).removeprefix("torch.")
             llm = LLM(args.model, kv_cache_memory="2GiB", dtype=name, quantization=args.quantization)
             spindle, seconds, prompt_lens = bench_spindle(llm, runs, lengths)
+            bound = None
+            if args.projection_bound:
+                prompts = make_prompts(args.num_prompts, first=2 + args.repeats * args.num_prompts)
+                run_seconds, spent = projection_seconds(llm, prompts, lengths)
+                bound = sum(lengths) / spent
+                print(
+                    f"  {name:8s} projections {spent:.1f} s of a {run_seconds:.1f} s run ({spent / run_seconds:.0%}): "
+                    f"with all else free, {bound:.1f} tok/s"
+                )
             del llm  # its KV cache freed before transformers loads
             achieved, ceiling = shapes.flops(prompt_lens, lengths) / seconds, matmul_rate(dtype)
             line = (
@@ -139,6 +180,8 @@ def main() -> None:
                 hf, size = bench_transformers(args.model, runs, lengths, dtype, args.peer_batches)
                 rates[dtype] = (spindle, hf)
                 line += f"  transformers {hf:7.1f} tok/s (batch {size})  ratio {spindle / hf:5.2f}x"
+                if bound is not None:
+                    line += f" (projection bound {bound / hf:.2f}x)"
             print(line + f"  (medians of {args.repeats})", flush=True)
         if rates:
             best_dtype, (_, best_hf) = max(rates.items(), key=lambda item: item[1][1])
