@@ -145,6 +145,8 @@ def main() -> None:
         "--projection-bound", action="store_true", help="one more run, its projections timed: the rate they allow"
     )
     args = parser.parse_args()
+    if args.projection_bound and torch.cuda.is_available():
+        parser.error("--projection-bound times the CPU path's calls; a CUDA call returns before its kernel has run")
     # Numbered past the warm-up's two prompts, and past each other.
     runs = [make_prompts(args.num_prompts, first=2 + r * args.num_prompts) for r in range(args.repeats)]
     dtypes = list(dict.fromkeys(resolve_dtype(d, torch.device("cpu")) for d in args.dtypes))
