@@ -62,10 +62,15 @@ def output_lengths(workload: str, num_prompts: int, min_tokens: int, max_tokens:
     return [rng.randint(min_tokens, max_tokens) for _ in range(num_prompts)]
 
 
+def greedy_params(lengths: list[int]) -> list[SamplingParams]:
+    """Greedy sampling of exactly ``lengths[i]`` tokens for prompt ``i`` (eos ignored), as transformers runs them."""
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+
+
 def bench_spindle(llm: LLM, runs: list[list[str]], lengths: list[int]) -> tuple[float, float, list[int]]:
     """``llm``'s median output rate over ``runs`` (prompts of their own each), the median run's seconds, and the
     prompts' token counts (of the last run)."""
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params = greedy_params(lengths)
     llm.generate(make_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, on prompts no run has
     times = []
     for prompts in runs:
@@ -94,7 +99,7 @@ def projection_seconds(llm: LLM, prompts: list[str], lengths: list[int]) -> tupl
         spent += time.perf_counter() - start
         return out
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params = greedy_params(lengths)
     with mock.patch.object(Projection, "__call__", timed):
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
