@@ -234,6 +234,19 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])
 
 
+def test_silu_and_mul_rounds_as_torch_in_bf16() -> None:
+    """Within two bf16 steps of ``F.silu(gate) * up`` (the exponentials differ in their last bits), NaN and
+    infinities where torch has them: the vectorized rounding to bf16 keeps its special values."""
+    x = (torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x[1, 1536:1539] = torch.tensor([float("nan"), float("inf"), 0.0])
+    gate, up = x.chunk(2, dim=-1)
+
+    out = silu_and_mul(x)
+
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=0, rtol=2**-6, equal_nan=True)
+
+
 def _argmax_cases() -> dict[str, torch.Tensor]:
     """Rows that exercise each branch of the C++ argmax: its 256-value spans, the values past them, ties, NaN, -inf."""
     g = torch.Generator().manual_seed(0)

@@ -31,6 +31,23 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// float to the dtype, rounding to nearest even as c10's conversion does (NaN to its quiet NaN), but in integer ops
+// that gcc vectorizes: c10's own conversion tests isnan in a branch, which kept every loop storing bf16 scalar
+// (SwiGLU over a [64, 3072] bf16 batch: 157 us, 53 with this; 27 in float32).
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  // An integer test: -ffast-math lets gcc assume that no float is NaN.
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+}
+
 // Calls fn(std::integral_constant<int, tokens>{}) for 1 to 7 tokens, and with 8 for any more: the token count as a
 // compile-time constant, so that per-token accumulators live in registers.
 template <typename F>

@@ -38,7 +38,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
         const T* rt = residual->data_ptr<T>() + t * residual->stride(0);
         T* st = sum->data_ptr<T>() + t * width;
         for (int64_t i = 0; i < width; ++i) {
-          st[i] = static_cast<T>(to_float(xt[i]) + to_float(rt[i]));
+          st[i] = from_float<T>(to_float(xt[i]) + to_float(rt[i]));
           row[i] = to_float(st[i]);
         }
       } else {
@@ -50,7 +50,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
       T* ot = out.data_ptr<T>() + t * width;
       // Normalised, rounded to the dtype, then weighted: Llama's reference order.
       for (int64_t i = 0; i < width; ++i)
-        ot[i] = static_cast<T>(to_float(w[i]) * to_float(static_cast<T>(row[i] * inv)));
+        ot[i] = from_float<T>(to_float(w[i]) * to_float(from_float<T>(row[i] * inv)));
     }
   }
 }
@@ -71,8 +71,8 @@ void rotate_impl(const int64_t* positions, const at::Tensor& x, const T* cache, 
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
         const float c = to_float(cos[i]), s = to_float(sin[i]);
-        dst[i] = static_cast<T>(to_float(static_cast<T>(x1 * c)) - to_float(static_cast<T>(x2 * s)));
-        dst[i + half] = static_cast<T>(to_float(static_cast<T>(x2 * c)) + to_float(static_cast<T>(x1 * s)));
+        dst[i] = from_float<T>(to_float(from_float<T>(x1 * c)) - to_float(from_float<T>(x2 * s)));
+        dst[i + half] = from_float<T>(to_float(from_float<T>(x2 * c)) + to_float(from_float<T>(x1 * s)));
       }
     }
   }
@@ -89,7 +89,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) {
       const float g = to_float(gate[i]);
-      ot[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      // SiLU rounded to the dtype before the product, as the torch reference's two ops round.
+      ot[i] = from_float<T>(to_float(from_float<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
     }
   }
 }
