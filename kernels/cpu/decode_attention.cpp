@@ -4,7 +4,8 @@
 // scheduling, so a batch of very different context lengths costs the sum of its contexts (no padding to the
 // longest) and one long context still keeps every core busy. Each item computes, for each query head, the
 // partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second pass merges
-// the partitions of each (sequence, query head) with the usual log-sum-exp rescaling.
+// the partitions of each (sequence, query head) with the usual log-sum-exp rescaling. On a CPU with AVX-512 bf16, a
+// bf16 cache of head size 64 or 128 takes a walk of its own (group_partition_bf16), 2-3x the generic one.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -15,6 +16,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -53,6 +58,105 @@ inline float sum8(f8 v) {
   for (int i = 0; i < 8; ++i) total += v[i];
   return total;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define SPINDLE_AVX512_BF16 1
+
+// How far ahead of the walk the AVX-512 bf16 path prefetches keys (in its first head's pass) and values, in tokens:
+// blocks lie anywhere in memory, so the hardware's stream prefetcher finds little to follow. 10-20% on the case
+// measured below (paired runs; prefetching further ahead, into L2, or a whole partition at once paid no more).
+constexpr int64_t KEY_PREFETCH = 64, VALUE_PREFETCH = 32;
+
+// 16 vectors to one: lane j holds the sum of v[j]'s lanes (four rounds of shuffles and adds, 45 instructions, in
+// place of a horizontal sum per vector).
+inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i], v[2i+1] alternating, lanes 0+2 and 1+3 summed
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the four vectors v[4i..4i+3], each summed over that lane
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // The four 128-bit lanes of each quad summed: two rounds of taking lanes (0, 2) and (1, 3) of two vectors.
+  const auto fold = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(quads[0], quads[1]), fold(quads[2], quads[3]));
+}
+
+template <int64_t HEAD>
+inline void prefetch_row(const c10::BFloat16* row) {  // one head's key or value row, HEAD * 2 bytes
+  for (int64_t c = 0; c < HEAD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
+}
+
+inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 values as floats
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// One work item's partition for GROUP query heads that share a KV head, bf16 on AVX-512 with its bf16 dot products
+// (vdpbf16ps: 32 products a vector, summed in pairs into float lanes, exact as bf16 products are). Each key is
+// loaded once per head from L1 and its 16-key tile's sums transposed into one vector of scores (sum16); each value
+// row is widened to float once for all GROUP heads, whose accumulators stay in registers. Writes the partials of
+// the GROUP heads as the generic walk does. Measured on 2 AVX-512 cores (Zen 4), SmolLM2's 9/3 heads of 64, 64
+// contexts of 64-400 tokens, 30 layers' caches read from memory: 0.86-1.24 ms a layer, against 2.60 for the generic
+// walk below in bf16 (1.75 in float32); with one layer's cache, which stays in L3, 0.39-0.55 against 0.75.
+template <int64_t HEAD, int GROUP>
+void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                          const int64_t* slot, int64_t n, float scale, float* scores, float* max_out, float* sum_out,
+                          float* const* acc_out) {
+  constexpr int64_t QV = HEAD / 32, VV = HEAD / 16;  // bf16 pair vectors of a query, float vectors of a row
+  const int64_t stride = (n + 15) / 16 * 16;          // scores of head g at scores[g * stride]
+  for (int g = 0; g < GROUP; ++g) {
+    __m512bh qv[QV];
+    for (int64_t c = 0; c < QV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(queries[g] + 32 * c);
+    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n; i += 16) {
+      if (g == 0)  // the later heads find the partition's keys in the L1 and L2 caches
+        for (int64_t j = i + KEY_PREFETCH; j < std::min(i + KEY_PREFETCH + 16, n); ++j) prefetch_row<HEAD>(kc + slot[j]);
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        dots[j] = _mm512_setzero_ps();
+        if (i + j < n) {
+          const c10::BFloat16* key = kc + slot[i + j];
+          for (int64_t c = 0; c < QV; ++c)
+            dots[j] = _mm512_dpbf16_ps(dots[j], qv[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+        }
+      }
+      const __mmask16 valid = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m512 tile = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                             sum16(dots), _mm512_set1_ps(scale));
+      best = _mm512_max_ps(best, tile);
+      _mm512_storeu_ps(scores + g * stride + i, tile);
+    }
+    const float max_score = _mm512_reduce_max_ps(best);
+    float* row = scores + g * stride;
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      row[i] = std::exp(row[i] - max_score);
+      total += row[i];
+    }
+    max_out[g] = max_score;
+    sum_out[g] = total;
+  }
+  __m512 acc[GROUP][VV];
+  for (int g = 0; g < GROUP; ++g)
+    for (int64_t c = 0; c < VV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const c10::BFloat16* value = vc + slot[i];
+    if (i + VALUE_PREFETCH < n) prefetch_row<HEAD>(vc + slot[i + VALUE_PREFETCH]);
+    __m512 v[VV];
+    for (int64_t c = 0; c < VV; ++c) v[c] = load16(value + 16 * c);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 weight = _mm512_set1_ps(scores[g * stride + i]);
+      for (int64_t c = 0; c < VV; ++c) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GROUP; ++g)
+    for (int64_t c = 0; c < VV; ++c) _mm512_storeu_ps(acc_out[g] + 16 * c, acc[g][c]);
+}
+#endif
 
 // HEAD is the head size when it is known at compile time (64, 128: a head's query and output then live in
 // registers), or 0 for any other, read at run time; a head size that is not a multiple of 8 ends in scalar steps.
@@ -100,7 +204,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
 #pragma omp parallel
   {
     // The partition's scores of one head (exponentiated in place) and where each of its tokens' slots starts.
-    std::vector<float> scores(partition), merged(head_size);
+    // (The AVX-512 bf16 walk keeps up to four heads' scores, each row padded to whole 16-key tiles.)
+    std::vector<float> scores(4 * (partition + 15)), merged(head_size);
     std::vector<int64_t> slot(partition);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
@@ -112,6 +217,36 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
         const int64_t base = static_cast<int64_t>(table[(start + b) / block_size]) * block_size * token_stride;
         for (int64_t j = 0; j < std::min(block_size, n - b); ++j) slot[b + j] = base + j * token_stride;
       }
+#ifdef SPINDLE_AVX512_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 32 == 0 && HEAD > 0) {
+        // Query heads in runs of up to MAX_RUN of a group: their value accumulators take 16 of the 32 registers.
+        constexpr int MAX_RUN = 256 / HEAD;
+        for (int64_t h = 0; h < num_heads;) {
+          const int run = static_cast<int>(std::min<int64_t>({MAX_RUN, group - h % group, num_heads - h}));
+          const int64_t kv_offset = (h / group) * head_size;
+          const T* queries[MAX_RUN];
+          float* accs[MAX_RUN];
+          for (int g = 0; g < run; ++g) {
+            queries[g] = q + s * q_seq_stride + (h + g) * q_head_stride;
+            accs[g] = part_acc.data() + (item * num_heads + h + g) * head_size;
+          }
+          float* maxes = part_max.data() + item * num_heads + h;
+          float* sums = part_sum.data() + item * num_heads + h;
+          const auto walk = [&](auto size) {
+            group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, slot.data(), n,
+                                                              fscale, scores.data(), maxes, sums, accs);
+          };
+          switch (run) {
+            case 1: walk(std::integral_constant<int, 1>{}); break;
+            case 2: if constexpr (MAX_RUN >= 2) walk(std::integral_constant<int, 2>{}); break;
+            case 3: if constexpr (MAX_RUN >= 3) walk(std::integral_constant<int, 3>{}); break;
+            default: if constexpr (MAX_RUN >= 4) walk(std::integral_constant<int, 4>{}); break;
+          }
+          h += run;
+        }
+        continue;
+      }
+#endif
       for (int64_t h = 0; h < num_heads; ++h) {
         const int64_t kv_offset = (h / group) * head_size;
         const T* src = q + s * q_seq_stride + h * q_head_stride;
