@@ -8,11 +8,14 @@ Both run the embedded SmolLM2-135M-Instruct on this machine's CPU, greedy (eos i
   until its longest request is done, and only the tokens each request asked for count as output.
 - ``fixed``: every prompt generates ``--max-tokens`` tokens: a static batch's best case.
 
-``--dtypes auto`` is what ``LLM`` picks on this CPU (bf16 with AVX-512 bf16, else float32). Prints each side's
-output-token rate (median of ``--repeats`` runs), the ratio per dtype and against transformers' best dtype, and the
-fraction of the machine's matmul rate that Spindle's run achieved: the run's FLOPs (every projection, the attention
-and the LM head rows sampled, counted from the model's shapes and the run's token counts) over its time, against a
-large ``torch.mm`` in the same dtype, measured in the same run. Defaults are the workload of issue 10 (64 prompts,
+``--dtypes auto`` is what ``LLM`` picks on this CPU (bf16 with AVX-512 bf16, else float32). Both sides are loaded
+together and run in ``--repeats`` rounds (Spindle, then transformers at each batch size, on the round's prompts), so
+that a shared machine's drift over minutes weighs on both alike. Prints each side's output-token rate (median of the
+rounds), the ratio per dtype (median of the rounds' ratios against transformers' best batch size, each round's
+listed), with several dtypes the ratio against transformers' best dtype, and the fraction of the machine's matmul
+rate that Spindle's run achieved: the run's FLOPs (every projection, the attention and the LM head rows sampled,
+counted from the model's shapes and the run's token counts) over its time, against a large ``torch.mm`` in the same
+dtype, measured in the same run. Defaults are the workload of issue 10 (64 prompts,
 16 to 192 tokens each, transformers at batch 32 and 64):
 
     .venv/bin/python -m bench.offline_throughput
@@ -67,20 +70,14 @@ def greedy_params(lengths: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
 
 
-def bench_spindle(llm: LLM, runs: list[list[str]], lengths: list[int]) -> tuple[float, float, list[int]]:
-    """``llm``'s median output rate over ``runs`` (prompts of their own each), the median run's seconds, and the
-    prompts' token counts (of the last run)."""
-    params = greedy_params(lengths)
-    llm.generate(make_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, on prompts no run has
-    times = []
-    for prompts in runs:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
-        assert not any(o.num_cached_tokens for o in outputs)  # every prefill computed, as transformers computes it
-    seconds = statistics.median(times)
-    return sum(lengths) / seconds, seconds, [len(o.prompt_token_ids) for o in outputs]
+def spindle_run(llm: LLM, prompts: list[str], lengths: list[int]) -> tuple[float, list[int]]:
+    """One run of ``llm`` on ``prompts``: its seconds and the prompts' token counts."""
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, greedy_params(lengths), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert not any(o.num_cached_tokens for o in outputs)  # every prefill computed, as transformers computes it
+    return seconds, [len(o.prompt_token_ids) for o in outputs]
 
 
 def projection_seconds(llm: LLM, prompts: list[str], lengths: list[int]) -> tuple[float, float]:
@@ -106,32 +103,27 @@ def projection_seconds(llm: LLM, prompts: list[str], lengths: list[int]) -> tupl
         return time.perf_counter() - start, spent
 
 
-def bench_transformers(
-    model: str | None, runs: list[list[str]], lengths: list[int], dtype: torch.dtype, batch_sizes: list[int]
-) -> tuple[float, int]:
-    """transformers' best median output rate over ``runs`` in static batches of ``batch_sizes``, and the size that
-    gave it.
+class Transformers:
+    """The peer: transformers' ``generate`` on the same model, in static batches."""
 
-    Each batch runs until its longest request is done.
-    """
-    model_dir = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    greedy = dict(do_sample=False, pad_token_id=0)
-    best = (0.0, 0)
-    with torch.inference_mode():
-        hf.generate(**tokenizer(make_prompts(2), return_tensors="pt", padding=True), max_new_tokens=4, **greedy)
-        for size in batch_sizes:
-            rates = []
-            for prompts in runs:
-                batches = [(prompts[i : i + size], max(lengths[i : i + size])) for i in range(0, len(prompts), size)]
-                start = time.perf_counter()
-                for chunk, longest in batches:
-                    inputs = tokenizer(chunk, return_tensors="pt", padding=True)
-                    hf.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, **greedy)
-                rates.append(sum(lengths) / (time.perf_counter() - start))
-            best = max(best, (statistics.median(rates), size))
-    return best
+    def __init__(self, model: str | None, dtype: torch.dtype) -> None:
+        model_dir = resolve_model(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.run(make_prompts(2), [4, 4], 2)  # warm-up, on prompts no run has
+
+    def run(self, prompts: list[str], lengths: list[int], size: int) -> float:
+        """Seconds to generate ``lengths[i]`` tokens for prompt ``i`` in batches of ``size``; each batch runs until
+        its longest request is done."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(prompts), size):
+                longest = max(lengths[i : i + size])
+                inputs = self.tokenizer(prompts[i : i + size], return_tensors="pt", padding=True)
+                self.model.generate(
+                    **inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0
+                )
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -167,7 +159,19 @@ def main() -> None:
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             llm = LLM(args.model, kv_cache_memory="2GiB", dtype=name, quantization=args.quantization)
-            spindle, seconds, prompt_lens = bench_spindle(llm, runs, lengths)
+            llm.generate(make_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            peer = None if args.no_peer else Transformers(args.model, dtype)
+            # Rounds interleave the two sides, so that a machine whose speed drifts over minutes (shared cores)
+            # weighs on both alike: each round's ratio is taken against the peer's run of that round.
+            times: list[float] = []
+            peer_times: dict[int, list[float]] = {size: [] for size in args.peer_batches}
+            for prompts in runs:
+                seconds, prompt_lens = spindle_run(llm, prompts, lengths)
+                times.append(seconds)
+                for size in peer_times if peer is not None else []:
+                    peer_times[size].append(peer.run(prompts, lengths, size))
+            seconds = statistics.median(times)
+            spindle = sum(lengths) / seconds
             bound = None
             if args.projection_bound:
                 prompts = make_prompts(args.num_prompts, first=2 + args.repeats * args.num_prompts)
@@ -177,20 +181,26 @@ def main() -> None:
                     f"  {name:8s} projections {spent:.1f} s of a {run_seconds:.1f} s run ({spent / run_seconds:.0%}): "
                     f"with all else free, {bound:.1f} tok/s"
                 )
-            del llm  # its KV cache freed before transformers loads
+            del llm, peer
             achieved, ceiling = shapes.flops(prompt_lens, lengths) / seconds, matmul_rate(dtype)
             line = (
                 f"  {name:8s} spindle {spindle:7.1f} tok/s = {achieved / 1e9:5.1f} GFLOP/s, "
                 f"{achieved / ceiling:4.0%} of this machine's {name} matmul rate ({ceiling / 1e9:.0f} GFLOP/s)"
             )
             if not args.no_peer:
-                hf, size = bench_transformers(args.model, runs, lengths, dtype, args.peer_batches)
+                size = min(peer_times, key=lambda size: statistics.median(peer_times[size]))
+                hf = sum(lengths) / statistics.median(peer_times[size])
+                ratios = [peer / ours for ours, peer in zip(times, peer_times[size], strict=True)]
+                ratio = statistics.median(ratios)
                 rates[dtype] = (spindle, hf)
-                line += f"  transformers {hf:7.1f} tok/s (batch {size})  ratio {spindle / hf:5.2f}x"
+                line += (
+                    f"  transformers {hf:7.1f} tok/s (batch {size})  ratio {ratio:5.2f}x"
+                    f" (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
+                )
                 if bound is not None:
                     line += f" (projection bound {bound / hf:.2f}x)"
             print(line + f"  (medians of {args.repeats})", flush=True)
-        if rates:
+        if len(rates) > 1:  # the dtypes ran one after the other: a ratio of medians
             best_dtype, (_, best_hf) = max(rates.items(), key=lambda item: item[1][1])
             spindle_best = max(spindle for spindle, _ in rates.values())
             print(
