@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.offline_throughput import bench_spindle, make_prompts, output_lengths
+from bench.offline_throughput import make_prompts, output_lengths, spindle_run
 from bench.quality import perplexity, windows
 from spindle import LLM, SamplingParams
 from spindle.kernels.linear import Projection
@@ -200,9 +200,9 @@ def main() -> None:
 
     lengths = output_lengths("varied", 64, 16, 192)
     runs = [make_prompts(64, first=20_000 + r * 64) for r in range(2 * args.repeats)]
-    dense, _, _ = bench_spindle(llm, runs[: args.repeats], lengths)
+    dense = sum(lengths) / statistics.median(spindle_run(llm, prompts, lengths)[0] for prompts in runs[: args.repeats])
     use_int8(llm, None, reduce_range)
-    int8, _, _ = bench_spindle(llm, runs[args.repeats :], lengths)
+    int8 = sum(lengths) / statistics.median(spindle_run(llm, prompts, lengths)[0] for prompts in runs[args.repeats :])
     print(
         f"bench.offline_throughput's varied workload (64 prompts, medians of {args.repeats}): dense {dense:.1f} tok/s, "
         f"int8 per token {int8:.1f} tok/s ({int8 / dense:.2f}x)"
