@@ -20,7 +20,6 @@ AVX2 kernels would otherwise saturate 16-bit sums), which costs more perplexity:
 """
 
 import argparse
-import functools
 import statistics
 import time
 import warnings
@@ -68,13 +67,16 @@ class Int8Projection:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= DENSE_TOKENS:
             return self.inner(x)
+        rows = (
+            rows.float()
+        )  # torch's dynamic int8 linear takes float32 (a bf16 model's rows are widened, then narrowed)
         if self.inverse_smooth is not None:
             rows = rows * self.inverse_smooth
         row_max = rows.abs().amax(1, keepdim=True).clamp_min(1e-8)
         out = torch.ops.quantized.linear_dynamic(rows / row_max, self.packed, self.reduce_range).mul_(row_max)
         if self.inner.bias is not None:
             out += self.inner.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 class MaxRecorder:
@@ -159,11 +161,12 @@ def gemm_rates(llm: LLM, reduce_range: bool) -> None:
     print("GFLOP/s per projection shape (dense packed | int8 per tensor | int8 per token):")
     for (out_features, in_features), (key, projection) in shapes.items():
         int8 = Int8Projection(projection, dense_weight(projection), None, reduce_range)
-        per_tensor = functools.partial(
-            torch.ops.quantized.linear_dynamic, W_prepack=int8.packed, reduce_range=reduce_range
-        )
+
+        def per_tensor(x: torch.Tensor, int8: Int8Projection = int8) -> torch.Tensor:
+            return torch.ops.quantized.linear_dynamic(x.float(), int8.packed, reduce_range).to(x.dtype)
+
         for tokens in (64, 512):
-            x = torch.randn(tokens, in_features)
+            x = torch.randn(tokens, in_features, dtype=stored(projection).dtype)
             rates = [
                 2 * tokens * in_features * out_features / median_seconds(f, x) / 1e9
                 for f in (projection, per_tensor, int8)
