@@ -234,7 +234,7 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])
 
 
-def test_silu_and_mul_rounds_as_torch_in_bf16() -> None:
+def test_silu_and_mul_in_bf16_against_torch() -> None:
     """Within two bf16 steps of ``F.silu(gate) * up`` (the exponentials differ in their last bits), NaN and
     infinities where torch has them: the vectorized rounding to bf16 keeps its special values."""
     x = (torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
