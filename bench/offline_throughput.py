@@ -15,8 +15,8 @@ rounds), the ratio per dtype (median of the rounds' ratios against transformers'
 listed), with several dtypes the ratio against transformers' best dtype, and the fraction of the machine's matmul
 rate that Spindle's run achieved: the run's FLOPs (every projection, the attention and the LM head rows sampled,
 counted from the model's shapes and the run's token counts) over its time, against a large ``torch.mm`` in the same
-dtype, measured in the same run. Defaults are the workload of issue 10 (64 prompts,
-16 to 192 tokens each, transformers at batch 32 and 64):
+dtype, measured in the same run. Defaults are the workload of issue 10 (64 prompts, 16 to 192 tokens each,
+transformers at batch 32 and 64):
 
     .venv/bin/python -m bench.offline_throughput
 
@@ -168,8 +168,9 @@ def main() -> None:
             for prompts in runs:
                 seconds, prompt_lens = spindle_run(llm, prompts, lengths)
                 times.append(seconds)
-                for size in peer_times if peer is not None else []:
-                    peer_times[size].append(peer.run(prompts, lengths, size))
+                if peer is not None:
+                    for size, spent in peer_times.items():
+                        spent.append(peer.run(prompts, lengths, size))
             seconds = statistics.median(times)
             spindle = sum(lengths) / seconds
             bound = None
@@ -190,7 +191,7 @@ def main() -> None:
             if not args.no_peer:
                 size = min(peer_times, key=lambda size: statistics.median(peer_times[size]))
                 hf = sum(lengths) / statistics.median(peer_times[size])
-                ratios = [peer / ours for ours, peer in zip(times, peer_times[size], strict=True)]
+                ratios = [theirs / ours for ours, theirs in zip(times, peer_times[size], strict=True)]
                 ratio = statistics.median(ratios)
                 rates[dtype] = (spindle, hf)
                 line += (
