@@ -75,9 +75,18 @@ def smollm2_prompts() -> list[str]:
 
 
 def smollm2_args(tensor_parallel_size: int) -> dict:
-    """SmolLM2 as served by default (Q4_1 as int4 under ``quantization="auto"``), with chunked prefill."""
+    """SmolLM2 as served by default (Q4_1 as int4 under ``quantization="auto"``), with chunked prefill, in float32.
+
+    Not ``dtype="auto"``: where that is bf16 (an AVX-512 bf16 CPU), the ranks' narrower GEMMs round their bf16
+    outputs differently from one rank's, enough to flip a greedy near-tie within 24 tokens (seen on such a CPU, with
+    and without its bf16 kernels); float32's rounding is 65,536 times finer.
+    """
     return dict(
-        tensor_parallel_size=tensor_parallel_size, kv_cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=16
+        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_memory="32MiB",
+        max_model_len=256,
+        max_num_batched_tokens=16,
+        dtype="float32",
     )
 
 
