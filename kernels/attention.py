@@ -130,7 +130,7 @@ def paged_attention(
     # The chunks' kernel against the earlier gather + masked SDPA per chunk (bf16, SmolLM2's 9/3 heads, 2 cores, ms
     # per layer, chunk of n after c cached): n=512 c=500 12 vs 14, c=7,000 112-123 vs 100-119; n=16 c=2,000 1.2-1.9
     # vs 1.3-2.3; n=4 c=7,000 1.6-1.8 (keys split across the threads) vs 2.3-5.9 (SDPA's cost there is the gather
-    # of the whole prefix). Long float32 chunks run torch's flash attention instead (_flash_chunk).
+    # of the whole prefix). Long chunks run torch's flash attention instead (_flash_chunk, _runs_flash).
     num_decodes = meta.num_decodes
     if num_decodes == len(meta.query_lens_list):
         return _decode_attention(query, k_cache, v_cache, meta, scale)
@@ -180,11 +180,25 @@ FLASH_MIN_CONTEXT = 1024
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2's 9/3 heads, ms per layer, chunk of n after c cached, our kernel
 against the gather + two flash calls: n=2048 c=0 80 vs 60, c=5,632 542 vs 332; n=512 c=7,000 160 vs 111, c=500 17.3
 vs 18.5; n=256 c=3,000 36 vs 31; n=64 c=3,000 11.9 vs 10.9. torch's kernel runs its tiles as GEMMs (~115 GFLOP/s
-there against our ~65). bf16 stays on our kernel, which matched a gather + SDPA there (see above).
+there against our ~65).
+"""
+
+_FAST_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+FLASH_MIN_BF16 = (768, 2048)
+"""The same thresholds for a bf16 chunk where oneDNN runs bf16: at least this many tokens, its sequence reaching
+this many.
+
+Measured on 2 AVX-512 bf16 cores (Zen 4), same heads, ms per layer, ours against flash: n=2048 c=0 57 vs 54, c=2,048
+146 vs 115, c=4,096 250 vs 182, c=5,632 375 vs 299; n=1536 c=6,144 273 vs 189; n=1024 c=0 13.0 vs 13.6, c=3,000 89
+vs 70, c=6,000 172 vs 123; n=768 c=6,000 131 vs 94; but n=512 c=7,000 100 vs 110, c=500 10.5 vs 16.7, n=256 c=3,000
+23 vs 24, n=64 c=3,000 5.9 vs 8.5: our kernel widens its bf16 tiles to float, torch's multiplies them in bf16.
 """
 
 
 def _runs_flash(dtype: torch.dtype, num_tokens: int, seq_len: int) -> bool:
+    if dtype == torch.bfloat16 and _FAST_BF16:  # elsewhere (AVX2) unmeasured: bf16 stays on our kernel
+        return num_tokens >= FLASH_MIN_BF16[0] and seq_len >= FLASH_MIN_BF16[1]
     return dtype == torch.float32 and num_tokens >= FLASH_MIN_QUERY_TOKENS and seq_len >= FLASH_MIN_CONTEXT
 
 
@@ -221,8 +235,8 @@ def _flash_chunk(
         prefix_out, prefix_lse = flash(q, keys[:, :, :cached], values[:, :, :cached], 0.0, False, scale=scale)
         top = torch.maximum(lse, prefix_lse)
         weight, prefix_weight = (lse - top).exp_().unsqueeze(-1), (prefix_lse - top).exp_().unsqueeze(-1)
-        out = (out * weight + prefix_out * prefix_weight) / (weight + prefix_weight)
-    return out[0].transpose(0, 1)
+        out = (out * weight + prefix_out * prefix_weight) / (weight + prefix_weight)  # float32, from the weights
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 def _decode_attention(

@@ -39,6 +39,8 @@ BATCHES = {
     # float32 chunks of 64+ tokens whose sequence reaches 1,024 run torch's flash attention (a fresh one, and one after
     # a cached prefix), beside a decode and a short chunk that stay on our kernels.
     "flash_chunks": lambda b: [(b + 1, 1), (0, 1030), (2 * b, 5), (960, 64)],
+    # bf16 chunks of 768+ tokens whose sequence reaches 2,048 run it too where oneDNN has bf16 (AVX-512).
+    "long_flash_chunks": lambda b: [(b + 1, 1), (1300, 800)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
     "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
 }
@@ -50,19 +52,19 @@ TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"ato
 def naive_attention(
     query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], new_lens: list[int], scale: float
 ) -> torch.Tensor:
-    """Dense causal attention, token by token: ``keys[s]``/``values[s]`` hold sequence s's whole context."""
+    """Dense causal attention in float64: ``keys[s]``/``values[s]`` hold sequence s's whole context, whose last
+    ``new_lens[s]`` positions are the queries'."""
     group = query.shape[1] // keys[0].shape[1]
     out = []
-    token = 0
-    for key, value, new in zip(keys, values, new_lens, strict=True):
-        for i in range(new):
-            position = key.shape[0] - new + i
-            k = key[: position + 1].double().repeat_interleave(group, dim=1)
-            v = value[: position + 1].double().repeat_interleave(group, dim=1)
-            probs = (torch.einsum("hd,lhd->hl", query[token].double(), k) * scale).softmax(-1)
-            out.append(torch.einsum("hl,lhd->hd", probs, v))
-            token += 1
-    return torch.stack(out)
+    for key, value, q in zip(keys, values, query.split(new_lens), strict=True):
+        k = key.double().repeat_interleave(group, dim=1)
+        v = value.double().repeat_interleave(group, dim=1)
+        positions = torch.arange(key.shape[0] - q.shape[0], key.shape[0])
+        future = torch.arange(key.shape[0])[None, :] > positions[:, None]  # [new, context]
+        scores = torch.einsum("thd,lhd->htl", q.double(), k) * scale
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        out.append(torch.einsum("htl,lhd->thd", probs, v))
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
