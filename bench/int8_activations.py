@@ -67,9 +67,8 @@ class Int8Projection:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= DENSE_TOKENS:
             return self.inner(x)
-        rows = (
-            rows.float()
-        )  # torch's dynamic int8 linear takes float32 (a bf16 model's rows are widened, then narrowed)
+        # torch's dynamic int8 linear takes float32: a bf16 model's rows are widened, then narrowed.
+        rows = rows.float()
         if self.inverse_smooth is not None:
             rows = rows * self.inverse_smooth
         row_max = rows.abs().amax(1, keepdim=True).clamp_min(1e-8)
@@ -203,9 +202,13 @@ def main() -> None:
 
     lengths = output_lengths("varied", 64, 16, 192)
     runs = [make_prompts(64, first=20_000 + r * 64) for r in range(2 * args.repeats)]
-    dense = sum(lengths) / statistics.median(spindle_run(llm, prompts, lengths)[0] for prompts in runs[: args.repeats])
+
+    def rate(prompt_sets: list[list[str]]) -> float:  # output tok/s of the median run
+        return sum(lengths) / statistics.median(spindle_run(llm, prompts, lengths)[0] for prompts in prompt_sets)
+
+    dense = rate(runs[: args.repeats])
     use_int8(llm, None, reduce_range)
-    int8 = sum(lengths) / statistics.median(spindle_run(llm, prompts, lengths)[0] for prompts in runs[args.repeats :])
+    int8 = rate(runs[args.repeats :])
     print(
         f"bench.offline_throughput's varied workload (64 prompts, medians of {args.repeats}): dense {dense:.1f} tok/s, "
         f"int8 per token {int8:.1f} tok/s ({int8 / dense:.2f}x)"

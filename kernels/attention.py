@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-from spindle.kernels.cpu import cpu_ops
+from spindle.kernels.cpu import ONEDNN_BF16, cpu_ops
 
 
 @dataclass
@@ -183,8 +183,6 @@ vs 18.5; n=256 c=3,000 36 vs 31; n=64 c=3,000 11.9 vs 10.9. torch's kernel runs 
 there against our ~65).
 """
 
-_FAST_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
 FLASH_MIN_BF16 = (768, 2048)
 """The same thresholds for a bf16 chunk where oneDNN runs bf16: at least this many tokens, its sequence reaching
 this many.
@@ -197,7 +195,7 @@ vs 70, c=6,000 172 vs 123; n=768 c=6,000 131 vs 94; but n=512 c=7,000 100 vs 110
 
 
 def _runs_flash(dtype: torch.dtype, num_tokens: int, seq_len: int) -> bool:
-    if dtype == torch.bfloat16 and _FAST_BF16:  # elsewhere (AVX2) unmeasured: bf16 stays on our kernel
+    if dtype == torch.bfloat16 and ONEDNN_BF16:  # elsewhere (AVX2) unmeasured: bf16 stays on our kernel
         return num_tokens >= FLASH_MIN_BF16[0] and seq_len >= FLASH_MIN_BF16[1]
     return dtype == torch.float32 and num_tokens >= FLASH_MIN_QUERY_TOKENS and seq_len >= FLASH_MIN_CONTEXT
 

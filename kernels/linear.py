@@ -38,9 +38,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     """Whether :func:`pack_weight` applies: a CPU weight in float32, or in bf16 where oneDNN runs bf16 (AVX-512)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype == torch.float32 or (
-        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu.ONEDNN_BF16)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
