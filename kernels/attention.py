@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-from spindle.kernels.cpu import ONEDNN_BF16, cpu_ops
+from spindle.kernels.cpu import cpu_ops
 
 
 @dataclass
@@ -183,20 +183,10 @@ vs 18.5; n=256 c=3,000 36 vs 31; n=64 c=3,000 11.9 vs 10.9. torch's kernel runs 
 there against our ~65).
 """
 
-FLASH_MIN_BF16 = (768, 2048)
-"""The same thresholds for a bf16 chunk where oneDNN runs bf16: at least this many tokens, its sequence reaching
-this many.
-
-Measured on 2 AVX-512 bf16 cores (Zen 4), same heads, ms per layer, ours against flash: n=2048 c=0 57 vs 54, c=2,048
-146 vs 115, c=4,096 250 vs 182, c=5,632 375 vs 299; n=1536 c=6,144 273 vs 189; n=1024 c=0 13.0 vs 13.6, c=3,000 89
-vs 70, c=6,000 172 vs 123; n=768 c=6,000 131 vs 94; but n=512 c=7,000 100 vs 110, c=500 10.5 vs 16.7, n=256 c=3,000
-23 vs 24, n=64 c=3,000 5.9 vs 8.5: our kernel widens its bf16 tiles to float, torch's multiplies them in bf16.
-"""
-
 
 def _runs_flash(dtype: torch.dtype, num_tokens: int, seq_len: int) -> bool:
-    if dtype == torch.bfloat16 and ONEDNN_BF16:  # elsewhere (AVX2) unmeasured: bf16 stays on our kernel
-        return num_tokens >= FLASH_MIN_BF16[0] and seq_len >= FLASH_MIN_BF16[1]
+    # bf16 stays on our kernel: on AVX-512 bf16 CPUs its bf16 walk is 1.5-1.8x torch's flash attention (prefill
+    # attention's walk_bf16), and elsewhere the choice is unmeasured.
     return dtype == torch.float32 and num_tokens >= FLASH_MIN_QUERY_TOKENS and seq_len >= FLASH_MIN_CONTEXT
 
 

@@ -39,8 +39,8 @@ BATCHES = {
     # float32 chunks of 64+ tokens whose sequence reaches 1,024 run torch's flash attention (a fresh one, and one after
     # a cached prefix), beside a decode and a short chunk that stay on our kernels.
     "flash_chunks": lambda b: [(b + 1, 1), (0, 1030), (2 * b, 5), (960, 64)],
-    # bf16 chunks of 768+ tokens whose sequence reaches 2,048 run it too where oneDNN has bf16 (AVX-512).
-    "long_flash_chunks": lambda b: [(b + 1, 1), (1300, 800)],
+    # A long chunk after a long prefix: the CPU kernel's bf16 walk (AVX-512 bf16) over many tiles of both kinds.
+    "long_chunk_after_prefix": lambda b: [(b + 1, 1), (1300, 800)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
     "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
 }
@@ -71,10 +71,12 @@ def naive_attention(
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize(
     ("batch", "block_size", "head_size"),
-    # Blocks larger than the CPU decode kernel's 256-token partitions make each partition one block. That kernel has
-    # compiled-in head sizes (64, 128) and a run-time one (20: two 8-float vectors and a scalar rest).
+    # Blocks larger than the CPU decode kernel's 256-token partitions make each partition one block. The CPU kernels
+    # have compiled-in head sizes (64, 128: the bf16 walks take both) and a run-time one (20: two 8-float vectors and
+    # a scalar rest).
     [(batch, block_size, HEAD_SIZE) for batch in BATCHES for block_size in (8, 16, 32)]
-    + [("skewed_decodes", 512, HEAD_SIZE), ("decodes", 16, 128), ("skewed_decodes", 16, 20), ("mixed", 16, 20)],
+    + [("skewed_decodes", 512, HEAD_SIZE), ("decodes", 16, 128), ("long_chunks", 16, 128)]
+    + [("skewed_decodes", 16, 20), ("mixed", 16, 20)],
 )
 def test_paged_attention_matches_dense(
     batch: str, block_size: int, head_size: int, group: int, dtype: torch.dtype

@@ -11,6 +11,12 @@
 #include <cstring>
 #include <type_traits>
 
+// AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own there.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SPINDLE_AVX512_BF16 1
+#endif
+
 // The model dtypes (float32, bfloat16, float16): the kernels are instantiated for these alone, with scalar_t the
 // element type, as AT_DISPATCH_FLOATING_TYPES_AND2 would (which adds double, which no model runs in).
 #define DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                            \

@@ -17,10 +17,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 #include "common.h"
 
 namespace {
@@ -59,8 +55,7 @@ inline float sum8(f8 v) {
   return total;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define SPINDLE_AVX512_BF16 1
+#ifdef SPINDLE_AVX512_BF16
 
 // How far ahead of the walk the AVX-512 bf16 path prefetches keys (in its first head's pass) and values, in tokens:
 // blocks lie anywhere in memory, so the hardware's stream prefetcher finds little to follow. 10-20% on the case

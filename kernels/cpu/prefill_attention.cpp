@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -40,6 +42,264 @@ constexpr int64_t MAX_HEAD = 256;
 struct Item {
   int64_t chunk, kv_head, first_row;
 };
+
+// One work item's walk: its rows (row r is query position first_position + r / group, the group's head r % group)
+// against the keys [key_begin, key_end) of its sequence, read where they lie in the cache.
+struct Walk {
+  const int32_t* table;
+  int64_t block_size, token_stride, kv_offset;
+  int64_t rows, group, first_position;
+  int64_t key_begin, key_end;
+
+  // Where the token's key (or value) of the item's KV head starts in the cache, in elements.
+  int64_t offset(int64_t token) const {
+    return (static_cast<int64_t>(table[token / block_size]) * block_size + token % block_size) * token_stride +
+           kv_offset;
+  }
+  // How many keys of the tile at k0 (num_keys of them) row r may see: those up to its own position; none for a
+  // padding row or a row before the tile.
+  int64_t visible(int64_t r, int64_t k0, int64_t num_keys) const {
+    return r < rows ? std::clamp<int64_t>(first_position + r / group - k0 + 1, 0, num_keys) : 0;
+  }
+};
+
+// The online softmax of one row's tile of scores s (KEY_TILE of them, `visible` valid): exponentiates them in place
+// (0 past `visible`), updates the row's running max and sum, and returns the factor for its earlier output.
+inline float softmax_tile(float* s, int64_t visible, float& row_max, float& row_sum) {
+  float tile_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+  const float new_max = std::max(row_max, tile_max);
+  const float rescale = visible > 0 ? std::exp(row_max - new_max) : 1.f;
+  float tile_sum = 0.f;
+#pragma omp simd reduction(+ : tile_sum)
+  for (int64_t j = 0; j < KEY_TILE; ++j) {
+    const float p = j < visible ? std::exp(s[j] - new_max) : 0.f;
+    s[j] = p;
+    tile_sum += p;
+  }
+  if (visible > 0) row_max = new_max;
+  row_sum = row_sum * rescale + tile_sum;
+  return rescale;
+}
+
+// The walk in float: each key tile is widened once, K transposed, so that both products vectorize over a tile's
+// keys (Q.K) or over the head dimension (P.V) without horizontal sums, and serves every row of the item. qf holds
+// the rows, scaled, padded with zero rows to whole ROW_BLOCKs; kt and vf are a tile's scratch.
+template <typename T, int64_t HEAD>
+void walk_float(const Walk& w, const float* qf, const T* kc, const T* vc, int64_t head_size, float* kt, float* vf,
+                float* acc, float* row_max, float* row_sum) {
+  const int64_t padded_rows = (w.rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+  for (int64_t k0 = w.key_begin; k0 < w.key_end; k0 += KEY_TILE) {
+    const int64_t num_keys = std::min(KEY_TILE, w.key_end - k0);
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const T* k_src = kc + w.offset(k0 + j);
+      const T* v_src = vc + w.offset(k0 + j);
+      for (int64_t d = 0; d < head_size; ++d) {
+        kt[d * KEY_TILE + j] = to_float(k_src[d]);
+        vf[j * HEAD + d] = to_float(v_src[d]);
+      }
+    }
+    for (int64_t j = num_keys; j < KEY_TILE; ++j) {
+      for (int64_t d = 0; d < HEAD; ++d) kt[d * KEY_TILE + j] = 0.f;
+      for (int64_t d = 0; d < HEAD; ++d) vf[j * HEAD + d] = 0.f;
+    }
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += ROW_BLOCK) {
+      // Scores of the block's rows against the tile: ROW_BLOCK x KEY_TILE accumulators.
+      float s[ROW_BLOCK][KEY_TILE] = {};
+      for (int64_t d = 0; d < head_size; ++d) {
+        const float* kd = kt + d * KEY_TILE;
+        for (int64_t b = 0; b < ROW_BLOCK; ++b) {
+          const float qd = qf[(r0 + b) * HEAD + d];
+#pragma omp simd
+          for (int64_t j = 0; j < KEY_TILE; ++j) s[b][j] += qd * kd[j];
+        }
+      }
+      float rescale[ROW_BLOCK];
+      for (int64_t b = 0; b < ROW_BLOCK; ++b)
+        rescale[b] = softmax_tile(s[b], w.visible(r0 + b, k0, num_keys), row_max[r0 + b], row_sum[r0 + b]);
+      float out_block[ROW_BLOCK][HEAD];
+      for (int64_t b = 0; b < ROW_BLOCK; ++b)
+        for (int64_t d = 0; d < HEAD; ++d) out_block[b][d] = acc[(r0 + b) * HEAD + d] * rescale[b];
+      for (int64_t j = 0; j < num_keys; ++j) {
+        const float* vj = vf + j * HEAD;
+        for (int64_t b = 0; b < ROW_BLOCK; ++b) {
+          const float p = s[b][j];
+#pragma omp simd
+          for (int64_t d = 0; d < HEAD; ++d) out_block[b][d] += p * vj[d];
+        }
+      }
+      for (int64_t b = 0; b < ROW_BLOCK; ++b)
+        for (int64_t d = 0; d < HEAD; ++d) acc[(r0 + b) * HEAD + d] = out_block[b][d];
+    }
+  }
+}
+
+#ifdef SPINDLE_AVX512_BF16
+// Rows per block of the bf16 walk: its 8 x 32 scores take 16 of the 32 vector registers.
+constexpr int64_t BF16_ROW_BLOCK = 8;
+
+// e^x in each lane, to within a few float ulps, for x <= 0 (below -87 it returns about 1e-38, not 0; the callers
+// mask the lanes that must be 0): 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r, |r| <= ln2 / 2.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  // r = x - n ln 2, with ln 2 in two parts so that the product is exact enough.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 poly = _mm512_set1_ps(1.f / 720);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// Transposes a 16 x 16 matrix of 32-bit words held in 16 vectors, in place.
+inline void transpose16(__m512i* m) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 interleaved, columns 4L, 4L+1 and 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(m[2 * i], m[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // m[4i + k], lane L: column 4L + k of rows 4i..4i+3
+    m[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    m[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    m[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    m[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of m[k], m[4 + k], m[8 + k], m[12 + k]
+    const __m512i x0 = _mm512_shuffle_i32x4(m[k], m[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i x1 = _mm512_shuffle_i32x4(m[k], m[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i y0 = _mm512_shuffle_i32x4(m[8 + k], m[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i y1 = _mm512_shuffle_i32x4(m[8 + k], m[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    t[k] = _mm512_shuffle_i32x4(x0, y0, _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + k] = _mm512_shuffle_i32x4(x0, y0, _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + k] = _mm512_shuffle_i32x4(x1, y1, _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + k] = _mm512_shuffle_i32x4(x1, y1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int i = 0; i < 16; ++i) m[i] = t[i];
+}
+
+// The walk for bf16 on AVX-512 with its bf16 dot products (vdpbf16ps: 32 products a vector, summed in pairs into
+// float lanes), for both products: Q.K over pairs of the head dimension, P.V over pairs of keys, with the
+// probabilities rounded to bf16 (as torch's flash attention rounds them for its second GEMM). Each key tile is laid
+// out once for that: K as [pair of dimensions][key] (16 x 16 transposes), V as [pair of keys][dimension]. The
+// scores are scaled in float, so the query is used as it is. qw is scratch for the item's rows.
+template <int64_t HEAD, typename QueryRow>
+void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const c10::BFloat16* vc, float scale,
+               uint32_t* qw, float* acc, float* row_max, float* row_sum) {
+  static_assert(KEY_TILE == 32 && HEAD % 64 == 0 && BF16_ROW_BLOCK == 8);  // the masks below are of 32 keys, 8 rows
+  constexpr int64_t WORDS = HEAD / 2;  // bf16 pairs in a row
+  const int64_t padded_rows = (w.rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK * BF16_ROW_BLOCK;
+  for (int64_t r = 0; r < w.rows; ++r) std::memcpy(qw + r * WORDS, query_row(r), HEAD * sizeof(c10::BFloat16));
+  std::fill(qw + w.rows * WORDS, qw + padded_rows * WORDS, 0u);
+  alignas(64) uint32_t kt[WORDS * KEY_TILE];      // [p][j]: dimensions 2p, 2p+1 of key j
+  alignas(64) uint32_t vt[KEY_TILE / 2 * HEAD];   // [i][d]: dimension d of keys 2i, 2i+1
+  alignas(64) uint32_t pw[BF16_ROW_BLOCK][KEY_TILE / 2];  // the probabilities of keys 2i, 2i+1 in bf16
+  const __m512i pair_low = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i pair_high = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int64_t k0 = w.key_begin; k0 < w.key_end; k0 += KEY_TILE) {
+    const int64_t num_keys = std::min(KEY_TILE, w.key_end - k0);
+    const c10::BFloat16* keys[KEY_TILE];
+    const c10::BFloat16* values[KEY_TILE];
+    for (int64_t j = 0; j < num_keys; ++j) {
+      keys[j] = kc + w.offset(k0 + j);
+      values[j] = vc + w.offset(k0 + j);
+    }
+    for (int64_t j0 = 0; j0 < KEY_TILE; j0 += 16)
+      for (int64_t p0 = 0; p0 < WORDS; p0 += 16) {
+        __m512i m[16];
+        for (int64_t j = 0; j < 16; ++j)
+          m[j] = j0 + j < num_keys ? _mm512_loadu_si512(keys[j0 + j] + 2 * p0) : _mm512_setzero_si512();
+        transpose16(m);
+        for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(kt + (p0 + p) * KEY_TILE + j0, m[p]);
+      }
+    for (int64_t i = 0; i < KEY_TILE / 2; ++i)
+      for (int64_t d = 0; d < HEAD; d += 32) {
+        const __m512i a = 2 * i < num_keys ? _mm512_loadu_si512(values[2 * i] + d) : _mm512_setzero_si512();
+        const __m512i b = 2 * i + 1 < num_keys ? _mm512_loadu_si512(values[2 * i + 1] + d) : _mm512_setzero_si512();
+        // Per 128-bit lane L, dimensions d + 8L.. + 3 (low) and d + 8L + 4.. + 7 (high), put back in order.
+        const __m512i low = _mm512_unpacklo_epi16(a, b), high = _mm512_unpackhi_epi16(a, b);
+        _mm512_store_si512(vt + i * HEAD + d, _mm512_permutex2var_epi64(low, pair_low, high));
+        _mm512_store_si512(vt + i * HEAD + d + 16, _mm512_permutex2var_epi64(low, pair_high, high));
+      }
+    const int64_t pairs = (num_keys + 1) / 2;
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += BF16_ROW_BLOCK) {
+      // Every loop over the block's rows is unrolled, and nothing in them is a call, so that the scores stay in
+      // registers (gcc otherwise stored all 16 accumulators at every step of the dot products: 1.6x slower).
+      __m512 lo[BF16_ROW_BLOCK], hi[BF16_ROW_BLOCK];
+#pragma GCC unroll 8
+      for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) lo[b] = hi[b] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < WORDS; ++p) {
+        const __m512bh k_lo = (__m512bh)_mm512_load_si512(kt + p * KEY_TILE);
+        const __m512bh k_hi = (__m512bh)_mm512_load_si512(kt + p * KEY_TILE + 16);
+#pragma GCC unroll 8
+        for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
+          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[(r0 + b) * WORDS + p]));
+          lo[b] = _mm512_dpbf16_ps(lo[b], qb, k_lo);
+          hi[b] = _mm512_dpbf16_ps(hi[b], qb, k_hi);
+        }
+      }
+      // The online softmax: the tile's max of each row's visible scores, the rows' new maxes, and the factors
+      // for their earlier sums and outputs (1 for a row that has seen no key yet).
+      const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __mmask16 seen_lo[BF16_ROW_BLOCK], seen_hi[BF16_ROW_BLOCK];
+      __mmask16 seen_rows = 0;
+      alignas(64) float tile_max[16];
+#pragma GCC unroll 8
+      for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
+        const int64_t visible = w.visible(r0 + b, k0, num_keys);
+        const uint32_t seen = visible >= 32 ? ~0u : (1u << visible) - 1;
+        seen_lo[b] = static_cast<__mmask16>(seen);
+        seen_hi[b] = static_cast<__mmask16>(seen >> 16);
+        seen_rows |= static_cast<__mmask16>(visible > 0) << b;
+        lo[b] = _mm512_mul_ps(lo[b], _mm512_set1_ps(scale));
+        hi[b] = _mm512_mul_ps(hi[b], _mm512_set1_ps(scale));
+        tile_max[b] = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_mask_mov_ps(lowest, seen_lo[b], lo[b]), _mm512_mask_mov_ps(lowest, seen_hi[b], hi[b])));
+      }
+      const __m512 old_max = _mm512_maskz_loadu_ps(0xff, row_max + r0);
+      const __m512 new_max = _mm512_max_ps(old_max, _mm512_maskz_load_ps(0xff, tile_max));
+      const __m512 factor = _mm512_mask_blend_ps(seen_rows, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old_max, new_max)));
+      _mm512_mask_storeu_ps(row_max + r0, seen_rows, new_max);
+      alignas(64) float maxes[16], rescale[16], tile_sum[16];
+      _mm512_store_ps(maxes, new_max);
+      _mm512_store_ps(rescale, factor);
+#pragma GCC unroll 8
+      for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
+        const __m512 p_lo = _mm512_maskz_mov_ps(seen_lo[b], exp16(_mm512_sub_ps(lo[b], _mm512_set1_ps(maxes[b]))));
+        const __m512 p_hi = _mm512_maskz_mov_ps(seen_hi[b], exp16(_mm512_sub_ps(hi[b], _mm512_set1_ps(maxes[b]))));
+        tile_sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+        _mm512_store_si512(pw[b], (__m512i)_mm512_cvtne2ps_pbh(p_hi, p_lo));
+      }
+      _mm512_mask_storeu_ps(row_sum + r0, 0xff,
+                            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0xff, row_sum + r0), factor,
+                                            _mm512_maskz_load_ps(0xff, tile_sum)));
+      // P.V in blocks of 4 rows x 64 dimensions: 16 accumulators.
+      for (int64_t b0 = 0; b0 < BF16_ROW_BLOCK; b0 += 4)
+        for (int64_t d0 = 0; d0 < HEAD; d0 += 64) {
+          __m512 o[4][4];
+          for (int64_t b = 0; b < 4; ++b)
+            for (int64_t c = 0; c < 4; ++c)
+              o[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + b0 + b) * HEAD + d0 + 16 * c),
+                                      _mm512_set1_ps(rescale[b0 + b]));
+          for (int64_t i = 0; i < pairs; ++i) {
+            __m512bh v[4];
+            for (int64_t c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_load_si512(vt + i * HEAD + d0 + 16 * c);
+            for (int64_t b = 0; b < 4; ++b) {
+              const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[b0 + b][i]));
+              for (int64_t c = 0; c < 4; ++c) o[b][c] = _mm512_dpbf16_ps(o[b][c], pb, v[c]);
+            }
+          }
+          for (int64_t b = 0; b < 4; ++b)
+            for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (r0 + b0 + b) * HEAD + d0 + 16 * c, o[b][c]);
+        }
+    }
+  }
+}
+#endif
 
 // HEAD is the head size when it is known at compile time (the loops over it then unroll and vectorize), or MAX_HEAD
 // for any smaller head size: buffers then have rows of MAX_HEAD floats, and the padding stays zero.
@@ -86,9 +346,9 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
     return std::min(query_tile, starts[item.chunk + 1] - starts[item.chunk] - item.first_row) * group;
   };
 
-  // Rows are processed ROW_BLOCK at a time, so that one load of a key tile's values serves that many rows and the
-  // block's scores and outputs stay in registers; the query rows are padded to whole blocks with zeros.
-  const int64_t max_rows = (query_tile * group + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+  // The walks take rows in blocks (so that one load of a key tile serves that many rows, and the block's scores
+  // and outputs stay in registers): an item's rows are padded to whole blocks of 8, which both walks' blocks divide.
+  const int64_t max_rows = (query_tile * group + 7) / 8 * 8;
   // Partial states of split work, per (work, row): the running max, the sum of exponentials, the unnormalized output.
   std::vector<float> part_max, part_sum, part_acc;
   if (splits > 1) {
@@ -100,6 +360,7 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
   {
     std::vector<float> qf(max_rows * HEAD), acc(max_rows * HEAD), row_max(max_rows), row_sum(max_rows);
     std::vector<float> kt(HEAD * KEY_TILE), vf(KEY_TILE * HEAD);
+    std::vector<uint32_t> qw(max_rows * HEAD / 2);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t work = 0; work < num_work; ++work) {
       const Item item = items[work / splits];
@@ -107,83 +368,37 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
       const int64_t context = lens[item.chunk] - chunk_len;  // tokens cached before the chunk
       const int64_t num_positions = std::min(query_tile, chunk_len - item.first_row);
       const int64_t rows = item_rows(item);
-      const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-      const int32_t* table = tables + item.chunk * max_blocks;
-      std::fill_n(qf.data(), padded_rows * HEAD, 0.f);
-      for (int64_t r = 0; r < rows; ++r) {
-        const T* src = q + (starts[item.chunk] - starts[0] + item.first_row + r / group) * q_token_stride +
-                       (item.kv_head * group + r % group) * q_head_stride;
-        for (int64_t d = 0; d < head_size; ++d) qf[r * HEAD + d] = to_float(src[d]) * fscale;
-      }
-      std::fill_n(acc.data(), padded_rows * HEAD, 0.f);
-      std::fill_n(row_max.data(), padded_rows, -std::numeric_limits<float>::infinity());
-      std::fill_n(row_sum.data(), padded_rows, 0.f);
       // This work's share of the keys up to the tile's last position: a range of whole key tiles.
       const int64_t key_end = context + item.first_row + num_positions;
       const int64_t num_key_tiles = (key_end + KEY_TILE - 1) / KEY_TILE, split = work % splits;
-      const int64_t k_begin = split * num_key_tiles / splits * KEY_TILE;
-      const int64_t k_stop = std::min(key_end, (split + 1) * num_key_tiles / splits * KEY_TILE);
-      for (int64_t k0 = k_begin; k0 < k_stop; k0 += KEY_TILE) {
-        const int64_t num_keys = std::min(KEY_TILE, k_stop - k0);
-        for (int64_t j = 0; j < num_keys; ++j) {
-          const int64_t token = k0 + j;
-          const int64_t slot = static_cast<int64_t>(table[token / block_size]) * block_size + token % block_size;
-          const T* k_src = kc + slot * token_stride + item.kv_head * head_size;
-          const T* v_src = vc + slot * token_stride + item.kv_head * head_size;
-          for (int64_t d = 0; d < head_size; ++d) {
-            kt[d * KEY_TILE + j] = to_float(k_src[d]);
-            vf[j * HEAD + d] = to_float(v_src[d]);
-          }
-        }
-        for (int64_t j = num_keys; j < KEY_TILE; ++j) {
-          for (int64_t d = 0; d < HEAD; ++d) kt[d * KEY_TILE + j] = 0.f;
-          for (int64_t d = 0; d < HEAD; ++d) vf[j * HEAD + d] = 0.f;
-        }
-        for (int64_t r0 = 0; r0 < padded_rows; r0 += ROW_BLOCK) {
-          // Scores of the block's rows against the tile: ROW_BLOCK x KEY_TILE accumulators.
-          float s[ROW_BLOCK][KEY_TILE] = {};
-          for (int64_t d = 0; d < head_size; ++d) {
-            const float* kd = kt.data() + d * KEY_TILE;
-            for (int64_t b = 0; b < ROW_BLOCK; ++b) {
-              const float qd = qf[(r0 + b) * HEAD + d];
-#pragma omp simd
-              for (int64_t j = 0; j < KEY_TILE; ++j) s[b][j] += qd * kd[j];
-            }
-          }
-          float rescale[ROW_BLOCK];
-          for (int64_t b = 0; b < ROW_BLOCK; ++b) {
-            const int64_t r = r0 + b;
-            // Keys of this tile that row r may see: up to its own position (none for a padding row).
-            const int64_t visible =
-                r < rows ? std::min(num_keys, context + item.first_row + r / group - k0 + 1) : int64_t{0};
-            float tile_max = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[b][j]);
-            const float new_max = std::max(row_max[r], tile_max);
-            rescale[b] = visible > 0 ? std::exp(row_max[r] - new_max) : 1.f;
-            float tile_sum = 0.f;
-#pragma omp simd reduction(+ : tile_sum)
-            for (int64_t j = 0; j < KEY_TILE; ++j) {
-              const float p = j < visible ? std::exp(s[b][j] - new_max) : 0.f;
-              s[b][j] = p;
-              tile_sum += p;
-            }
-            if (visible > 0) row_max[r] = new_max;
-            row_sum[r] = row_sum[r] * rescale[b] + tile_sum;
-          }
-          float out_block[ROW_BLOCK][HEAD];
-          for (int64_t b = 0; b < ROW_BLOCK; ++b)
-            for (int64_t d = 0; d < HEAD; ++d) out_block[b][d] = acc[(r0 + b) * HEAD + d] * rescale[b];
-          for (int64_t j = 0; j < num_keys; ++j) {
-            const float* vj = vf.data() + j * HEAD;
-            for (int64_t b = 0; b < ROW_BLOCK; ++b) {
-              const float p = s[b][j];
-#pragma omp simd
-              for (int64_t d = 0; d < HEAD; ++d) out_block[b][d] += p * vj[d];
-            }
-          }
-          for (int64_t b = 0; b < ROW_BLOCK; ++b)
-            for (int64_t d = 0; d < HEAD; ++d) acc[(r0 + b) * HEAD + d] = out_block[b][d];
-        }
+      const Walk walk{tables + item.chunk * max_blocks,
+                      block_size,
+                      token_stride,
+                      item.kv_head * head_size,
+                      rows,
+                      group,
+                      context + item.first_row,
+                      split * num_key_tiles / splits * KEY_TILE,
+                      std::min(key_end, (split + 1) * num_key_tiles / splits * KEY_TILE)};
+      const auto query_row = [&](int64_t r) {
+        return q + (starts[item.chunk] - starts[0] + item.first_row + r / group) * q_token_stride +
+               (item.kv_head * group + r % group) * q_head_stride;
+      };
+      std::fill_n(acc.data(), max_rows * HEAD, 0.f);
+      std::fill_n(row_max.data(), max_rows, -std::numeric_limits<float>::infinity());
+      std::fill_n(row_sum.data(), max_rows, 0.f);
+#ifdef SPINDLE_AVX512_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16> && (HEAD == 64 || HEAD == 128)) {
+        walk_bf16<HEAD>(walk, query_row, kc, vc, fscale, qw.data(), acc.data(), row_max.data(), row_sum.data());
+      } else
+#endif
+      {
+        const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+        std::fill_n(qf.data(), padded_rows * HEAD, 0.f);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < head_size; ++d) qf[r * HEAD + d] = to_float(query_row(r)[d]) * fscale;
+        walk_float<T, HEAD>(walk, qf.data(), kc, vc, head_size, kt.data(), vf.data(), acc.data(), row_max.data(),
+                            row_sum.data());
       }
       if (splits > 1) {
         std::copy_n(row_max.data(), rows, part_max.data() + work * max_rows);
