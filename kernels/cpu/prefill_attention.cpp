@@ -4,8 +4,8 @@
 // A work item is (chunk, kv head, tile of query positions): its rows are those positions times the query
 // heads of the kv head, and it walks the keys up to its last position in tiles of KEY_TILE with an online softmax
 // (flash attention's running max and sum), so nothing of the context is gathered or padded and no mask is built.
-// Each key tile is converted to float once per item, K transposed, so that both products vectorize over a tile's
-// keys (Q.K) or over the head dimension (P.V) without horizontal sums, and is reused by every row of the item.
+// Each key tile is laid out once per item for the products (walk_float widens it to float; walk_bf16, on AVX-512
+// bf16 CPUs, pairs its bf16 values for vdpbf16ps) and serves every row of the item.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -186,7 +186,10 @@ inline void transpose16(__m512i* m) {
 // float lanes), for both products: Q.K over pairs of the head dimension, P.V over pairs of keys, with the
 // probabilities rounded to bf16 (as torch's flash attention rounds them for its second GEMM). Each key tile is laid
 // out once for that: K as [pair of dimensions][key] (16 x 16 transposes), V as [pair of keys][dimension]. The
-// scores are scaled in float, so the query is used as it is. qw is scratch for the item's rows.
+// scores are scaled in float, so the query is used as it is. qw is scratch for the item's rows. On 2 Zen 4 cores,
+// SmolLM2's 9/3 heads of 64, ms a layer, this walk / walk_float in bf16 / torch's flash attention on the gathered
+// context: 2,048 tokens fresh 15.9 / 46 / 44; after 4,096 cached 81 / 240 / 197; 512 after 7,000 32 / 88 / 89; 16
+// after 2,000 0.29 / 0.75 / 2.6. About 300 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do.
 template <int64_t HEAD, typename QueryRow>
 void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const c10::BFloat16* vc, float scale,
                uint32_t* qw, float* acc, float* row_max, float* row_sum) {
