@@ -23,9 +23,16 @@ from spindle.shared import FinishReason
 KEYS_PER_TOKEN = 1300
 PREFIX_KEYS = 700
 STEP_OVERHEAD = 24
-CREDIT_STEPS = 2
-"""Steps of unspent prefill credit a scheduler may save for one chunk, so a chunk whose prefix walk costs more than
-one step's credit still runs, on every other step, within the bound on average."""
+CREDIT_STEPS = 8
+"""Steps of unspent prefill credit a scheduler may save for one chunk (see :data:`WALK_SHARE`)."""
+WALK_SHARE = 4.0
+"""A long prompt's next chunk waits, its credit saved, until the credit is this many times the chunk's walk over the
+cached prefix, or full (:data:`CREDIT_STEPS`), unless it pays for the whole rest of the prompt. A chunk has costs
+that do not shrink with its tokens (that walk, in every layer, and what a step with a prefill chunk costs beyond a
+step of decodes), which the few tokens one step's credit buys late in a long prompt could not amortize: 8 decode
+streams beside a 7,680-token prompt (2 Zen 4 cores, bf16, ``max_decode_slowdown=2``), spending each step's credit at
+once, advanced the prompt ~5 tokens a step, ran 1.6-1.8x slower than alone (under the bound, yet) and gave the prompt
+its first token after 77-111 s; with the wait (and 8 steps of credit instead of 2), 1.8-2.0x and 44-57 s."""
 SMOOTHING = 0.2
 """The newest step's weight in the running averages of the steps' seconds and cost units."""
 
@@ -86,8 +93,9 @@ class Scheduler:
     (more than ``long_prefill_token_threshold`` tokens) as keeps their estimated cost within that factor of the
     decodes' own (the cost model above), so streams keep their rate while a long prompt is prefilled beside them, at
     the price of that prompt's time to first token. Each such step earns ``slowdown - 1`` times its decodes' cost in
-    prefill credit, up to ``CREDIT_STEPS`` steps' worth, and long prompts' chunks spend it; when the credit is full
-    and pays for no token, the first long prefill still gets one, so a prompt always advances. The decodes' cost in
+    prefill credit, up to ``CREDIT_STEPS`` steps' worth, and long prompts' chunks spend it, each once the credit is
+    ``WALK_SHARE`` times its walk over the cached prefix (or full); when the credit is full and pays for no token, the
+    first long prefill still gets one, so a prompt always advances. The decodes' cost in
     prompt-token units is learned from the measured step times that :meth:`observe` is given (until then it is the
     model's). Shorter prompts are prefilled whole, beside the streams, as without the bound: holding a burst of them
     to a few streams' credit would starve them, as each finished prompt adds a stream that earns a little more
@@ -122,6 +130,8 @@ class Scheduler:
         self.running_loras: dict[int, int] = {}
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefill_credit = 0.0
+        # The most credit the steps may save: CREDIT_STEPS times the latest step's earnings.
+        self.credit_cap = 0.0
         # Whether the step being scheduled may give its first long prefill a token the credit does not pay for.
         self.force_token = False
         # Running averages of (seconds, cost units) from observe(), of decode steps and of prefill chunks: their
@@ -282,17 +292,18 @@ class Scheduler:
         if self.decode_unit_seconds is not None and self.prefill_unit_seconds is not None:
             scale = self.decode_unit_seconds / self.prefill_unit_seconds
         earned = (self.max_decode_slowdown - 1) * batch.decode_cost * scale
-        cap = CREDIT_STEPS * earned
-        self.prefill_credit = min(self.prefill_credit + earned, cap)
-        self.force_token = self.prefill_credit >= cap
+        self.credit_cap = CREDIT_STEPS * earned
+        self.prefill_credit = min(self.prefill_credit + earned, self.credit_cap)
+        self.force_token = self.prefill_credit >= self.credit_cap
 
     def _prefill_chunk(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> int:
         """How many of ``seq``'s next ``num_new`` prompt tokens to prefill in this step, adding their cost to ``batch``.
 
         All of them where the bound does not apply (no decodes in the step, or a prompt of at most
         ``long_prefill_token_threshold`` tokens); else the largest chunk that the prefill credit pays for, spent from
-        it. The step's first long prefill gets a token even when the credit pays for none, if the credit is full, so
-        that a prompt always advances.
+        it, once the credit is ``WALK_SHARE`` times the chunk's prefix walk or full, or pays for the whole rest (none
+        before). The step's first long prefill gets a token even when the credit pays for none, if the credit is
+        full, so that a prompt always advances.
         """
         if not batch.decode_cost:
             return num_new
@@ -303,6 +314,8 @@ class Scheduler:
             # The largest n with n * (per_token + n / (2 * KEYS_PER_TOKEN)) <= credit - walk: that quadratic's root.
             root = math.sqrt(per_token * per_token + 2 * max(self.prefill_credit - walk, 0) / KEYS_PER_TOKEN)
             affordable = int(KEYS_PER_TOKEN * (root - per_token))
+            if affordable < num_new and self.prefill_credit < min(self.credit_cap, WALK_SHARE * walk):
+                affordable = 0  # saving up, so that the walk is a small part of the chunk
             num_new = min(num_new, max(affordable, int(self.force_token)))
             self.force_token = False
             self.prefill_credit -= self._chunk_cost(computed, num_new)
