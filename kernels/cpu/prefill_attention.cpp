@@ -138,20 +138,19 @@ void walk_float(const Walk& w, const float* qf, const T* kc, const T* vc, int64_
 // Rows per block of the bf16 walk: its 8 x 32 scores take 16 of the 32 vector registers.
 constexpr int64_t BF16_ROW_BLOCK = 8;
 
-// e^x in each lane, to within a few float ulps, for x <= 0 (below -87 it returns about 1e-38, not 0; the callers
-// mask the lanes that must be 0): 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r, |r| <= ln2 / 2.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  // r = x - n ln 2, with ln 2 in two parts so that the product is exact enough.
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 poly = _mm512_set1_ps(1.f / 720);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 120));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 24));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 6));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+// 2^x in each lane, for x <= 0, within 3.3e-6 of it relatively (the probabilities are then rounded to bf16, 4e-3):
+// 2^n * 2^r with n = round(x) and a degree-5 Taylor polynomial for 2^r, |r| <= 1/2. Below -127 it returns about
+// 2^-127, not 0 (the callers mask the lanes that must be 0). Working in base 2 folds the softmax's scale and its
+// change of base into one product with the scores (a third of the instructions of e^x with its range reduction).
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 poly = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 down to 0
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(9.6181291e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.5504109e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.24022651f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.69314718f));
   poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(poly, n);
 }
@@ -186,18 +185,23 @@ inline void transpose16(__m512i* m) {
 // float lanes), for both products: Q.K over pairs of the head dimension, P.V over pairs of keys, with the
 // probabilities rounded to bf16 (as torch's flash attention rounds them for its second GEMM). Each key tile is laid
 // out once for that: K as [pair of dimensions][key] (16 x 16 transposes), V as [pair of keys][dimension]. The
-// scores are scaled in float, so the query is used as it is. qw is scratch for the item's rows. On 2 Zen 4 cores,
+// scores are scaled in float, so the query is used as it is. qw and sums are scratch for the item's rows. On 2 Zen 4 cores,
 // SmolLM2's 9/3 heads of 64, ms a layer, this walk / walk_float in bf16 / torch's flash attention on the gathered
-// context: 2,048 tokens fresh 15.9 / 46 / 44; after 4,096 cached 81 / 240 / 197; 512 after 7,000 32 / 88 / 89; 16
-// after 2,000 0.29 / 0.75 / 2.6. About 300 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do.
+// context: 2,048 tokens fresh 16 / 46 / 44; after 4,096 cached 77 / 240 / 197; 512 after 7,000 28 / 88 / 89; 16
+// after 2,000 0.27 / 0.75 / 2.6. About 315 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do (465, measured
+// with independent chains); the products' two loops take ~85% of the time, the softmax most of the rest.
 template <int64_t HEAD, typename QueryRow>
 void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const c10::BFloat16* vc, float scale,
-               uint32_t* qw, float* acc, float* row_max, float* row_sum) {
+               uint32_t* qw, float* sums, float* acc, float* row_max, float* row_sum) {
   static_assert(KEY_TILE == 32 && HEAD % 64 == 0 && BF16_ROW_BLOCK == 8);  // the masks below are of 32 keys, 8 rows
   constexpr int64_t WORDS = HEAD / 2;  // bf16 pairs in a row
   const int64_t padded_rows = (w.rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK * BF16_ROW_BLOCK;
   for (int64_t r = 0; r < w.rows; ++r) std::memcpy(qw + r * WORDS, query_row(r), HEAD * sizeof(c10::BFloat16));
   std::fill(qw + w.rows * WORDS, qw + padded_rows * WORDS, 0u);
+  // Each row's sum of exponentials as 16 lanes, reduced once at the end (not once a tile); the maxes, in the walk,
+  // are those of the scores times log2(e) (base 2: see exp2_16).
+  std::fill(sums, sums + padded_rows * 16, 0.f);
+  const float log2_scale = scale * 1.44269504f;
   alignas(64) uint32_t kt[WORDS * KEY_TILE];      // [p][j]: dimensions 2p, 2p+1 of key j
   alignas(64) uint32_t vt[KEY_TILE / 2 * HEAD];   // [i][d]: dimension d of keys 2i, 2i+1
   alignas(64) uint32_t pw[BF16_ROW_BLOCK][KEY_TILE / 2];  // the probabilities of keys 2i, 2i+1 in bf16
@@ -258,28 +262,28 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
         seen_lo[b] = static_cast<__mmask16>(seen);
         seen_hi[b] = static_cast<__mmask16>(seen >> 16);
         seen_rows |= static_cast<__mmask16>(visible > 0) << b;
-        lo[b] = _mm512_mul_ps(lo[b], _mm512_set1_ps(scale));
-        hi[b] = _mm512_mul_ps(hi[b], _mm512_set1_ps(scale));
         tile_max[b] = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_mask_mov_ps(lowest, seen_lo[b], lo[b]), _mm512_mask_mov_ps(lowest, seen_hi[b], hi[b])));
       }
       const __m512 old_max = _mm512_maskz_loadu_ps(0xff, row_max + r0);
-      const __m512 new_max = _mm512_max_ps(old_max, _mm512_maskz_load_ps(0xff, tile_max));
-      const __m512 factor = _mm512_mask_blend_ps(seen_rows, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old_max, new_max)));
+      const __m512 new_max =
+          _mm512_max_ps(old_max, _mm512_mul_ps(_mm512_maskz_load_ps(0xff, tile_max), _mm512_set1_ps(log2_scale)));
+      const __m512 factor =
+          _mm512_mask_blend_ps(seen_rows, _mm512_set1_ps(1.f), exp2_16(_mm512_sub_ps(old_max, new_max)));
       _mm512_mask_storeu_ps(row_max + r0, seen_rows, new_max);
-      alignas(64) float maxes[16], rescale[16], tile_sum[16];
+      alignas(64) float maxes[16], rescale[16];
       _mm512_store_ps(maxes, new_max);
       _mm512_store_ps(rescale, factor);
 #pragma GCC unroll 8
       for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
-        const __m512 p_lo = _mm512_maskz_mov_ps(seen_lo[b], exp16(_mm512_sub_ps(lo[b], _mm512_set1_ps(maxes[b]))));
-        const __m512 p_hi = _mm512_maskz_mov_ps(seen_hi[b], exp16(_mm512_sub_ps(hi[b], _mm512_set1_ps(maxes[b]))));
-        tile_sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+        // p = 2^(score * scale * log2(e) - max), in one product and one difference
+        const __m512 c = _mm512_set1_ps(log2_scale), m = _mm512_set1_ps(maxes[b]);
+        const __m512 p_lo = _mm512_maskz_mov_ps(seen_lo[b], exp2_16(_mm512_fmsub_ps(lo[b], c, m)));
+        const __m512 p_hi = _mm512_maskz_mov_ps(seen_hi[b], exp2_16(_mm512_fmsub_ps(hi[b], c, m)));
+        float* sum = sums + (r0 + b) * 16;
+        _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(rescale[b]), _mm512_add_ps(p_lo, p_hi)));
         _mm512_store_si512(pw[b], (__m512i)_mm512_cvtne2ps_pbh(p_hi, p_lo));
       }
-      _mm512_mask_storeu_ps(row_sum + r0, 0xff,
-                            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0xff, row_sum + r0), factor,
-                                            _mm512_maskz_load_ps(0xff, tile_sum)));
       // P.V in blocks of 4 rows x 64 dimensions: 16 accumulators.
       for (int64_t b0 = 0; b0 < BF16_ROW_BLOCK; b0 += 4)
         for (int64_t d0 = 0; d0 < HEAD; d0 += 64) {
@@ -300,6 +304,10 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
             for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (r0 + b0 + b) * HEAD + d0 + 16 * c, o[b][c]);
         }
     }
+  }
+  for (int64_t r = 0; r < w.rows; ++r) {
+    row_sum[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + r * 16));
+    row_max[r] *= 0.693147181f;  // back to the scores' base e, as the merge of split work takes them
   }
 }
 #endif
@@ -364,6 +372,7 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
     std::vector<float> qf(max_rows * HEAD), acc(max_rows * HEAD), row_max(max_rows), row_sum(max_rows);
     std::vector<float> kt(HEAD * KEY_TILE), vf(KEY_TILE * HEAD);
     std::vector<uint32_t> qw(max_rows * HEAD / 2);
+    std::vector<float> sums(max_rows * 16);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t work = 0; work < num_work; ++work) {
       const Item item = items[work / splits];
@@ -392,7 +401,8 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
       std::fill_n(row_sum.data(), max_rows, 0.f);
 #ifdef SPINDLE_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> && (HEAD == 64 || HEAD == 128)) {
-        walk_bf16<HEAD>(walk, query_row, kc, vc, fscale, qw.data(), acc.data(), row_max.data(), row_sum.data());
+        walk_bf16<HEAD>(walk, query_row, kc, vc, fscale, qw.data(), sums.data(), acc.data(), row_max.data(),
+                        row_sum.data());
       } else
 #endif
       {
