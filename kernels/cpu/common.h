@@ -11,7 +11,7 @@
 #include <cstring>
 #include <type_traits>
 
-// AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own there.
+// AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SPINDLE_AVX512_BF16 1

@@ -185,11 +185,11 @@ inline void transpose16(__m512i* m) {
 // float lanes), for both products: Q.K over pairs of the head dimension, P.V over pairs of keys, with the
 // probabilities rounded to bf16 (as torch's flash attention rounds them for its second GEMM). Each key tile is laid
 // out once for that: K as [pair of dimensions][key] (16 x 16 transposes), V as [pair of keys][dimension]. The
-// scores are scaled in float, so the query is used as it is. qw and sums are scratch for the item's rows. On 2 Zen 4 cores,
-// SmolLM2's 9/3 heads of 64, ms a layer, this walk / walk_float in bf16 / torch's flash attention on the gathered
-// context: 2,048 tokens fresh 16 / 46 / 44; after 4,096 cached 77 / 240 / 197; 512 after 7,000 28 / 88 / 89; 16
-// after 2,000 0.27 / 0.75 / 2.6. About 315 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do (465, measured
-// with independent chains); the products' two loops take ~85% of the time, the softmax most of the rest.
+// scores are scaled in float, so the query is used as it is. qw and sums are scratch for the item's rows. On 2 Zen 4
+// cores, SmolLM2's 9/3 heads of 64, ms a layer, this walk / walk_float in bf16 / torch's flash attention on the
+// gathered context: 2,048 tokens fresh 16 / 46 / 44; after 4,096 cached 77 / 240 / 197; 512 after 7,000 28 / 88 /
+// 89; 16 after 2,000 0.27 / 0.75 / 2.6. About 315 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do (465,
+// measured with independent chains); the products' two loops take ~85% of the time, the softmax most of the rest.
 template <int64_t HEAD, typename QueryRow>
 void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const c10::BFloat16* vc, float scale,
                uint32_t* qw, float* sums, float* acc, float* row_max, float* row_sum) {
@@ -262,8 +262,9 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
         seen_lo[b] = static_cast<__mmask16>(seen);
         seen_hi[b] = static_cast<__mmask16>(seen >> 16);
         seen_rows |= static_cast<__mmask16>(visible > 0) << b;
-        tile_max[b] = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_mask_mov_ps(lowest, seen_lo[b], lo[b]), _mm512_mask_mov_ps(lowest, seen_hi[b], hi[b])));
+        const __m512 seen_max =
+            _mm512_max_ps(_mm512_mask_mov_ps(lowest, seen_lo[b], lo[b]), _mm512_mask_mov_ps(lowest, seen_hi[b], hi[b]));
+        tile_max[b] = _mm512_reduce_max_ps(seen_max);
       }
       const __m512 old_max = _mm512_maskz_loadu_ps(0xff, row_max + r0);
       const __m512 new_max =
@@ -281,7 +282,8 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
         const __m512 p_lo = _mm512_maskz_mov_ps(seen_lo[b], exp2_16(_mm512_fmsub_ps(lo[b], c, m)));
         const __m512 p_hi = _mm512_maskz_mov_ps(seen_hi[b], exp2_16(_mm512_fmsub_ps(hi[b], c, m)));
         float* sum = sums + (r0 + b) * 16;
-        _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(rescale[b]), _mm512_add_ps(p_lo, p_hi)));
+        const __m512 tile_sum = _mm512_add_ps(p_lo, p_hi);
+        _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(rescale[b]), tile_sum));
         _mm512_store_si512(pw[b], (__m512i)_mm512_cvtne2ps_pbh(p_hi, p_lo));
       }
       // P.V in blocks of 4 rows x 64 dimensions: 16 accumulators.
