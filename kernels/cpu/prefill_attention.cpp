@@ -190,6 +190,7 @@ inline void transpose16(__m512i* m) {
 // gathered context: 2,048 tokens fresh 16 / 46 / 44; after 4,096 cached 77 / 240 / 197; 512 after 7,000 28 / 88 /
 // 89; 16 after 2,000 0.27 / 0.75 / 2.6. About 315 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do (465,
 // measured with independent chains); the products' two loops take ~85% of the time, the softmax most of the rest.
+// (`python -m bench.cpu_attention` prints these rows, on a run that may differ by 20-30% on this shared machine.)
 template <int64_t HEAD, typename QueryRow>
 void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const c10::BFloat16* vc, float scale,
                uint32_t* qw, float* sums, float* acc, float* row_max, float* row_sum) {
