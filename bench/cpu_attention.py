@@ -11,12 +11,10 @@ the two outputs' largest difference, and flash's time over ours::
 """
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from bench.flops import median_seconds
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_dtype, resolve_model
 from spindle.kernels import AttentionMetadata
@@ -38,17 +36,6 @@ CHUNKS = [
 BLOCK_SIZE = 16
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """The median wall time of ``fn`` in ms, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def chunk_row(n: int, cached: int, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
     """One chunk's line: ``query`` holds its ``n`` tokens, the caches room for their context in scattered blocks."""
     seq_len, (_, heads, head_size) = n + cached, query.shape
@@ -66,7 +53,7 @@ def chunk_row(n: int, cached: int, query: torch.Tensor, k_cache: torch.Tensor, v
 
     diff = (ours().float() - flash().float()).abs().max().item()
     repeats = max(3, min(30, int(3e9 / (n * seq_len * heads * head_size * 4))))
-    ours_ms, flash_ms = median_ms(ours, repeats), median_ms(flash, repeats)
+    ours_ms, flash_ms = median_seconds(ours, repeats) * 1e3, median_seconds(flash, repeats) * 1e3
     flops = 2 * 2 * heads * head_size * (n * cached + n * (n + 1) / 2)
     return (
         f"{n:5d} after {cached:5d} cached {ours_ms:11.2f} {flops / ours_ms / 1e6:8.0f} {flash_ms:9.2f} {diff:9.4f} "

@@ -5,9 +5,12 @@ A Llama-family decoder's work is its projections (two FLOPs per weight per token
 dot products with its context, and the weighted sum of the values) and the LM head rows that are sampled.
 :func:`matmul_rate` measures the machine's matmul rate in a dtype with one large ``torch.mm``, in the benchmark's own
 run, so that the fraction printed beside a throughput is of this machine at this moment (these machines are shared).
+:func:`median_seconds` times one call, as the kernel and projection benchmarks do.
 """
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +59,17 @@ class Shapes:
             attention = 4 * self.layers * self.heads * self.head_dim * positions * (positions + 1) / 2
             total += positions * per_token + attention + output * 2 * self.hidden * self.vocab
         return total
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 15) -> float:
+    """The median wall time of ``fn()`` in seconds over ``repeats`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_rate(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:

@@ -20,13 +20,13 @@ AVX2 kernels would otherwise saturate 16-bit sums), which costs more perplexity:
 """
 
 import argparse
+import functools
 import statistics
-import time
 import warnings
-from collections.abc import Callable
 
 import torch
 
+from bench.flops import median_seconds
 from bench.offline_throughput import make_prompts, output_lengths, spindle_run
 from bench.quality import perplexity, windows
 from spindle import LLM, SamplingParams
@@ -141,17 +141,6 @@ def restore(llm: LLM) -> None:
             prepared[key] = prepared[key].inner
 
 
-def median_seconds(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int = 15) -> float:
-    """Median time of ``call(x)`` after one warm-up call."""
-    call(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def gemm_rates(llm: LLM, reduce_range: bool) -> None:
     """Print GFLOP/s of each distinct projection shape: dense, int8 per tensor, int8 per token."""
     shapes = {}
@@ -167,7 +156,7 @@ def gemm_rates(llm: LLM, reduce_range: bool) -> None:
         for tokens in (64, 512):
             x = torch.randn(tokens, in_features, dtype=stored(projection).dtype)
             rates = [
-                2 * tokens * in_features * out_features / median_seconds(f, x) / 1e9
+                2 * tokens * in_features * out_features / median_seconds(functools.partial(f, x)) / 1e9
                 for f in (projection, per_tensor, int8)
             ]
             print(
