@@ -28,8 +28,8 @@ from types import ModuleType
 import torch
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-"""Whether oneDNN runs bf16 natively on this CPU (AVX-512 bf16 or AVX-NE-CONVERT): where the CPU path's choices
-between oneDNN or torch's bf16 kernels and ours were measured."""
+"""Whether oneDNN runs bf16 natively on this CPU (AVX-512 bf16 or AVX-NE-CONVERT): where bf16 projections are
+pre-packed for it (``spindle.kernels.linear.can_pack``)."""
 
 _NAME = "spindle_cpu_ops"
 _SOURCES = [
