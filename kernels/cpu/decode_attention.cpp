@@ -60,7 +60,10 @@ inline float sum8(f8 v) {
 // How far ahead of the walk the AVX-512 bf16 path prefetches keys (in its first head's pass) and values, in tokens:
 // blocks lie anywhere in memory, so the hardware's stream prefetcher finds little to follow. 10-20% on the case
 // measured below, and the first rows of a partition prefetched before its walk 3-20% more (paired runs; prefetching
-// further ahead, into L2, or a whole partition at once paid no more).
+// further ahead, into L2, or a whole partition at once paid no more). Besides these, each walk fetches what comes
+// after it into L2 while it computes, so that memory is busy all along: its values during its second head's keys,
+// and the next KV head's keys during its values (1.3-1.5x on that case: 0.68-0.87 ms a layer against 0.92-1.44,
+// paired runs; also fetching the keys of the item this thread likely takes next paid nothing more).
 constexpr int64_t KEY_PREFETCH = 64, VALUE_PREFETCH = 32;
 
 // 16 vectors to one: lane j holds the sum of v[j]'s lanes (four rounds of shuffles and adds, 45 instructions, in
@@ -81,9 +84,9 @@ inline __m512 sum16(const __m512* v) {
   return fold(fold(quads[0], quads[1]), fold(quads[2], quads[3]));
 }
 
-template <int64_t HEAD>
+template <int64_t HEAD, _mm_hint HINT = _MM_HINT_T0>
 inline void prefetch_row(const c10::BFloat16* row) {  // one head's key or value row, HEAD * 2 bytes
-  for (int64_t c = 0; c < HEAD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
+  for (int64_t c = 0; c < HEAD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, HINT);
 }
 
 inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 values as floats
@@ -93,15 +96,17 @@ inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 values as floats
 
 // One work item's partition for GROUP query heads that share a KV head, bf16 on AVX-512 with its bf16 dot products
 // (vdpbf16ps: 32 products a vector, summed in pairs into float lanes, exact as bf16 products are). Each key is
-// loaded once per head from L1 and its 16-key tile's sums transposed into one vector of scores (sum16); each value
-// row is widened to float once for all GROUP heads, whose accumulators stay in registers. Writes the partials of
-// the GROUP heads as the generic walk does. Measured on 2 AVX-512 cores (Zen 4), SmolLM2's 9/3 heads of 64, 64
-// contexts of 64-400 tokens, 30 layers' caches read from memory: 0.86-1.24 ms a layer, against 2.60 for the generic
-// walk below in bf16 (1.75 in float32); with one layer's cache, which stays in L3, 0.39-0.55 against 0.75.
+// loaded once per head from L1 and its 16-key tile's sums transposed into one vector of scores (sum16); the values go
+// two tokens at a time, their rows interleaved for vdpbf16ps against the probabilities rounded to bf16 (as torch's
+// flash attention rounds them for its second product), the GROUP heads' accumulators in registers. Writes the
+// partials of the GROUP heads as the generic walk does; next_kc (or null) is the keys the next walk over these slots
+// reads, fetched while the values are. Measured on 2 AVX-512 cores (Zen 4), SmolLM2's 9/3 heads of 64, 64 contexts
+// of 64-400 tokens, 30 layers' caches read from memory: 0.68-0.85 ms a layer, against 2.60 for the generic walk
+// below in bf16 (1.75 in float32); the values widened to float and multiplied in float FMAs took 8-10% longer.
 template <int64_t HEAD, int GROUP>
 void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat16* kc, const c10::BFloat16* vc,
-                          const int64_t* slot, int64_t n, float scale, float* scores, float* max_out, float* sum_out,
-                          float* const* acc_out) {
+                          const c10::BFloat16* next_kc, const int64_t* slot, int64_t n, float scale, float* scores,
+                          uint16_t* probs, float* max_out, float* sum_out, float* const* acc_out) {
   constexpr int64_t QV = HEAD / 32, VV = HEAD / 16;  // bf16 pair vectors of a query, float vectors of a row
   const int64_t stride = (n + 15) / 16 * 16;          // scores of head g at scores[g * stride]
   // The first keys and values, which the walk's own prefetches (ahead of it) do not cover.
@@ -114,6 +119,8 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
     for (int64_t i = 0; i < n; i += 16) {
       if (g == 0)  // the later heads find the partition's keys in the L1 and L2 caches
         for (int64_t j = i + KEY_PREFETCH; j < std::min(i + KEY_PREFETCH + 16, n); ++j) prefetch_row<HEAD>(kc + slot[j]);
+      if (g == std::min(1, GROUP - 1))
+        for (int64_t j = i; j < std::min(i + 16, n); ++j) prefetch_row<HEAD, _MM_HINT_T1>(vc + slot[j]);
       __m512 dots[16];
       for (int j = 0; j < 16; ++j) {
         dots[j] = _mm512_setzero_ps();
@@ -138,22 +145,45 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
     }
     max_out[g] = max_score;
     sum_out[g] = total;
+    // The probabilities in bf16 for the value products, zero past n (an odd n's last pair takes a zero weight).
+    for (int64_t i = 0; i < stride; i += 16) {
+      const __mmask16 valid = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + g * stride + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, _mm512_loadu_ps(row + i))));
+    }
   }
+  // Values two tokens at a time: their rows interleaved into [dimension][token pair] (unpacklo/hi, within each 128-bit
+  // lane) for vdpbf16ps against the pair's two probabilities. Accumulator 2c holds, in lane k, dimension
+  // 32c + 8(k / 4) + k % 4, and 2c + 1 the four after each of those: put back in order at the end.
   __m512 acc[GROUP][VV];
   for (int g = 0; g < GROUP; ++g)
     for (int64_t c = 0; c < VV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const c10::BFloat16* value = vc + slot[i];
-    if (i + VALUE_PREFETCH < n) prefetch_row<HEAD>(vc + slot[i + VALUE_PREFETCH]);
-    __m512 v[VV];
-    for (int64_t c = 0; c < VV; ++c) v[c] = load16(value + 16 * c);
+  for (int64_t i = 0; i < n; i += 2) {
+    const c10::BFloat16* first = vc + slot[i];
+    const c10::BFloat16* second = i + 1 < n ? vc + slot[i + 1] : first;  // weighs zero
+    for (int64_t j = i + VALUE_PREFETCH; j < std::min(i + VALUE_PREFETCH + 2, n); ++j) prefetch_row<HEAD>(vc + slot[j]);
+    if (next_kc != nullptr)
+      for (int64_t j = i; j < std::min(i + 2, n); ++j) prefetch_row<HEAD, _MM_HINT_T1>(next_kc + slot[j]);
+    __m512i pairs[VV];
+    for (int64_t c = 0; c < VV / 2; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
+      pairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
     for (int g = 0; g < GROUP; ++g) {
-      const __m512 weight = _mm512_set1_ps(scores[g * stride + i]);
-      for (int64_t c = 0; c < VV; ++c) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
+      int32_t weights;
+      std::memcpy(&weights, probs + g * stride + i, sizeof(weights));
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(weights);
+      for (int64_t c = 0; c < VV; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], weight, (__m512bh)pairs[c]);
     }
   }
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < GROUP; ++g)
-    for (int64_t c = 0; c < VV; ++c) _mm512_storeu_ps(acc_out[g] + 16 * c, acc[g][c]);
+    for (int64_t c = 0; c < VV; c += 2) {
+      _mm512_storeu_ps(acc_out[g] + 16 * c, _mm512_permutex2var_ps(acc[g][c], low, acc[g][c + 1]));
+      _mm512_storeu_ps(acc_out[g] + 16 * c + 16, _mm512_permutex2var_ps(acc[g][c], high, acc[g][c + 1]));
+    }
 }
 #endif
 
@@ -205,6 +235,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
     // The partition's scores of one head (exponentiated in place) and where each of its tokens' slots starts.
     // (The AVX-512 bf16 walk keeps up to four heads' scores, each row padded to whole 16-key tiles.)
     std::vector<float> scores(4 * (partition + 15)), merged(head_size);
+    std::vector<uint16_t> probs(4 * (partition + 15));
     std::vector<int64_t> slot(partition);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
@@ -231,9 +262,11 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
           }
           float* maxes = part_max.data() + item * num_heads + h;
           float* sums = part_sum.data() + item * num_heads + h;
+          const int64_t next = h + run < num_heads ? ((h + run) / group) * head_size : -1;
           const auto walk = [&](auto size) {
-            group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, slot.data(), n,
-                                                              fscale, scores.data(), maxes, sums, accs);
+            group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset,
+                                                              next < 0 ? nullptr : kc + next, slot.data(), n, fscale,
+                                                              scores.data(), probs.data(), maxes, sums, accs);
           };
           switch (run) {
             case 1: walk(std::integral_constant<int, 1>{}); break;
