@@ -93,13 +93,13 @@ class MaxRecorder:
 
 
 def stored(projection: Projection) -> torch.Tensor:
-    """The dense weight a prepared CPU projection keeps: oneDNN's packed copy, or the plain one."""
-    return projection.packed if projection.packed is not None else projection.dense
+    """The dense weight a prepared CPU projection keeps (tiled for our bf16 kernel, oneDNN-packed, or plain)."""
+    return next(w for w in (projection.tiled, projection.packed, projection.dense) if w is not None)
 
 
 def dense_weight(projection: Projection) -> torch.Tensor:
     """The float32 ``[out, in]`` weight a prepared projection applies (recovered through it: packed copies only)."""
-    identity = torch.eye(stored(projection).shape[1], dtype=stored(projection).dtype)
+    identity = torch.eye(projection.in_features, dtype=stored(projection).dtype)
     out = projection(identity)  # more rows than DENSE_TOKENS: the dense weight, not the quantized kernel
     if projection.bias is not None:
         out = out - projection.bias
@@ -145,7 +145,7 @@ def gemm_rates(llm: LLM, reduce_range: bool) -> None:
     """Print GFLOP/s of each distinct projection shape: dense, int8 per tensor, int8 per token."""
     shapes = {}
     for prepared, key in slots(llm):
-        shapes.setdefault(tuple(stored(prepared[key]).shape), (key, prepared[key]))
+        shapes.setdefault((prepared[key].out_features, prepared[key].in_features), (key, prepared[key]))
     print("GFLOP/s per projection shape (dense packed | int8 per tensor | int8 per token):")
     for (out_features, in_features), (key, projection) in shapes.items():
         int8 = Int8Projection(projection, dense_weight(projection), None, reduce_range)

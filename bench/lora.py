@@ -30,7 +30,7 @@ from spindle.backend.engine_core import EngineCore
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.kernels import cpu
-from spindle.kernels.linear import pack_weight
+from spindle.kernels.linear import Projection, pack_weight
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.protocol import EngineRequest
@@ -132,13 +132,13 @@ def compare_cpu_formulations(rank: int, num_slots: int = 4) -> None:
     slots = [[(randn(num_slots, k, i), randn(num_slots, k, o)) for i, o, k in shapes] for _ in range(num_layers)]
     # For gather-bmm: each slot's A.T, gathered per token.
     slots_t = [[(a.transpose(1, 2).contiguous(), b_t) for a, b_t in layer] for layer in slots]
-    # For all-slots-dense: every slot's A stacked ([S*K, in]) and B side by side ([out, S*K]), oneDNN-packed as the
-    # base projections are (spindle.kernels.linear.pack_weight).
+    # For all-slots-dense: every slot's A stacked ([S*K, in]) and B side by side ([out, S*K]), oneDNN-packed
+    # (spindle.kernels.linear.pack_weight), for its fused add.
     dense = [
         [(pack_weight(a.flatten(0, 1)), pack_weight(b_t.flatten(0, 1).T.contiguous())) for a, b_t in layer]
         for layer in slots
     ]
-    base = [[pack_weight(randn(o, i)) for i, o, _ in shapes] for _ in range(num_layers)]
+    base = [[Projection(randn(o, i)) for i, o, _ in shapes] for _ in range(num_layers)]  # as the engine runs them
 
     def segments(xs: list, ys: list, runs: list, _: torch.Tensor) -> None:
         for layer in slots:
@@ -173,8 +173,8 @@ def compare_cpu_formulations(rank: int, num_slots: int = 4) -> None:
 
     def base_projections(xs: list, *_: object) -> None:
         for layer in base:
-            for weight, x in zip(layer, xs, strict=True):
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            for projection, x in zip(layer, xs, strict=True):
+                projection(x)
 
     cases = {
         "decode 32 tokens, 4 adapters": [8] * 4,

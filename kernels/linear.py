@@ -1,6 +1,8 @@
-"""Projections (``x @ W.T + b``) as the forward runs them: dense, pre-packed for oneDNN, or weight-only quantized.
+"""Projections (``x @ W.T + b``) as the forward runs them: dense, pre-packed, or weight-only quantized.
 
-On the CPU a dense float32 or bf16 weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
+On the CPU a dense bf16 weight runs our kernel where the CPU has AVX-512 bf16 (``spindle.kernels.cpu.bf16_linear``,
+its weight laid out once by :func:`~spindle.kernels.cpu.bf16_pack`: :func:`can_tile`), and any other float32 or bf16
+weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
 projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs a weight-only kernel (int8 ours,
 ``spindle.kernels.cpu.int8_linear``; int4 torch's) for small batches only, and keeps the dense copy for the rest: see
 :data:`MAX_QUANTIZED_TOKENS` for what was measured. On CUDA
@@ -14,24 +16,51 @@ from spindle.kernels import cpu, quantized_linear
 from spindle.kernels.quant import QuantizedWeight
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
+if _CAPABILITY == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+    # The dense bf16 copy runs our kernel there (can_tile: the kernels are built for this CPU's instructions).
+    _CAPABILITY = "AVX512_BF16"
 
-TORCH_INT4 = _CAPABILITY == "AVX512"
+TORCH_INT4 = _CAPABILITY in ("AVX512", "AVX512_BF16")
 """Whether int4 projections run torch's CPU kernel (``_weight_int4pack_mm_for_cpu``, fast with AVX-512 only) rather
 than ours (``spindle.kernels.cpu.int4_linear``)."""
 
-MAX_QUANTIZED_TOKENS = {"AVX512": {8: 3, 4: 8}, "AVX2": {8: 8, 4: 8}}.get(_CAPABILITY, {8: 0, 4: 0})
+MAX_QUANTIZED_TOKENS = {"AVX512_BF16": {8: 1, 4: 1}, "AVX512": {8: 3, 4: 8}, "AVX2": {8: 8, 4: 8}}.get(
+    _CAPABILITY, {8: 0, 4: 0}
+)
 """Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense weight.
 
 Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
-step, medians). On an AVX-512 EPYC (bf16 oneDNN-packed / int8 ``spindle.kernels.cpu.int8_linear`` / int4 torch's
-kernel, group 32): 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2, 8 tokens 16.6 /
-30.8 / 20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one token and 111 for 16.) On an
+step, medians). On an AVX-512 bf16 EPYC (Zen 4), bf16 in our kernel (``spindle.kernels.cpu.bf16_linear``) / int8
+``spindle.kernels.cpu.int8_linear`` / int4 torch's kernel, group 32, two runs: 1 token 8.9, 7.4 / 6.5, 7.4 / 8.1,
+10.0; 2 tokens 10.0, 6.9 / 10.2, 8.4 / 11.0, 10.2; 4 tokens 9.4, 7.6 / 18.8, 14.9 / 14.2, 12.4; 8 tokens 8.9 / 33.6 /
+21.1; 16 tokens 12.9 / 47.2 / 34.6. One token stays quantized: the lm head's int8 copy reads half the bytes of its
+bf16 one. With oneDNN's packed matmul for the dense copy (AVX-512 without bf16, or before our kernel):
+bf16 oneDNN-packed / int8 / int4: 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2,
+8 tokens 16.6 / 30.8 / 20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one token and 111
+for 16.) On an
 AVX2-only EPYC (Zen 3, no bf16: float32 dense / int8 ours / int4 ours): 1 token 40.6 / 12.5 / 12.5, 2 tokens 76.1 /
 14.8 / 13.3, 4 tokens 75.5 / 20.1 / 19.1, 8 tokens 67.9 / 39.3 / 40.1; torch's int4 kernel there: 140, 262, 523 and
 1,024 ms, which is why int4 runs ours on AVX2, and int8 a hand-written AVX2 loop (gcc left the generic one at 46 ms
 for one token).
 Other CPUs (no AVX2) are unmeasured: their projections run dense.
 """
+
+
+def can_tile(weight: torch.Tensor) -> bool:
+    """Whether the weight runs ``spindle.kernels.cpu.bf16_linear`` (it is then laid out once by ``bf16_pack``).
+
+    That is a bf16 ``[out, in]`` weight on a CPU with AVX-512 bf16, ``out`` a multiple of 16 and ``in`` even. The
+    kernel replaces oneDNN's packed matmul there: 1.1-2x faster from 1 to 512 rows on SmolLM2's projections (its
+    source has the numbers).
+    """
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 2 == 0
+        and cpu.bf16_linear_supported()
+    )
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -60,7 +89,8 @@ class Projection:
 
     Args:
         weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
-            On the CPU it is pre-packed where :func:`can_pack` says so (:func:`pack_weight`).
+            On the CPU it is laid out for our bf16 kernel where :func:`can_tile` says so, else pre-packed for oneDNN
+            where :func:`can_pack` does (:func:`pack_weight`).
         bias: ``[out]`` or None.
         quantized: the weight-only quantized form, or None. On the CPU int4 is repacked into the layout of torch's
             kernel and int8 stays as it is, for ours; on CUDA both stay as they are, for the Triton kernel.
@@ -77,9 +107,12 @@ class Projection:
             raise ValueError("a projection needs a dense or a quantized weight")
         self.bias = bias
         self.dense = weight
-        self.packed = pack_weight(weight) if weight is not None and can_pack(weight) else None
-        if self.packed is not None:
-            self.dense = None  # the packed copy stands in for it; keeping both would double the memory
+        self.out_features, self.in_features = quantized.shape if weight is None else weight.shape
+        self.tiled = cpu.bf16_pack(weight) if weight is not None and can_tile(weight) else None
+        usable = weight is not None and self.tiled is None and can_pack(weight)
+        self.packed = pack_weight(weight) if usable else None
+        if self.packed is not None or self.tiled is not None:
+            self.dense = None  # the laid-out copy stands in for it; keeping both would double the memory
         self.quantized = quantized
         self.bits = 0 if quantized is None else quantized.bits
         self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
@@ -91,12 +124,16 @@ class Projection:
         """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
         if self.quantized is None:
             return False
-        no_dense = self.dense is None and self.packed is None
+        no_dense = self.dense is None and self.packed is None and self.tiled is None
         return no_dense or self._cpu_quantized is None or num_tokens <= MAX_QUANTIZED_TOKENS[self.bits]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``."""
         if not self.uses_quantized(x.numel() // x.shape[-1]):
+            if self.tiled is not None:
+                rows = x.reshape(-1, x.shape[-1])
+                rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+                return cpu.bf16_linear(rows, self.tiled, self.out_features, self.bias).view(*x.shape[:-1], -1)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return F.linear(x, self.dense, self.bias)  # type: ignore[arg-type]

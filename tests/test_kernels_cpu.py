@@ -287,22 +287,54 @@ def test_argmax_matches_torch(case: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_linear_equals_plain(rows: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+# Output tiles of 48 columns: two whole ones; one and a last of 32; a last of 16 only.
+@pytest.mark.parametrize("outputs", [96, 80, 16])
+def test_prepared_linear_equals_plain(outputs: int, rows: int, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=generator).to(dtype)
-    bias = torch.randn(96, generator=generator).to(dtype)
+    weight = torch.randn(outputs, 64, generator=generator).to(dtype)
+    bias = torch.randn(outputs, generator=generator).to(dtype)
     x = torch.randn(rows, 64, generator=generator).to(dtype)
     projection = Projection(weight, bias)
 
-    # float32 is always packed; bf16 where oneDNN runs it (AVX-512): elsewhere (AVX2) the plain weight stays.
-    packs = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert (projection.packed is not None) == packs and (projection.dense is None) == packs
+    # bf16 runs our kernel with AVX-512 bf16, float32 oneDNN's packed matmul; bf16 elsewhere oneDNN's where it runs
+    # bf16, else the plain weight (AVX2).
+    tiled = dtype == torch.bfloat16 and cpu.bf16_linear_supported()
+    packed = not tiled and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert (projection.tiled is not None, projection.packed is not None) == (tiled, packed)
+    assert (projection.dense is None) == (tiled or packed)
     out = linear(x, torch.empty(0), prepared=projection)
-    if dtype == torch.bfloat16:  # the same oneDNN kernel either way
+    if tiled:  # sums in float in another order than oneDNN's: at most a bf16 rounding apart from the exact result
+        exact = (x.double() @ weight.double().T + bias.double()).float()
+        torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=2**-8)
+    elif dtype == torch.bfloat16:  # the same oneDNN kernel either way
         assert torch.equal(out, F.linear(x, weight, bias))
     else:  # oneDNN's and MKL's float32 GEMMs sum in different orders
         torch.testing.assert_close(out, F.linear(x, weight, bias))
+
+
+def test_tiled_linear_takes_batched_and_strided_inputs() -> None:
+    if not cpu.bf16_linear_supported():
+        pytest.skip("our bf16 kernel needs AVX-512 bf16")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
+    projection = Projection(weight)
+    wide = torch.randn(2, 5, 100, generator=generator).to(torch.bfloat16)
+    x = wide[..., 10:74]  # [2, 5, 64], rows 100 apart
+
+    out = projection(x)
+
+    assert out.shape == (2, 5, 48)
+    assert torch.equal(out, projection(x.contiguous()))
+    torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=1e-2, rtol=2**-8)
+
+
+def test_bf16_pack_refuses_shapes_it_cannot_tile() -> None:
+    if not cpu.bf16_linear_supported():
+        pytest.skip("our bf16 kernel needs AVX-512 bf16")
+    with pytest.raises(RuntimeError, match="out % 16 == 0"):
+        cpu.bf16_pack(torch.zeros(40, 64, dtype=torch.bfloat16))
+    assert Projection(torch.zeros(40, 64, dtype=torch.bfloat16)).tiled is None  # packed by oneDNN instead
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -379,9 +411,13 @@ def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(bits: int, d
         assert out.shape == (rows, 96) and out.dtype == dtype
         if rows > limit:
             assert not projection.uses_quantized(rows)
-            # The dense weight, packed for oneDNN: its GEMM sums float32 in another order than F.linear's MKL.
-            exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {}
-            torch.testing.assert_close(out, F.linear(x, weight, bias), **exact)
+            # The dense weight: oneDNN's packed float32 GEMM sums in another order than F.linear's MKL; bf16 runs
+            # oneDNN's own kernel, or ours with AVX-512 bf16 (another order again: a bf16 rounding apart at most).
+            if projection.tiled is not None:
+                torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-2, rtol=2**-8)
+            else:
+                exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {}
+                torch.testing.assert_close(out, F.linear(x, weight, bias), **exact)
             continue
         assert projection.uses_quantized(rows)
         want = quant.quantized_linear(x.float(), quantized, bias.float())

@@ -20,7 +20,7 @@ from spindle.backend.models.loader import (
     quantized_weights,
     resolve_quantization,
 )
-from spindle.kernels import AttentionMetadata, quant
+from spindle.kernels import AttentionMetadata, cpu, quant
 from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
 
 BLOCK_SIZE = 8
@@ -271,37 +271,37 @@ def test_smollm2_matches_transformers_on_the_gguf(
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float32,
-        pytest.param(
-            torch.bfloat16,
-            marks=pytest.mark.skipif(
-                not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN runs no bf16 on this CPU: no packing"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["llama", "llama3_tied"])
-def test_packed_weights_give_the_same_logits(
+def test_prepared_weights_give_the_same_logits(
     variant: str, dtype: torch.dtype, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
-    """Projections pre-packed for oneDNN (the CPU serving path) compute what plain F.linear does.
+    """Prepared projections (the CPU serving path) compute what plain F.linear does.
 
-    bf16 exactly (the same kernel), float32 to rounding (oneDNN's GEMM against MKL's).
+    bf16 runs our kernel on a CPU with AVX-512 bf16 (another summation order than oneDNN's: to bf16 rounding), else
+    oneDNN's packed matmul (exactly: F.linear runs the same kernel); float32 oneDNN's packed matmul (to rounding,
+    against MKL's).
     """
+    tiled = dtype == torch.bfloat16 and cpu.bf16_linear_supported()
+    packed_by_onednn = not tiled and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not (tiled or packed_by_onednn):
+        pytest.skip("no prepared form of bf16 weights on this CPU: both paths run F.linear")
     model_dir = make_tiny_model(variant)
     plain = load_model(model_dir, dtype, torch.device("cpu"))
-    packed = load_model(model_dir, dtype, torch.device("cpu"))
-    packed.prepare_weights()
-    assert not plain.prepared and packed.prepared["lm_head"].packed is not None
-    assert all(p.packed is not None for p in packed.layers[0].prepared.values())
+    prepared = load_model(model_dir, dtype, torch.device("cpu"))
+    prepared.prepare_weights()
+    projections = [prepared.prepared["lm_head"], *prepared.layers[0].prepared.values()]
+    assert not plain.prepared
+    assert all((p.tiled is not None, p.packed is not None) == (tiled, packed_by_onednn) for p in projections)
 
     expected = run_schedule(plain, prompts, SCHEDULES["mixed"])
-    exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {}
-    for want, got in zip(expected, run_schedule(packed, prompts, SCHEDULES["mixed"]), strict=True):
-        torch.testing.assert_close(got, want, **exact)
+    for want, got in zip(expected, run_schedule(prepared, prompts, SCHEDULES["mixed"]), strict=True):
+        if tiled:  # a few bf16 roundings apart after two layers (measured: within a thousandth of the logits' range)
+            torch.testing.assert_close(got, want, atol=0.005 * float(want.abs().max()), rtol=0)
+        elif dtype == torch.bfloat16:
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

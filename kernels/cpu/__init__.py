@@ -39,6 +39,7 @@ _SOURCES = [
         "decode_attention.cpp",
         "prefill_attention.cpp",
         "elementwise.cpp",
+        "bf16_linear.cpp",
         "quant_linear.cpp",
         "lora.cpp",
         "argmax.cpp",
@@ -126,6 +127,37 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary embedding of the query and key heads in one pass; the contract of ``spindle.kernels.rotary``'s."""
     return cpu_ops().rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+@functools.cache
+def bf16_linear_supported() -> bool:
+    """Whether :func:`bf16_linear` runs on this CPU: the kernels were built for one with AVX-512 bf16."""
+    return bool(cpu_ops().bf16_linear_supported())
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[out, in]`` weight laid out for :func:`bf16_linear` (``out % 16 == 0``, ``in`` even), flat.
+
+    Tiles of 48 output columns (the last of 16 or 32), each ``[in / 2][columns][2]``: for every pair of inputs the
+    tile's columns side by side, the pair's two weights adjacent, as the bf16 dot product instruction reads them.
+    """
+    return cpu_ops().bf16_pack(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, outputs: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a bf16 weight in :func:`bf16_pack`'s layout, on AVX-512 bf16 (see its source for numbers).
+
+    Args:
+        x: ``[tokens, in]`` bf16, each row dense.
+        packed: :func:`bf16_pack` of the ``[outputs, in]`` weight.
+        outputs: the weight's output count.
+        bias: ``[outputs]`` or None, added in float before the result is rounded to bf16.
+
+    Returns:
+        ``[tokens, outputs]`` bf16.
+
+    """
+    return cpu_ops().bf16_linear(x, packed, outputs, bias)
 
 
 MAX_INT8_TOKENS = 8

@@ -1,6 +1,7 @@
 // The Python module of the CPU kernels: one entry per kernel, each defined in its own file.
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -18,6 +19,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
                                                     const at::Tensor& key, const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+bool bf16_linear_supported();
+at::Tensor bf16_pack(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs,
+                       const std::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group_size);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -34,6 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normalised, sum).");
   m.def("rotary_embedding", &rotary_embedding, "Neox rotary embedding of query and key heads.");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up row.");
+  m.def("bf16_linear_supported", &bf16_linear_supported, "Whether bf16_linear runs here (AVX-512 bf16).");
+  m.def("bf16_pack", &bf16_pack, "A bf16 [out, in] weight in bf16_linear's tiles.");
+  m.def("bf16_linear", &bf16_linear, "x @ W.T + b of a bf16 weight in bf16_pack's tiles.");
   m.def("int8_linear", &int8_linear, "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
   m.def("int4_linear", &int4_linear, "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
   m.def("lora_add_", &lora_add_, "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
