@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU path: attention and the cache write, per-token ops, int8/int4 projections, LoRA, argmax.
+"""C++ kernels for the CPU path: attention and the cache write, per-token ops, bf16/int8/int4 projections, LoRA, argmax.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 45 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
