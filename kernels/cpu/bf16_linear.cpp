@@ -59,28 +59,16 @@ inline void block(const uint16_t* x, int64_t x_stride, const uint32_t* tile, con
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * out_stride + 16 * v), (__m256i)_mm512_cvtneps_pbh(acc[m][v]));
 }
 
-// Rows [0, rows) against one tile of NV vectors, in blocks of ROWS and a last block of the rest.
+// Rows [0, rows) against one tile of NV vectors, in blocks of ROWS (with_tokens' largest count) and a last of the rest.
 template <int NV>
 void tile_rows(const uint16_t* x, int64_t x_stride, int64_t rows, const uint32_t* tile, const uint32_t* next_tile,
                int64_t pairs, const float* bias, c10::BFloat16* out, int64_t out_stride) {
-  int64_t m = 0;
-  for (; m + ROWS <= rows; m += ROWS)
-    block<ROWS, NV>(x + m * x_stride, x_stride, tile, m == 0 ? next_tile : nullptr, pairs, bias, out + m * out_stride,
-                    out_stride);
-  const auto rest = [&](auto size) {
-    block<decltype(size)::value, NV>(x + m * x_stride, x_stride, tile, m == 0 ? next_tile : nullptr, pairs, bias,
-                                     out + m * out_stride, out_stride);
-  };
-  switch (rows - m) {
-    case 0: break;
-    case 1: rest(std::integral_constant<int, 1>{}); break;
-    case 2: rest(std::integral_constant<int, 2>{}); break;
-    case 3: rest(std::integral_constant<int, 3>{}); break;
-    case 4: rest(std::integral_constant<int, 4>{}); break;
-    case 5: rest(std::integral_constant<int, 5>{}); break;
-    case 6: rest(std::integral_constant<int, 6>{}); break;
-    default: rest(std::integral_constant<int, 7>{}); break;
-  }
+  static_assert(ROWS == 8);
+  for (int64_t m = 0; m < rows; m += ROWS)
+    with_tokens(std::min(ROWS, rows - m), [&](auto size) {
+      block<decltype(size)::value, NV>(x + m * x_stride, x_stride, tile, m == 0 ? next_tile : nullptr, pairs, bias,
+                                       out + m * out_stride, out_stride);
+    });
 }
 #endif
 
