@@ -89,11 +89,6 @@ inline void prefetch_row(const c10::BFloat16* row) {  // one head's key or value
   for (int64_t c = 0; c < HEAD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, HINT);
 }
 
-inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 values as floats
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // One work item's partition for GROUP query heads that share a KV head, bf16 on AVX-512 with its bf16 dot products
 // (vdpbf16ps: 32 products a vector, summed in pairs into float lanes, exact as bf16 products are). Each key is
 // loaded once per head from L1 and its 16-key tile's sums transposed into one vector of scores (sum16); the values go
@@ -262,11 +257,11 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
           }
           float* maxes = part_max.data() + item * num_heads + h;
           float* sums = part_sum.data() + item * num_heads + h;
-          const int64_t next = h + run < num_heads ? ((h + run) / group) * head_size : -1;
+          const T* next_keys = h + run < num_heads ? kc + ((h + run) / group) * head_size : nullptr;
           const auto walk = [&](auto size) {
-            group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset,
-                                                              next < 0 ? nullptr : kc + next, slot.data(), n, fscale,
-                                                              scores.data(), probs.data(), maxes, sums, accs);
+            group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, next_keys,
+                                                              slot.data(), n, fscale, scores.data(), probs.data(), maxes,
+                                                              sums, accs);
           };
           switch (run) {
             case 1: walk(std::integral_constant<int, 1>{}); break;
