@@ -24,9 +24,9 @@ class LLM:
         multiprocess: run the engine core in a backend child process (as ``spindle serve`` does) instead of here.
         **engine_args: any other :class:`~spindle.shared.config.EngineConfig` field (``dtype``, ``max_model_len``,
             ``kv_cache_memory``, ``gpu_memory_utilization``, ``block_size``, ``max_num_seqs``,
-            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``). Two default differently here, as an
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``). One defaults differently here, as an
             offline batch wants throughput, not the latency of its first streams: ``max_decode_slowdown`` is 0 (no
-            bound) and ``max_num_batched_tokens`` 2048 (longer steps, fewer of them).
+            bound).
 
     Example::
 
@@ -38,9 +38,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, multiprocess: bool = False, **engine_args: object) -> None:
         engine_args.setdefault("max_decode_slowdown", 0)
-        # Measured on 2 cores, bf16 SmolLM2, 2048 against 512 (two runs each): a fresh 1k prompt 773-919 against
-        # 631-732 tok/s, 4k 358-391 against 310-327; 32 prompts of varied lengths within the machine's noise.
-        engine_args.setdefault("max_num_batched_tokens", 2048)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), multiprocess)
         self._next_id = 0
 
