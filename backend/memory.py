@@ -21,15 +21,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MMAP_THRESHOLD = 4 * 2**20
+MMAP_THRESHOLD = 32 * 2**20
 """Bytes from which glibc's malloc serves a block with its own mapping, returned to the system when freed.
 
-4 MiB, not lower: a mapped block's pages fault in again each time it is taken, and a step's activations are
-hundreds of KiB each (a batch of 64 rows of SmolLM2's MLP in float32: 393 KiB). At 128 KiB the backend took 4.7M page
-faults where the in-process engine took 0.9M for the same 64 x 64-token batch, and ran it 25% slower (float32, 2 EPYC
-cores: 236 against 300 tok/s; `python -m bench.split_overhead --concurrency 64`: 70% of the in-process rate, 96% at
-4 MiB). Its resident memory over 160 mixed steps of new shapes grew as at 128 KiB (2,129 -> 2,207 MiB against 2,122 ->
-2,203, 1 GiB of KV cache included)."""
+32 MiB, the most glibc allows: a mapped block's pages fault in (and are zeroed) again each time it is taken, and a
+step's largest activations are megabytes (SmolLM2 in bf16: the logits of 64 decodes in float32 12.6 MB, the MLP's
+gate/up rows of a 2,048-token step 12.6 MB). At 4 MiB the engine took 148k page faults per 2,048-token prompt and
+prefilled it at 1,084-1,136 tok/s against 1,217-1,245 with glibc's own settings; 150 s of mixed batches (1-90
+prompts of 4-3,000 tokens, 2 Zen 4 cores) took 9.5M faults and generated 32,543 tokens, against 12k faults and
+34,814 tokens at 32 MiB (with :data:`TRIM_THRESHOLD`), resident memory flat at 1,837 and 1,860 MiB. (At 128 KiB,
+before, the float32 backend took 4.7M faults where the in-process engine took 0.9M, and ran 25% slower.)"""
+
+TRIM_THRESHOLD = 128 * 2**20
+"""Free bytes at the top of glibc's heap from which it returns them to the system: above a step's activations, so
+that the next step does not fault them in again (glibc's default, once the mmap threshold is set, is 128 KiB)."""
 
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 256
 """oneDNN's compiled matmuls kept, one per shape (its default, 1,024, held ~135 MiB more over 400 shapes)."""
@@ -38,20 +43,22 @@ ONEDNN_PRIMITIVE_CACHE_CAPACITY = 256
 def bound_host_memory() -> None:
     """Keep the backend's resident memory from growing with the number of distinct step shapes it has run.
 
-    glibc raises its mmap threshold each time a large mapped block is freed, up to 32 MiB, after which activations
-    (a step's logits are megabytes) come from the heap, whose freed pieces, fragmented by the next shapes, stay
-    resident: measured on SmolLM2's projections over 400 token counts, 1.37 GiB and still rising, against a plateau of
-    0.62 GiB (reached by 300 shapes) with the threshold fixed at 128 KiB and oneDNN's primitive cache at 256
-    (``bench/soak.py`` measures the whole server). Setting the threshold also stops its adjustment; it is fixed at
-    :data:`MMAP_THRESHOLD`, above a step's per-layer activations, so that those are reused from the heap. Call this
-    first thing in the backend process, before oneDNN reads its environment. Other C libraries are left alone.
+    oneDNN keeps a compiled matmul per shape: its cache is held to :data:`ONEDNN_PRIMITIVE_CACHE_CAPACITY`. glibc's
+    malloc starts by mapping every block from 128 KiB, and raises that threshold (up to 32 MiB) each time a larger
+    mapped block is freed, so a server's first steps of each new size fault their activations in afresh, and its
+    heap's top is returned to the system and faulted in again from step to step. Both thresholds are fixed here
+    instead (:data:`MMAP_THRESHOLD`, :data:`TRIM_THRESHOLD`), above a step's activations, so that those are reused
+    from the heap; blocks larger still are mapped, and returned when freed. (Over 400 token counts of SmolLM2's
+    float32 projections through oneDNN the resident memory had reached 1.37 GiB, still rising, with oneDNN's default
+    cache of 1,024 primitives; ``bench/soak.py`` measures the whole server.) Call this first thing in the backend
+    process, before oneDNN reads its environment. Other C libraries are left alone.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     mallopt = getattr(libc, "mallopt", None)
-    m_mmap_threshold = -3  # glibc's <malloc.h>
-    if mallopt is None or not mallopt(m_mmap_threshold, MMAP_THRESHOLD):
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    if mallopt is None or not (mallopt(m_mmap_threshold, MMAP_THRESHOLD) and mallopt(m_trim_threshold, TRIM_THRESHOLD)):
         logger.info("Not glibc's malloc: leaving the host allocator's settings alone")
 
 

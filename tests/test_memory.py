@@ -73,9 +73,8 @@ def test_the_profile_pass_samples_at_full_width(tiny_llama_dir: Path) -> None:
     assert recording.widths == {"sample": ((12, vocab), vocab - 1, 20), "prompt_logprobs": ((40, vocab), 20)}
 
 
-FREED_BLOCK = """
-import sys
-import subprocess
+REUSED_BLOCK = """
+import resource
 import sys
 from pathlib import Path
 
@@ -89,24 +88,33 @@ def rss_mib() -> float:
     return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
 
 
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 if sys.argv[1] == "bounded":
     bound_host_memory()
-big = torch.ones(4 * 2**20)  # 16 MiB, mapped, then freed: glibc raises its mmap threshold past it
-del big
-before = rss_mib()
-block = torch.ones(2 * 2**20)  # 8 MiB: from the heap unless the threshold stayed put
+block = torch.ones(6 * 2**20)  # 24 MiB, a large activation, then freed
 del block
-print(rss_mib() - before)
+before = faults()
+block = torch.ones(6 * 2**20)  # the next step's: from the heap, or mapped and faulted in again
+taken_again = faults() - before
+del block
+big = torch.ones(16 * 2**20)  # 64 MiB: past any threshold, mapped
+held = rss_mib()
+del big
+print(taken_again, held - rss_mib())
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc (Linux)")
-def test_a_freed_activation_goes_back_to_the_system_in_the_backend() -> None:
-    """Without the bound, an 8 MiB block freed after a 16 MiB one stays resident in glibc's heap; with it, it goes."""
-    held = {
-        mode: float(
-            subprocess.run([sys.executable, "-c", FREED_BLOCK, mode], capture_output=True, text=True, check=True).stdout
-        )
-        for mode in ("plain", "bounded")
-    }
-    assert held["plain"] > 6 and held["bounded"] < 1, held
+def test_a_freed_activation_is_reused_in_the_backend() -> None:
+    """Without the settings, a 24 MiB block taken a second time faults its 6,144 pages in again (glibc maps it, or
+    grows its heap for it); with them, it is reused from the heap. A 64 MiB one goes back to the system either way."""
+    runs = {}
+    for mode in ("plain", "bounded"):
+        out = subprocess.run([sys.executable, "-c", REUSED_BLOCK, mode], capture_output=True, text=True, check=True)
+        faults, returned = out.stdout.split()
+        runs[mode] = int(faults), float(returned)
+    assert runs["plain"][0] > 3000 and runs["bounded"][0] < 60, runs
+    assert runs["plain"][1] > 60 and runs["bounded"][1] > 60, runs
