@@ -21,13 +21,19 @@ if _CAPABILITY == "AVX512" and torch.cpu._is_avx512_bf16_supported():
     _CAPABILITY = "AVX512_BF16"
 
 TORCH_INT4 = _CAPABILITY in ("AVX512", "AVX512_BF16")
-"""Whether int4 projections run torch's CPU kernel (``_weight_int4pack_mm_for_cpu``, fast with AVX-512 only) rather
-than ours (``spindle.kernels.cpu.int4_linear``)."""
+"""Whether int4 projections with bf16 activations run torch's CPU kernel (``_weight_int4pack_mm_for_cpu``, fast with
+AVX-512 only) rather than ours (``spindle.kernels.cpu.int4_linear``). float32 ones always run ours: with float32
+activations torch's took 100.7 ms over SmolLM2's 30 layers for one token on an AVX-512 bf16 EPYC (Zen 4), 782.6 for
+8, against 8.3 and 19.6 (bf16 activations: torch's 5.5 and 13.9, ours 8.8 and 22.2)."""
 
-MAX_QUANTIZED_TOKENS = {"AVX512_BF16": {8: 1, 4: 1}, "AVX512": {8: 3, 4: 8}, "AVX2": {8: 8, 4: 8}}.get(
-    _CAPABILITY, {8: 0, 4: 0}
-)
-"""Calls of at most this many tokens run the CPU quantized kernel, by bit width; larger ones the dense weight.
+_F32, _BF16 = torch.float32, torch.bfloat16
+MAX_QUANTIZED_TOKENS: dict[tuple[torch.dtype, int], int] = {
+    "AVX512_BF16": {(_BF16, 8): 1, (_BF16, 4): 1, (_F32, 8): 4, (_F32, 4): 8},
+    "AVX512": {(_BF16, 8): 3, (_BF16, 4): 8, (_F32, 8): 4, (_F32, 4): 8},
+    "AVX2": {(_F32, 8): 8, (_F32, 4): 8, (_BF16, 8): 8, (_BF16, 4): 8},
+}.get(_CAPABILITY, dict.fromkeys([(_F32, 8), (_F32, 4), (_BF16, 8), (_BF16, 4)], 0))
+"""Calls of at most this many tokens run the CPU quantized kernel, by compute dtype and bit width; larger ones (and
+any dtype or CPU not listed) the dense weight.
 
 Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
 step, medians). On an AVX-512 bf16 EPYC (Zen 4), bf16 in our kernel (``spindle.kernels.cpu.bf16_linear``) / int8
@@ -42,6 +48,9 @@ AVX2-only EPYC (Zen 3, no bf16: float32 dense / int8 ours / int4 ours): 1 token 
 14.8 / 13.3, 4 tokens 75.5 / 20.1 / 19.1, 8 tokens 67.9 / 39.3 / 40.1; torch's int4 kernel there: 140, 262, 523 and
 1,024 ms, which is why int4 runs ours on AVX2, and int8 a hand-written AVX2 loop (gcc left the generic one at 46 ms
 for one token).
+A float32 model on the AVX-512 bf16 EPYC (its dense copy oneDNN-packed float32): float32 dense / int8 / int4 ours:
+1 token 23.1, 20.6 / 5.7 / 8.3, 2 tokens 24.3, 23.1 / 7.4 / 8.9, 4 tokens 19.8, 20.2 / 12.2 / 11.0, 8 tokens 22.2,
+23.3 / 26.8 / 19.6; AVX-512 CPUs without bf16 get the same limits for float32 (the same oneDNN kernel), unmeasured.
 Other CPUs (no AVX2) are unmeasured: their projections run dense.
 """
 
@@ -115,17 +124,19 @@ class Projection:
             self.dense = None  # the laid-out copy stands in for it; keeping both would double the memory
         self.quantized = quantized
         self.bits = 0 if quantized is None else quantized.bits
+        self.dtype = torch.float32 if weight is None else weight.dtype  # of the activations, on the CPU
+        self.torch_int4 = TORCH_INT4 and self.dtype == torch.bfloat16
         self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
         if quantized is not None and quantized.qweight.device.type == "cpu":
-            dtype = torch.float32 if weight is None else weight.dtype
-            self._cpu_quantized = _repack_for_cpu(quantized, dtype)
+            self._cpu_quantized = _repack_for_cpu(quantized, self.dtype, self.torch_int4)
 
     def uses_quantized(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
         if self.quantized is None:
             return False
         no_dense = self.dense is None and self.packed is None and self.tiled is None
-        return no_dense or self._cpu_quantized is None or num_tokens <= MAX_QUANTIZED_TOKENS[self.bits]
+        limit = MAX_QUANTIZED_TOKENS.get((self.dtype, self.bits), 0)
+        return no_dense or self._cpu_quantized is None or num_tokens <= limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``."""
@@ -142,7 +153,7 @@ class Projection:
         rows = x.reshape(-1, x.shape[-1])
         qweight, scales = self._cpu_quantized[:2]
         group_size = self.quantized.group_size  # type: ignore[union-attr]
-        if self.bits == 4 and TORCH_INT4:
+        if self.bits == 4 and self.torch_int4:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, qweight, group_size, scales.to(x.dtype))
         elif rows.shape[0] <= cpu.MAX_INT8_TOKENS and x.dtype in (torch.float32, torch.bfloat16):
             kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
@@ -156,17 +167,17 @@ class Projection:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, torch_int4: bool) -> tuple[torch.Tensor, ...]:
     """The tensors the CPU kernel of ``weight`` takes, scales in ``dtype`` for torch's.
 
     int8: the int8 matrix and the float32 scales as they are (``spindle.kernels.cpu.int8_linear`` takes them so).
-    int4 for ours (:data:`TORCH_INT4` false): the packed matrix, scales and offsets as they are. int4 for torch's:
-    the matrix repacked by ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved
+    int4 for ours (``torch_int4`` false): the packed matrix, scales and offsets as they are. int4 for torch's: the
+    matrix repacked by ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved
     ``[in // group, out, 2]``.
     """
     if weight.bits == 8:
         return weight.qweight.contiguous(), weight.scales.float().contiguous()
-    if not TORCH_INT4:
+    if not torch_int4:
         zeros = weight.zeros.float().contiguous()  # type: ignore[union-attr]
         return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)

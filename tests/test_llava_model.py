@@ -283,8 +283,8 @@ def test_quantization_applies_to_the_decoder(
 
     With every call on the quantized kernels, the logits are those of the dequantized decoder weights run dense.
     """
-    for width in MAX_QUANTIZED_TOKENS:
-        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, width, 10**9)
+    for key in MAX_QUANTIZED_TOKENS:
+        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
     model = load_model(tiny_llava_dir, torch.float32, torch.device("cpu"))
     weights = quantized_weights(model, tiny_llava_dir, bits)
     assert set(weights) == set(llava.projections()) and all(name.startswith(("layers.", "lm_head")) for name in weights)

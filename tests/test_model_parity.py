@@ -314,8 +314,8 @@ def test_quantized_projections_compute_their_dequantized_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With every call on the quantized kernels, the model's logits are those of its dequantized weights run dense."""
-    for width in MAX_QUANTIZED_TOKENS:  # the lm head is int8 under int4 too
-        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, width, 10**9)
+    for key in MAX_QUANTIZED_TOKENS:  # (dtype, bits): the lm head is int8 under int4 too
+        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
     model_dir = make_tiny_model(variant)
     quantized_model = load_model(model_dir, torch.float32, torch.device("cpu"))
     weights = quantized_weights(quantized_model, model_dir, bits)

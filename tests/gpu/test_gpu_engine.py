@@ -94,8 +94,8 @@ def test_tiny_llama_quantized_and_speculating_gpu_matches_cpu(
 
     The CPU runs its quantized kernels for every call too, not only for small batches, so both use the same weights.
     """
-    for bits in MAX_QUANTIZED_TOKENS:
-        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, bits, 10**9)
+    for key in MAX_QUANTIZED_TOKENS:
+        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
     common = dict(
         model=str(tiny_llama_dir), dtype="float32", quantization=quantization, max_num_batched_tokens=64, max_num_seqs=8
     )
