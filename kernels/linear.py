@@ -128,7 +128,7 @@ class Projection:
         self.torch_int4 = TORCH_INT4 and self.dtype == torch.bfloat16
         self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
         if quantized is not None and quantized.qweight.device.type == "cpu":
-            self._cpu_quantized = _repack_for_cpu(quantized, self.dtype, self.torch_int4)
+            self._cpu_quantized = _repack_for_cpu(quantized, self.torch_int4)
 
     def uses_quantized(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
@@ -167,13 +167,13 @@ class Projection:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, torch_int4: bool) -> tuple[torch.Tensor, ...]:
-    """The tensors the CPU kernel of ``weight`` takes, scales in ``dtype`` for torch's.
+def _repack_for_cpu(weight: QuantizedWeight, torch_int4: bool) -> tuple[torch.Tensor, ...]:
+    """The tensors the CPU kernel of ``weight`` takes (torch's int4 one only ever sees bf16 activations).
 
     int8: the int8 matrix and the float32 scales as they are (``spindle.kernels.cpu.int8_linear`` takes them so).
     int4 for ours (``torch_int4`` false): the packed matrix, scales and offsets as they are. int4 for torch's: the
     matrix repacked by ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved
-    ``[in // group, out, 2]``.
+    ``[in // group, out, 2]``, in bf16.
     """
     if weight.bits == 8:
         return weight.qweight.contiguous(), weight.scales.float().contiguous()
@@ -182,7 +182,7 @@ def _repack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, torch_int4: boo
         return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)
     scales_and_zeros = torch.stack([weight.scales.T, weight.zeros.T], dim=-1)  # type: ignore[union-attr]
-    return packed, scales_and_zeros.to(dtype).contiguous()
+    return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
 
 
 def linear(
