@@ -1,6 +1,7 @@
 """Runs the model on one scheduled batch: builds the flat token batch, owns the KV cache, samples."""
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate, islice
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import accepted_tokens
 from spindle.backend.structured_output import grammar_bitmask
 from spindle.backend.transfers import fetch, to_device
-from spindle.kernels import AttentionMetadata
+from spindle.kernels import AttentionMetadata, eager
 from spindle.kernels.cpu import cpu_ops
 from spindle.kernels.lora import LoraMapping, lora_mapping
 from spindle.shared import SamplingParams, TokenLogprobs
@@ -37,6 +39,9 @@ from spindle.shared.protocol import ImageInput
 from spindle.shared.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def decode_graph_sizes(max_batch: int) -> list[int]:
@@ -151,6 +156,19 @@ def _draft_views(seq: Sequence, num_drafts: int) -> list[Sequence]:
     return views
 
 
+def _enforce_eager_if_configured(
+    method: "Callable[Concatenate[ModelRunner, P], R]",
+) -> "Callable[Concatenate[ModelRunner, P], R]":
+    """Run a :class:`ModelRunner` method within ``spindle.kernels.eager`` when the engine enforces eager mode."""
+
+    @functools.wraps(method)
+    def run(runner: "ModelRunner", *args: P.args, **kwargs: P.kwargs) -> R:
+        with eager(runner.config.enforce_eager):
+            return method(runner, *args, **kwargs)
+
+    return run
+
+
 def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> torch.Tensor:
     graph.replay()
     return output
@@ -205,6 +223,9 @@ class ModelRunner:
     runs) and runs eagerly: the decode graphs are captured without LoRA, and a step with adapters is never replayed.
     Steps of the base model alone run exactly as without LoRA.
 
+    With ``enforce_eager`` the steps (and the start-up's profile pass and weight preparation) run within
+    ``spindle.kernels.eager``: torch's ops alone on the CPU, where nothing is compiled, and no CUDA graphs.
+
     Under tensor parallelism (``tensor_parallel_size > 1``) every rank has a runner over its
     :class:`~spindle.backend.models.config.Shard` of the model and of the KV cache (its KV heads). Rank 0's
     :meth:`execute` sends each step to the workers before its forward, and the workers' :meth:`follow` runs the same
@@ -212,8 +233,8 @@ class ModelRunner:
     graphs) and LoRA is refused.
 
     Attributes:
-        decode_graphs: the CUDA graphs of decode steps, or None (on the CPU, before :meth:`init_cache`, or set to
-            None to decode eagerly).
+        decode_graphs: the CUDA graphs of decode steps, or None (on the CPU, before :meth:`init_cache`, with
+            ``enforce_eager``, or under tensor parallelism).
         lora: the LoRA adapters and the device's adapter slots.
 
     """
@@ -244,7 +265,8 @@ class ModelRunner:
         # A model without an LM head (an embedding checkpoint) serves embedding requests only.
         self.is_pooling_model: bool = getattr(self.model, "is_pooling_model", False)
         bits = resolve_quantization(config.quantization, model_dir)
-        self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
+        with eager(config.enforce_eager):
+            self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
         logger.info(
             "Loaded %s (%s, %s) in %.1f s",
             model_dir,
@@ -252,11 +274,18 @@ class ModelRunner:
             f"int{bits} weight-only projections" if bits else "unquantized",
             time.perf_counter() - start,
         )
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not config.enforce_eager:
             # Build (first start on a machine: ~50 s) or load the C++ kernels now, before the engine reports ready,
             # rather than in the first step, where it would stall the first requests.
             start = time.perf_counter()
-            cpu_ops()
+            try:
+                cpu_ops()
+            except Exception as error:
+                raise RuntimeError(
+                    f"Building the CPU kernels failed ({type(error).__name__}: {error}). They need a C++ compiler "
+                    "with OpenMP (g++) and Python's headers; --enforce-eager (enforce_eager=True) serves without "
+                    "them, on torch's own ops, slower."
+                ) from error
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
         self.lora = LoraManager(self.model, config.max_loras, config.max_lora_rank, self.device, self.dtype)
@@ -321,7 +350,8 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self._warm_up_kernels()
-            if self.parallel.size == 1:  # captured collectives would need NCCL graph support: TP decodes run eagerly
+            # Captured collectives would need NCCL graph support: TP decodes run eagerly.
+            if self.parallel.size == 1 and not self.config.enforce_eager:
                 self._capture_decode_graphs(max_model_len)
         return num_blocks
 
@@ -364,6 +394,7 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
 
+    @_enforce_eager_if_configured
     def _profile_run(self, max_model_len: int, sample: bool) -> None:
         """Run the most a step can do, so that torch's memory peak covers every real step.
 
@@ -405,6 +436,7 @@ class ModelRunner:
                 self.sampler.prompt_logprobs(prompt_logits, targets, MAX_LOGPROBS)
 
     @torch.inference_mode()
+    @_enforce_eager_if_configured
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run one step: forward over the batch, then sample for every sequence whose known tokens are all computed.
 
@@ -578,6 +610,7 @@ class ModelRunner:
         return computed
 
     @torch.inference_mode()
+    @_enforce_eager_if_configured
     def follow(self) -> None:
         """A tensor-parallel worker: run the steps rank 0 sends (forward and LM head shard) until it stops."""
         while (step := parallel.receive_step(self.inputs)) is not None:

@@ -1,10 +1,12 @@
 """Attention and hot ops: a CPU path, a Triton kernel for CUDA, and torch references that the tests hold both to.
 
 Every public function here dispatches on its first tensor argument: CUDA tensors go to :mod:`spindle.kernels.triton`,
-CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention and the cache write, norms, rotary, SwiGLU). The torch
-versions of the cache write, norm, rotary, SwiGLU and quantized projection stay as references, and all
-three paths share their signatures (on the CPU, quantized projections run through
-:class:`~spindle.kernels.linear.Projection`). :func:`force_triton` sends CPU tensors to Triton too, which runs
+CPU tensors to the C++ ops of ``spindle.kernels.cpu`` (attention and the cache write, norms, rotary, SwiGLU, LoRA,
+argmax), compiled for the machine when the backend starts. The torch versions of all of them (and of the quantized
+projection) stay as references, and all three paths share their signatures (on the CPU, projections run through
+:class:`~spindle.kernels.linear.Projection`). Within :func:`eager` CPU tensors go to the torch references instead:
+``--enforce-eager`` runs the engine so, with no C++ of ours (nothing to compile: a machine without a compiler can
+serve, slower). :func:`force_triton` sends CPU tensors to Triton too, which runs
 them under its interpreter when ``TRITON_INTERPRET=1`` was set before Triton was first imported: that is how the
 tests prove the kernels without a GPU. Triton is imported on first use only, so the
 CPU path neither needs it installed nor pays for importing it.
@@ -29,7 +31,9 @@ __all__ = [
     "attend",
     "attention_metadata",
     "build_cos_sin_cache",
+    "eager",
     "force_triton",
+    "is_eager",
     "paged_attention",
     "quantized_linear",
     "reshape_and_cache",
@@ -42,6 +46,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _force_triton = False
+_eager = False
 
 
 @contextmanager
@@ -55,6 +60,26 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
         _force_triton = previous
 
 
+@contextmanager
+def eager(enabled: bool = True) -> Iterator[None]:
+    """Within the block, send CPU tensors to the torch references rather than the C++ ops (``--enforce-eager``).
+
+    CUDA tensors still go to Triton. A projection chooses its path when it is built: one built within the block
+    (:class:`~spindle.kernels.linear.Projection`) runs torch's ops at every call.
+    """
+    global _eager
+    previous, _eager = _eager, enabled
+    try:
+        yield
+    finally:
+        _eager = previous
+
+
+def is_eager() -> bool:
+    """Whether the code runs within :func:`eager`."""
+    return _eager
+
+
 @functools.cache
 def _triton_kernels() -> ModuleType:
     import spindle.kernels.triton
@@ -66,7 +91,7 @@ def _dispatch(reference: Callable[P, R], cpu: Callable[P, R] | None = None) -> C
     """Route a call to Triton, the CPU op, or the torch reference.
 
     CUDA tensors (or all of them, under :func:`force_triton`) go to Triton; CPU tensors go to ``cpu`` (a C++ op of
-    ``spindle.kernels.cpu``) when there is one, else to the reference.
+    ``spindle.kernels.cpu``) when there is one, outside :func:`eager`, else to the reference.
     """
     name = reference.__name__
     on_cpu = cpu or reference
@@ -75,7 +100,7 @@ def _dispatch(reference: Callable[P, R], cpu: Callable[P, R] | None = None) -> C
     def kernel(*args: P.args, **kwargs: P.kwargs) -> R:
         if _force_triton or args[0].is_cuda:
             return getattr(_triton_kernels(), name)(*args, **kwargs)
-        return on_cpu(*args, **kwargs)
+        return reference(*args, **kwargs) if _eager else on_cpu(*args, **kwargs)
 
     return kernel
 
@@ -83,7 +108,7 @@ def _dispatch(reference: Callable[P, R], cpu: Callable[P, R] | None = None) -> C
 # The norms, rotary and SwiGLU run as single-pass C++ ops on the CPU, in place of ~60 small torch ops per layer.
 # Measured on a decode forward of SmolLM2 bf16 on 2 cores, eager torch against them: batch 1 27.1 vs 22.1 ms, batch 8
 # 28.5 vs 26.3, batch 64 91.7 vs 91.4, batch 256 398 vs 388: the win is the per-op overhead of small batches.
-paged_attention = _dispatch(attention.paged_attention)
+paged_attention = _dispatch(attention.paged_attention, attention.paged_attention_cpu)
 # The cache write too: torch's index_copy_ took 2.5 ms of a batch-64 decode step (see kernels/cpu/cache.cpp).
 reshape_and_cache = _dispatch(attention.reshape_and_cache, cpu.reshape_and_cache)
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
@@ -102,7 +127,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
     Float32 CPU rows go to a C++ op of ours (``kernels/cpu/argmax.cpp``): torch's CPU argmax compares one value at a
     time, 3.6 ms over a batch-64 step's ``[64, 49152]`` logits on 2 AVX2 cores against 0.2 ms for ours.
-    Everything else (CUDA, other dtypes or shapes) runs torch's.
+    Everything else (CUDA, other dtypes or shapes, and calls within :func:`eager`) runs torch's.
 
     Args:
         logits: ``[rows, width]``, ``width > 0``.
@@ -111,7 +136,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         ``[rows]`` int64, on the logits' device.
 
     """
-    if logits.is_cuda or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+    if _eager or logits.is_cuda or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
         return logits.argmax(-1)
     return cpu.argmax(logits)
 

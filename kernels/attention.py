@@ -1,4 +1,4 @@
-"""Paged attention over a flat batch of decodes and prefill chunks (torch reference path, the CPU serving path).
+"""Paged attention over a flat batch of decodes and prefill chunks: the torch reference and the CPU serving path.
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_size]``; a sequence owns
 a list of blocks (its block table) and the K/V of its token at position ``p`` lives in block
@@ -109,12 +109,12 @@ def reshape_and_cache(
 def paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Causal attention of every query token over its own sequence's context, read from the paged cache.
+    """Causal attention of every query token over its own sequence's context, read from the paged cache (torch).
 
-    The new tokens' K/V must already be in the cache (:func:`reshape_and_cache`). A query token at absolute position
-    ``p`` attends to positions ``0..p`` of its sequence, so a prefill chunk may start after a cached prefix.
-    Two C++ kernels (``spindle.kernels.cpu``) read every context where it lies in the cache: one call for the
-    decodes, one for all prefill chunks.
+    The reference (and ``--enforce-eager``'s path on the CPU): each sequence's context gathered from the cache and
+    attended with torch's CPU flash attention (:func:`_flash_chunk`), one sequence at a time. The new tokens' K/V
+    must already be in the cache (:func:`reshape_and_cache`); a query token at absolute position ``p`` attends to
+    positions ``0..p`` of its sequence, so a prefill chunk may start after a cached prefix.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``; ``num_heads`` is a multiple of the cache's ``num_kv_heads``.
@@ -126,6 +126,19 @@ def paged_attention(
     Returns:
         ``[num_tokens, num_heads, head_size]``, in the query's dtype.
 
+    """
+    rows = query.split(meta.query_lens_list)
+    tables, lens = meta.block_tables, meta.seq_lens_list
+    return torch.cat([_flash_chunk(q, k_cache, v_cache, tables[i], lens[i], scale) for i, q in enumerate(rows)])
+
+
+def paged_attention_cpu(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """:func:`paged_attention` as the CPU serves it: two C++ kernels that read every context where it lies.
+
+    One call for the decodes (``spindle.kernels.cpu``'s decode attention), one for all prefill chunks; float32
+    chunks that are long and far into their sequence run torch's flash attention instead (:func:`_runs_flash`).
     """
     # The chunks' kernel against the earlier gather + masked SDPA per chunk (bf16, SmolLM2's 9/3 heads, 2 cores, ms
     # per layer, chunk of n after c cached): n=512 c=500 12 vs 14, c=7,000 112-123 vs 100-119; n=16 c=2,000 1.2-1.9

@@ -12,7 +12,7 @@ a quantized projection keeps no dense copy: the Triton kernel dequantizes in reg
 import torch
 import torch.nn.functional as F
 
-from spindle.kernels import cpu, quantized_linear
+from spindle.kernels import cpu, is_eager, quantized_linear
 from spindle.kernels.quant import QuantizedWeight
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
@@ -96,6 +96,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class Projection:
     """One projection's weight in the forms its forward may take, and the choice between them per call.
 
+    One built within ``spindle.kernels.eager`` (``--enforce-eager``) runs torch's ops alone on the CPU: no tiles
+    for our bf16 kernel (a weight oneDNN runs is still packed for it), and a quantized projection with a dense copy
+    runs that copy at every size (the quantized kernels there are ours, or need a layout repacked by one of ours).
+
     Args:
         weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
             On the CPU it is laid out for our bf16 kernel where :func:`can_tile` says so, else pre-packed for oneDNN
@@ -117,7 +121,8 @@ class Projection:
         self.bias = bias
         self.dense = weight
         self.out_features, self.in_features = quantized.shape if weight is None else weight.shape
-        self.tiled = cpu.bf16_pack(weight) if weight is not None and can_tile(weight) else None
+        self.eager = is_eager()
+        self.tiled = cpu.bf16_pack(weight) if weight is not None and not self.eager and can_tile(weight) else None
         usable = weight is not None and self.tiled is None and can_pack(weight)
         self.packed = pack_weight(weight) if usable else None
         if self.packed is not None or self.tiled is not None:
@@ -127,16 +132,17 @@ class Projection:
         self.dtype = torch.float32 if weight is None else weight.dtype  # of the activations, on the CPU
         self.torch_int4 = TORCH_INT4 and self.dtype == torch.bfloat16
         self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
-        if quantized is not None and quantized.qweight.device.type == "cpu":
+        if quantized is not None and quantized.qweight.device.type == "cpu" and not self.eager:
             self._cpu_quantized = _repack_for_cpu(quantized, self.torch_int4)
 
     def uses_quantized(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
         if self.quantized is None:
             return False
-        no_dense = self.dense is None and self.packed is None and self.tiled is None
+        if self.dense is None and self.packed is None and self.tiled is None:
+            return True
         limit = MAX_QUANTIZED_TOKENS.get((self.dtype, self.bits), 0)
-        return no_dense or self._cpu_quantized is None or num_tokens <= limit
+        return not self.eager and (self._cpu_quantized is None or num_tokens <= limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``."""

@@ -81,6 +81,10 @@ class EngineConfig:
         cpu_threads: torch's threads in each process of the engine; unset: the machine's cores divided among the
             processes of this node (tensor parallel ranks). Data-parallel engines that one ``spindle serve`` starts
             get the cores divided among them: threads that outnumber the cores stall each other's steps.
+        enforce_eager: run torch's own ops only, as vLLM's flag does: on CUDA no decode steps replayed from CUDA
+            graphs; on the CPU the torch references in place of the C++ kernels the backend otherwise compiles for
+            the machine at its first start (the attention, norms, rotary, SwiGLU, bf16 and quantized projections):
+            no compiler needed, for a slower engine (``bench.offline_throughput --enforce-eager`` measures it).
 
     """
 
@@ -115,6 +119,7 @@ class EngineConfig:
     master_addr: str | None = None
     master_port: int | None = None
     cpu_threads: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,7 +1,11 @@
 """The engine end to end on a tiny random Llama: greedy parity with transformers, chunking, preemption, aborts."""
 
+import json
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -50,6 +54,8 @@ SCENARIOS = {
     "budget_past_the_context": dict(max_model_len=128, max_num_batched_tokens=1000),
     # The serving default's decode-latency bound (LLM turns it off), on every prompt longer than 16 tokens.
     "decode_bound": dict(max_num_batched_tokens=64, max_decode_slowdown=2.0, long_prefill_token_threshold=16),
+    # torch's ops alone (the reference path): the attention over each gathered context, no C++ kernel.
+    "enforce_eager": dict(enforce_eager=True, max_num_batched_tokens=64),
 }
 
 
@@ -70,6 +76,33 @@ def test_greedy_matches_transformers(scenario, speculative, tiny_llm_dir, prompt
     stats = core.stats()
     # The tiny model's greedy output repeats itself, so drafts are found; some are rejected.
     assert (stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0) == bool(speculative)
+
+
+NO_COMPILER_RUN = """
+import json, sys
+from spindle import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory="4MiB", enforce_eager=sys.argv[2] == "eager")
+params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), min_tokens=int(sys.argv[3]))
+outputs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[4])], params, use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outputs]))
+"""
+
+
+def test_enforce_eager_serves_without_a_compiler(tiny_llm_dir, prompts, expected, tmp_path):
+    """A machine without a C++ compiler: the default start says how to serve anyway, and enforce_eager does."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "SPINDLE_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run(mode: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-c", NO_COMPILER_RUN, str(tiny_llm_dir), mode, str(MAX_TOKENS), json.dumps(prompts)]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    compiled = run("compiled")
+    assert compiled.returncode != 0
+    assert "Building the CPU kernels failed" in compiled.stderr and "--enforce-eager" in compiled.stderr
+    eager = run("eager")
+    assert eager.returncode == 0, eager.stderr
+    assert json.loads(eager.stdout.splitlines()[-1]) == expected
+    assert not list((tmp_path / "cache").rglob("*.so"))
 
 
 def test_abort_mid_generation_frees_every_block(tiny_llm_dir, prompts, expected):

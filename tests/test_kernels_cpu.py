@@ -13,6 +13,7 @@ from spindle.kernels import (
     attention_metadata,
     build_cos_sin_cache,
     cpu,
+    eager,
     paged_attention,
     quant,
     reshape_and_cache,
@@ -81,6 +82,19 @@ def naive_attention(
 def test_paged_attention_matches_dense(
     batch: str, block_size: int, head_size: int, group: int, dtype: torch.dtype
 ) -> None:
+    check_paged_attention(batch, block_size, head_size, group, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_eager_paged_attention_matches_dense(batch: str, dtype: torch.dtype) -> None:
+    """The torch reference, ``--enforce-eager``'s path: each context gathered, torch's flash attention."""
+    with eager():
+        check_paged_attention(batch, 16, HEAD_SIZE, 3, dtype)
+
+
+def check_paged_attention(batch: str, block_size: int, head_size: int, group: int, dtype: torch.dtype) -> None:
+    """Write a batch's contexts into a cache of garbage, attend, and compare with :func:`naive_attention`."""
     generator = torch.Generator().manual_seed(block_size * 10 + group)
     seqs = sorted(BATCHES[batch](block_size), key=lambda s: s[1] != 1)  # decodes first
     num_heads = NUM_KV_HEADS * group
@@ -326,6 +340,29 @@ def test_prepared_linear_equals_plain(outputs: int, rows: int, dtype: torch.dtyp
         assert torch.equal(out, F.linear(x, weight, bias))
     else:  # oneDNN's and MKL's float32 GEMMs sum in different orders
         torch.testing.assert_close(out, F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4], ids=["dense", "int8", "int4"])
+def test_a_projection_built_within_eager_runs_torch_alone(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--enforce-eager``: no tiles for our bf16 kernel and no quantized kernel, whatever the CPU and batch size."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a C++ op of ours ran")
+
+    for name in ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear"):
+        monkeypatch.setattr(cpu, name, refuse)
+    generator = torch.Generator().manual_seed(bits)
+    weight = torch.randn(96, 128, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(96, generator=generator).to(torch.bfloat16)
+    with eager():
+        projection = Projection(weight, bias, quant.quantize(weight.float(), bits) if bits else None)
+
+    assert projection.tiled is None
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 128, generator=generator).to(torch.bfloat16)
+        assert not projection.uses_quantized(rows)
+        # oneDNN's packed bf16 matmul where it runs bf16 is the kernel F.linear runs: the same result.
+        assert torch.equal(projection(x), F.linear(x, weight, bias))
 
 
 def test_tiled_linear_takes_batched_and_strided_inputs() -> None:

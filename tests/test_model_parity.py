@@ -20,7 +20,7 @@ from spindle.backend.models.loader import (
     quantized_weights,
     resolve_quantization,
 )
-from spindle.kernels import AttentionMetadata, cpu, quant
+from spindle.kernels import AttentionMetadata, cpu, eager, quant
 from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
 
 BLOCK_SIZE = 8
@@ -108,14 +108,18 @@ def tiny_pair(request: pytest.FixtureRequest, make_tiny_model: Callable[[str], P
     return load_model(model_dir, torch.float32, torch.device("cpu")), hf_logits(model_dir, prompts)
 
 
+@pytest.mark.parametrize("path", ["kernels", "eager"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_logits_match_transformers(
-    schedule: str, tiny_pair: tuple[LlamaForCausalLM, list[torch.Tensor]], prompts: list[list[int]]
+    schedule: str, path: str, tiny_pair: tuple[LlamaForCausalLM, list[torch.Tensor]], prompts: list[list[int]]
 ) -> None:
+    """On the C++ kernels and on the torch references (``--enforce-eager``)."""
     model, reference = tiny_pair
     steps = SCHEDULES[schedule]
     assert [sum(n for s, n in sum(steps, []) if s == seq) for seq in range(len(prompts))] == list(PROMPT_LENS)
-    for ours, theirs in zip(run_schedule(model, prompts, steps), reference, strict=True):
+    with eager(path == "eager"):
+        logits = run_schedule(model, prompts, steps)
+    for ours, theirs in zip(logits, reference, strict=True):
         # Measured max |diff| 2e-6 (logits have std ~0.85): only summation order differs.
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 

@@ -27,15 +27,11 @@ Outputs = dict[str, tuple[list[TokenLogprobs], list[TokenLogprobs]]]
 """Per request: (generated-token log-probabilities, prompt log-probabilities)."""
 
 
-def run(
-    config: EngineConfig, prompts: list[list[int]], params: Callable[[int], SamplingParams], eager: bool = False
-) -> Outputs:
-    """Generate every prompt to the end; with ``eager`` the GPU decodes without CUDA graphs."""
+def run(config: EngineConfig, prompts: list[list[int]], params: Callable[[int], SamplingParams]) -> Outputs:
+    """Generate every prompt to the end; with ``enforce_eager`` the GPU decodes without CUDA graphs."""
     core = EngineCore(config)
-    if eager:
-        core.runner.decode_graphs = None
-    elif config.device == "cuda":
-        assert core.runner.decode_graphs is not None
+    if config.device == "cuda":
+        assert (core.runner.decode_graphs is None) == config.enforce_eager
     return run_on(core, prompts, params)
 
 
@@ -81,7 +77,8 @@ def test_tiny_llama_gpu_matches_cpu(eager: bool, tiny_llama_dir: Path, tiny_prom
     common = dict(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
     cpu = run(EngineConfig(device="cpu", kv_cache_memory="16MiB", **common), tiny_prompts, tiny_params)
 
-    gpu = run(EngineConfig(device="cuda", gpu_memory_utilization=0.3, **common), tiny_prompts, tiny_params, eager)
+    gpu_config = EngineConfig(device="cuda", gpu_memory_utilization=0.3, enforce_eager=eager, **common)
+    gpu = run(gpu_config, tiny_prompts, tiny_params)
 
     assert_same_generation(gpu, cpu, atol=1e-4)
 
@@ -195,7 +192,7 @@ def test_bf16_decode_graphs_over_many_steps_match_eager(tiny_llama_dir: Path, ti
         return SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=2)
 
     graphs = run(EngineConfig(device="cuda", **common), tiny_prompts, params)
-    eager = run(EngineConfig(device="cuda", **common), tiny_prompts, params, eager=True)
+    eager = run(EngineConfig(device="cuda", enforce_eager=True, **common), tiny_prompts, params)
 
     for (replayed, _), (plain, _) in zip(graphs.values(), eager.values(), strict=True):
         assert len(replayed) == len(plain) == 200
