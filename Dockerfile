@@ -22,7 +22,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Triton for the CUDA kernels (kernels/triton): empty for a CPU image. The gpu profile passes the version that the
 # `dev` extra pins and `make test` compiles every kernel with; it replaces the one torch's CUDA wheel pulls in.
 ARG TRITON_VERSION=
-# g++: torch builds the CPU decode-attention kernel (kernels/cpu) for the host's CPU when the backend first starts,
+# g++: torch builds the CPU kernels (kernels/cpu) for the host's CPU when the backend first starts,
 # and Triton compiles its launcher stubs with the C compiler when it first runs on a GPU. The distribution's current
 # g++ is what we want (security updates included), so it is not pinned.
 # hadolint ignore=DL3008

@@ -23,6 +23,9 @@ transformers at batch 32 and 64):
 ``--projection-bound`` adds one more Spindle run with every projection call timed (the layers' linears and the LM
 head, whichever kernel each call runs): their share of the run, and the rate the run would reach if nothing else took
 any time, the bound that this machine's matmul kernels set on any engine that computes the same projections.
+
+``--enforce-eager`` runs Spindle on torch's ops alone (``enforce_eager=True``: no C++ kernels of ours on the CPU, no
+CUDA graphs), the path a machine without a compiler takes, against the same peer.
 """
 
 import argparse
@@ -141,6 +144,9 @@ def main() -> None:
     parser.add_argument(
         "--projection-bound", action="store_true", help="one more run, its projections timed: the rate they allow"
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="Spindle on torch's ops alone (no C++ kernels, no CUDA graphs)"
+    )
     args = parser.parse_args()
     if args.projection_bound and torch.cuda.is_available():
         parser.error("--projection-bound times the CPU path's calls; a CUDA call returns before its kernel has run")
@@ -150,7 +156,7 @@ def main() -> None:
     shapes = Shapes.of(str(resolve_model(args.model)))
     print(
         f"prompts={args.num_prompts} threads={torch.get_num_threads()} spindle quantization={args.quantization} "
-        f"transformers batches={args.peer_batches}"
+        f"enforce_eager={args.enforce_eager} transformers batches={args.peer_batches}"
     )
     for workload in args.workloads:
         lengths = output_lengths(workload, args.num_prompts, args.min_tokens, args.max_tokens)
@@ -158,7 +164,13 @@ def main() -> None:
         rates: dict[torch.dtype, tuple[float, float]] = {}
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
-            llm = LLM(args.model, kv_cache_memory="2GiB", dtype=name, quantization=args.quantization)
+            llm = LLM(
+                args.model,
+                kv_cache_memory="2GiB",
+                dtype=name,
+                quantization=args.quantization,
+                enforce_eager=args.enforce_eager,
+            )
             llm.generate(make_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             peer = None if args.no_peer else Transformers(args.model, dtype)
             # Rounds interleave the two sides, so that a machine whose speed drifts over minutes (shared cores)
