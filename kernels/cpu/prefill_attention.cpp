@@ -2,8 +2,9 @@
 // their sequence's context (the cached prefix and the chunk itself), which is read where it lies in the cache.
 //
 // A work item is (chunk, kv head, tile of query positions): its rows are those positions times the query
-// heads of the kv head, and it walks the keys up to its last position in tiles of KEY_TILE with an online softmax
-// (flash attention's running max and sum), so nothing of the context is gathered or padded and no mask is built.
+// heads of the kv head, and it walks the keys up to its last position in tiles (KEY_TILE; BF16_KEY_TILE in the bf16
+// walk) with an online softmax (flash attention's running max and sum), so nothing of the context is gathered or
+// padded and no mask is built.
 // Each key tile is laid out once per item for the products (walk_float widens it to float; walk_bf16, on AVX-512
 // bf16 CPUs, pairs its bf16 values for vdpbf16ps) and serves every row of the item.
 #include <ATen/Dispatch.h>
@@ -51,10 +52,14 @@ struct Walk {
   int64_t rows, group, first_position;
   int64_t key_begin, key_end;
 
-  // Where the token's key (or value) of the item's KV head starts in the cache, in elements.
-  int64_t offset(int64_t token) const {
-    return (static_cast<int64_t>(table[token / block_size]) * block_size + token % block_size) * token_stride +
-           kv_offset;
+  // Where the keys (or values) of the item's KV head of tokens first.. first + n - 1 start in the cache, in
+  // elements: one division a tile, not one a key (block_size is known at run time only).
+  void offsets(int64_t first, int64_t n, int64_t* out) const {
+    int64_t block = first / block_size, slot = first % block_size;
+    for (int64_t j = 0; j < n; ++j) {
+      out[j] = (static_cast<int64_t>(table[block]) * block_size + slot) * token_stride + kv_offset;
+      if (++slot == block_size) slot = 0, ++block;
+    }
   }
   // How many keys of the tile at k0 (num_keys of them) row r may see: those up to its own position; none for a
   // padding row or a row before the tile.
@@ -91,9 +96,11 @@ void walk_float(const Walk& w, const float* qf, const T* kc, const T* vc, int64_
   const int64_t padded_rows = (w.rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
   for (int64_t k0 = w.key_begin; k0 < w.key_end; k0 += KEY_TILE) {
     const int64_t num_keys = std::min(KEY_TILE, w.key_end - k0);
+    int64_t offsets[KEY_TILE];
+    w.offsets(k0, num_keys, offsets);
     for (int64_t j = 0; j < num_keys; ++j) {
-      const T* k_src = kc + w.offset(k0 + j);
-      const T* v_src = vc + w.offset(k0 + j);
+      const T* k_src = kc + offsets[j];
+      const T* v_src = vc + offsets[j];
       for (int64_t d = 0; d < head_size; ++d) {
         kt[d * KEY_TILE + j] = to_float(k_src[d]);
         vf[j * HEAD + d] = to_float(v_src[d]);
@@ -135,24 +142,28 @@ void walk_float(const Walk& w, const float* qf, const T* kc, const T* vc, int64_
 }
 
 #ifdef SPINDLE_AVX512_BF16
-// Rows per block of the bf16 walk: its 8 x 32 scores take 16 of the 32 vector registers.
-constexpr int64_t BF16_ROW_BLOCK = 8;
+// The bf16 walk's blocks: 4 rows against a tile of 64 keys, whose scores take 16 of the 32 vector registers, as do
+// the 4 rows' outputs over 64 dimensions in P.V. Against 8 rows and 32 keys, each row's max reduction, rescale of
+// its output (loaded, multiplied and stored again) and softmax bookkeeping come once per 64 keys, not 32.
+constexpr int64_t BF16_ROW_BLOCK = 4;
+constexpr int64_t BF16_KEY_TILE = 64;
 
-// 2^x in each lane, for x <= 0, within 3.3e-6 of it relatively (the probabilities are then rounded to bf16, 4e-3):
-// 2^n * 2^r with n = round(x) and a degree-5 Taylor polynomial for 2^r, |r| <= 1/2. Below -127 it returns about
-// 2^-127, not 0 (the callers mask the lanes that must be 0). Working in base 2 folds the softmax's scale and its
-// change of base into one product with the scores (a third of the instructions of e^x with its range reduction).
-inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+// 2^x in each lane, for finite x <= 0, within 1.0e-4 of it relatively (the probabilities are then rounded to bf16,
+// 3.9e-3): 2^n * 2^r with n = round(x) and 2^r = 1 + r * (a degree-2 polynomial), |r| <= 1/2, fitted for the least
+// relative error; exactly 1 at 0, so that a row whose max is unchanged keeps its sum and output as they are (a fit
+// free at 0 gave 0.99993 there, which compounds over a long context's tiles). A degree-5 Taylor series, within
+// 3.3e-6, made the walk slower (see its note). x = -inf gives NaN, so a difference of maxes that may be -inf is
+// clamped first. Lanes outside `keep` are 0 (the mask costs nothing there: the last instruction takes it). Working in
+// base 2 folds the softmax's scale and its change of base into one product with the scores (a third of the
+// instructions of e^x with its range reduction).
+inline __m512 exp2_16(__m512 x, __mmask16 keep = 0xffff) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
   const __m512 r = _mm512_sub_ps(x, n);
-  __m512 poly = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 down to 0
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(9.6181291e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.5504109e-2f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.24022651f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.69314718f));
+  __m512 poly = _mm512_set1_ps(5.50089292e-2f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(2.42210969e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(6.93282902e-1f));
   poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(poly, n);
+  return _mm512_maskz_scalef_ps(keep, poly, n);
 }
 
 // Transposes a 16 x 16 matrix of 32-bit words held in 16 vectors, in place.
@@ -187,15 +198,19 @@ inline void transpose16(__m512i* m) {
 // out once for that: K as [pair of dimensions][key] (16 x 16 transposes), V as [pair of keys][dimension]. The
 // scores are scaled in float, so the query is used as it is. qw and sums are scratch for the item's rows. On 2 Zen 4
 // cores, SmolLM2's 9/3 heads of 64, ms a layer, this walk / walk_float in bf16 / torch's flash attention on the
-// gathered context: 2,048 tokens fresh 16 / 46 / 44; after 4,096 cached 77 / 240 / 197; 512 after 7,000 28 / 88 /
-// 89; 16 after 2,000 0.27 / 0.75 / 2.6. About 315 GFLOP/s, two thirds of what the two cores' vdpbf16ps can do (465,
-// measured with independent chains); the products' two loops take ~85% of the time, the softmax most of the rest.
+// gathered context: 2,048 tokens fresh 15 / 46 / 47; after 4,096 cached 72 / 240 / 196; 512 after 7,000 26 / 88 /
+// 83; 16 after 2,000 0.27 / 0.75 / 2.6. About 335 GFLOP/s, 72% of what the two cores' vdpbf16ps can do (465,
+// measured with independent chains): perf puts 73% of the walk's time in the products' two loops, which run at that
+// rate, ~13% in the softmax, ~6% in the outputs' rescale and ~3% in laying out the tiles. Blocks of 4 rows x 64 keys
+// and the degree-3 exponential ran 1.04-1.06x the earlier 8 rows x 32 keys with a degree-5 Taylor series (four chunk
+// shapes, medians of three interleaved runs), the tiles without the new exponential 1.01-1.03x.
 // (`python -m bench.cpu_attention` prints these rows, on a run that may differ by 20-30% on this shared machine.)
 template <int64_t HEAD, typename QueryRow>
 void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const c10::BFloat16* vc, float scale,
                uint32_t* qw, float* sums, float* acc, float* row_max, float* row_sum) {
-  static_assert(KEY_TILE == 32 && HEAD % 64 == 0 && BF16_ROW_BLOCK == 8);  // the masks below are of 32 keys, 8 rows
+  static_assert(BF16_KEY_TILE == 64 && HEAD % 64 == 0 && BF16_ROW_BLOCK == 4);  // the masks below: 64 keys, 4 rows
   constexpr int64_t WORDS = HEAD / 2;  // bf16 pairs in a row
+  constexpr int64_t TILE = BF16_KEY_TILE, VECS = TILE / 16;  // a row's scores: VECS vectors of 16
   const int64_t padded_rows = (w.rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK * BF16_ROW_BLOCK;
   for (int64_t r = 0; r < w.rows; ++r) std::memcpy(qw + r * WORDS, query_row(r), HEAD * sizeof(c10::BFloat16));
   std::fill(qw + w.rows * WORDS, qw + padded_rows * WORDS, 0u);
@@ -203,28 +218,30 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
   // are those of the scores times log2(e) (base 2: see exp2_16).
   std::fill(sums, sums + padded_rows * 16, 0.f);
   const float log2_scale = scale * 1.44269504f;
-  alignas(64) uint32_t kt[WORDS * KEY_TILE];      // [p][j]: dimensions 2p, 2p+1 of key j
-  alignas(64) uint32_t vt[KEY_TILE / 2 * HEAD];   // [i][d]: dimension d of keys 2i, 2i+1
-  alignas(64) uint32_t pw[BF16_ROW_BLOCK][KEY_TILE / 2];  // the probabilities of keys 2i, 2i+1 in bf16
+  alignas(64) uint32_t kt[WORDS * TILE];                // [p][j]: dimensions 2p, 2p+1 of key j
+  alignas(64) uint32_t vt[TILE / 2 * HEAD];             // [i][d]: dimension d of keys 2i, 2i+1
+  alignas(64) uint32_t pw[BF16_ROW_BLOCK][TILE / 2];    // the probabilities of keys 2i, 2i+1 in bf16
   const __m512i pair_low = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   const __m512i pair_high = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-  for (int64_t k0 = w.key_begin; k0 < w.key_end; k0 += KEY_TILE) {
-    const int64_t num_keys = std::min(KEY_TILE, w.key_end - k0);
-    const c10::BFloat16* keys[KEY_TILE];
-    const c10::BFloat16* values[KEY_TILE];
+  for (int64_t k0 = w.key_begin; k0 < w.key_end; k0 += TILE) {
+    const int64_t num_keys = std::min(TILE, w.key_end - k0);
+    int64_t offsets[TILE];
+    w.offsets(k0, num_keys, offsets);
+    const c10::BFloat16* keys[TILE];
+    const c10::BFloat16* values[TILE];
     for (int64_t j = 0; j < num_keys; ++j) {
-      keys[j] = kc + w.offset(k0 + j);
-      values[j] = vc + w.offset(k0 + j);
+      keys[j] = kc + offsets[j];
+      values[j] = vc + offsets[j];
     }
-    for (int64_t j0 = 0; j0 < KEY_TILE; j0 += 16)
+    for (int64_t j0 = 0; j0 < TILE; j0 += 16)
       for (int64_t p0 = 0; p0 < WORDS; p0 += 16) {
         __m512i m[16];
         for (int64_t j = 0; j < 16; ++j)
           m[j] = j0 + j < num_keys ? _mm512_loadu_si512(keys[j0 + j] + 2 * p0) : _mm512_setzero_si512();
         transpose16(m);
-        for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(kt + (p0 + p) * KEY_TILE + j0, m[p]);
+        for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(kt + (p0 + p) * TILE + j0, m[p]);
       }
-    for (int64_t i = 0; i < KEY_TILE / 2; ++i)
+    for (int64_t i = 0; i < TILE / 2; ++i)
       for (int64_t d = 0; d < HEAD; d += 32) {
         const __m512i a = 2 * i < num_keys ? _mm512_loadu_si512(values[2 * i] + d) : _mm512_setzero_si512();
         const __m512i b = 2 * i + 1 < num_keys ? _mm512_loadu_si512(values[2 * i + 1] + d) : _mm512_setzero_si512();
@@ -237,75 +254,82 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
     for (int64_t r0 = 0; r0 < padded_rows; r0 += BF16_ROW_BLOCK) {
       // Every loop over the block's rows is unrolled, and nothing in them is a call, so that the scores stay in
       // registers (gcc otherwise stored all 16 accumulators at every step of the dot products: 1.6x slower).
-      __m512 lo[BF16_ROW_BLOCK], hi[BF16_ROW_BLOCK];
-#pragma GCC unroll 8
-      for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) lo[b] = hi[b] = _mm512_setzero_ps();
+      __m512 s[BF16_ROW_BLOCK][VECS];
+#pragma GCC unroll 4
+      for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b)
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < VECS; ++c) s[b][c] = _mm512_setzero_ps();
       for (int64_t p = 0; p < WORDS; ++p) {
-        const __m512bh k_lo = (__m512bh)_mm512_load_si512(kt + p * KEY_TILE);
-        const __m512bh k_hi = (__m512bh)_mm512_load_si512(kt + p * KEY_TILE + 16);
-#pragma GCC unroll 8
+        __m512bh k[VECS];
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < VECS; ++c) k[c] = (__m512bh)_mm512_load_si512(kt + p * TILE + 16 * c);
+#pragma GCC unroll 4
         for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
           const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[(r0 + b) * WORDS + p]));
-          lo[b] = _mm512_dpbf16_ps(lo[b], qb, k_lo);
-          hi[b] = _mm512_dpbf16_ps(hi[b], qb, k_hi);
+#pragma GCC unroll 4
+          for (int64_t c = 0; c < VECS; ++c) s[b][c] = _mm512_dpbf16_ps(s[b][c], qb, k[c]);
         }
       }
       // The online softmax: the tile's max of each row's visible scores, the rows' new maxes, and the factors
       // for their earlier sums and outputs (1 for a row that has seen no key yet).
       const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __mmask16 seen_lo[BF16_ROW_BLOCK], seen_hi[BF16_ROW_BLOCK];
+      __mmask16 seen[BF16_ROW_BLOCK][VECS];
       __mmask16 seen_rows = 0;
       alignas(64) float tile_max[16];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
         const int64_t visible = w.visible(r0 + b, k0, num_keys);
-        const uint32_t seen = visible >= 32 ? ~0u : (1u << visible) - 1;
-        seen_lo[b] = static_cast<__mmask16>(seen);
-        seen_hi[b] = static_cast<__mmask16>(seen >> 16);
+        const uint64_t keys_seen = visible >= 64 ? ~0ull : (1ull << visible) - 1;
+        __m512 seen_max = lowest;
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < VECS; ++c) {
+          seen[b][c] = static_cast<__mmask16>(keys_seen >> (16 * c));
+          seen_max = _mm512_mask_max_ps(seen_max, seen[b][c], seen_max, s[b][c]);
+        }
         seen_rows |= static_cast<__mmask16>(visible > 0) << b;
-        const __m512 seen_max =
-            _mm512_max_ps(_mm512_mask_mov_ps(lowest, seen_lo[b], lo[b]), _mm512_mask_mov_ps(lowest, seen_hi[b], hi[b]));
         tile_max[b] = _mm512_reduce_max_ps(seen_max);
       }
-      const __m512 old_max = _mm512_maskz_loadu_ps(0xff, row_max + r0);
+      const __m512 old_max = _mm512_maskz_loadu_ps(0xf, row_max + r0);
       const __m512 new_max =
-          _mm512_max_ps(old_max, _mm512_mul_ps(_mm512_maskz_load_ps(0xff, tile_max), _mm512_set1_ps(log2_scale)));
+          _mm512_max_ps(old_max, _mm512_mul_ps(_mm512_maskz_load_ps(0xf, tile_max), _mm512_set1_ps(log2_scale)));
       const __m512 factor =
-          _mm512_mask_blend_ps(seen_rows, _mm512_set1_ps(1.f), exp2_16(_mm512_sub_ps(old_max, new_max)));
+          _mm512_mask_blend_ps(seen_rows, _mm512_set1_ps(1.f),
+                               exp2_16(_mm512_max_ps(_mm512_sub_ps(old_max, new_max), _mm512_set1_ps(-127.f))));
       _mm512_mask_storeu_ps(row_max + r0, seen_rows, new_max);
       alignas(64) float maxes[16], rescale[16];
       _mm512_store_ps(maxes, new_max);
       _mm512_store_ps(rescale, factor);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
         // p = 2^(score * scale * log2(e) - max), in one product and one difference
-        const __m512 c = _mm512_set1_ps(log2_scale), m = _mm512_set1_ps(maxes[b]);
-        const __m512 p_lo = _mm512_maskz_mov_ps(seen_lo[b], exp2_16(_mm512_fmsub_ps(lo[b], c, m)));
-        const __m512 p_hi = _mm512_maskz_mov_ps(seen_hi[b], exp2_16(_mm512_fmsub_ps(hi[b], c, m)));
+        const __m512 c2 = _mm512_set1_ps(log2_scale), m = _mm512_set1_ps(maxes[b]);
+        __m512 pr[VECS];
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < VECS; ++c) pr[c] = exp2_16(_mm512_fmsub_ps(s[b][c], c2, m), seen[b][c]);
         float* sum = sums + (r0 + b) * 16;
-        const __m512 tile_sum = _mm512_add_ps(p_lo, p_hi);
+        const __m512 tile_sum = _mm512_add_ps(_mm512_add_ps(pr[0], pr[1]), _mm512_add_ps(pr[2], pr[3]));
         _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(rescale[b]), tile_sum));
-        _mm512_store_si512(pw[b], (__m512i)_mm512_cvtne2ps_pbh(p_hi, p_lo));
+        _mm512_store_si512(pw[b], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+        _mm512_store_si512(pw[b] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
       }
       // P.V in blocks of 4 rows x 64 dimensions: 16 accumulators.
-      for (int64_t b0 = 0; b0 < BF16_ROW_BLOCK; b0 += 4)
-        for (int64_t d0 = 0; d0 < HEAD; d0 += 64) {
-          __m512 o[4][4];
-          for (int64_t b = 0; b < 4; ++b)
-            for (int64_t c = 0; c < 4; ++c)
-              o[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + b0 + b) * HEAD + d0 + 16 * c),
-                                      _mm512_set1_ps(rescale[b0 + b]));
-          for (int64_t i = 0; i < pairs; ++i) {
-            __m512bh v[4];
-            for (int64_t c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_load_si512(vt + i * HEAD + d0 + 16 * c);
-            for (int64_t b = 0; b < 4; ++b) {
-              const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[b0 + b][i]));
-              for (int64_t c = 0; c < 4; ++c) o[b][c] = _mm512_dpbf16_ps(o[b][c], pb, v[c]);
-            }
+      for (int64_t d0 = 0; d0 < HEAD; d0 += 64) {
+        __m512 o[4][4];
+        for (int64_t b = 0; b < 4; ++b)
+          for (int64_t c = 0; c < 4; ++c)
+            o[b][c] =
+                _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + b) * HEAD + d0 + 16 * c), _mm512_set1_ps(rescale[b]));
+        for (int64_t i = 0; i < pairs; ++i) {
+          __m512bh v[4];
+          for (int64_t c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_load_si512(vt + i * HEAD + d0 + 16 * c);
+          for (int64_t b = 0; b < 4; ++b) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[b][i]));
+            for (int64_t c = 0; c < 4; ++c) o[b][c] = _mm512_dpbf16_ps(o[b][c], pb, v[c]);
           }
-          for (int64_t b = 0; b < 4; ++b)
-            for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (r0 + b0 + b) * HEAD + d0 + 16 * c, o[b][c]);
         }
+        for (int64_t b = 0; b < 4; ++b)
+          for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (r0 + b) * HEAD + d0 + 16 * c, o[b][c]);
+      }
     }
   }
   for (int64_t r = 0; r < w.rows; ++r) {
