@@ -271,7 +271,7 @@ class ModelRunner:
             "Loaded %s (%s, %s) in %.1f s",
             model_dir,
             self.dtype,
-            f"int{bits} weight-only projections" if bits else "unquantized",
+            f"int{bits} projections" if bits else "unquantized",
             time.perf_counter() - start,
         )
         if self.device.type == "cpu" and not config.enforce_eager:

@@ -14,6 +14,9 @@ streams' mean inter-token latency (one engine step yields one token per stream; 
 rate) alone (before the prompt and after its first token) and during the prefill, the ratio, the medians and the p99
 beside it, and the long prompt's time to first token beside them.
 
+With ``--quantization auto int8``, one engine of each runs against the same transformers runs; ``int8`` runs the
+projections W8A8 (int8 weights and activations) where the CPU has VNNI, past the bf16 matmul rate.
+
     .venv/bin/python -m bench.prefill --lengths 1024 7680
 """
 
@@ -108,30 +111,41 @@ def main() -> None:
     parser.add_argument("--beside", type=int, default=7680)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["auto"],
+        help="Spindle's --quantization, one engine each against the same transformers runs (the first also runs "
+        "part 2); int8 runs W8A8 where the CPU has VNNI",
+    )
     args = parser.parse_args()
     dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")
     engine_args = {"dtype": dtype, "max_model_len": 8192, "kv_cache_memory": "2GiB"}
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(**engine_args)
+    engines = {name: LLM(**engine_args, quantization=name) for name in args.quantization}
     model_dir = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    spindle_prefill(llm, 256, 1)  # warm-up
+    for llm in engines.values():
+        spindle_prefill(llm, 256, 1)  # warm-up
     transformers_prefill(model, 256, 1)
     budget = llm.llm_engine.config.max_num_batched_tokens
     shapes, ceiling = Shapes.of(str(model_dir)), matmul_rate(getattr(torch, dtype))
     print(f"prefill, {dtype}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
     print(f"  this machine's {dtype} matmul rate: {ceiling / 1e9:.0f} GFLOP/s (2048-cubed torch.mm, best of 10)")
     for length in args.lengths:
-        ours = spindle_prefill(llm, length, args.repeats)
         theirs = transformers_prefill(model, length, args.repeats)
         per_token = shapes.flops([length], [1]) / length
-        print(
-            f"  {length:5d} tokens  spindle {ours:7.1f} tok/s ({length / ours:5.2f} s to first token, "
-            f"{ours * per_token / ceiling:4.0%} of the matmul rate)  transformers {theirs:7.1f} tok/s "
-            f"({theirs * per_token / ceiling:4.0%})  ratio {ours / theirs:4.2f}x  (medians of {args.repeats})"
-        )
-    del model, llm
+        for name, llm in engines.items():
+            ours = spindle_prefill(llm, length, args.repeats)
+            print(
+                f"  {length:5d} tokens  spindle (quantization {name}) {ours:7.1f} tok/s ({length / ours:5.2f} s to "
+                f"first token, {ours * per_token / ceiling:4.0%} of the {dtype} matmul rate)  transformers "
+                f"{theirs:7.1f} tok/s ({theirs * per_token / ceiling:4.0%})  ratio {ours / theirs:4.2f}x  "
+                f"(medians of {args.repeats})"
+            )
+    del model, llm, engines
+    engine_args["quantization"] = args.quantization[0]
     for slowdown in (0, 2):
         engine = LLMEngine(EngineConfig(**engine_args, max_decode_slowdown=slowdown))
         alone, during, ttft = decode_latency(engine, args.streams, args.beside, steps=20)

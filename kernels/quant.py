@@ -22,6 +22,12 @@ import torch
 INT4_GROUP_SIZE = 32
 """Inputs per scale when quantizing to int4 at load: GGUF's block size, the finest group torch's CPU kernel takes."""
 
+ACTIVATION_GROUP_SIZE = 64
+"""Inputs per scale when activations are quantized to int8 on the fly (W8A8, ``spindle.kernels.cpu.w8a8_linear``).
+
+SmolLM2-135M's perplexity on ``bench.quality``'s text with every projection's activations and weights (int8 per row)
+quantized: one scale per token +4.1%, per 192 inputs +1.3%, per 64 +0.6%; the int8 weights alone +0.6%."""
+
 
 @dataclass
 class QuantizedWeight:
@@ -157,3 +163,20 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int = ACTIVATION_GROUP_SIZE) -> torch.Tensor:
+    """``x [..., in]`` rounded to int8 levels with one symmetric scale per ``group_size`` inputs, in float32.
+
+    Each group's scale is its largest magnitude / 127; values round to nearest even. This is what a W8A8 kernel
+    multiplies (``in`` must be a multiple of ``group_size``).
+    """
+    groups = x.float().unflatten(-1, (-1, group_size))
+    scales = groups.abs().amax(-1, keepdim=True) / 127
+    levels = torch.where(scales > 0, torch.round(groups / scales), 0.0)
+    return (levels * scales).flatten(-2)
+
+
+def w8a8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`quantized_linear` of ``x`` quantized by :func:`quantize_activations` (torch reference of W8A8)."""
+    return quantized_linear(quantize_activations(x), weight, bias).to(x.dtype)

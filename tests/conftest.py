@@ -19,6 +19,7 @@ Weights are drawn wider than transformers' init (std 0.1, norm weights in [0.5, 
 attention is far from uniform and a wrong norm, bias or rotation changes the logits visibly.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -28,12 +29,31 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch import nn
+
+from spindle.kernels import quant
 
 # Triton decides once, when it is first imported (transformers imports it early), whether its kernels run compiled
 # or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors. torch asks the driver
 # (importing torch does not import Triton); a binary on PATH, such as nvidia-smi, may be missing where CUDA works.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:
+    """Make the unprepared ``reference`` compute, in torch, what ``served``'s quantized projections compute.
+
+    Each projection's weight becomes its dequantized ``weights[name]``; where ``served`` runs it W8A8 (int8 per row
+    on a CPU with VNNI), the reference quantizes that projection's activations too (``quant.w8a8_linear``).
+    """
+    served_projections = served.projections()
+    for name, (module, attr) in reference.projections().items():
+        getattr(module, attr).data = quant.dequantize(weights[name])
+        key = name.rsplit(".", 1)[-1]  # the lm head's module is the decoder model, which keeps it as "lm_head"
+        if served_projections[name][0].prepared[key].w8a8 is not None:
+            bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
+            module.prepared[key] = functools.partial(quant.w8a8_linear, weight=weights[name], bias=bias)
+
 
 TINY_COMMON = {
     "vocab_size": 256,

@@ -349,7 +349,7 @@ def test_a_projection_built_within_eager_runs_torch_alone(bits: int, monkeypatch
     def refuse(*args: object) -> None:
         raise AssertionError("a C++ op of ours ran")
 
-    for name in ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear"):
+    for name in ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear"):
         monkeypatch.setattr(cpu, name, refuse)
     generator = torch.Generator().manual_seed(bits)
     weight = torch.randn(96, 128, generator=generator).to(torch.bfloat16)
@@ -357,7 +357,7 @@ def test_a_projection_built_within_eager_runs_torch_alone(bits: int, monkeypatch
     with eager():
         projection = Projection(weight, bias, quant.quantize(weight.float(), bits) if bits else None)
 
-    assert projection.tiled is None
+    assert projection.tiled is None and projection.w8a8 is None
     for rows in (1, 5, 40):
         x = torch.randn(rows, 128, generator=generator).to(torch.bfloat16)
         assert not projection.uses_quantized(rows)
@@ -463,9 +463,12 @@ def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(
     bias = torch.randn(96, generator=generator).to(dtype)
     quantized = quant.quantize(weight, bits)
     projection = Projection(weight, bias, quantized)
-    limit = MAX_QUANTIZED_TOKENS[dtype, bits]
+    # int8 with a scale per row runs W8A8 at every size where the CPU has VNNI, and keeps no dense copy.
+    w8a8 = bits == 8 and cpu.w8a8_supported()
+    assert (projection.w8a8 is not None) == w8a8
+    limit = 1 << 30 if w8a8 else MAX_QUANTIZED_TOKENS[dtype, bits]
 
-    for rows in sorted({1, limit, limit + 1, 40} - {0}):  # limit 0: this CPU runs the dense weight at every size
+    for rows in sorted({1, limit, limit + 1, 40} - {0, 1 << 30, (1 << 30) + 1}):  # limit 0: dense at every size
         x = torch.randn(rows, 128, generator=generator).to(dtype)
         out = projection(x)
         assert out.shape == (rows, 96) and out.dtype == dtype
@@ -480,10 +483,40 @@ def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(
                 torch.testing.assert_close(out, F.linear(x, weight, bias), **exact)
             continue
         assert projection.uses_quantized(rows)
-        want = quant.quantized_linear(x.float(), quantized, bias.float())
-        # fp32: summation order only. bf16: the kernel rounds its scales (and int4 offsets) to bf16 and the output
-        # once; measured worst 0.4% of the output's range.
-        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        reference = quant.w8a8_linear if w8a8 else quant.quantized_linear
+        want = reference(x.float(), quantized, bias.float())
+        # fp32: summation order only (W8A8: and an activation at a rounding tie, one level either way). bf16: the
+        # kernel rounds its scales (and int4 offsets) to bf16 and the output once; measured worst 0.4% of the range.
+        tolerance = 1e-5 if dtype == torch.float32 and not w8a8 else 1e-2
+        torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+    if w8a8:
+        assert projection.dense is None and projection.tiled is None and projection.packed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("outputs", [96, 80, 16])  # tiles of 48 columns: two whole; one and 32; 16 alone
+def test_w8a8_kernel_matches_the_reference(outputs: int, dtype: torch.dtype) -> None:
+    """Every block of rows (1-8 and a remainder, past one 256-row panel), every tile width, with a bias."""
+    if not cpu.w8a8_supported():
+        pytest.skip("the W8A8 kernel needs AVX-512 VNNI")
+    generator = torch.Generator().manual_seed(outputs)
+    inputs = 3 * quant.ACTIVATION_GROUP_SIZE
+    quantized = quant.quantize(torch.randn(outputs, inputs, generator=generator) * 0.1, 8)
+    bias = torch.randn(outputs, generator=generator)
+    tiles, sums = cpu.int8_pack(quantized.qweight)
+    scales = quantized.scales.reshape(-1).contiguous()
+    for rows in (*range(1, 10), 300):
+        # Groups of very different magnitudes, as activations with outlier channels have.
+        x = torch.randn(rows, inputs, generator=generator) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(
+            inputs // 3
+        )
+        x = x.to(dtype)
+
+        out = cpu.w8a8_linear(x, tiles, sums, scales, bias)
+
+        want = quant.w8a8_linear(x.float(), quantized, bias)
+        assert out.dtype == dtype and out.shape == (rows, outputs)
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 

@@ -9,14 +9,13 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from conftest import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS
+from conftest import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS, compute_as_served
 from test_model_parity import run_schedule
 
 from spindle.backend.models import SUPPORTED_ARCHITECTURES, ModelConfig, load_model, model_class
 from spindle.backend.models.llava import LlavaForConditionalGeneration
 from spindle.backend.models.loader import quantized_weights
 from spindle.backend.worker import check_tensor_parallel
-from spindle.kernels import quant
 from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
 from spindle.shared.config import EngineConfig
 from spindle.shared.model_registry import ModelRegistry
@@ -281,7 +280,8 @@ def test_quantization_applies_to_the_decoder(
 ) -> None:
     """``--quantization`` quantizes the decoder's projections (the vision side stays as it was), as for a Llama.
 
-    With every call on the quantized kernels, the logits are those of the dequantized decoder weights run dense.
+    With every call on the quantized kernels, the logits are those of the dequantized decoder weights run dense (int8
+    W8A8 where the CPU has VNNI: the activations quantized too).
     """
     for key in MAX_QUANTIZED_TOKENS:
         monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
@@ -291,8 +291,7 @@ def test_quantization_applies_to_the_decoder(
     assert weights["lm_head"].bits == 8 and weights["layers.0.down_proj"].bits == bits
     model.prepare_weights(weights)
     dequantized = load_model(tiny_llava_dir, torch.float32, torch.device("cpu"))
-    for name, (module, attr) in dequantized.projections().items():
-        getattr(module, attr).data = quant.dequantize(weights[name])
+    compute_as_served(dequantized, model, weights)
     prompts = llava_prompts()
     with torch.inference_mode():
         image = llava.embed_images(pixels(1, seed=4))[0]

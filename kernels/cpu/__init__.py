@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU path: attention and the cache write, per-token ops, bf16/int8/int4 projections, LoRA, argmax.
+"""C++ kernels for the CPU path: attention, cache writes, per-token ops, argmax, bf16/int8/int4/W8A8 projections, LoRA.
 
 They build with torch's JIT extension builder on first use and are cached across runs.
 The build takes about 45 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
@@ -41,6 +41,7 @@ _SOURCES = [
         "elementwise.cpp",
         "bf16_linear.cpp",
         "quant_linear.cpp",
+        "w8a8_linear.cpp",
         "lora.cpp",
         "argmax.cpp",
         "cache.cpp",
@@ -158,6 +159,46 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, outputs: int, bias: torch
 
     """
     return cpu_ops().bf16_linear(x, packed, outputs, bias)
+
+
+@functools.cache
+def w8a8_supported() -> bool:
+    """Whether :func:`w8a8_linear` runs on this CPU: the kernels were built for one with AVX-512 VNNI and bf16."""
+    return bool(cpu_ops().w8a8_supported())
+
+
+def int8_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 ``[out, in]`` weight laid out for :func:`w8a8_linear`: ``(tiles, sums)``, both flat.
+
+    ``out % 16 == 0`` and ``in`` a multiple of ``spindle.kernels.quant.ACTIVATION_GROUP_SIZE``. Tiles of 48 output
+    columns (the last of 16 or 32), each ``[in / 4][columns][4]``, as the int8 dot product instruction reads them;
+    ``sums`` holds ``-128 * sum(w)`` over each group of each column, ``[groups][columns]`` per tile, which cancels the
+    offset that makes the activations unsigned.
+    """
+    return cpu_ops().int8_pack(qweight)
+
+
+def w8a8_linear(
+    x: torch.Tensor, tiles: torch.Tensor, sums: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for an int8 weight with one scale per row, ``x`` quantized to int8 on the fly (W8A8).
+
+    Each row of ``x`` is quantized symmetrically with one scale per ``ACTIVATION_GROUP_SIZE`` inputs (its
+    largest magnitude / 127, rounded to nearest even), as ``spindle.kernels.quant.w8a8_linear``, the reference, does;
+    the products are summed exactly in int32 per group, then in float32. Needs AVX-512 VNNI (the source has numbers).
+
+    Args:
+        x: ``[tokens, in]``, float32 or bfloat16, dense rows.
+        tiles: ``int8_pack(qweight)[0]``.
+        sums: ``int8_pack(qweight)[1]``.
+        scales: float32 ``[out]``, each row's weight scale.
+        bias: ``[out]`` or None, added in float32.
+
+    Returns:
+        ``[tokens, out]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().w8a8_linear(x, tiles, sums, scales, bias)
 
 
 MAX_INT8_TOKENS = 8

@@ -27,6 +27,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        int64_t group_size);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
+bool w8a8_supported();
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& qweight);
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sums, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias);
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_bt,
                const at::Tensor& segments, const std::vector<int64_t>& part_ends, const at::Tensor& ranks);
 
@@ -44,5 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ W.T + b of a bf16 weight in bf16_pack's tiles.");
   m.def("int8_linear", &int8_linear, "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
   m.def("int4_linear", &int4_linear, "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
+  m.def("w8a8_supported", &w8a8_supported, "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");
+  m.def("int8_pack", &int8_pack, "An int8 [out, in] weight in w8a8_linear's tiles, and its group sums.");
+  m.def("w8a8_linear", &w8a8_linear, "x @ W.T + b, W int8 per row, x quantized to int8 per group on the fly.");
   m.def("lora_add_", &lora_add_, "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
 }
