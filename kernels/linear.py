@@ -7,7 +7,7 @@ projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs a weight-only 
 ``spindle.kernels.cpu.int8_linear``; int4 torch's) for small batches only, and keeps the dense copy for the rest: see
 :data:`MAX_QUANTIZED_TOKENS` for what was measured. An int8 weight with one scale per row runs W8A8 instead
 (``spindle.kernels.cpu.w8a8_linear``: the activations quantized per group of inputs on the fly) at every batch size
-where the CPU has AVX-512 VNNI, and keeps no dense copy: it beats the bf16 kernel 1.4-2x from 1 to 512 rows. On CUDA
+where the CPU has AVX-512 VNNI, and keeps no dense copy: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. On CUDA
 a quantized projection keeps no dense copy: the Triton kernel dequantizes in registers at every batch size.
 """
 

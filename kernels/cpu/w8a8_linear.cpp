@@ -13,13 +13,15 @@
 //
 // The weight is laid out in tiles of 48 output columns (the last of 16 or 32), each [in / 4][columns][4]: for every
 // four inputs, the tile's columns side by side, as vpdpbusd reads them. Each thread takes an even share of the tiles
-// and runs blocks of up to 8 rows against one tile, 8 x 3 int32 accumulators in registers.
+// and runs up to 8 rows against one tile in one block; more rows in blocks of 4, whose 12 int32 sums and 12 float
+// totals all stay in registers (1.05-1.15x blocks of 8 with the totals in memory, from 64 rows on), fetching the next
+// tile meanwhile.
 //
-// Measured on 2 Zen 4 cores over SmolLM2's four projection shapes, 30 layers' weights streamed as in a step, against
-// our bf16 kernel (bf16_linear.cpp): 512 rows 1.53-1.65x (608-655 against 381-415 GFLOP/s), 64 rows 1.40-1.68x,
-// 16 rows 1.63x, 1-8 rows 1.75-1.98x (half the bytes to read). An earlier version with the float accumulators in
-// registers too, 4 rows a block, ran at 1.2-1.3x: gcc folded each weight load into every row's vpdpbusd, one load per
-// multiply, and the loads were the limit.
+// Measured on 2 Zen 4 cores over SmolLM2's four projection shapes (qkv, o, gate_up, down), 30 layers' weights streamed
+// as in a step, against our bf16 kernel (bf16_linear.cpp): 512 rows 1.69-1.89x (644-724 against 382-414 GFLOP/s),
+// 64 rows 1.57-1.77x, 16 rows 1.35-1.56x, 1-8 rows 1.28-1.81x (half the bytes to read). Blocks of 8 rows with the
+// float totals in memory ran at 1.5-1.65x from 64 rows on; before that, float totals in registers beside 4 rows of
+// sums ran at 1.2-1.3x: gcc folded each weight load into every row's vpdpbusd, and the loads were the limit.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -43,7 +45,7 @@ constexpr int64_t VECTORS = 3;  // int32 vectors of accumulators per row: a tile
 constexpr int64_t TILE = 16 * VECTORS;  // output columns per tile (the last tile may have 16 or 32)
 
 #ifdef SPINDLE_W8A8
-constexpr int64_t ROWS = 8;          // rows per block: ROWS x VECTORS int32 accumulators, of 32 registers
+constexpr int64_t ROWS = 4;          // rows per block past 8 rows: 12 int32 sums and 12 float totals in registers
 constexpr int64_t ROW_PANEL = 256;   // rows run against all of a thread's tiles before the next rows
 
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -80,11 +82,12 @@ void quantize_row(const T* x, int64_t inputs, uint8_t* q, float* scales) {
 // Rows [0, M) of the quantized x against one tile of NV vectors: out[m][0, 16 NV) = x[m] . tile + bias.
 template <int M, int NV, typename T>
 inline void block(const uint8_t* xq, int64_t inputs, const float* x_scales, const int32_t* tile, const int32_t* sums,
-                  const float* w_scales, const float* bias, T* out, int64_t out_stride) {
+                  const float* w_scales, const float* bias, T* out, int64_t out_stride, const int32_t* next_tile) {
   constexpr int W = 16 * NV;
   const int64_t groups = inputs / GROUP;
-  // In memory, not registers: touched once per group, and the registers go to the int32 sums and the weights.
-  alignas(64) float total[M][NV][16] = {};
+  __m512 total[M][NV];  // in registers up to 4 rows; past that gcc keeps them on the stack, touched once per group
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) total[m][v] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[M][NV];
     for (int v = 0; v < NV; ++v) {
@@ -98,6 +101,8 @@ inline void block(const uint8_t* xq, int64_t inputs, const float* x_scales, cons
       for (int v = 0; v < NV; ++v) {
         w[v] = _mm512_loadu_si512(quads + p * W + 16 * v);
         asm("" : "+v"(w[v]));  // keeps the weights in registers: gcc would fold the load into every row's vpdpbusd
+        if (next_tile != nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(next_tile + (g * (GROUP / 4) + p) * W + 16 * v), _MM_HINT_T1);
       }
       for (int m = 0; m < M; ++m) {
         int32_t four;
@@ -109,26 +114,27 @@ inline void block(const uint8_t* xq, int64_t inputs, const float* x_scales, cons
     for (int m = 0; m < M; ++m) {
       const __m512 scale = _mm512_set1_ps(x_scales[m * groups + g]);
       for (int v = 0; v < NV; ++v)
-        _mm512_store_ps(total[m][v], _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][v]), scale, _mm512_load_ps(total[m][v])));
+        total[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][v]), scale, total[m][v]);
     }
   }
   for (int v = 0; v < NV; ++v) {
     const __m512 w_scale = _mm512_loadu_ps(w_scales + 16 * v);
     const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) store16(out + m * out_stride + 16 * v, _mm512_fmadd_ps(_mm512_load_ps(total[m][v]), w_scale, b));
+    for (int m = 0; m < M; ++m) store16(out + m * out_stride + 16 * v, _mm512_fmadd_ps(total[m][v], w_scale, b));
   }
 }
 
-// Rows [0, rows) against one tile of NV vectors, in blocks of ROWS (with_tokens' largest count) and a last of the rest.
+// Rows [0, rows) against one tile of NV vectors: up to 8 rows in one block (the tile read once), more in blocks of
+// ROWS and a last of the rest. The first block fetches next_tile (the thread's next, or null) meanwhile.
 template <int NV, typename T>
 void tile_rows(const uint8_t* xq, int64_t inputs, const float* x_scales, int64_t rows, const int32_t* tile,
-               const int32_t* sums, const float* w_scales, const float* bias, T* out, int64_t out_stride) {
-  static_assert(ROWS == 8);
-  const int64_t groups = inputs / GROUP;
-  for (int64_t m = 0; m < rows; m += ROWS)
-    with_tokens(std::min(ROWS, rows - m), [&](auto size) {
+               const int32_t* next_tile, const int32_t* sums, const float* w_scales, const float* bias, T* out,
+               int64_t out_stride) {
+  const int64_t groups = inputs / GROUP, step = rows <= 8 ? 8 : ROWS;
+  for (int64_t m = 0; m < rows; m += step)
+    with_tokens(std::min(step, rows - m), [&](auto size) {
       block<decltype(size)::value, NV>(xq + m * inputs, inputs, x_scales + m * groups, tile, sums, w_scales, bias,
-                                       out + m * out_stride, out_stride);
+                                       out + m * out_stride, out_stride, m == 0 ? next_tile : nullptr);
     });
 }
 
@@ -159,15 +165,16 @@ void run(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sums, c
       for (int64_t t = first; t < last; ++t) {
         const int64_t column = t * TILE, width = std::min(TILE, outputs - column);
         const int32_t* tile = w + column * inputs / 4;
+        const int32_t* next = t + 1 < last ? tile + width * inputs / 4 : nullptr;
         const int32_t* tile_sums = s + column * groups;
         const float* b = bias == nullptr ? nullptr : bias + column;
         const uint8_t* xr = q + r0 * inputs;
         const float* sr = xsc + r0 * groups;
         T* dst = o + r0 * outputs + column;
         switch (width / 16) {
-          case 1: tile_rows<1>(xr, inputs, sr, panel, tile, tile_sums, ws + column, b, dst, outputs); break;
-          case 2: tile_rows<2>(xr, inputs, sr, panel, tile, tile_sums, ws + column, b, dst, outputs); break;
-          default: tile_rows<VECTORS>(xr, inputs, sr, panel, tile, tile_sums, ws + column, b, dst, outputs); break;
+          case 1: tile_rows<1>(xr, inputs, sr, panel, tile, next, tile_sums, ws + column, b, dst, outputs); break;
+          case 2: tile_rows<2>(xr, inputs, sr, panel, tile, next, tile_sums, ws + column, b, dst, outputs); break;
+          default: tile_rows<VECTORS>(xr, inputs, sr, panel, tile, next, tile_sums, ws + column, b, dst, outputs); break;
         }
       }
     }
