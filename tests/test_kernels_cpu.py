@@ -493,6 +493,23 @@ def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(
         assert projection.dense is None and projection.tiled is None and projection.packed is None
 
 
+def test_w8a8_takes_only_what_its_kernel_runs() -> None:
+    """Shapes the kernel cannot tile and GGUF's Q8_0 groups keep the weight-only kernel and the dense copy."""
+    if not cpu.w8a8_supported():
+        pytest.skip("the W8A8 kernel needs AVX-512 VNNI")
+    with pytest.raises(RuntimeError, match="out % 16 == 0 and in % 64 == 0"):
+        cpu.int8_pack(torch.zeros(48, 96, dtype=torch.int8))
+    generator = torch.Generator().manual_seed(0)
+    for outputs, inputs, group_size in [(40, 128, 128), (48, 96, 96), (48, 128, 32)]:
+        weight = torch.randn(outputs, inputs, generator=generator).to(torch.bfloat16)
+        quantized = quant.quantize(weight.float(), 8)
+        if group_size != inputs:  # a scale per 32 inputs, as GGUF's Q8_0 blocks have
+            quantized.scales, quantized.group_size = quantized.scales.repeat(1, inputs // group_size), group_size
+        projection = Projection(weight, None, quantized)
+        assert projection.w8a8 is None and projection.uses_quantized(1) and not projection.uses_quantized(40)
+    assert Projection(weight, None, quant.quantize(weight.float(), 4)).w8a8 is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("outputs", [96, 80, 16])  # tiles of 48 columns: two whole; one and 32; 16 alone
 def test_w8a8_kernel_matches_the_reference(outputs: int, dtype: torch.dtype) -> None:
