@@ -1,5 +1,6 @@
 // What the CPU kernels share: the model dtypes they are built for, 8-lane vector types, loads of those dtypes as
-// float, the merge of partial softmax states, and the dispatch of a small token count to a compile-time constant.
+// float (and 16-lane ones with AVX-512), the merge of partial softmax states, and the dispatch of a small token count
+// to a compile-time constant.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -12,8 +13,10 @@
 #include <type_traits>
 
 // AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define SPINDLE_AVX512_BF16 1
 #endif
 
@@ -53,6 +56,28 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
 }
+
+// Sixteen values of a model dtype as float in an AVX-512 register, and back.
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Rounded to nearest even, as c10::BFloat16's conversion (and so torch) rounds.
+inline void store16(c10::BFloat16* p, __m512 v) {
+#ifdef __AVX512BF16__
+  const __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __m256i out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+}
+#endif
 
 // Calls fn(std::integral_constant<int, tokens>{}) for 1 to 7 tokens, and with 8 for any more: the token count as a
 // compile-time constant, so that per-token accumulators live in registers.

@@ -19,10 +19,6 @@
 // zeros: the kernel skips both.
 #include <ATen/core/Tensor.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -37,27 +33,6 @@ constexpr int MAX_BLOCK = 8;          // tokens that share each weight load
 constexpr int64_t COLUMN_TILE = 256;  // output columns per expand work item
 // Below this many multiply-adds a call takes microseconds, less than waking the OpenMP threads.
 constexpr int64_t PARALLEL_WORK = 1 << 18;
-
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// Rounded to nearest even, as c10::BFloat16's conversion (and so torch) rounds.
-inline void store16(c10::BFloat16* p, __m512 v) {
-#ifdef __AVX512BF16__
-  const __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  const __m256i out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
-}
-#endif
 
 struct TokenBlock {
   int64_t first;  // its first token

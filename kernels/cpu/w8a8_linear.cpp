@@ -48,16 +48,6 @@ constexpr int64_t TILE = 16 * VECTORS;  // output columns per tile (the last til
 constexpr int64_t ROWS = 4;          // rows per block past 8 rows: 12 int32 sums and 12 float totals in registers
 constexpr int64_t ROW_PANEL = 256;   // rows run against all of a thread's tiles before the next rows
 
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void store16(c10::BFloat16* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // One row's GROUP-input groups as q + 128 bytes, and each group's scale (its largest magnitude / 127).
 template <typename T>
 void quantize_row(const T* x, int64_t inputs, uint8_t* q, float* scales) {
