@@ -145,7 +145,7 @@ class Projection:
         """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
         if self.quantized is None:
             return False
-        if self.w8a8 is not None or self.dense is None and self.packed is None and self.tiled is None:
+        if self.w8a8 is not None or (self.dense is None and self.packed is None and self.tiled is None):
             return True
         limit = MAX_QUANTIZED_TOKENS.get((self.dtype, self.bits), 0)
         return not self.eager and (self._cpu_quantized is None or num_tokens <= limit)
