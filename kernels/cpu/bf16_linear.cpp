@@ -20,8 +20,6 @@
 #include <optional>
 #include <vector>
 
-#include <omp.h>
-
 #include "common.h"
 
 namespace {
@@ -29,6 +27,7 @@ namespace {
 #ifdef SPINDLE_AVX512_BF16
 constexpr int64_t VECTORS = 3;          // float vectors of accumulators per row: a tile's columns / 16
 constexpr int64_t TILE = 16 * VECTORS;  // output columns per tile (the last tile may have 16 or 32)
+static_assert(VECTORS == 3, "with_vectors (common.h) dispatches tiles of 1 to 3 vectors");
 constexpr int64_t ROWS = 8;             // rows of x per block: ROWS x VECTORS accumulators, of 32 registers
 constexpr int64_t ROW_PANEL = 256;      // rows run against all of a thread's tiles before the next rows
 
@@ -121,28 +120,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const int64_t pairs = inputs / 2, x_stride = x.stride(0);
-  const int64_t tiles = (outputs + TILE - 1) / TILE;
 #pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t first = tiles * thread / threads, last = tiles * (thread + 1) / threads;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_PANEL) {
-      const int64_t panel = std::min(ROW_PANEL, rows - r0);
-      for (int64_t t = first; t < last; ++t) {
-        const int64_t column = t * TILE, width = std::min(TILE, outputs - column);
-        const uint32_t* tile = w + column * pairs;
-        const uint32_t* next = t + 1 < last ? tile + width * pairs : nullptr;
-        const float* b = bias_f.empty() ? nullptr : bias_f.data() + column;
-        const uint16_t* xr = xs + r0 * x_stride;
-        c10::BFloat16* dst = o + r0 * outputs + column;
-        switch (width / 16) {
-          case 1: tile_rows<1>(xr, x_stride, panel, tile, next, pairs, b, dst, outputs); break;
-          case 2: tile_rows<2>(xr, x_stride, panel, tile, next, pairs, b, dst, outputs); break;
-          default: tile_rows<VECTORS>(xr, x_stride, panel, tile, next, pairs, b, dst, outputs); break;
-        }
-      }
-    }
-  }
+  for_thread_tiles(rows, outputs, TILE, ROW_PANEL, [&](int64_t r0, int64_t panel, int64_t column, int64_t width,
+                                                       bool has_next) {
+    const uint32_t* tile = w + column * pairs;
+    const uint32_t* next = has_next ? tile + width * pairs : nullptr;
+    const float* b = bias_f.empty() ? nullptr : bias_f.data() + column;
+    with_vectors(width / 16, [&](auto vectors) {
+      tile_rows<decltype(vectors)::value>(xs + r0 * x_stride, x_stride, panel, tile, next, pairs, b,
+                                          o + r0 * outputs + column, outputs);
+    });
+  });
 #endif
   return out;
 }

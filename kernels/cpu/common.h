@@ -1,6 +1,6 @@
 // What the CPU kernels share: the model dtypes they are built for, 8-lane vector types, loads of those dtypes as
-// float (and 16-lane ones with AVX-512), the merge of partial softmax states, and the dispatch of a small token count
-// to a compile-time constant.
+// float (and 16-lane ones with AVX-512), the merge of partial softmax states, the split of a projection's tiles over
+// the threads, and the dispatch of a small token count or tile width to a compile-time constant.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include <omp.h>
 
 // AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own.
 #ifdef __AVX512F__
@@ -93,6 +95,33 @@ void with_tokens(int64_t tokens, F&& fn) {
     case 7: fn(std::integral_constant<int, 7>{}); break;
     default: fn(std::integral_constant<int, 8>{}); break;
   }
+}
+
+// Calls fn(std::integral_constant<int, vectors>{}) for 1, 2 or 3 vectors of 16 output columns (3 for any more): a
+// projection tile's width as a compile-time constant, so that its accumulators live in registers.
+template <typename F>
+void with_vectors(int64_t vectors, F&& fn) {
+  switch (vectors) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    default: fn(std::integral_constant<int, 3>{}); break;
+  }
+}
+
+// Within an OpenMP parallel region, the projection tiles this thread computes: an even share of the output's tiles
+// of `tile` columns (the last one narrower), run against rows [0, rows) in panels of `panel` rows, each panel
+// against all of the share before the next. Calls fn(first_row, panel_rows, column, width, has_next) per tile,
+// has_next false for the share's last tile (a kernel may fetch the next one, which follows in memory, meanwhile).
+template <typename F>
+void for_thread_tiles(int64_t rows, int64_t outputs, int64_t tile, int64_t panel, F&& fn) {
+  const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+  const int64_t tiles = (outputs + tile - 1) / tile;
+  const int64_t first = tiles * thread / threads, last = tiles * (thread + 1) / threads;
+  for (int64_t r0 = 0; r0 < rows; r0 += panel)
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t column = t * tile;
+      fn(r0, std::min(panel, rows - r0), column, std::min(tile, outputs - column), t + 1 < last);
+    }
 }
 
 // Merges the partial softmax states of one output row, computed over disjoint key ranges (flash-decoding): part p has

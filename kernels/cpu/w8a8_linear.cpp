@@ -30,8 +30,6 @@
 #include <optional>
 #include <tuple>
 
-#include <omp.h>
-
 #include "common.h"
 
 namespace {
@@ -43,6 +41,7 @@ namespace {
 constexpr int64_t GROUP = 64;  // inputs per activation scale: spindle.kernels.quant.ACTIVATION_GROUP_SIZE
 constexpr int64_t VECTORS = 3;  // int32 vectors of accumulators per row: a tile's columns / 16
 constexpr int64_t TILE = 16 * VECTORS;  // output columns per tile (the last tile may have 16 or 32)
+static_assert(VECTORS == 3, "with_vectors (common.h) dispatches tiles of 1 to 3 vectors");
 
 #ifdef SPINDLE_W8A8
 constexpr int64_t ROWS = 4;          // rows per block past 8 rows: 12 int32 sums and 12 float totals in registers
@@ -142,32 +141,22 @@ void run(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sums, c
   const int32_t* s = sums.data_ptr<int32_t>();
   const float* ws = scales.data_ptr<float>();
   T* o = out.data_ptr<T>();
-  const int64_t num_tiles = (outputs + TILE - 1) / TILE;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
     for (int64_t r = rows * thread / threads; r < rows * (thread + 1) / threads; ++r)
       quantize_row(xs + r * x_stride, inputs, q + r * inputs, xsc + r * groups);
 #pragma omp barrier
-    const int64_t first = num_tiles * thread / threads, last = num_tiles * (thread + 1) / threads;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_PANEL) {
-      const int64_t panel = std::min(ROW_PANEL, rows - r0);
-      for (int64_t t = first; t < last; ++t) {
-        const int64_t column = t * TILE, width = std::min(TILE, outputs - column);
-        const int32_t* tile = w + column * inputs / 4;
-        const int32_t* next = t + 1 < last ? tile + width * inputs / 4 : nullptr;
-        const int32_t* tile_sums = s + column * groups;
-        const float* b = bias == nullptr ? nullptr : bias + column;
-        const uint8_t* xr = q + r0 * inputs;
-        const float* sr = xsc + r0 * groups;
-        T* dst = o + r0 * outputs + column;
-        switch (width / 16) {
-          case 1: tile_rows<1>(xr, inputs, sr, panel, tile, next, tile_sums, ws + column, b, dst, outputs); break;
-          case 2: tile_rows<2>(xr, inputs, sr, panel, tile, next, tile_sums, ws + column, b, dst, outputs); break;
-          default: tile_rows<VECTORS>(xr, inputs, sr, panel, tile, next, tile_sums, ws + column, b, dst, outputs); break;
-        }
-      }
-    }
+    for_thread_tiles(rows, outputs, TILE, ROW_PANEL, [&](int64_t r0, int64_t panel, int64_t column, int64_t width,
+                                                         bool has_next) {
+      const int32_t* tile = w + column * inputs / 4;
+      const int32_t* next = has_next ? tile + width * inputs / 4 : nullptr;
+      const float* b = bias == nullptr ? nullptr : bias + column;
+      with_vectors(width / 16, [&](auto vectors) {
+        tile_rows<decltype(vectors)::value>(q + r0 * inputs, inputs, xsc + r0 * groups, panel, tile, next,
+                                            s + column * groups, ws + column, b, o + r0 * outputs + column, outputs);
+      });
+    });
   }
 }
 #endif
