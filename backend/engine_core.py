@@ -26,9 +26,18 @@ from spindle.backend.worker import Workers, check_tensor_parallel
 from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError, RequestRefusedError
-from spindle.shared.lora import LoraAdapterInfo
+from spindle.shared.lora import LoraAdapterInfo, confine_adapter_path
 from spindle.shared.pooling_params import PoolingParams
-from spindle.shared.protocol import EngineInfo, EngineRequest, EngineStats, SequenceDelta
+from spindle.shared.protocol import (
+    Command,
+    EngineInfo,
+    EngineRequest,
+    EngineStats,
+    ListLoras,
+    LoadLora,
+    SequenceDelta,
+    UnloadLora,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +141,7 @@ class EngineCore:
                 for name in TOKENIZER_FILES
                 if (self.model_dir / name).is_file()
             },
+            runtime_lora_dir=config.lora_dir if config.allow_runtime_lora else None,
         )
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(name, path)
@@ -179,6 +189,31 @@ class EngineCore:
         workers.join(timeout=10)
         parallel.destroy_group()
 
+    def call(self, command: Command) -> object:
+        """Run one control-plane command (between two steps, never under a running batch); its ``Result``.
+
+        This is the one dispatcher of :data:`~spindle.shared.protocol.Command`: the backend process answers a
+        :class:`~spindle.shared.protocol.Call` with what it returns, and an in-process client calls it directly.
+
+        Raises:
+            RequestRefusedError: the command is refused (see each handler); the engine is unchanged.
+
+        """
+        match command:
+            case LoadLora(name=name, path=path, confined=confined):
+                return self.add_lora(name, self._confined(path) if confined else path)
+            case UnloadLora(name=name):
+                return self.remove_lora(name)
+            case ListLoras():
+                return self.list_loras()
+        raise TypeError(f"not a command: {command!r}")
+
+    def _confined(self, path: str) -> str:
+        """A runtime load's ``path`` inside ``lora_dir``; refused without ``allow_runtime_lora``."""
+        if self.info.runtime_lora_dir is None:
+            raise InvalidRequestError("path", "this engine does not load LoRA adapters at run time")
+        return str(confine_adapter_path(path, self.info.runtime_lora_dir))
+
     def add_lora(self, name: str, path: str) -> LoraAdapterInfo:
         """Load a PEFT LoRA adapter directory under ``name``; requests use it with ``lora_name=name``.
 
@@ -192,7 +227,14 @@ class EngineCore:
                 the model (field ``path``).
 
         """
-        info = self.runner.lora.add(name, path)
+        try:
+            info = self.runner.lora.add(name, path)
+        except RequestRefusedError:
+            raise
+        except Exception as error:
+            # A directory that holds no readable adapter must not stop the engine for everyone: refuse the call.
+            logger.exception("Could not load a LoRA adapter from %s", path)
+            raise InvalidRequestError("path", f"could not load a LoRA adapter from {path!r}: {error}") from error
         targets = ", ".join(info.target_modules)
         logger.info("Loaded LoRA adapter %s (rank %d, %s) from %s", name, info.rank, targets, path)
         return info
@@ -369,6 +411,21 @@ class EngineCore:
             num_prefix_cache_queries=self.block_manager.num_prefix_queries,
             num_prefix_cache_hits=self.block_manager.num_prefix_hits,
         )
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is still in flight (some completion of it unfinished)."""
+        return request_id in self.requests
+
+    def abort_all(self) -> list[SequenceDelta]:
+        """Abort every request in flight; one ``ABORT`` delta per unfinished completion, for their owners."""
+        deltas = [
+            SequenceDelta(seq.request_id, seq.index, [], finish_reason=FinishReason.ABORT)
+            for seqs in self.requests.values()
+            for seq in seqs
+            if not seq.is_finished
+        ]
+        self.abort_requests(list(self.requests))
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""

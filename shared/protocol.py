@@ -10,6 +10,7 @@ pixels travel as raw little-endian float32 bytes (msgpack ``bin``), which decode
 
 import enum
 import hashlib
+from typing import ClassVar
 
 import msgspec
 import numpy as np
@@ -26,7 +27,7 @@ from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -136,8 +137,8 @@ class EngineInfo(msgspec.Struct):
     """What a frontend needs to know about the engine it talks to (the backend's side of the handshake).
 
     ``runtime_lora_dir`` is the directory the backend loads adapters from at run time when a frontend asks for a
-    confined :class:`LoadLora` (it runs with ``allow_runtime_lora``); ``None`` when it refuses them. The backend
-    process sets it, as the policy belongs to the process that reads the files; an in-process core leaves it unset.
+    confined :class:`LoadLora` (it runs with ``allow_runtime_lora``); ``None`` when it refuses them. The engine core
+    sets it from its configuration, as the policy belongs to the process that reads the files.
     """
 
     model_name: str
@@ -188,31 +189,46 @@ class FinishSequence(msgspec.Struct, tag="finish"):
 
 
 class LoadLora(msgspec.Struct, tag="load_lora"):
-    """Load the PEFT adapter at ``path`` under ``name``; answered with a :class:`LoraReply` holding it.
+    """Command: load the PEFT adapter at ``path`` under ``name``; its result is the adapter loaded.
 
-    With ``confined`` (the gRPC API asks so) the backend refuses it unless it runs with ``allow_runtime_lora``, and
+    With ``confined`` (the gRPC API asks so) the engine refuses it unless it runs with ``allow_runtime_lora``, and
     takes ``path`` relative to its ``lora_dir``, refusing one that resolves outside
     (:func:`~spindle.shared.lora.confine_adapter_path`). Without, it reads ``path`` as it is: the Python engines'
     user owns the processes already.
     """
 
-    call_id: str
+    Result: ClassVar[type] = LoraAdapterInfo
+
     name: str
     path: str
     confined: bool = False
 
 
 class UnloadLora(msgspec.Struct, tag="unload_lora"):
-    """Forget the adapter ``name``; answered with an empty :class:`LoraReply`. Requests running with it finish."""
+    """Command: forget the adapter ``name`` (requests running with it finish); no result."""
 
-    call_id: str
+    Result: ClassVar[type] = type(None)
+
     name: str
 
 
 class ListLoras(msgspec.Struct, tag="list_loras"):
-    """Which adapters are loaded? Answered with a :class:`LoraReply` listing them."""
+    """Command: which adapters are loaded? Its result lists them, in loading order."""
+
+    Result: ClassVar[type] = list[LoraAdapterInfo]
+
+
+Command = LoadLora | UnloadLora | ListLoras
+"""The engine's control plane: what a frontend may ask of the engine core besides requests, run between two steps
+(:meth:`~spindle.backend.engine_core.EngineCore.call`). Each command names its result's type as ``Result``; a new
+operation is one struct here and one case of that method."""
+
+
+class Call(msgspec.Struct, tag="call"):
+    """Run ``command`` in the engine core; answered with a :class:`CallReply` of the same ``call_id``."""
 
     call_id: str
+    command: Command
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -295,17 +311,29 @@ _INVALID_KINDS: list[tuple[RequestErrorKind, type[InvalidRequestError]]] = [
 ]
 
 
-class LoraReply(msgspec.Struct, tag="lora_reply"):
-    """The answer to a :class:`LoadLora`, :class:`UnloadLora` or :class:`ListLoras` of the same ``call_id``.
+class CallReply(msgspec.Struct, tag="reply"):
+    """The answer to a :class:`Call` of the same ``call_id``: its result, or why the command was refused.
 
-    ``adapters`` holds the adapter loaded, every adapter listed, or nothing (unloaded); ``error`` instead says why
-    the call was refused (its ``request_id`` is the ``call_id``), e.g. a
-    :class:`~spindle.shared.errors.NotFoundError` for an unknown name.
+    ``result`` is the command's result encoded as msgpack (decode it as the command's ``Result`` type:
+    :func:`decode_result`); ``error`` instead carries the refusal (its ``request_id`` is the ``call_id``), e.g. a
+    :class:`~spindle.shared.errors.NotFoundError` for an unknown adapter name.
     """
 
     call_id: str
-    adapters: list[LoraAdapterInfo] = []
+    result: bytes = b""
     error: RequestError | None = None
+
+
+def decode_result(command: Command, reply: CallReply) -> object:
+    """The result of ``command`` that ``reply`` carries, as its ``Result`` type; raises the refusal it carries instead.
+
+    Raises:
+        RequestRefusedError: the engine refused the command (of the type it raised there).
+
+    """
+    if reply.error is not None:
+        raise reply.error.to_exception()
+    return msgspec.msgpack.decode(reply.result, type=type(command).Result)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -322,7 +350,5 @@ class Pong(msgspec.Struct, tag="pong"):
     draining: bool = False
 
 
-FrontendMessage = (
-    Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | LoadLora | UnloadLora | ListLoras | Ping
-)
-BackendMessage = Ready | Refused | StepOutputs | RequestError | LoraReply | Heartbeat | Pong
+FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Call | Ping
+BackendMessage = Ready | Refused | StepOutputs | RequestError | CallReply | Heartbeat | Pong
