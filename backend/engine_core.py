@@ -102,6 +102,8 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, on_worker_death: Callable[[str], None] | None = None) -> None:
+        if config.allow_runtime_lora and not Path(config.lora_dir).is_dir():
+            raise ValueError(f"lora_dir={config.lora_dir!r} is not a directory")
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)

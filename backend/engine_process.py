@@ -5,9 +5,11 @@ a queue, answers handshakes and probes' pings, sends the heartbeats, and encodes
 hands it. A frontend may come back at any time with a new handshake (after it lost this backend, or this backend
 restarted): each handshake starts a session of its own. The
 loop never touches the socket, so it never waits on a slow frontend: it drains the queue, runs ``step()`` and
-passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread. LoRA adapter calls
-(:class:`~spindle.shared.protocol.LoadLora` and the others) come through the same queue and run between two steps,
-so an adapter never changes under a running batch; their replies go to the frontend that asked.
+passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread, and after each turn it
+publishes the engine's :class:`~spindle.shared.protocol.EngineStats`, the only state the I/O thread reads (for its
+heartbeats). Control-plane calls (:class:`~spindle.shared.protocol.Call`: loading LoRA adapters and the like) come
+through the same queue and run between two steps, so nothing changes under a running batch; their replies go to the
+frontend that asked.
 """
 
 import argparse
@@ -20,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -31,10 +32,8 @@ from spindle.backend.memory import bound_host_memory
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.worker import serve_node
-from spindle.shared import FinishReason
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
-from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
-from spindle.shared.lora import LoraAdapterInfo, confine_adapter_path
+from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
@@ -42,14 +41,15 @@ from spindle.shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
+    Call,
+    CallReply,
+    Command,
+    EngineStats,
     FinishSequence,
     FrontendHeartbeat,
     FrontendMessage,
     Heartbeat,
     Hello,
-    ListLoras,
-    LoadLora,
-    LoraReply,
     Ping,
     Pong,
     Ready,
@@ -57,7 +57,6 @@ from spindle.shared.protocol import (
     RequestError,
     SequenceDelta,
     StepOutputs,
-    UnloadLora,
 )
 
 # Named, not __name__: run as `python -m`, this module is __main__, and its log lines would say so.
@@ -110,19 +109,16 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, address: str, grace_period: float = 30.0) -> None:
-        if config.allow_runtime_lora and not Path(config.lora_dir).is_dir():
-            raise ValueError(f"lora_dir={config.lora_dir!r} is not a directory")
         self.core = EngineCore(config, on_worker_death=_die)
-        # Frontends learn the runtime-loading policy from the handshake: it is this process's, as it reads the files.
-        self.info = msgspec.structs.replace(
-            self.core.info, runtime_lora_dir=config.lora_dir if config.allow_runtime_lora else None
-        )
+        self.info = self.core.info
         self.address = prepare_address(address)
         self.grace_period = grace_period
         self.inputs: queue.Queue[tuple[bytes, object]] = queue.Queue()
-        self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError | LoraReply]] = queue.Queue()
+        self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError | CallReply]] = queue.Queue()
         self.wake: zmq.Socket | None = None  # the busy loop's end of the wake-up pipe, once it runs
         self.owners: dict[str, bytes] = {}  # request id -> frontend identity
+        # The engine's state as of the last step, published by the busy loop: the I/O thread reads only this.
+        self.stats: EngineStats = self.core.stats()
         self.draining_since: float | None = None
         self.context = zmq.Context()
         self.stop_io = False
@@ -149,9 +145,10 @@ class EngineProcess:
                 ):
                     break
                 self._drain_inputs(block=idle)
-                if self.core.has_unfinished_requests():
-                    self._send_by_owner(self.core.step(), wake)
-                    self._send_refusals(wake)
+                deltas = self.core.step() if self.core.has_unfinished_requests() else []
+                self.stats = self.core.stats()
+                self._send_by_owner(deltas, wake)
+                self._send_refusals(wake)
             self._abort_all(wake)
         finally:
             self.core.close()
@@ -206,14 +203,10 @@ class EngineProcess:
                     self.owners.pop(request_id, None)
             case FinishSequence(request_id=request_id, index=index):
                 self.core.finish_sequence(request_id, index)
-                if request_id not in self.core.requests:
+                if not self.core.has_request(request_id):
                     self.owners.pop(request_id, None)
-            case LoadLora(call_id=call_id, name=name, path=path, confined=confined):
-                self._answer(identity, call_id, lambda: [self._load_lora(name, path, confined)])
-            case UnloadLora(call_id=call_id, name=name):
-                self._answer(identity, call_id, lambda: self._unload_lora(name))
-            case ListLoras(call_id=call_id):
-                self._answer(identity, call_id, self.core.list_loras)
+            case Call(call_id=call_id, command=command):
+                self._answer(identity, call_id, command)
             case _FrontendGone():
                 lost = [request_id for request_id, owner in self.owners.items() if owner == identity]
                 if lost:
@@ -224,38 +217,16 @@ class EngineProcess:
                 for request_id in lost:
                     del self.owners[request_id]
 
-    def _answer(self, identity: bytes, call_id: str, call: Callable[[], list[LoraAdapterInfo]]) -> None:
-        """Run one adapter call and send its :class:`LoraReply` (the adapters, or why it was refused) at once."""
+    def _answer(self, identity: bytes, call_id: str, command: Command) -> None:
+        """Run one control-plane command and send its :class:`CallReply` (the result, or why it was refused) at once."""
         try:
-            reply = LoraReply(call_id, call())
+            reply = CallReply(call_id, msgspec.msgpack.encode(self.core.call(command)))
         except RequestRefusedError as error:
-            logger.info("Refused a LoRA adapter call: %s", error)
-            reply = LoraReply(call_id, error=RequestError.from_exception(call_id, error))
+            logger.info("Refused a %s call: %s", type(command).__name__, error)
+            reply = CallReply(call_id, error=RequestError.from_exception(call_id, error))
         self.outputs.put((identity, reply))
         if self.wake is not None:  # else the I/O thread finds it within half a heartbeat interval
             self.wake.send(b"", zmq.NOBLOCK)
-
-    def _load_lora(self, name: str, path: str, confined: bool) -> LoraAdapterInfo:
-        """Load an adapter; a confined load (the gRPC API's) only with ``allow_runtime_lora``, from ``lora_dir``."""
-        if confined:
-            if self.info.runtime_lora_dir is None:
-                # Frontends check the policy the handshake told them first; this holds it against one that does not.
-                raise InvalidRequestError("path", "this backend does not load LoRA adapters at run time")
-            path = str(confine_adapter_path(path, self.info.runtime_lora_dir))
-        try:
-            adapter = self.core.add_lora(name, path)
-        except RequestRefusedError:
-            raise
-        except Exception as error:
-            # A directory that holds no readable adapter must not stop the engine for everyone: refuse the call.
-            logger.exception("Could not load a LoRA adapter from %s", path)
-            raise InvalidRequestError("path", f"could not load a LoRA adapter from {path!r}: {error}") from error
-        return adapter  # the core logs what it loads and unloads
-
-    def _unload_lora(self, name: str) -> list[LoraAdapterInfo]:
-        """Unload an adapter; its reply lists nothing."""
-        self.core.remove_lora(name)
-        return []
 
     def _send_by_owner(self, deltas: list[SequenceDelta], wake: zmq.Socket) -> None:
         by_owner: dict[bytes, list[SequenceDelta]] = {}
@@ -265,10 +236,10 @@ class EngineProcess:
                 by_owner.setdefault(owner, []).append(delta)
         # Only now: the n completions of a request may all finish in this one step.
         for delta in deltas:
-            if delta.request_id not in self.core.requests:
+            if not self.core.has_request(delta.request_id):
                 self.owners.pop(delta.request_id, None)
         if by_owner:
-            stats = self.core.stats()
+            stats = self.stats
             for owner, owner_deltas in by_owner.items():
                 self.outputs.put((owner, StepOutputs(owner_deltas, stats)))
             wake.send(b"", zmq.NOBLOCK)
@@ -285,16 +256,9 @@ class EngineProcess:
 
     def _abort_all(self, wake: zmq.Socket) -> None:
         """Abort what is still in flight, telling each owner, before the process exits."""
-        deltas = [
-            SequenceDelta(seq.request_id, seq.index, [], finish_reason=FinishReason.ABORT)
-            for seqs in self.core.requests.values()
-            for seq in seqs
-            if not seq.is_finished
-        ]
-        for request_id in self.core.requests:
+        for request_id in list(self.owners):
             logger.info("Aborted request: unfinished at the end of the grace period", extra={"request_id": request_id})
-        self.core.abort_requests(list(self.core.requests))
-        self._send_by_owner(deltas, wake)
+        self._send_by_owner(self.core.abort_all(), wake)
         self.outputs.join()  # the I/O thread has sent everything before the socket closes
 
     def _io_loop(self) -> None:
@@ -363,9 +327,9 @@ class EngineProcess:
                     elif isinstance(message, AddRequest):
                         refusal = RequestError.from_exception(message.request.request_id, no_session)
                         router.send_multipart([identity, encoder.encode(refusal)])
-                    elif isinstance(message, LoadLora | UnloadLora | ListLoras):
+                    elif isinstance(message, Call):
                         refusal = RequestError.from_exception(message.call_id, no_session)
-                        router.send_multipart([identity, encoder.encode(LoraReply(message.call_id, error=refusal))])
+                        router.send_multipart([identity, encoder.encode(CallReply(message.call_id, error=refusal))])
             if wake in events:
                 while True:
                     try:
@@ -385,7 +349,7 @@ class EngineProcess:
                 del frontends[identity]
                 self.inputs.put((identity, _FrontendGone()))
             if now >= next_heartbeat:
-                heartbeat = encoder.encode(Heartbeat(self.core.stats()))
+                heartbeat = encoder.encode(Heartbeat(self.stats))
                 for identity in frontends:
                     router.send_multipart([identity, heartbeat])
                 next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL

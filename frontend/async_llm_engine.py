@@ -36,16 +36,19 @@ from spindle.shared.config import EngineConfig, request_id_var
 from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name, check_same_adapter
 from spindle.shared.protocol import (
+    Call,
+    CallReply,
+    Command,
     EngineInfo,
     EngineRequest,
     EngineStats,
     Heartbeat,
     ListLoras,
     LoadLora,
-    LoraReply,
     RequestError,
     StepOutputs,
     UnloadLora,
+    decode_result,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,7 +120,7 @@ class AsyncLLMEngine:
         self._up_since = time.monotonic()
         self._next_delay = RESTART_BACKOFF_INITIAL
         self._opening: tuple[threading.Event, concurrent.futures.Future[BackendConnection]] | None = None
-        self._calls: dict[str, asyncio.Future[LoraReply]] = {}  # adapter calls awaiting the backend's reply
+        self._calls: dict[str, asyncio.Future[CallReply]] = {}  # control-plane calls awaiting the backend's reply
         # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
         self._lora_paths: dict[str, str] = {}
 
@@ -245,8 +248,7 @@ class AsyncLLMEngine:
 
         """
         check_lora_name(name)
-        adapters = await self._call(LoadLora(uuid.uuid4().hex, name, path, confined))
-        return adapters[0]
+        return await self.call(LoadLora(name, path, confined))
 
     async def unload_lora(self, name: str) -> None:
         """Unload the adapter ``name`` in the backend; requests already running with it finish with it.
@@ -257,32 +259,31 @@ class AsyncLLMEngine:
             EngineUnavailableError: the backend did not answer within ``CALL_TIMEOUT`` seconds.
 
         """
-        await self._call(UnloadLora(uuid.uuid4().hex, name))
+        await self.call(UnloadLora(name))
         self._lora_paths.pop(name, None)
 
     async def list_loras(self) -> list[LoraAdapterInfo]:
         """The adapters the backend has loaded (:class:`EngineDeadError` while it is down)."""
-        return await self._call(ListLoras(uuid.uuid4().hex))
+        return await self.call(ListLoras())
 
-    async def _call(self, message: LoadLora | UnloadLora | ListLoras) -> list[LoraAdapterInfo]:
-        """Send an adapter call to the backend and await its reply (the output task routes it here)."""
+    async def call(self, command: Command) -> Any:
+        """Run a control-plane command in the backend and await its result (the output task routes the reply here)."""
         self._start_output_task()
-        reply: asyncio.Future[LoraReply] = asyncio.get_running_loop().create_future()
-        self._calls[message.call_id] = reply
+        call = Call(uuid.uuid4().hex, command)
+        reply: asyncio.Future[CallReply] = asyncio.get_running_loop().create_future()
+        self._calls[call.call_id] = reply
         try:
-            self.connection.send(message)
+            self.connection.send(call)
             async with asyncio.timeout(CALL_TIMEOUT):
                 answer = await reply
         except TimeoutError:
             raise EngineUnavailableError(
-                f"the backend did not answer a LoRA adapter call within {CALL_TIMEOUT:g} s: it may still carry it "
-                "out, check ListLoraAdapters before retrying"
+                f"the backend did not answer a {type(command).__name__} within {CALL_TIMEOUT:g} s: it may still carry "
+                "it out, check before retrying"
             ) from None
         finally:
-            del self._calls[message.call_id]
-        if answer.error is not None:
-            raise answer.error.to_exception()
-        return answer.adapters
+            del self._calls[call.call_id]
+        return decode_result(command, answer)
 
     async def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
         """The adapter a request names, loading its ``lora_path`` under its name unless it is loaded already."""
@@ -535,7 +536,7 @@ class AsyncLLMEngine:
                 queue = self.queues.get(message.request_id)
                 if queue is not None:
                     queue.put_nowait(message.to_exception())
-            elif isinstance(message, LoraReply):
+            elif isinstance(message, CallReply):
                 reply = self._calls.get(message.call_id)
                 if reply is not None and not reply.done():  # else its caller gave up waiting
                     reply.set_result(message)

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -34,6 +35,9 @@ from spindle.shared.protocol import (
     Abort,
     AddRequest,
     BackendMessage,
+    Call,
+    CallReply,
+    Command,
     EngineInfo,
     EngineRequest,
     FinishSequence,
@@ -41,7 +45,6 @@ from spindle.shared.protocol import (
     Hello,
     ListLoras,
     LoadLora,
-    LoraReply,
     Ping,
     Pong,
     Ready,
@@ -50,6 +53,7 @@ from spindle.shared.protocol import (
     SequenceDelta,
     StepOutputs,
     UnloadLora,
+    decode_result,
 )
 
 logger = logging.getLogger(__name__)
@@ -281,7 +285,7 @@ class BackendConnection:
         self.close()
         raise EngineDeadError(f"no answer from a backend at {self.address} within {timeout:.0f} s")
 
-    def send(self, message: AddRequest | Abort | FinishSequence | LoadLora | UnloadLora | ListLoras) -> None:
+    def send(self, message: AddRequest | Abort | FinishSequence | Call) -> None:
         """Queue a message for the backend (never blocks)."""
         self.check_alive()
         # Through the socket itself, not the blocking view: an asyncio socket must see its own sends, or it misses
@@ -407,29 +411,28 @@ class SyncCoreClient:
             EngineUnavailableError: no answer within ``CALL_TIMEOUT`` seconds.
 
         """
-        return self._call(LoadLora(uuid.uuid4().hex, name, path))[0]
+        return self.call(LoadLora(name, path))
 
     def remove_lora(self, name: str) -> None:
         """Unload the adapter ``name`` (:class:`~spindle.shared.errors.NotFoundError` when unknown)."""
-        self._call(UnloadLora(uuid.uuid4().hex, name))
+        self.call(UnloadLora(name))
 
     def list_loras(self) -> list[LoraAdapterInfo]:
         """The adapters the backend has loaded."""
-        return self._call(ListLoras(uuid.uuid4().hex))
+        return self.call(ListLoras())
 
-    def _call(self, message: LoadLora | UnloadLora | ListLoras) -> list[LoraAdapterInfo]:
-        """Send an adapter call and wait for its reply, keeping the steps that come first for :meth:`step`."""
-        self.connection.send(message)
+    def call(self, command: Command) -> Any:
+        """Run a control-plane command in the backend and wait for its result, keeping the steps that come first."""
+        call = Call(uuid.uuid4().hex, command)
+        self.connection.send(call)
         deadline = time.monotonic() + CALL_TIMEOUT
         while time.monotonic() < deadline:
             reply = self._receive()
-            if isinstance(reply, LoraReply) and reply.call_id == message.call_id:
-                if reply.error is not None:
-                    raise reply.error.to_exception()
-                return reply.adapters
+            if isinstance(reply, CallReply) and reply.call_id == call.call_id:
+                return decode_result(command, reply)
             if isinstance(reply, list) and reply:  # a late reply to a call that timed out is dropped
                 self.pending_steps.append(reply)
-        raise EngineUnavailableError(f"the backend did not answer a LoRA adapter call within {CALL_TIMEOUT:g} s")
+        raise EngineUnavailableError(f"the backend did not answer a {type(command).__name__} within {CALL_TIMEOUT:g} s")
 
     def step(self) -> list[SequenceDelta]:
         """Wait for the backend's next step and return its deltas ([] after a heartbeat or a refusal).
@@ -445,9 +448,9 @@ class SyncCoreClient:
         while True:
             received = self._receive()
             if received is not None:
-                return [] if isinstance(received, LoraReply) else received
+                return [] if isinstance(received, CallReply) else received
 
-    def _receive(self) -> list[SequenceDelta] | LoraReply | None:
+    def _receive(self) -> list[SequenceDelta] | CallReply | None:
         """The next message from the backend, within 0.1 s (else ``None``): a step's deltas, or an adapter call's reply.
 
         A heartbeat or a refusal gives ``[]``; the refusal is kept for :meth:`pop_refused`.
@@ -458,7 +461,7 @@ class SyncCoreClient:
         message = self.connection.decode(self.connection.sync_socket.recv())
         if isinstance(message, StepOutputs):
             return message.deltas
-        if isinstance(message, LoraReply):
+        if isinstance(message, CallReply):
             return message
         if isinstance(message, RequestError):
             self.refused.append((message.request_id, message.to_exception()))
