@@ -16,8 +16,8 @@ def root_hash(cache_salt: str | None, lora_id: int | None = None) -> bytes:
     The salt is hashed under its own prefix, so no salt gives the unsalted root and no two salts give the same one.
     An adapter changes every layer's K/V, so its sequences chain from the salt's root hashed again under another
     prefix with the adapter's id: no two adapters, nor an adapter and the base model, share a block. The id is the
-    one :mod:`spindle.backend.lora` gives each loaded adapter, never reused, so an adapter unloaded and loaded again
-    with other weights under the same name finds none of the old blocks.
+    one :mod:`spindle.backend.lora_manager` gives each loaded adapter, never reused, so an adapter unloaded and loaded
+    again with other weights under the same name finds none of the old blocks.
     """
     root = _UNSALTED_ROOT
     if cache_salt is not None:

@@ -4,14 +4,10 @@ import atexit
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 import msgspec
-import numpy as np
-import torch
 
 from spindle.backend import parallel
 from spindle.backend.block_manager import BlockManager
@@ -20,7 +16,7 @@ from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler import Scheduler
 from spindle.backend.sequence import Sequence
-from spindle.backend.speculative import propose
+from spindle.backend.speculative import DraftProposer
 from spindle.backend.structured_output import StructuredOutputManager
 from spindle.backend.worker import Workers, check_tensor_parallel
 from spindle.shared import FinishReason
@@ -74,11 +70,17 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 class EngineCore:
     """Scheduler, block manager and model runner behind one ``step()``.
 
-    One step schedules, has the model runner run the flat batch and sample (it only reads the sequences), then
-    applies the runner's :class:`~spindle.backend.model_runner.RunnerOutput`: it extends the prompt
-    log-probabilities, appends the new tokens, ends the sequences that hit eos, a stop token, their length limit or
-    the end of their grammar (structured output), and frees their blocks. It knows token ids only: stop strings are
-    the frontend's business, which ends such a sequence with :meth:`finish_sequence`.
+    A step is the scheduler's :class:`~spindle.backend.scheduler_output.SchedulerOutput`, run by the model runner
+    (:meth:`~spindle.backend.model_runner.ModelRunner.execute`, then
+    :meth:`~spindle.backend.model_runner.ModelRunner.sample` with the step's grammar bitmask), whose
+    :class:`~spindle.backend.runner_output.RunnerOutput` the scheduler applies
+    (:meth:`~spindle.backend.scheduler.Scheduler.update_from_output`, the one place where sequences change). Each
+    feature's state has one owner: the scheduler's sequences and requests, the
+    :class:`~spindle.backend.structured_output.StructuredOutputManager` (grammars compiling, refusals, matchers,
+    bitmasks), the :class:`~spindle.backend.speculative.DraftProposer` (drafts and their acceptance counts), and in
+    the runner the LoRA manager (adapters and slots), the encoder cache (image embeddings) and each sequence's
+    state (pooling, prompt log-probabilities). The core knows token ids only: stop strings are the frontend's
+    business, which ends such a sequence with :meth:`finish_sequence`.
 
     A constrained request is accepted at once and its grammar compiled in the background; one whose spec does not
     compile is dropped later, and its refusal comes out of :meth:`pop_refused`.
@@ -89,7 +91,8 @@ class EngineCore:
     head (``LlamaModel``) takes embedding requests only.
 
     A request may name a LoRA adapter loaded with :meth:`add_lora` (or ``lora_modules`` at start-up); requests of
-    different adapters and of the base model run in the same steps (:mod:`spindle.backend.lora`).
+    different adapters and of the base model run in the same steps (:mod:`spindle.backend.lora_manager`). Admin
+    operations such as these are the control plane's commands (:meth:`call`).
 
     With ``tensor_parallel_size > 1`` this process is rank 0: it starts its node's worker processes
     (:class:`~spindle.backend.worker.Workers`), and its runner sends them each step. :meth:`close` stops them; a
@@ -111,6 +114,10 @@ class EngineCore:
         self.workers: Workers | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured_output = StructuredOutputManager(
+            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
+        self.drafter = DraftProposer(self.max_model_len, self.structured_output)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -120,17 +127,12 @@ class EngineCore:
             config.priority_aging,
             config.max_loras,
             config.long_prefill_token_threshold,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.model_config.eos_token_ids,
+            structured_output=self.structured_output,
+            drafter=self.drafter,
         )
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.requests: dict[str, list[Sequence]] = {}
-        self.structured_output = StructuredOutputManager(
-            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
-        )
-        self.pending_grammars: dict[str, Future] = {}  # request id -> its grammar, compiling
         self.refused: list[tuple[str, RequestRefusedError]] = []
-        # Speculative decoding: draft tokens verified, and accepted, since start-up.
-        self.num_draft_tokens = 0
-        self.num_accepted_draft_tokens = 0
         self.info = EngineInfo(
             model_name=Path(config.model).name if config.model else DEFAULT_MODEL_NAME,
             max_model_len=self.max_model_len,
@@ -220,7 +222,7 @@ class EngineCore:
         """Load a PEFT LoRA adapter directory under ``name``; requests use it with ``lora_name=name``.
 
         Its weights stay on the host; it takes one of the ``max_loras`` device slots while requests use it
-        (:mod:`spindle.backend.lora`).
+        (:mod:`spindle.backend.lora_manager`).
 
         Raises:
             AlreadyExistsError: ``name`` is taken (field ``name``).
@@ -230,7 +232,7 @@ class EngineCore:
 
         """
         try:
-            info = self.runner.lora.add(name, path)
+            info = self.runner.add_lora(name, path)
         except RequestRefusedError:
             raise
         except Exception as error:
@@ -248,12 +250,12 @@ class EngineCore:
             NotFoundError: no adapter of that name is loaded (field ``name``).
 
         """
-        self.runner.lora.remove(name)
+        self.runner.remove_lora(name, self.scheduler.lora_users)
         logger.info("Unloaded LoRA adapter %s", name)
 
     def list_loras(self) -> list[LoraAdapterInfo]:
         """The loaded LoRA adapters, in loading order."""
-        return self.runner.lora.list_adapters()
+        return self.runner.list_loras()
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks.
@@ -265,7 +267,7 @@ class EngineCore:
             NotFoundError: ``lora_name`` names no loaded LoRA adapter (field ``lora_name``).
 
         """
-        if request.request_id in self.requests:
+        if self.has_request(request.request_id):
             raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
         pooling = None if request.pooling is None else self._check_pooling(request)
         if pooling is None and self.runner.is_pooling_model:
@@ -287,8 +289,7 @@ class EngineCore:
             )
         if request.images:
             self._check_images(request)
-        lora_id = self.runner.lora.lookup(request.lora_name) if request.lora_name else None
-        image_embeds: dict[int, torch.Tensor] = {}  # one for the n sequences: each image is encoded once
+        lora_id = self.runner.lora_id(request.lora_name) if request.lora_name else None
         seqs = [
             Sequence(
                 request.request_id,
@@ -300,17 +301,13 @@ class EngineCore:
                 pooling=pooling,
                 lora_id=lora_id,
                 images=request.images,
-                image_embeds=image_embeds,
             )
             for i in range(request.params.n)
         ]
-        self.requests[request.request_id] = seqs
-        if lora_id is not None:
-            self.runner.lora.acquire(lora_id)
         if request.params.structured_output is not None:
-            self.pending_grammars[request.request_id] = self.structured_output.compile(request.params.structured_output)
-        for seq in seqs:
-            self.scheduler.add(seq)
+            seq_ids = [seq.seq_id for seq in seqs]
+            self.structured_output.add_request(request.request_id, seq_ids, request.params.structured_output)
+        self.scheduler.add_request(seqs)
 
     def _check_images(self, request: EngineRequest) -> None:
         """Refuse images the model cannot take: to a text-only model, or not as its vision encoder takes them.
@@ -323,8 +320,8 @@ class EngineCore:
                 place, length and tokens) do not fit the model and the prompt.
 
         """
-        model = self.runner.model
-        if not getattr(model, "supports_images", False):
+        spec = self.runner.image_input
+        if spec is None:
             raise InvalidRequestError(
                 "prompt.multi_modal_data",
                 f"{self.info.model_name} (a {self.model_config.architecture}) takes text only: send no images",
@@ -334,17 +331,17 @@ class EngineCore:
         for i, image in enumerate(request.images):
             span = prompt[image.offset : image.offset + image.length]
             problem = None
-            if tuple(image.shape) != tuple(model.image_shape):
-                problem = f"has shape {image.shape}; the vision encoder takes {list(model.image_shape)}"
+            if tuple(image.shape) != spec.shape:
+                problem = f"has shape {image.shape}; the vision encoder takes {list(spec.shape)}"
             elif len(image.pixels) != 4 * math.prod(image.shape):
                 problem = f"has {len(image.pixels)} bytes of pixels, not the {4 * math.prod(image.shape)} of its shape"
-            elif image.length != model.num_image_tokens:
-                problem = f"has {image.length} placeholder tokens; the model gives an image {model.num_image_tokens}"
+            elif image.length != spec.num_tokens:
+                problem = f"has {image.length} placeholder tokens; the model gives an image {spec.num_tokens}"
             elif image.offset < end_of_previous or len(span) != image.length:
                 problem = f"has its placeholder at [{image.offset}, {image.offset + image.length}), outside the prompt "
                 problem += "or overlapping the previous image's"
-            elif any(token != model.image_token_id for token in span):
-                problem = f"has placeholder tokens other than the image token {model.image_token_id}"
+            elif any(token != spec.token_id for token in span):
+                problem = f"has placeholder tokens other than the image token {spec.token_id}"
             if problem is not None:
                 raise InvalidRequestError(f"prompt.multi_modal_data[{i}]", f"image {i} {problem}")
             end_of_previous = image.offset + image.length
@@ -373,14 +370,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
-        for request_id in request_ids:
-            self.pending_grammars.pop(request_id, None)
-            seqs = self.requests.pop(request_id, [])
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.ABORT)
-            if seqs and seqs[0].lora_id is not None:
-                self.runner.lora.release(seqs[0].lora_id)
+        self.scheduler.abort_requests(request_ids)
 
     def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
         """The requests dropped since the last call because their structured-output spec did not compile, with why.
@@ -393,12 +383,7 @@ class EngineCore:
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         """End one completion of a request (the frontend matched a stop string) and free its blocks."""
-        seqs = self.requests.get(request_id)
-        if seqs is None:
-            return
-        if not seqs[index].is_finished:
-            self.scheduler.finish(seqs[index], FinishReason.STOP)
-        self._forget_if_done(request_id)
+        self.scheduler.finish_sequence(request_id, index)
 
     def stats(self) -> EngineStats:
         """The scheduler's and the KV cache's current state."""
@@ -408,195 +393,46 @@ class EngineCore:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_draft_tokens=self.drafter.num_draft_tokens,
+            num_accepted_draft_tokens=self.drafter.num_accepted_draft_tokens,
             num_prefix_cache_queries=self.block_manager.num_prefix_queries,
             num_prefix_cache_hits=self.block_manager.num_prefix_hits,
         )
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still in flight (some completion of it unfinished)."""
-        return request_id in self.requests
+        return request_id in self.scheduler.requests
 
     def abort_all(self) -> list[SequenceDelta]:
         """Abort every request in flight; one ``ABORT`` delta per unfinished completion, for their owners."""
         deltas = [
             SequenceDelta(seq.request_id, seq.index, [], finish_reason=FinishReason.ABORT)
-            for seqs in self.requests.values()
+            for seqs in self.scheduler.requests.values()
             for seq in seqs
             if not seq.is_finished
         ]
-        self.abort_requests(list(self.requests))
+        self.abort_requests(list(self.scheduler.requests))
         return deltas
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
-        return bool(self.requests)
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[SequenceDelta]:
-        """Schedule, run, sample, apply the runner's output; return what changed for each sequence that got a token.
-
-        Embedding sequences whose prompt the step completed come first, each with its embedding.
-        """
-        if self.pending_grammars:
-            self._attach_grammars()
-        self._propose_drafts()
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            if self.pending_grammars:
-                # Nothing to run but compiles: wait for one instead of spinning (the compiler needs the core).
-                wait(self.pending_grammars.values(), timeout=0.05, return_when=FIRST_COMPLETED)
+        """Schedule, run, apply the results; what changed for each sequence that got a token or its embedding."""
+        self._drop_refused()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.num_scheduled_tokens:
+            # Nothing to run but compiles: wait for one instead of spinning (the compiler needs the core).
+            self.structured_output.wait_for_compile(timeout=0.05)
             return []
-        now = time.time()
-        for seq in batch.seqs:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-        start = time.perf_counter()
-        out = self.runner.execute(batch)
-        self.scheduler.observe(batch, time.perf_counter() - start)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.prompt_logprobs.extend(out.prompt_logprobs.get(seq.seq_id, ()))
-            seq.num_computed_tokens += num_new
-            if seq.seq_id in out.pooling_states:
-                seq.pooling_state = out.pooling_states[seq.seq_id]
-            if seq.images:
-                self._keep_image_embeds(seq, out.image_embeds.get(seq.seq_id))
-        deltas = [
-            self._finish_embedding(seq, embedding)
-            for seq, embedding in zip(out.pooled_seqs, out.embeddings, strict=True)
-        ]
-        for seq, token_ids, logprobs in zip(out.sampled_seqs, out.token_ids, out.logprobs, strict=True):
-            first = seq.num_output_tokens == 0
-            num_drafts = len(seq.spec_token_ids)
-            if num_drafts:
-                # The rejected drafts' K/V is not the sequence's: step back over it.
-                self.num_draft_tokens += num_drafts
-                self.num_accepted_draft_tokens += len(token_ids) - 1
-                seq.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
-                seq.spec_token_ids = []
-            emitted = 0
-            for token_id in token_ids:
-                seq.token_ids.append(token_id)
-                emitted += 1
-                if seq.grammar is not None:
-                    self._advance_grammar(seq, token_id)
-                if not seq.is_finished:
-                    self._check_stop(seq, token_id)
-                if seq.is_finished:
-                    break
-            if num_drafts and not seq.is_finished:
-                self.block_manager.trim(seq)
-            deltas.append(
-                SequenceDelta(
-                    request_id=seq.request_id,
-                    index=seq.index,
-                    new_token_ids=token_ids[:emitted],
-                    new_logprobs=None if logprobs is None else logprobs[:emitted],
-                    prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    num_cached_tokens=seq.num_cached_tokens if first else 0,
-                    first_scheduled_time=seq.first_scheduled_time if first else None,
-                )
-            )
-            if seq.is_finished:
-                self._forget_if_done(seq.request_id)
-        return deltas
+        self.runner.execute(scheduled)
+        output = self.runner.sample(self.structured_output.bitmask(scheduled))
+        return self.scheduler.update_from_output(scheduled, output)
 
-    @staticmethod
-    def _keep_image_embeds(seq: Sequence, encoded: dict[int, torch.Tensor] | None) -> None:
-        """Keep the images the step encoded for ``seq``'s later chunks; drop all once its placeholders are computed.
-
-        The dict is shared with the request's other sequences, which get the new embeddings too; dropping rebinds
-        ``seq``'s own, so the others keep theirs until their prompts are computed.
-        """
-        if encoded:
-            seq.image_embeds.update(encoded)
-        last = seq.images[-1]
-        if seq.image_embeds and seq.num_computed_tokens >= last.offset + last.length:
-            seq.image_embeds = {}
-
-    def _finish_embedding(self, seq: Sequence, embedding: np.ndarray) -> SequenceDelta:
-        """End an embedding sequence whose prompt is complete (its blocks are freed) and report its embedding."""
-        self.scheduler.finish(seq, FinishReason.STOP)
-        seq.pooling_state = None
-        self._forget_if_done(seq.request_id)
-        return SequenceDelta(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=[],
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            first_scheduled_time=seq.first_scheduled_time,
-            embedding=embedding.astype("<f4", copy=False).tobytes(),
-        )
-
-    def _propose_drafts(self) -> None:
-        """Give each decoding sequence that speculates its draft tokens for the next step (prompt lookup)."""
-        for seq in self.scheduler.running:
-            wanted = seq.params.num_speculative_tokens
-            if wanted and len(seq) - seq.num_computed_tokens == 1:
-                # Never past max_tokens or the context: the step emits up to one token more than its drafts.
-                max_tokens = seq.params.max_tokens or self.max_model_len
-                wanted = min(wanted, max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1)
-                seq.spec_token_ids = propose(seq.token_ids, wanted)
-                if seq.grammar is not None and seq.spec_token_ids:
-                    # Drafts the grammar forbids would be rejected anyway; and the runner masks each row after them.
-                    accepted = 0
-                    for token_id in seq.spec_token_ids:
-                        if not seq.grammar.accept_token(token_id):
-                            break
-                        accepted += 1
-                    seq.grammar.rollback(accepted)
-                    del seq.spec_token_ids[accepted:]
-
-    def _attach_grammars(self) -> None:
-        """Give the sequences of each request whose grammar has compiled their matchers; drop those that failed."""
-        for request_id, future in list(self.pending_grammars.items()):
-            if not future.done():
-                continue
-            del self.pending_grammars[request_id]
-            error = future.exception()
-            if error is not None:
-                assert isinstance(error, RequestRefusedError)
-                logger.info("Refused request: %s", error, extra={"request_id": request_id})
-                self.abort_requests([request_id])
-                self.refused.append((request_id, error))
-                continue
-            for seq in self.requests[request_id]:
-                seq.grammar = self.structured_output.matcher(future.result())
-                seq.waiting_for_grammar = False
-
-    def _advance_grammar(self, seq: Sequence, token_id: int) -> None:
-        """Feed a new token to the sequence's matcher; end the sequence when its grammar is complete."""
-        assert seq.grammar is not None
-        if not seq.grammar.accept_token(token_id):
-            # Only a token outside the mask gets here: min_tokens held back eos where the grammar allowed nothing
-            # else, or every allowed token had a logit of -inf. The output so far is a valid prefix; stop there.
-            logger.warning(
-                "Token %d does not continue the grammar: ending the completion",
-                token_id,
-                extra={"request_id": seq.request_id},
-            )
-            self.scheduler.finish(seq, FinishReason.STOP)
-        elif seq.grammar.is_terminated():
-            self.scheduler.finish(seq, FinishReason.STOP)
-
-    def _forget_if_done(self, request_id: str) -> None:
-        """Drop a request once all its completions have finished (it is no longer unfinished work)."""
-        seqs = self.requests[request_id]
-        if all(seq.is_finished for seq in seqs):
-            del self.requests[request_id]
-            if seqs[0].lora_id is not None:
-                self.runner.lora.release(seqs[0].lora_id)
-
-    def _check_stop(self, seq: Sequence, token_id: int) -> None:
-        params = seq.params
-        max_tokens = params.max_tokens or self.max_model_len
-        if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return self.scheduler.finish(seq, FinishReason.STOP)
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                return self.scheduler.finish(seq, FinishReason.STOP, token_id)
-        if seq.num_output_tokens >= max_tokens or len(seq) >= self.max_model_len:
-            self.scheduler.finish(seq, FinishReason.LENGTH)
+    def _drop_refused(self) -> None:
+        """Drop the requests whose structured-output spec did not compile, keeping why for :meth:`pop_refused`."""
+        for request_id, error in self.structured_output.collect():
+            logger.info("Refused request: %s", error, extra={"request_id": request_id})
+            self.scheduler.abort_requests([request_id])
+            self.refused.append((request_id, error))

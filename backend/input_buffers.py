@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from spindle.backend.sequence import Sequence
+from spindle.backend.runner_state import SequenceState
 from spindle.kernels import AttentionMetadata
 
 # Every segment starts at a multiple of 16 elements: Triton specialises on whether a pointer is 16-byte aligned, so a
@@ -43,11 +43,7 @@ class StepInputs:
 
 
 class StepLayout(NamedTuple):
-    """The sizes that locate a step's inputs in :class:`InputBuffers`' two buffers.
-
-    With the buffers' used prefixes, they are all a tensor-parallel worker needs to rebuild the step
-    (:mod:`spindle.backend.parallel`).
-    """
+    """The sizes that locate a step's inputs in :class:`InputBuffers`' two buffers."""
 
     num_tokens: int
     num_seqs: int
@@ -95,7 +91,7 @@ class InputBuffers:
         self._free_slots = list(range(max_seqs))
 
     def build(
-        self, seqs: list[Sequence], query_lens: list[int], input_ids: list[int], sample_rows: list[int]
+        self, seqs: list[SequenceState], query_lens: list[int], input_ids: list[int], sample_rows: list[int]
     ) -> StepInputs:
         """Write a step's inputs and start their copy to the device.
 
@@ -142,27 +138,16 @@ class InputBuffers:
             self._copied.record()
         return self.views(self.layout, query_lens, seq_lens.tolist())
 
-    def prefixes(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The used prefixes of the device buffers for a step of ``layout``: all the step's integers, in two tensors."""
-        longs_end, ints_end = self._ends(layout)
-        return self._device_longs[:longs_end], self._device_ints[:ints_end]
-
-    def views(
-        self, layout: StepLayout, query_lens: list[int] | None = None, seq_lens: list[int] | None = None
-    ) -> StepInputs:
+    def views(self, layout: StepLayout, query_lens: list[int], seq_lens: list[int]) -> StepInputs:
         """The step of ``layout`` held in the device buffers, as :class:`StepInputs`.
 
-        ``query_lens`` and ``seq_lens`` are the host lists of the attention metadata; a tensor-parallel worker, which
-        received only the buffers, leaves them out and they are read back from the buffers.
+        ``query_lens`` and ``seq_lens`` are the host lists of the attention metadata.
         """
         num_tokens, num_seqs, num_rows, width, num_decodes, max_seq_len = layout
         t, s = _aligned(num_tokens), _aligned(num_seqs)
         b = s + _aligned(num_seqs + 1)
         device_longs, device_ints = self._device_longs, self._device_ints
         query_start_loc = device_ints[s : s + num_seqs + 1]
-        if seq_lens is None or query_lens is None:
-            seq_lens = device_ints[:num_seqs].tolist()
-            query_lens = query_start_loc.diff().tolist()
         meta = AttentionMetadata(
             slot_mapping=device_longs[2 * t : 2 * t + num_tokens],
             query_start_loc=query_start_loc,
@@ -187,7 +172,7 @@ class InputBuffers:
         b = s + _aligned(layout.num_seqs + 1)
         return 3 * _aligned(layout.num_tokens) + layout.num_rows, b + layout.num_seqs * layout.width
 
-    def _table_slots(self, seqs: list[Sequence]) -> np.ndarray:
+    def _table_slots(self, seqs: list[SequenceState]) -> np.ndarray:
         """The rows of :attr:`tables` holding each sequence's block table, brought up to date.
 
         A sequence keeps its row while it is in consecutive steps. The block manager only ever appends to a table in

@@ -1,12 +1,16 @@
-"""Runs the model on one scheduled batch: builds the flat token batch, owns the KV cache, samples."""
+"""Runs the model on each step's scheduler output: builds the flat batch, owns the KV cache, samples.
 
-import copy
+:meth:`ModelRunner.execute` takes a :class:`~spindle.backend.scheduler_output.SchedulerOutput` and
+:meth:`ModelRunner.sample` returns a :class:`~spindle.backend.runner_output.RunnerOutput`; between them the runner
+keeps its own state of each sequence, and never sees the scheduler's.
+"""
+
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, islice
 from pathlib import Path
@@ -17,24 +21,27 @@ import torch
 from tqdm import tqdm
 
 from spindle.backend import parallel
+from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.input_buffers import InputBuffers, StepInputs
-from spindle.backend.lora import LoraManager
+from spindle.backend.lora_manager import LoraManager
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
 from spindle.backend.models.config import ModelConfig, Shard
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
 from spindle.backend.parallel import TensorParallel
 from spindle.backend.pooler import pool
-from spindle.backend.sampler import LogprobTensors, Sampler
-from spindle.backend.scheduler import ScheduledBatch
-from spindle.backend.sequence import Sequence
+from spindle.backend.runner_output import RunnerOutput
+from spindle.backend.runner_state import SequenceState, apply_scheduler_output
+from spindle.backend.sampler import LogprobTensors, Sampler, SampleRow
+from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.speculative import accepted_tokens
-from spindle.backend.structured_output import grammar_bitmask
+from spindle.backend.structured_output import GrammarBitmask
 from spindle.backend.transfers import fetch, to_device
 from spindle.kernels import AttentionMetadata, eager
 from spindle.kernels.cpu import cpu_ops
 from spindle.kernels.lora import LoraMapping, lora_mapping
-from spindle.shared import SamplingParams, TokenLogprobs
+from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.lora import LoraAdapterInfo
 from spindle.shared.protocol import ImageInput
 from spindle.shared.sampling_params import MAX_LOGPROBS
 
@@ -141,19 +148,17 @@ class DecodeGraphs:
         return self._steps[size]()[:num]
 
 
-def _draft_views(seq: Sequence, num_drafts: int) -> list[Sequence]:
-    """``seq`` as the sampler must see it at each of its ``num_drafts + 1`` rows.
+def sample_rows(state: SequenceState, drafts: list[int]) -> list[SampleRow]:
+    """What the sampler needs of each of the ``len(drafts) + 1`` rows a sequence samples this step.
 
-    Each view has the drafts before its row appended to its tokens, so that penalties and ``min_tokens`` count them
-    as output (as they would once accepted). The views share ``seq``'s parameters and seed; each samples
-    its own position, so each draws its own random numbers.
+    Row ``i`` counts the first ``i`` drafts as output, as they would be once accepted (penalties and ``min_tokens``
+    see them), and samples their next position, so each row draws its own random numbers.
     """
-    views = []
-    for i in range(num_drafts + 1):
-        view = copy.copy(seq)
-        view.token_ids = seq.token_ids + seq.spec_token_ids[:i]
-        views.append(view)
-    return views
+    tokens = state.token_ids
+    return [
+        SampleRow(state.params, state.seed, tokens + drafts[:i] if i else tokens, state.num_prompt_tokens)
+        for i in range(len(drafts) + 1)
+    ]
 
 
 def _enforce_eager_if_configured(
@@ -175,48 +180,67 @@ def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RunnerOutput:
-    """What one :meth:`ModelRunner.execute` computed, for :class:`~spindle.backend.engine_core.EngineCore` to apply.
-
-    The runner only reads the sequences; the engine core appends the sampled tokens, extends the prompt
-    log-probabilities and checks the stop conditions.
+class _ExecutedStep:
+    """What :meth:`ModelRunner.execute` leaves for :meth:`ModelRunner.sample`: the step's layout and results so far.
 
     Attributes:
-        sampled_seqs: the sequences whose known tokens are all computed after this step (embedding sequences
-            aside), each of which sampled one token, or with drafts (speculative decoding) one to
-            ``1 + len(seq.spec_token_ids)``.
-        token_ids: the tokens sampled for each of ``sampled_seqs``, row for row: the accepted drafts, then the
-            model's own next token.
-        logprobs: per row, the log-probabilities of each of its tokens when the sequence asked for them
-            (``params.logprobs``), else ``None``.
-        prompt_logprobs: by ``seq_id``, the prompt log-probabilities of the positions computed this step that the
-            sequence does not have yet, in order: they extend ``seq.prompt_logprobs``. Only sequences that asked for
-            them and got new positions appear.
-        pooling_states: by ``seq_id``, the new pooling state of each embedding sequence whose prompt is not complete
-            yet (a device tensor, :mod:`spindle.backend.pooler`): it replaces ``seq.pooling_state``.
-        pooled_seqs: the embedding sequences whose prompt this step completed; they sampled nothing.
-        embeddings: their embeddings, row for row (float32).
-        image_embeds: by ``seq_id``, the images this step encoded for the sequence (by image index: device tensors
-            ``[length, hidden_size]``), for its later chunks: they extend ``seq.image_embeds``.
+        start: when the step began (``time.perf_counter``).
+        states: the step's sequences, in batch order.
+        query_start_loc: where each one's tokens start in the flat batch, and the batch's end.
+        sampling: the indices in ``states`` of those that sample, with their drafts; their rows come first among
+            the logits, in that order, ``1 + len(drafts)`` each.
+        spans: the prompt log-probability positions computed (:func:`_prompt_spans`); their rows follow.
+        hidden: the step's hidden states.
+        logits: the logits of the rows, or None without any.
 
     """
 
-    sampled_seqs: list[Sequence] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
-    pooling_states: dict[int, torch.Tensor] = field(default_factory=dict)
-    pooled_seqs: list[Sequence] = field(default_factory=list)
-    embeddings: list[np.ndarray] = field(default_factory=list)
-    image_embeds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    start: float
+    states: list[SequenceState]
+    query_start_loc: list[int]
+    sampling: list[tuple[int, list[int]]]
+    spans: list[tuple[SequenceState, int, int, int]]
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What a vision-language model takes as an image (the engine core checks requests' images against it).
+
+    Attributes:
+        shape: the pixel array's shape, ``[channels, height, width]``.
+        num_tokens: the placeholder tokens (embeddings) an image has in the prompt.
+        token_id: the placeholder token.
+
+    """
+
+    shape: tuple[int, ...]
+    num_tokens: int
+    token_id: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ImageSpec":
+        """The spec of a model that takes images (``supports_images``)."""
+        return cls(tuple(model.image_shape), model.num_image_tokens, model.image_token_id)
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV cache and the sampler, and executes one step at a time.
+    """Owns the model weights, the KV cache, the sampler and its own state of each sequence; runs one step at a time.
 
-    Every step is one forward pass over a flat batch of tokens (no padding): decodes first, then prefill
-    chunks, each token with its position and the cache slot its K/V goes to. On CUDA the kernels are Triton's, and
-    a decode-only step replays a CUDA graph captured for its batch size rounded up (:func:`decode_graph_sizes`).
+    A step is two calls: :meth:`execute` applies the :class:`~spindle.backend.scheduler_output.SchedulerOutput` to the
+    runner's state of each sequence (:class:`~spindle.backend.runner_state.SequenceState`, keyed by ``seq_id``), and
+    runs one forward pass over a flat batch of tokens (no padding): decodes first, then prefill chunks, each token
+    with its position and the cache slot its K/V goes to, and the LM head over the rows anything needs. On CUDA that
+    is queued on the device and returns at once; :meth:`sample` then takes the step's grammar bitmask (filled on the
+    CPU meanwhile), samples, verifies drafts, pools and computes prompt log-probabilities, and returns the step's
+    :class:`~spindle.backend.runner_output.RunnerOutput`, waiting for the device once. On CUDA the kernels are
+    Triton's, and a decode-only step replays a CUDA graph captured for its batch size rounded up
+    (:func:`decode_graph_sizes`).
+
+    The runner owns each feature's device-side state: the LoRA adapters' slots (``lora``), the image embeddings
+    (``encoder_cache``), the embedding sequences' pooling states and the prompt log-probabilities under way (in
+    each sequence's state).
 
     A step whose sequences use LoRA adapters has each sequence's adapter put in a device slot (``lora``), orders
     its sequences by slot within the decodes and within the prefill chunks (so that a slot's tokens are at most two
@@ -228,14 +252,18 @@ class ModelRunner:
 
     Under tensor parallelism (``tensor_parallel_size > 1``) every rank has a runner over its
     :class:`~spindle.backend.models.config.Shard` of the model and of the KV cache (its KV heads). Rank 0's
-    :meth:`execute` sends each step to the workers before its forward, and the workers' :meth:`follow` runs the same
-    forward and LM head; rank 0 alone samples, prompt log-probabilities and pools. Decodes run eagerly (no CUDA
+    :meth:`execute` broadcasts each step's scheduler output to the workers, whose :meth:`follow` runs the same
+    :meth:`execute` on it; rank 0 alone samples, prompt log-probabilities and pools. Decodes run eagerly (no CUDA
     graphs) and LoRA is refused.
 
     Attributes:
         decode_graphs: the CUDA graphs of decode steps, or None (on the CPU, before :meth:`init_cache`, with
             ``enforce_eager``, or under tensor parallelism).
         lora: the LoRA adapters and the device's adapter slots.
+        states: the runner's state of each sequence it runs, by ``seq_id``.
+        encoder_cache: the image embeddings of a vision-language model, by image content.
+        is_pooling_model: the model has no LM head: it serves embedding requests only.
+        image_input: what a vision-language model takes as an image, or None for a text model.
 
     """
 
@@ -262,8 +290,7 @@ class ModelRunner:
             self.memory_at_start = MemorySnapshot.take(self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
-        # A model without an LM head (an embedding checkpoint) serves embedding requests only.
-        self.is_pooling_model: bool = getattr(self.model, "is_pooling_model", False)
+        self.is_pooling_model = self.model.is_pooling_model
         bits = resolve_quantization(config.quantization, model_dir)
         with eager(config.enforce_eager):
             self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
@@ -299,6 +326,29 @@ class ModelRunner:
             self.lora.allocate()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.states: dict[int, SequenceState] = {}
+        self.image_input = ImageSpec.of(self.model) if self.model.supports_images else None
+        # As vLLM sizes its encoder cache: a step's budget of tokens, or one image where that is more.
+        self.encoder_cache = EncoderCache(
+            max(config.max_num_batched_tokens, self.image_input.num_tokens if self.image_input else 0)
+        )
+        self._executed: _ExecutedStep | None = None
+
+    def add_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load a PEFT adapter under ``name`` (:meth:`LoraManager.add`)."""
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str, in_use: Collection[int]) -> None:
+        """Unload ``name``; its weights stay while a sequence in ``in_use`` uses it (:meth:`LoraManager.remove`)."""
+        self.lora.remove(name, in_use)
+
+    def list_loras(self) -> list[LoraAdapterInfo]:
+        """The loaded adapters, in loading order."""
+        return self.lora.list_adapters()
+
+    def lora_id(self, name: str) -> int:
+        """The id of the loaded adapter ``name`` (:class:`~spindle.shared.errors.NotFoundError` if none)."""
+        return self.lora.lookup(name)
 
     @property
     def block_bytes(self) -> int:
@@ -428,73 +478,72 @@ class ModelRunner:
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)
             if not sample:
                 return
-            if getattr(self.model, "supports_images", False):
-                shape = (self.max_images_per_batch, *self.model.image_shape)
+            if self.image_input is not None:
+                shape = (self.max_images_per_batch, *self.image_input.shape)
                 self.model.embed_images(torch.zeros(shape, dtype=self.dtype, device=self.device))
             # Every rank computes its LM head shard (rank 0 gathers them); rank 0 alone samples.
             logits = self.model.compute_logits(hidden[:num_seqs])
             prompt_logits = self.model.compute_logits(hidden)
             if self.parallel.rank == 0:
-                seqs = [Sequence("profile", i, [0], widest, 0.0) for i in range(num_seqs)]
-                self.sampler(logits, seqs)
+                self.sampler(logits, [SampleRow(widest, None, [0], 1)] * num_seqs)
                 targets = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
                 self.sampler.prompt_logprobs(prompt_logits, targets, MAX_LOGPROBS)
 
     @torch.inference_mode()
     @_enforce_eager_if_configured
-    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Run one step: forward over the batch, then sample for every sequence whose known tokens are all computed.
+    def execute(self, scheduled: SchedulerOutput) -> None:
+        """Start a step: update the sequences' states, then run the forward pass and the LM head (queued, on CUDA).
 
-        Prompt log-probabilities, when asked, are computed for the positions of the chunk just run, and embedding
-        sequences pool their chunk's hidden states instead of sampling (:func:`~spindle.backend.pooler.pool`).
         The LM head runs once, over every row anything needs (the rows to sample, then the prompt log-probability
-        positions), so that under tensor parallelism the ranks gather their logits once a step.
-        Nothing in the sequences changes (their ``num_computed_tokens`` is still the one before this step); the
-        returned :class:`RunnerOutput` holds the sampled tokens, the new prompt log-probabilities and the pooling
-        results for the engine core to apply. On CUDA the step waits for the device once, to fetch what it returns
-        (:func:`fetch`).
+        positions), so that under tensor parallelism the ranks gather their logits once a step. Rank 0 then calls
+        :meth:`sample` for the step's results.
         """
+        start = time.perf_counter()
+        if self.parallel.size > 1 and self.parallel.rank == 0:
+            parallel.send_step(scheduled, self.device)
+        states = apply_scheduler_output(self.states, scheduled, self.block_size)
+        self.lora.release_unused(scheduled.lora_ids_in_use)
         # Decodes (one query token) go first: the CPU attention path batches them together. With adapters, each
         # group is ordered by slot: a slot's tokens are then one run in each (spindle.kernels.lora's CPU path).
-        lora_ids = [seq.lora_id for seq in batch.seqs]
-        slots = self.lora.assign(lora_ids, batch.running_loras) if any(i is not None for i in lora_ids) else None
+        query_lens = [scheduled.num_scheduled_tokens[state.seq_id] for state in states]
+        lora_ids = [state.lora_id for state in states]
+        slots = self.lora.assign(lora_ids, scheduled.running_lora_ids) if any(i is not None for i in lora_ids) else None
         if slots is None:
-            order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+            order = sorted(range(len(states)), key=lambda i: query_lens[i] != 1)
         else:
-            order = sorted(range(len(batch)), key=lambda i: (batch.num_new_tokens[i] != 1, slots[i]))
-        seqs = [batch.seqs[i] for i in order]
-        query_lens = [batch.num_new_tokens[i] for i in order]
+            order = sorted(range(len(states)), key=lambda i: (query_lens[i] != 1, slots[i]))
+        states = [states[i] for i in order]
+        query_lens = [query_lens[i] for i in order]
         input_ids: list[int] = []
-        seq_lens: list[int] = []
-        for seq, n in zip(seqs, query_lens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            if start + n > len(seq):  # a decode with drafts
-                input_ids.extend(seq.spec_token_ids[: start + n - len(seq)])
-            seq_lens.append(start + n)
+        sampling: list[tuple[int, list[int]]] = []  # (index in states, drafts) of each sequence that samples
+        for i, (state, n) in enumerate(zip(states, query_lens, strict=True)):
+            start_token = state.num_computed_tokens
+            drafts = scheduled.spec_token_ids.get(state.seq_id, [])
+            input_ids += state.token_ids[start_token : start_token + n - len(drafts)] + drafts
+            if start_token + n - len(drafts) >= len(state) and state.pooling is None:
+                sampling.append((i, drafts))
         query_start_loc = [0, *accumulate(query_lens)]
-        done = [
-            i
-            for i, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True))
-            if end >= len(seq) and seq.pooling is None
-        ]
         # One row per token to sample: a sequence's last position, and for a decode with drafts each draft's too.
-        rows, row_seqs = [], []
-        for i in done:
-            seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
-            rows += range(query_start_loc[i + 1] - 1 - num_drafts, query_start_loc[i + 1])
-            row_seqs += [seq] if not num_drafts else _draft_views(seq, num_drafts)
-        spans = _prompt_spans(seqs, query_start_loc)
+        rows = [
+            row
+            for i, drafts in sampling
+            for row in range(query_start_loc[i + 1] - 1 - len(drafts), query_start_loc[i + 1])
+        ]
+        spans = _prompt_spans(states, query_start_loc)
         prompt_rows = [row for _, start, end, first in spans for row in range(first, first + end - start)]
-        step = self.inputs.build(seqs, query_lens, input_ids, rows + prompt_rows)
-        if self.parallel.size > 1:
-            parallel.send_step(self.inputs)
+        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows)
 
         mapping = None if slots is None else LoraMapping.build([slots[i] for i in order], query_lens, self.device)
-        images = self._image_rows(seqs, query_start_loc) if any(seq.images for seq in seqs) else None
+        images = self._image_rows(states, query_start_loc, scheduled.scheduled_images)
         graphs = self.decode_graphs
-        decode_only = len(input_ids) == len(seqs)  # a prompt's last token may be an image's: not a graph's step
-        if graphs is not None and mapping is None and images is None and decode_only and len(seqs) <= graphs.max_batch:
+        decode_only = len(input_ids) == len(states)  # a prompt's last token may be an image's: not a graph's step
+        if (
+            graphs is not None
+            and mapping is None
+            and images is None
+            and decode_only
+            and len(states) <= graphs.max_batch
+        ):
             hidden = graphs.replay(step)
         else:
             # Only a vision-language model takes image rows: a text model keeps the four-argument contract.
@@ -502,77 +551,110 @@ class ModelRunner:
             with lora_mapping(mapping):
                 hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, **merge)
         logits = self.model.compute_logits(hidden[step.sample_rows]) if rows or prompt_rows else None
-        prompt = self._prompt_logprobs(spans, logits[len(rows) :] if prompt_rows else None)
-        pooled = pool(seqs, query_start_loc, hidden)
+        self._executed = _ExecutedStep(start, states, query_start_loc, sampling, spans, hidden, logits)
+
+    @torch.inference_mode()
+    @_enforce_eager_if_configured
+    def sample(self, grammar: GrammarBitmask | None) -> RunnerOutput:
+        """Finish the step :meth:`execute` started: sample, verify drafts, pool, compute prompt log-probabilities.
+
+        ``grammar`` masks the rows of the constrained sequences (structured output). On CUDA the step waits for the
+        device once, to fetch what it returns (:func:`fetch`). Only rank 0 samples.
+        """
+        step, self._executed = self._executed, None
+        assert step is not None, "sample() follows execute()"
+        num_rows = sum(len(drafts) + 1 for _, drafts in step.sampling)
+        prompt = self._prompt_logprobs(step.spans, step.logits[num_rows:] if step.spans else None)  # type: ignore[index]
+        embeddings = pool(step.states, step.query_start_loc, step.hidden)
         sampled = None
-        if rows:
-            # Filled on the CPU while a GPU still runs the forward pass queued above.
-            allowed = grammar_bitmask(
-                [seqs[i] for i in done], [seq_lens[i] - len(seqs[i]) for i in done], self.sampler.vocab_size
-            )
-            sampled = self.sampler(logits[: len(rows)], row_seqs, allowed)
+        if step.sampling:
+            rows = [row for i, drafts in step.sampling for row in sample_rows(step.states[i], drafts)]
+            allowed = self._allowed(grammar, step) if grammar is not None else None
+            sampled = self.sampler(step.logits[:num_rows], rows, allowed)  # type: ignore[index]
         # Fetched in this order: each sequence's prompt log-probabilities, the sampled tokens, the embeddings.
         tensors = [
             *(t for entry in prompt.values() for t in entry.tensors()),
             *(sampled.tensors() if sampled else []),
-            *pooled.embeddings,
+            *embeddings.values(),
         ]
         fetched = iter(fetch(tensors))
 
-        output = RunnerOutput(pooling_states=pooled.states, pooled_seqs=pooled.finished)
-        if images is not None:
-            output.image_embeds = images[2]
+        output = RunnerOutput()
         for seq_id, entry in prompt.items():
-            output.prompt_logprobs[seq_id] = entry.from_host(*islice(fetched, len(entry.tensors())))
+            self.states[seq_id].prompt_logprobs += entry.from_host(*islice(fetched, len(entry.tensors())))
         if sampled is not None:
             token_ids, logprobs = sampled.from_host(*islice(fetched, len(sampled.tensors())))
-            output.sampled_seqs = [seqs[i] for i in done]
             row = 0
-            for i in done:
-                seq, num_drafts = seqs[i], seq_lens[i] - len(seqs[i])
-                tokens = token_ids[row : row + num_drafts + 1]
-                if num_drafts:
-                    tokens = accepted_tokens(seq.spec_token_ids[:num_drafts], tokens)
-                output.token_ids.append(tokens)
+            for i, drafts in step.sampling:
+                state = step.states[i]
+                tokens = token_ids[row : row + len(drafts) + 1]
+                if drafts:
+                    tokens = accepted_tokens(drafts, tokens)
+                    output.num_drafts[state.seq_id] = len(drafts)
+                output.sampled_token_ids[state.seq_id] = tokens
                 chosen = logprobs[row : row + len(tokens)]
-                output.logprobs.append(None if chosen[0] is None else chosen)  # type: ignore[arg-type]
-                row += num_drafts + 1
-        output.embeddings = list(fetched)
+                if chosen[0] is not None:
+                    output.logprobs[state.seq_id] = chosen  # type: ignore[assignment]
+                if state.params.prompt_logprobs is not None and not state.num_output_tokens:
+                    output.prompt_logprobs[state.seq_id] = state.prompt_logprobs
+                row += len(drafts) + 1
+        for seq_id, embedding in zip(embeddings, fetched, strict=True):
+            output.embeddings[seq_id] = embedding.astype("<f4", copy=False).tobytes()
+        output.seconds = time.perf_counter() - step.start
         return output
 
+    def _allowed(self, grammar: GrammarBitmask, step: _ExecutedStep) -> tuple[torch.Tensor, list[int]]:
+        """The grammar bitmask laid out in the step's sample rows, and the rows it constrains."""
+        source, target, row = [], [], 0
+        for i, drafts in step.sampling:
+            first = grammar.first_row.get(step.states[i].seq_id)
+            if first is not None:
+                source += range(first, first + len(drafts) + 1)
+                target += range(row, row + len(drafts) + 1)
+            row += len(drafts) + 1
+        mask = grammar.bitmask.new_full((row, grammar.bitmask.shape[1]), -1)
+        mask[target] = grammar.bitmask[source]
+        return mask, target
+
     def _image_rows(
-        self, seqs: list[Sequence], query_start_loc: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, dict[int, torch.Tensor]]] | None:
-        """The image embeddings of the step's placeholder tokens: ``(rows, embeds, encoded)``, or None without any.
+        self, states: list[SequenceState], query_start_loc: list[int], scheduled_images: dict[int, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image embeddings of the step's placeholder tokens, ``(rows, embeds)``, or None without any.
 
         ``rows`` are the flat batch's rows that hold placeholder tokens, ``embeds`` their embeddings, row for row.
-        An image is encoded in the first step that reaches its placeholder, once however many sequences of the step
-        hold it (by content hash), in one batch per image shape; ``encoded`` returns the new ones by ``seq_id`` and
-        image index, for the sequences' later chunks.
+        An image the encoder cache lacks is encoded in the step that reaches its placeholder, once however many
+        sequences of the step hold it (by content hash), in one batch per image shape; it stays cached while a
+        sequence the runner holds has yet to compute its placeholder.
         """
-        pieces: list[tuple[Sequence, int, int, int, int]] = []  # (seq, image index, first row, start, end)
+        pieces: list[tuple[bytes, int, int, int]] = []  # (content hash, first row, start, end in the placeholder)
         to_encode: dict[bytes, ImageInput] = {}
-        for i, seq in enumerate(seqs):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i]
-            for k, image in enumerate(seq.images):
+        for i, state in enumerate(states):
+            start, end = (
+                state.num_computed_tokens,
+                state.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i],
+            )
+            for k in scheduled_images.get(state.seq_id, ()):
+                image = state.images[k]
                 lo, hi = max(start, image.offset), min(end, image.offset + image.length)
-                if lo < hi:
-                    pieces.append((seq, k, query_start_loc[i] + lo - start, lo - image.offset, hi - image.offset))
-                    if k not in seq.image_embeds:
-                        to_encode.setdefault(image.content_hash, image)
+                pieces.append(
+                    (image.content_hash, query_start_loc[i] + lo - start, lo - image.offset, hi - image.offset)
+                )
+                if image.content_hash not in self.encoder_cache:
+                    to_encode.setdefault(image.content_hash, image)
         if not pieces:
             return None
-        fresh = self._encode_images(list(to_encode.values()))
-        encoded: dict[int, dict[int, torch.Tensor]] = {}
-        rows, embeds = [], []
-        for seq, k, first_row, start, end in pieces:
-            image_embeds = seq.image_embeds.get(k)
-            if image_embeds is None:
-                image_embeds = fresh[seq.images[k].content_hash]
-                encoded.setdefault(seq.seq_id, {})[k] = image_embeds
-            rows.append(torch.arange(first_row, first_row + end - start))
-            embeds.append(image_embeds[start:end])
-        return torch.cat(rows).to(self.device), torch.cat(embeds), encoded
+        if to_encode:
+            # Never drop an image whose placeholder a sequence the runner holds has still to compute.
+            needed = {
+                image.content_hash
+                for state in self.states.values()
+                for image in state.images
+                if image.offset + image.length > state.num_computed_tokens
+            }
+            self.encoder_cache.add(self._encode_images(list(to_encode.values())), needed)
+        rows = [torch.arange(first_row, first_row + end - start) for _, first_row, start, end in pieces]
+        embeds = [self.encoder_cache.get(content_hash)[start:end] for content_hash, _, start, end in pieces]
+        return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     def _encode_images(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
         """Run the vision encoder over ``images``, one batch per shape; their embeddings by content hash."""
@@ -596,10 +678,11 @@ class ModelRunner:
         A step may reach more (one placeholder token each, at the end of many chunks); they are encoded in several
         calls, so the encoder's peak memory is that of this many, which :meth:`init_cache` profiles.
         """
-        return max(1, self.config.max_num_batched_tokens // getattr(self.model, "num_image_tokens", 1))
+        num_tokens = self.image_input.num_tokens if self.image_input is not None else 1
+        return max(1, self.config.max_num_batched_tokens // num_tokens)
 
     def _prompt_logprobs(
-        self, spans: list[tuple[Sequence, int, int, int]], logits: torch.Tensor | None
+        self, spans: list[tuple[SequenceState, int, int, int]], logits: torch.Tensor | None
     ) -> dict[int, LogprobTensors]:
         """By ``seq_id``, the prompt log-probabilities of the positions in ``spans`` (:func:`_prompt_spans`).
 
@@ -607,21 +690,17 @@ class ModelRunner:
         """
         computed: dict[int, LogprobTensors] = {}
         row = 0
-        for seq, start, end, _ in spans:
-            targets = to_device(seq.token_ids[start + 1 : end + 1], torch.int64, self.device)
+        for state, start, end, _ in spans:
+            targets = to_device(state.token_ids[start + 1 : end + 1], torch.int64, self.device)
             rows = logits[row : row + end - start]  # type: ignore[index]
-            computed[seq.seq_id] = self.sampler.prompt_logprobs(rows, targets, seq.params.prompt_logprobs)
+            computed[state.seq_id] = self.sampler.prompt_logprobs(rows, targets, state.params.prompt_logprobs)
             row += end - start
         return computed
 
-    @torch.inference_mode()
-    @_enforce_eager_if_configured
     def follow(self) -> None:
-        """A tensor-parallel worker: run the steps rank 0 sends (forward and LM head shard) until it stops."""
-        while (step := parallel.receive_step(self.inputs)) is not None:
-            hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
-            if step.sample_rows.numel():
-                self.model.compute_logits(hidden[step.sample_rows])
+        """A tensor-parallel worker: run :meth:`execute` on each scheduler output rank 0 sends, until it stops."""
+        while (scheduled := parallel.receive_step(self.device)) is not None:
+            self.execute(scheduled)
 
     def close(self) -> None:
         """Rank 0 under tensor parallelism: tell the workers to stop (they leave their loop and exit)."""
@@ -629,17 +708,17 @@ class ModelRunner:
             parallel.send_stop(self.device)
 
 
-def _prompt_spans(seqs: list[Sequence], query_start_loc: list[int]) -> list[tuple[Sequence, int, int, int]]:
-    """The prompt log-probability positions this step computes that each sequence lacks.
+def _prompt_spans(states: list[SequenceState], query_start_loc: list[int]) -> list[tuple[SequenceState, int, int, int]]:
+    """The prompt log-probability positions this step computes, for each sequence that needs some.
 
-    One ``(seq, start, end, first_row)`` per sequence that has some: positions ``[start, end)`` of its prompt, whose
-    hidden states are the flat batch's rows from ``first_row`` on.
+    One ``(state, start, end, first_row)`` per sequence: positions ``[start, end)`` of its prompt, whose hidden
+    states are the flat batch's rows from ``first_row`` on. A sequence that has generated tokens had its prompt's
+    (it is recomputed after a preemption): they were reported with its first token.
     """
     spans = []
-    for i, seq in enumerate(seqs):
-        # A recomputed (preempted) sequence already has them: positions are recorded in order, once.
-        start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
-        end = min(seq.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i], seq.num_prompt_tokens - 1)
-        if seq.params.prompt_logprobs is not None and start < end:
-            spans.append((seq, start, end, query_start_loc[i] - seq.num_computed_tokens + start))
+    for i, state in enumerate(states):
+        start = state.num_computed_tokens
+        end = min(start + query_start_loc[i + 1] - query_start_loc[i], state.num_prompt_tokens - 1)
+        if state.params.prompt_logprobs is not None and not state.num_output_tokens and start < end:
+            spans.append((state, start, end, query_start_loc[i]))
     return spans

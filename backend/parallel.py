@@ -6,9 +6,9 @@ vocabulary. The row-parallel projections (o and down) and the vocabulary-paralle
 each, so every rank holds the whole hidden state between layers; the LM head's vocabulary shards are gathered on rank
 0, the only rank that samples.
 
-Rank 0 runs the engine core and sends each step to the workers as a small int64 header and the used prefixes of
-:class:`~spindle.backend.input_buffers.InputBuffers`' two integer buffers (:func:`send_step`): broadcasts of plain
-tensors, no pickling, and the workers rebuild the step's inputs from them (:func:`receive_step`).
+Rank 0 runs the engine core and sends each step's :class:`~spindle.backend.scheduler_output.SchedulerOutput` to the
+workers, encoded by msgspec (no pickling), as a small int64 header and a byte tensor (:func:`send_step`); each worker
+runs the same model runner code on it (:func:`receive_step`), so the ranks keep the same state of each sequence.
 """
 
 import datetime
@@ -16,14 +16,16 @@ import os
 import socket
 from dataclasses import dataclass, replace
 
+import msgspec
 import torch
 import torch.distributed as dist
 
-from spindle.backend.input_buffers import InputBuffers, StepInputs, StepLayout
+from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.shared.config import EngineConfig
 
-_STOP, _STEP = 0, 1
-_HEADER = 7  # kind, then the StepLayout's six fields
+_STOP, _STEP = 0, 1  # the header's kind; a step's header also holds its encoded length
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
 
 @dataclass(frozen=True)
@@ -140,30 +142,25 @@ def gather_columns(x: torch.Tensor) -> torch.Tensor | None:
     return None if parts is None else torch.cat(parts, dim=1)
 
 
-def send_step(inputs: InputBuffers) -> None:
-    """Rank 0: broadcast the step :meth:`InputBuffers.build` just wrote: its layout, then its two buffer prefixes."""
-    layout = inputs.layout
-    header = torch.tensor([_STEP, *layout], dtype=torch.int64, device=inputs.device)
-    dist.broadcast(header, src=0)
-    longs, ints = inputs.prefixes(layout)
-    dist.broadcast(longs, src=0)
-    dist.broadcast(ints, src=0)
+def send_step(scheduled: SchedulerOutput, device: torch.device) -> None:
+    """Rank 0: broadcast a step's scheduler output, its length then its msgpack bytes."""
+    data = _encoder.encode(scheduled)
+    dist.broadcast(torch.tensor([_STEP, len(data)], dtype=torch.int64, device=device), src=0)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src=0)
 
 
 def send_stop(device: torch.device) -> None:
     """Rank 0: tell the workers that the engine is closing."""
-    dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=device), src=0)
+    dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.int64, device=device), src=0)
 
 
-def receive_step(inputs: InputBuffers) -> StepInputs | None:
-    """A worker: the next step's inputs, received into ``inputs``' buffers; None when rank 0 stops."""
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=inputs.device)
+def receive_step(device: torch.device) -> SchedulerOutput | None:
+    """A worker: the next step's scheduler output, as rank 0 sent it; None when rank 0 stops."""
+    header = torch.zeros(2, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
-    kind, *fields = header.tolist()
+    kind, length = header.tolist()
     if kind == _STOP:
         return None
-    layout = StepLayout(*fields)
-    longs, ints = inputs.prefixes(layout)
-    dist.broadcast(longs, src=0)
-    dist.broadcast(ints, src=0)
-    return inputs.views(layout)
+    data = torch.empty(length, dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return _decoder.decode(data.cpu().numpy().tobytes())

@@ -1,37 +1,18 @@
 """Embeddings: a prompt's final-norm hidden states pooled into one vector, chunk by chunk as the prompt is prefilled.
 
-An embedding sequence (``seq.pooling`` set) is prefilled like any prompt, in chunks that share steps with other
-requests. After each chunk the runner updates the sequence's pooling state (:func:`pool`): the running float32 sum of
-its hidden states for ``mean``, the first position's for ``cls``, the latest position's for ``last``. The chunk that
-completes the prompt turns the state into the embedding (:func:`finalize`); nothing is sampled, and the engine core
-then ends the sequence, which frees its blocks.
+An embedding sequence (``pooling`` set) is prefilled like any prompt, in chunks that share steps with other
+requests. After each chunk the runner updates the sequence's pooling state (:func:`pool`), which it keeps in its
+:class:`~spindle.backend.runner_state.SequenceState`: the running float32 sum of its hidden states for ``mean``, the
+first position's for ``cls``, the latest position's for ``last``. The chunk that completes the prompt turns the state
+into the embedding (:func:`finalize`); nothing is sampled, and the scheduler then ends the sequence, which frees its
+blocks.
 """
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from spindle.backend.sequence import Sequence
+from spindle.backend.runner_state import SequenceState
 from spindle.shared.pooling_params import PoolingParams
-
-
-@dataclass
-class PooledStep:
-    """What one step's chunks did for the embedding sequences in it.
-
-    Attributes:
-        states: by ``seq_id``, the pooling state of each sequence whose prompt is not complete yet (float32
-            ``[hidden_size]`` on the model's device): the engine core keeps it as ``seq.pooling_state`` for the next
-            chunk.
-        finished: the sequences whose prompt this step completed.
-        embeddings: their embeddings, row for row: float32 ``[dimensions]`` on the model's device.
-
-    """
-
-    states: dict[int, torch.Tensor] = field(default_factory=dict)
-    finished: list[Sequence] = field(default_factory=list)
-    embeddings: list[torch.Tensor] = field(default_factory=list)
 
 
 def accumulate(pooling: str, state: torch.Tensor | None, chunk: torch.Tensor, start: int) -> torch.Tensor:
@@ -73,26 +54,29 @@ def finalize(state: torch.Tensor, params: PoolingParams, num_tokens: int) -> tor
     return state
 
 
-def pool(seqs: list[Sequence], query_start_loc: list[int], hidden: torch.Tensor) -> PooledStep:
-    """Pool this step's chunks of the embedding sequences among ``seqs``.
+def pool(states: list[SequenceState], query_start_loc: list[int], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Pool this step's chunks of the embedding sequences among ``states``; the embeddings of those it completed.
 
     Args:
-        seqs: the step's sequences in batch order, with ``num_computed_tokens`` as before the step.
+        states: the step's sequences in batch order, with ``num_computed_tokens`` as before the step. An embedding
+            sequence whose prompt is not complete keeps its new pooling state for the next chunk.
         query_start_loc: where each sequence's chunk starts in the flat batch, and the batch's end.
         hidden: the step's final-norm hidden states ``[num_tokens, hidden_size]``.
 
+    Returns:
+        By ``seq_id``, each completed prompt's embedding: float32 ``[dimensions]`` on the model's device.
+
     """
-    step = PooledStep()
-    for i, seq in enumerate(seqs):
-        if seq.pooling is None:
+    embeddings = {}
+    for i, state in enumerate(states):
+        if state.pooling is None:
             continue
         first, last = query_start_loc[i], query_start_loc[i + 1]
-        start = seq.num_computed_tokens
-        # The runner only reads the sequences: the engine core stores the new state on them.
-        state = accumulate(seq.pooling.pooling or "last", seq.pooling_state, hidden[first:last], start)
-        if start + last - first < len(seq):
-            step.states[seq.seq_id] = state
+        start = state.num_computed_tokens
+        pooled = accumulate(state.pooling.pooling or "last", state.pooling_state, hidden[first:last], start)
+        if start + last - first < len(state):
+            state.pooling_state = pooled
         else:
-            step.finished.append(seq)
-            step.embeddings.append(finalize(state, seq.pooling, len(seq)))
-    return step
+            state.pooling_state = None
+            embeddings[state.seq_id] = finalize(pooled, state.pooling, len(state))
+    return embeddings

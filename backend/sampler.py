@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spindle.backend.sequence import Sequence
 from spindle.backend.transfers import fetch, to_device
 from spindle.kernels import argmax
 from spindle.shared import SamplingParams, TokenLogprobs
@@ -25,6 +24,35 @@ from spindle.shared import SamplingParams, TokenLogprobs
 # vocabulary costs ~20x a top-k this small; rows whose nucleus is larger widen the search by _WIDEN.
 _NUCLEUS_CANDIDATES = 256
 _WIDEN = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """What the sampler needs of the sequence that one row samples for.
+
+    Attributes:
+        params: the sequence's sampling parameters.
+        seed: the seed its samples draw from, or None.
+        token_ids: its prompt and output as of this row: a decode's row after drafts counts them as output, as
+            they would be once accepted (penalties and ``min_tokens`` see them, and it samples their next position).
+        num_prompt_tokens: the prompt's length.
+
+    """
+
+    params: SamplingParams
+    seed: int | None
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens the sequence has generated as of this row."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens it has generated as of this row."""
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -114,17 +142,17 @@ class Sampler:
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], allowed: tuple[torch.Tensor, list[int]] | None = None
+        self, logits: torch.Tensor, seqs: list[SampleRow], allowed: tuple[torch.Tensor, list[int]] | None = None
     ) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
             logits: ``[len(seqs), >= vocab_size]`` next-token logits, one row per sequence, on any
                 device. It may be modified in place; pass a copy if it is needed afterwards.
-            seqs: the sequences, in row order.
+            seqs: what each row samples for, in row order.
             allowed: for structured output, a ``[rows, ceil(vocab_size / 32)]`` int32 bitmask of the tokens each
-                row may sample, on the CPU, and the rows it constrains
-                (:meth:`~spindle.backend.structured_output.StructuredOutputManager.bitmask`). The other tokens
+                row may sample, on the CPU, and the rows it constrains (from
+                :meth:`~spindle.backend.structured_output.StructuredOutputManager.bitmask`). The other tokens
                 of those rows are masked before anything else, so logprobs are those of the constrained
                 distribution (as in vLLM).
 
@@ -193,7 +221,7 @@ class Sampler:
             index = (_index(rows, logits), _index(token_ids, logits))
             logits.index_put_(index, to_device(biases, torch.float32, logits.device), accumulate=True)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
         rows: list[int] = []
         token_ids: list[int] = []
         for i, seq in enumerate(seqs):
@@ -205,7 +233,7 @@ class Sampler:
         if rows:
             logits[_index(rows, logits), _index(token_ids, logits)] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
         # Penalties only touch tokens a sequence has seen, so they work on its (row, token) pairs (a few
         # thousand), as positions in the flattened logits, rather than on [rows, vocab] count tensors.
         flat = logits.view(-1)
@@ -226,7 +254,7 @@ class Sampler:
             flat.index_copy_(0, positions, flat.index_select(0, positions) - presence)
             flat.index_add_(0, positions, -frequency)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
         """Sample the non-greedy rows: temperature, then top-k/top-p/min-p, then the exponential race."""
         params = [s.params for s in seqs]
         temperature = [p.temperature for p in params]
@@ -246,7 +274,7 @@ class Sampler:
                 tokens[_index(rows, logits)] = token_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
         return tokens
 
-    def _race(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: torch.Tensor | None) -> torch.Tensor:
+    def _race(self, logits: torch.Tensor, seqs: list[SampleRow], token_ids: torch.Tensor | None) -> torch.Tensor:
         """Apply min-p, then pick a column per row with probability softmax: ``argmax(p / q)``, ``q ~ Exp(1)``.
 
         ``logits`` is overwritten. ``token_ids`` (``[rows, candidates]``) says which vocabulary tokens
@@ -266,7 +294,8 @@ class Sampler:
         if len(seeded) < len(seqs):
             q.uniform_()
         if seeded:
-            keys = to_device([_row_key(seqs[i].seed, len(seqs[i])) for i in seeded], torch.int64, q.device)  # type: ignore[arg-type]
+            row_keys = [_row_key(seqs[i].seed, len(seqs[i].token_ids)) for i in seeded]  # type: ignore[arg-type]
+            keys = to_device(row_keys, torch.int64, q.device)
             rows = _index(seeded, q)
             columns = torch.arange(q.shape[1], device=q.device).expand(len(seeded), -1)
             q[rows] = _seeded_uniforms(keys, columns if token_ids is None else token_ids[rows])

@@ -1,13 +1,27 @@
-"""Continuous batching: which sequences run in the next step, and how many tokens each contributes."""
+"""Continuous batching, and the one place where a step's results change the sequences.
+
+The scheduler decides which sequences run in the next step and how many tokens each contributes.
+:meth:`Scheduler.schedule` returns the step's :class:`~spindle.backend.scheduler_output.SchedulerOutput`, the model
+runner runs it, and :meth:`Scheduler.update_from_output` applies the runner's
+:class:`~spindle.backend.runner_output.RunnerOutput`: it appends the tokens, gives back rejected drafts' cache slots,
+advances grammars, ends the sequences that hit eos, a stop token, their length limit or the end of their grammar,
+and frees their blocks.
+"""
 
 import bisect
 import math
-from collections import deque
-from dataclasses import dataclass
+import time
+from collections import Counter, deque
+from collections.abc import Collection
 
 from spindle.backend.block_manager import BlockManager
+from spindle.backend.runner_output import RunnerOutput
+from spindle.backend.scheduler_output import CachedSequence, NewSequence, SchedulerOutput
 from spindle.backend.sequence import Sequence, SequenceStatus
+from spindle.backend.speculative import DraftProposer
+from spindle.backend.structured_output import StructuredOutputManager
 from spindle.shared import FinishReason
+from spindle.shared.protocol import SequenceDelta
 
 # The cost model of the decode-latency bound, in units of one prompt token's projections and MLP: a chunk of n tokens
 # after c computed ones costs n * (1 + (c + n / 2) / KEYS_PER_TOKEN) + c / PREFIX_KEYS, its queries' keys plus one walk
@@ -37,26 +51,6 @@ SMOOTHING = 0.2
 """The newest step's weight in the running averages of the steps' seconds and cost units."""
 
 
-@dataclass
-class ScheduledBatch:
-    """One step's work: each sequence with the number of its tokens to compute now.
-
-    A decode contributes 1 token, plus its draft tokens when it speculates (``seq.spec_token_ids``, trimmed to what
-    the budget holds); a prefill contributes a chunk of its uncomputed prompt (chunked prefill). ``running_loras``
-    holds the LoRA adapters of all running sequences, scheduled this step or not: their slots must stay.
-    """
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    num_preempted: int = 0
-    running_loras: frozenset[int] = frozenset()
-    decode_cost: float = 0.0  # in the cost model's units, where the decode-latency bound applies
-    prefill_cost: float = 0.0
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-
 class Scheduler:
     """Continuous batching under a token budget, with chunked prefill and preemption by recompute.
 
@@ -64,8 +58,8 @@ class Scheduler:
     blocks, the last running sequence is preempted: its blocks are freed and it goes back to the waiting queue to be
     recomputed later (its full blocks usually come back from the prefix cache). Waiting sequences are admitted in
     queue order while the budget, ``max_num_seqs`` and the free blocks allow, and never in a step whose running
-    sequences ran out of blocks; one whose structured-output grammar is still compiling (``waiting_for_grammar``) is
-    passed over without holding up those behind it. So is one whose LoRA adapter could not have a slot: with
+    sequences ran out of blocks; one whose structured-output grammar is still compiling is passed over without holding
+    up those behind it. So is one whose LoRA adapter could not have a slot: with
     ``max_loras`` set, the running sequences use at most that many distinct adapters (the base model needs none),
     and a sequence of another adapter waits until one of them has no running sequence left.
 
@@ -113,6 +107,11 @@ class Scheduler:
         priority_aging: float = 0.0,
         max_loras: int | None = None,
         long_prefill_token_threshold: int = 0,
+        *,
+        max_model_len: int,
+        eos_token_ids: Collection[int],
+        structured_output: StructuredOutputManager,
+        drafter: DraftProposer,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={policy!r} must be fcfs or priority")
@@ -122,12 +121,22 @@ class Scheduler:
         self.max_decode_slowdown = max_decode_slowdown
         self.by_priority = policy == "priority"
         self.priority_aging = priority_aging
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.structured_output = structured_output
+        self.drafter = drafter
+        # Request id -> its sequences (one per completion), while any of them is unfinished; and those by seq_id.
+        self.requests: dict[str, list[Sequence]] = {}
+        self.seqs: dict[int, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.max_loras = max_loras
-        # LoRA adapter id -> its running sequences.
+        # LoRA adapter id -> its running sequences; and its unfinished (waiting or running) ones.
         self.running_loras: dict[int, int] = {}
+        self.lora_users: Counter[int] = Counter()
+        # Sequences the runner holds state of that finished or were preempted since the last output.
+        self.gone_seq_ids: list[int] = []
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefill_credit = 0.0
         # The most credit the steps may save: CREDIT_STEPS times the latest step's earnings.
@@ -140,92 +149,222 @@ class Scheduler:
         self.decode_time: tuple[float, float] | None = None
         self.prefill_time: tuple[float, float] | None = None
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
-        self._enqueue(self.waiting, seq)
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences (one per completion)."""
+        self.requests[seqs[0].request_id] = seqs
+        for seq in seqs:
+            self.seqs[seq.seq_id] = seq
+            if seq.lora_id is not None:
+                self.lora_users[seq.lora_id] += 1
+            self._enqueue(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's sequences and token counts, allocating their blocks."""
+    def abort_requests(self, request_ids: Collection[str]) -> None:
+        """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
+        for request_id in request_ids:
+            for seq in self.requests.get(request_id, []):
+                if not seq.is_finished:
+                    self._finish(seq, FinishReason.ABORT)
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End one completion of a request (the frontend matched a stop string) and free its blocks."""
+        seqs = self.requests.get(request_id)
+        if seqs is not None and not seqs[index].is_finished:
+            self._finish(seqs[index], FinishReason.STOP)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and token counts, allocating their blocks; the drafts of those that speculate."""
+        drafts = self.drafter.propose(self.running)
         # Preemptions that make room for a waiting sequence are there to admit it: unlike those below, they do not
         # close this step to admissions.
         made_room = self._make_room() if self.by_priority else 0
-        batch = ScheduledBatch([], [], made_room)
+        out = SchedulerOutput(num_preempted=made_room)
         budget = self.max_num_batched_tokens
-        self._earn_prefill_credit(batch)
+        now = time.time()
+        self._earn_prefill_credit(out)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            if num_new == 1 and seq.spec_token_ids:
+            seq_drafts = drafts.get(seq.seq_id, [])
+            if num_new == 1 and seq_drafts:
                 # A decode with drafts: the last token and as many drafts as the budget holds, verified together.
-                del seq.spec_token_ids[budget - 1 :]
-                num_new += len(seq.spec_token_ids)
+                seq_drafts = seq_drafts[: budget - 1]
+                num_new += len(seq_drafts)
                 if not self.block_manager.can_allocate(seq, num_new):
                     # Drafts are worth no one's preemption.
-                    seq.spec_token_ids, num_new = [], 1
+                    seq_drafts, num_new = [], 1
             elif num_new > 1:
-                num_new = self._prefill_chunk(seq, num_new, batch)
+                num_new = self._prefill_chunk(seq, num_new, out)
                 if not num_new:
                     i += 1
                     continue
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
-                batch.num_preempted += 1
+                out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                self.block_manager.allocate(seq, num_new)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
+                self._schedule(seq, num_new, seq_drafts, out, now)
                 budget -= num_new
                 i += 1
-        out_of_blocks = batch.num_preempted > made_room
+        out_of_blocks = out.num_preempted > made_room
         i = 0
         while not out_of_blocks and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.waiting_for_grammar or not self._lora_fits(seq):
+            if self.structured_output.is_compiling(seq.request_id) or not self._lora_fits(seq):
                 i += 1
                 continue
             if not seq.skips_prefix_cache:
                 # Prompt logprobs need logits, and mean/cls pooling hidden states, at every prompt position.
                 self.block_manager.match_prefix(seq)
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            num_new = self._prefill_chunk(seq, num_new, batch)
+            num_new = self._prefill_chunk(seq, num_new, out)
             if not num_new or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free_blocks(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
-            self.block_manager.allocate(seq, num_new)
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self._count_lora(seq, 1)
             self._enqueue(self.running, seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            self._schedule(seq, num_new, [], out, now)
             budget -= num_new
-        if self.running_loras:
-            batch.running_loras = frozenset(self.running_loras)
-        return batch
+        if out.num_scheduled_tokens:  # an empty step is not run: the runner hears of them in the next one
+            # Last: the preemptions above are among them.
+            out.finished_seq_ids, self.gone_seq_ids = self.gone_seq_ids, []
+        out.running_lora_ids = list(self.running_loras)
+        out.lora_ids_in_use = list(self.lora_users)
+        return out
 
-    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Learn the cost model's scale from the measured time of a step that ran ``batch``.
+    def _schedule(self, seq: Sequence, num_new: int, drafts: list[int], out: SchedulerOutput, now: float) -> None:
+        """Give ``seq`` the blocks of its next ``num_new`` tokens and add it to ``out`` with what the runner lacks."""
+        kept = len(seq.block_table)
+        self.block_manager.allocate(seq, num_new)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        if seq.num_runner_tokens:
+            new_tokens = seq.token_ids[seq.num_runner_tokens :]
+            out.cached_seqs.append(
+                CachedSequence(seq.seq_id, new_tokens, seq.block_table[kept:], seq.num_computed_tokens)
+            )
+        else:
+            out.new_seqs.append(
+                NewSequence(
+                    seq.seq_id,
+                    list(seq.token_ids),
+                    seq.num_prompt_tokens,
+                    seq.params,
+                    seq.seed,
+                    list(seq.block_table),
+                    seq.num_computed_tokens,
+                    seq.lora_id,
+                    seq.pooling,
+                    seq.images,
+                )
+            )
+        seq.num_runner_tokens = len(seq)
+        out.num_scheduled_tokens[seq.seq_id] = num_new
+        if drafts:
+            out.spec_token_ids[seq.seq_id] = drafts
+        end = seq.num_computed_tokens + num_new
+        if seq.images:
+            reached = [k for k, image in enumerate(seq.images) if image.overlaps(seq.num_computed_tokens, end)]
+            if reached:
+                out.scheduled_images[seq.seq_id] = reached
+        if end >= len(seq) and self.structured_output.is_constrained(seq.seq_id):
+            out.grammar_seq_ids.append(seq.seq_id)
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[SequenceDelta]:
+        """Apply a step's results, the one place where sequences change; returns what changed for each sequence.
+
+        One delta per sequence that got tokens, or completed an embedding (those first, each with its embedding).
+        """
+        if output.seconds is not None:
+            self.observe(scheduled, output.seconds)
+        for seq_id, num_new in scheduled.num_scheduled_tokens.items():
+            self.seqs[seq_id].num_computed_tokens += num_new
+        deltas = [self._finish_embedding(self.seqs[seq_id], data) for seq_id, data in output.embeddings.items()]
+        for seq_id, token_ids in output.sampled_token_ids.items():
+            deltas.append(self._append(self.seqs[seq_id], token_ids, output))
+        return deltas
+
+    def _append(self, seq: Sequence, token_ids: list[int], output: RunnerOutput) -> SequenceDelta:
+        """Append a step's tokens to ``seq``, ending it where one stops it; its delta."""
+        first = seq.num_output_tokens == 0
+        num_drafts = output.num_drafts.get(seq.seq_id, 0)
+        if num_drafts:
+            # The rejected drafts' K/V is not the sequence's: step back over it.
+            self.drafter.record(num_drafts, len(token_ids) - 1)
+            seq.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
+        constrained = self.structured_output.is_constrained(seq.seq_id)
+        emitted = 0
+        for token_id in token_ids:
+            seq.token_ids.append(token_id)
+            emitted += 1
+            if constrained and self.structured_output.advance(seq.request_id, seq.seq_id, token_id):
+                self._finish(seq, FinishReason.STOP)
+            else:
+                self._check_stop(seq, token_id)
+            if seq.is_finished:
+                break
+        if num_drafts and not seq.is_finished:
+            self.block_manager.trim(seq)
+        logprobs = output.logprobs.get(seq.seq_id)
+        return SequenceDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=token_ids[:emitted],
+            new_logprobs=None if logprobs is None else logprobs[:emitted],
+            prompt_logprobs=output.prompt_logprobs.get(seq.seq_id) if first else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens if first else 0,
+            first_scheduled_time=seq.first_scheduled_time if first else None,
+        )
+
+    def _finish_embedding(self, seq: Sequence, embedding: bytes) -> SequenceDelta:
+        """End an embedding sequence whose prompt is complete (its blocks are freed) and report its embedding."""
+        self._finish(seq, FinishReason.STOP)
+        return SequenceDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=[],
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            first_scheduled_time=seq.first_scheduled_time,
+            embedding=embedding,
+        )
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        """End ``seq`` if its new token is eos or a stop token (past ``min_tokens``), or it reached its length."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return self._finish(seq, FinishReason.STOP)
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                return self._finish(seq, FinishReason.STOP, token_id)
+        if seq.num_output_tokens >= (params.max_tokens or self.max_model_len) or len(seq) >= self.max_model_len:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Learn the cost model's scale from the measured time of a step that ran ``scheduled``.
 
         A step of decodes alone gives the seconds of a decode unit; a step with prefill chunks beside decodes, what
         is left of its time after its decodes' estimate, the seconds of a prefill unit.
         """
-        if not batch.decode_cost:
+        if not scheduled.decode_cost:
             return
-        if not batch.prefill_cost:
-            self.decode_time = _smoothed(self.decode_time, (seconds, batch.decode_cost))
+        if not scheduled.prefill_cost:
+            self.decode_time = _smoothed(self.decode_time, (seconds, scheduled.decode_cost))
         elif self.decode_unit_seconds is not None:
-            rest = seconds - batch.decode_cost * self.decode_unit_seconds
+            rest = seconds - scheduled.decode_cost * self.decode_unit_seconds
             if rest > 0:
-                self.prefill_time = _smoothed(self.prefill_time, (rest, batch.prefill_cost))
+                self.prefill_time = _smoothed(self.prefill_time, (rest, scheduled.prefill_cost))
 
     @property
     def decode_unit_seconds(self) -> float | None:
@@ -259,7 +398,10 @@ class Scheduler:
         blocks may make it need fewer). Only sequences of a strictly worse effective priority are preempted, worst
         first; returns how many.
         """
-        seq = next((s for s in self.waiting if not s.waiting_for_grammar and self._lora_fits(s)), None)
+        seq = next(
+            (s for s in self.waiting if not self.structured_output.is_compiling(s.request_id) and self._lora_fits(s)),
+            None,
+        )
         if seq is None:
             return 0
         rank = self._key(seq)[0]
@@ -274,8 +416,8 @@ class Scheduler:
             num_preempted += 1
         return num_preempted
 
-    def _earn_prefill_credit(self, batch: ScheduledBatch) -> None:
-        """Add this step's earnings to the prefill credit where the bound applies, setting ``batch.decode_cost``.
+    def _earn_prefill_credit(self, out: SchedulerOutput) -> None:
+        """Add this step's earnings to the prefill credit where the bound applies, setting ``out.decode_cost``.
 
         The decodes' cost is in the model's units, and what they earn in prompt-token units: the model's, scaled by
         the measured seconds of each kind of unit once both are known.
@@ -287,17 +429,17 @@ class Scheduler:
         if not decode_contexts:
             self.prefill_credit = 0.0
             return
-        batch.decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
+        out.decode_cost = STEP_OVERHEAD + len(decode_contexts) + sum(decode_contexts) / KEYS_PER_TOKEN
         scale = 1.0
         if self.decode_unit_seconds is not None and self.prefill_unit_seconds is not None:
             scale = self.decode_unit_seconds / self.prefill_unit_seconds
-        earned = (self.max_decode_slowdown - 1) * batch.decode_cost * scale
+        earned = (self.max_decode_slowdown - 1) * out.decode_cost * scale
         self.credit_cap = CREDIT_STEPS * earned
         self.prefill_credit = min(self.prefill_credit + earned, self.credit_cap)
         self.force_token = self.prefill_credit >= self.credit_cap
 
-    def _prefill_chunk(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> int:
-        """How many of ``seq``'s next ``num_new`` prompt tokens to prefill in this step, adding their cost to ``batch``.
+    def _prefill_chunk(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int:
+        """How many of ``seq``'s next ``num_new`` prompt tokens to prefill in this step, adding their cost to ``out``.
 
         All of them where the bound does not apply (no decodes in the step, or a prompt of at most
         ``long_prefill_token_threshold`` tokens); else the largest chunk that the prefill credit pays for, spent from
@@ -305,7 +447,7 @@ class Scheduler:
         before). The step's first long prefill gets a token even when the credit pays for none, if the credit is
         full, so that a prompt always advances.
         """
-        if not batch.decode_cost:
+        if not out.decode_cost:
             return num_new
         computed = seq.num_computed_tokens
         if len(seq) > self.long_prefill_token_threshold:
@@ -319,7 +461,7 @@ class Scheduler:
             num_new = min(num_new, max(affordable, int(self.force_token)))
             self.force_token = False
             self.prefill_credit -= self._chunk_cost(computed, num_new)
-        batch.prefill_cost += self._chunk_cost(computed, num_new)
+        out.prefill_cost += self._chunk_cost(computed, num_new)
         return num_new
 
     @staticmethod
@@ -329,8 +471,11 @@ class Scheduler:
             return 0.0
         return n * (1 + (computed + n / 2) / KEYS_PER_TOKEN) + computed / PREFIX_KEYS
 
-    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
-        """End ``seq`` (eos, stop token, length or abort) and free its blocks at once."""
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
+        """End ``seq`` (eos, stop token, length or abort) and free its blocks at once; forget its request with its last.
+
+        The one way a sequence ends.
+        """
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._count_lora(seq, -1)
@@ -339,6 +484,22 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free_blocks(seq)
+        self._leave_runner(seq)
+        del self.seqs[seq.seq_id]
+        if seq.lora_id is not None:
+            self.lora_users[seq.lora_id] -= 1
+            if not self.lora_users[seq.lora_id]:
+                del self.lora_users[seq.lora_id]
+        seqs = self.requests[seq.request_id]
+        if all(s.is_finished for s in seqs):
+            del self.requests[seq.request_id]
+            self.structured_output.remove_request(seq.request_id, [s.seq_id for s in seqs])
+
+    def _leave_runner(self, seq: Sequence) -> None:
+        """Have the runner drop its state of ``seq`` in the next step (it holds none of a sequence never scheduled)."""
+        if seq.num_runner_tokens:
+            self.gone_seq_ids.append(seq.seq_id)
+            seq.num_runner_tokens = 0
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq``'s adapter can have a slot if it runs: the base model, or one of at most ``max_loras``."""
@@ -357,9 +518,10 @@ class Scheduler:
             del self.running_loras[seq.lora_id]
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it again, to be recomputed (the runner starts it afresh)."""
         self.num_preemptions += 1
         self._count_lora(seq, -1)
-        seq.spec_token_ids = []
+        self._leave_runner(seq)
         self.block_manager.free_blocks(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

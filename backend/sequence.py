@@ -2,15 +2,10 @@
 
 import enum
 from itertools import count
-from typing import TYPE_CHECKING
 
-from spindle.shared import FinishReason, SamplingParams, TokenLogprobs
+from spindle.shared import FinishReason, SamplingParams
 from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.protocol import ImageInput
-
-if TYPE_CHECKING:
-    import torch
-    from xgrammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -22,18 +17,18 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """A prompt and the tokens generated after it; ``n > 1`` requests have one per completion.
+    """A prompt and the tokens generated after it, as the scheduler sees it; ``n > 1`` requests have one per completion.
 
     ``num_computed_tokens`` counts the tokens whose K/V is already in the cache; the scheduler moves it
-    forward by the chunk it schedules, and preemption resets it to zero (recompute).
+    forward by the chunk it schedules, and preemption resets it to zero (recompute). It holds scheduling state only:
+    what the model runner keeps of a sequence (its pooling state, image embeddings, prompt log-probabilities so far)
+    is the runner's, what structured output keeps (its grammar matcher) the
+    :class:`~spindle.backend.structured_output.StructuredOutputManager`'s, and its drafts live in one step's
+    :class:`~spindle.backend.scheduler_output.SchedulerOutput`.
 
     With ``pooling`` set it is an embedding request's: its prompt is prefilled and pooled
-    (:mod:`spindle.backend.pooler`), and it ends when the prompt is complete, generating nothing.
-
-    A vision-language prompt has ``images``, each at its placeholder tokens. The runner encodes an image in the first
-    step whose chunk reaches its placeholder, and ``image_embeds`` (by image index; one dict shared by the ``n``
-    sequences of a request, so that they encode each image once) keeps the embeddings for the later chunks until the
-    engine core drops them when the prompt is computed.
+    (:mod:`spindle.backend.pooler`), and it ends when the prompt is complete, generating nothing. A vision-language
+    prompt has ``images``, each at its placeholder tokens.
     """
 
     _ids = count()
@@ -49,7 +44,6 @@ class Sequence:
         pooling: PoolingParams | None = None,
         lora_id: int | None = None,
         images: list[ImageInput] | None = None,
-        image_embeds: "dict[int, torch.Tensor] | None" = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
@@ -57,7 +51,7 @@ class Sequence:
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
-        # The LoRA adapter it runs with (spindle.backend.lora's id, unique per loaded adapter); None: the base model.
+        # The LoRA adapter it runs with (spindle.backend.lora_manager's id, unique per loaded adapter); None: the base.
         self.lora_id = lora_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -70,19 +64,12 @@ class Sequence:
         # n > 1 completions of a seeded request must differ, so each gets seed + index. The sampler draws from
         # (seed, position): a sequence has no generator state, and a recomputed one samples what it did before.
         self.seed = None if params.seed is None else params.seed + index
-        self.prompt_logprobs: list[TokenLogprobs] = []
-        # This step's draft tokens (speculative decoding), computed after the last token; not part of token_ids.
-        self.spec_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
-        # Structured output: the matcher of the sequence's grammar, set once the grammar has compiled (off the step
-        # loop); until then the sequence waits and the scheduler passes it over.
-        self.grammar: GrammarMatcher | None = None
-        self.waiting_for_grammar = params.structured_output is not None
-        # Embeddings: how to pool, and the pooling state after the chunks computed so far (a device tensor).
         self.pooling = pooling
-        self.pooling_state: torch.Tensor | None = None
         self.images = images or []
-        self.image_embeds: dict[int, torch.Tensor] = {} if image_embeds is None else image_embeds
+        # How many of its tokens the model runner holds (0: none, it holds no state of it): the rest go to it in the
+        # next step that schedules it.
+        self.num_runner_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

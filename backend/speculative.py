@@ -5,10 +5,22 @@ recent earlier occurrence of its last ``n`` tokens (``n`` from :data:`MAX_NGRAM`
 the output copies from the prompt, as summaries, edits and code do, those are the tokens it is about to write. The
 step computes the last token and the drafts in one pass (like a short prefill chunk), and
 :func:`accepted_tokens` keeps what the model would have produced itself.
+
+:class:`DraftProposer` owns speculation's state: it proposes each step's drafts (the scheduler fits them into the
+budget and the runner verifies them) and counts the drafts verified and accepted. A step's drafts live in its
+:class:`~spindle.backend.scheduler_output.SchedulerOutput` alone; the scheduler gives back the rejected ones' cache
+slots when it applies the step's output.
 """
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from spindle.backend.sequence import Sequence
+    from spindle.backend.structured_output import StructuredOutputManager
 
 MAX_NGRAM = 4
 """The longest suffix looked up: a longer match predicts better, so lookup starts there."""
@@ -55,3 +67,44 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
         if sampled[i] != draft:
             return sampled[: i + 1]
     return sampled[: len(drafts) + 1]
+
+
+class DraftProposer:
+    """Proposes the drafts of the decoding sequences that speculate, and keeps the acceptance counts.
+
+    Args:
+        max_model_len: the context length: a step never computes a draft past it.
+        structured_output: trims a constrained sequence's drafts to what its grammar accepts.
+
+    Attributes:
+        num_draft_tokens: the drafts verified since start-up.
+        num_accepted_draft_tokens: those the model agreed with.
+
+    """
+
+    def __init__(self, max_model_len: int, structured_output: "StructuredOutputManager") -> None:
+        self.max_model_len = max_model_len
+        self.structured_output = structured_output
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+
+    def propose(self, running: Iterable["Sequence"]) -> dict[int, list[int]]:
+        """By ``seq_id``, the drafts of each decoding sequence that asks for ``num_speculative_tokens`` and finds some.
+
+        Never past ``max_tokens`` or the context: a step emits up to one token more than its drafts.
+        """
+        drafts = {}
+        for seq in running:
+            wanted = seq.params.num_speculative_tokens
+            if wanted and len(seq) - seq.num_computed_tokens == 1:
+                max_tokens = seq.params.max_tokens or self.max_model_len
+                wanted = min(wanted, max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1)
+                proposed = self.structured_output.allowed_drafts(seq.seq_id, propose(seq.token_ids, wanted))
+                if proposed:
+                    drafts[seq.seq_id] = proposed
+        return drafts
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one sequence's verified drafts, ``num_accepted`` of them accepted."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_draft_tokens += num_accepted

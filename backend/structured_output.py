@@ -1,11 +1,13 @@
 """Structured output with xgrammar: grammars compiled off the step loop, a matcher per sequence, a bitmask per step.
 
-A constrained request's spec (:class:`~spindle.shared.sampling_params.StructuredOutput`) is compiled by a worker
-thread while the engine keeps stepping the other requests; its sequences wait (the scheduler passes them over) until
-the grammar is ready. Compiled grammars are cached by spec, so a schema that many requests share compiles once. Each
-sequence then owns a ``GrammarMatcher``: before sampling, the runner asks it which tokens may come next (one bit per
-token, filled on the CPU while the device runs the forward pass) and the sampler masks the others out of the logits;
-after sampling, the engine core feeds it the chosen tokens, and ends the sequence when its grammar is complete.
+:class:`StructuredOutputManager` owns all of structured output's state: the compiles under way, the refusals of
+specs that do not compile, and each constrained sequence's ``GrammarMatcher``. A constrained request's spec
+(:class:`~spindle.shared.sampling_params.StructuredOutput`) is compiled by a worker thread while the engine keeps
+stepping the other requests; its sequences wait (the scheduler passes them over) until the grammar is ready.
+Compiled grammars are cached by spec, so a schema that many requests share compiles once. Each step, while the
+device runs the forward pass, the manager fills the bitmask of the tokens each constrained sequence may sample next
+(one bit per token) and the sampler masks the others out of the logits; the scheduler then feeds it the tokens
+chosen, and ends the sequence when its grammar is complete.
 
 xgrammar imports torch, and building its tokenizer table takes seconds, so nothing here is loaded before the first
 constrained request arrives (on the worker thread).
@@ -15,14 +17,15 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from spindle.backend.sequence import Sequence
-from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
+from spindle.backend.scheduler_output import SchedulerOutput
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
 from spindle.shared.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
@@ -40,8 +43,24 @@ CACHE_LIMIT_BYTES = 256 * 2**20
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
+@dataclass
+class GrammarBitmask:
+    """The tokens allowed at each sampled row of the constrained sequences of one step.
+
+    Attributes:
+        bitmask: ``[rows, ceil(vocab / 32)]`` int32 on the CPU: bit ``t % 32`` of word ``t // 32`` is set when token
+            ``t`` is allowed.
+        first_row: by ``seq_id``, the sequence's first row; a sequence with ``d`` drafts has ``d + 1`` rows, row ``i``
+            for the token after its first ``i`` drafts.
+
+    """
+
+    bitmask: torch.Tensor
+    first_row: dict[int, int]
+
+
 class StructuredOutputManager:
-    """Compiles specs to grammars in a worker thread, with a cache, and builds the matchers and bitmasks.
+    """Compiles specs to grammars in a worker thread (with a cache), keeps each sequence's matcher, fills bitmasks.
 
     Args:
         model_dir: the model directory, whose tokenizer files xgrammar reads to map grammar bytes to token ids.
@@ -58,6 +77,108 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spindle-grammar")
         self._compiler: GrammarCompiler | None = None
         self._grammars: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        # Request id -> (its grammar being compiled, its sequences' ids); then each sequence's matcher.
+        self._compiling: dict[str, tuple[Future[CompiledGrammar], list[int]]] = {}
+        self._matchers: dict[int, GrammarMatcher] = {}
+
+    def add_request(self, request_id: str, seq_ids: list[int], spec: StructuredOutput) -> None:
+        """Start compiling a request's spec; its sequences wait until :meth:`collect` finds it compiled."""
+        self._compiling[request_id] = (self.compile(spec), seq_ids)
+
+    def remove_request(self, request_id: str, seq_ids: list[int]) -> None:
+        """Forget a request (finished or aborted): its compile, if under way, and its sequences' matchers."""
+        self._compiling.pop(request_id, None)
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
+
+    def is_compiling(self, request_id: str) -> bool:
+        """Whether the request's grammar is not compiled yet (its sequences may not run)."""
+        return request_id in self._compiling
+
+    def collect(self) -> list[tuple[str, RequestRefusedError]]:
+        """Give the sequences of each request whose grammar has compiled their matchers; the others' refusals.
+
+        A refused request (its spec does not compile) is forgotten here; its sequences are the caller's to drop.
+        """
+        refused = []
+        for request_id, (future, seq_ids) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is not None:
+                assert isinstance(error, RequestRefusedError)
+                refused.append((request_id, error))
+                continue
+            for seq_id in seq_ids:
+                self._matchers[seq_id] = self.matcher(future.result())
+        return refused
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a compile under way to end (at once when none is)."""
+        if self._compiling:
+            wait([future for future, _ in self._compiling.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def is_constrained(self, seq_id: int) -> bool:
+        """Whether the sequence samples under a grammar (compiled)."""
+        return seq_id in self._matchers
+
+    def allowed_drafts(self, seq_id: int, drafts: list[int]) -> list[int]:
+        """The leading ``drafts`` that the sequence's grammar accepts (all of them for an unconstrained sequence).
+
+        Drafts it forbids would be rejected anyway, and the bitmask rows after them would be those of a dead end.
+        """
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            return drafts
+        accepted = 0
+        for token_id in drafts:
+            if not matcher.accept_token(token_id):
+                break
+            accepted += 1
+        matcher.rollback(accepted)
+        return drafts[:accepted]
+
+    def advance(self, request_id: str, seq_id: int, token_id: int) -> bool:
+        """Feed a sampled token to the sequence's matcher; whether the sequence must end there.
+
+        It ends when its grammar is complete, or when the token does not continue it: only a token outside the mask
+        gets that far (``min_tokens`` held back eos where the grammar allowed nothing else, or every allowed token had
+        a logit of -inf); the output so far is a valid prefix, so it stops there.
+        """
+        matcher = self._matchers[seq_id]
+        if not matcher.accept_token(token_id):
+            logger.warning(
+                "Token %d does not continue the grammar: ending the completion",
+                token_id,
+                extra={"request_id": request_id},
+            )
+            return True
+        return matcher.is_terminated()
+
+    def bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask | None:
+        """The tokens allowed at each row that the step's constrained sequences sample (``None`` without any).
+
+        A sequence with drafts gets a row per draft, each filled after accepting the drafts before it; they are
+        rolled back after, as the scheduler accepts the tokens the step really emits.
+        """
+        if not scheduled.grammar_seq_ids:
+            return None
+        import xgrammar
+
+        drafts = [scheduled.spec_token_ids.get(seq_id, []) for seq_id in scheduled.grammar_seq_ids]
+        mask = xgrammar.allocate_token_bitmask(len(drafts) + sum(map(len, drafts)), self.vocab_size)
+        first_row, row = {}, 0
+        for seq_id, seq_drafts in zip(scheduled.grammar_seq_ids, drafts, strict=True):
+            matcher = self._matchers[seq_id]
+            first_row[seq_id] = row
+            for i in range(len(seq_drafts) + 1):
+                matcher.fill_next_token_bitmask(mask, row + i)
+                if i < len(seq_drafts):
+                    matcher.accept_token(seq_drafts[i])
+            matcher.rollback(len(seq_drafts))
+            row += len(seq_drafts) + 1
+        return GrammarBitmask(mask, first_row)
 
     def compile(self, spec: StructuredOutput) -> "Future[CompiledGrammar]":
         """The compiled grammar of ``spec``, now or later: a finished future when it is cached.
@@ -120,45 +241,6 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         """Stop the worker thread (a compile under way finishes first)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def grammar_bitmask(
-    seqs: list[Sequence], num_drafts: list[int], vocab_size: int
-) -> tuple[torch.Tensor, list[int]] | None:
-    """The tokens allowed at each sampled row of a step, for the rows of constrained sequences.
-
-    Args:
-        seqs: the sequences that sample this step, in row order; a sequence with drafts (speculative decoding)
-            samples ``1 + num_drafts`` consecutive rows, row ``i`` after its first ``i`` drafts.
-        num_drafts: the number of drafts of each sequence.
-        vocab_size: the model's vocabulary: the bitmask has a bit per token.
-
-    Returns:
-        ``None`` when no sequence is constrained; else a ``[rows, ceil(vocab / 32)]`` int32 bitmask on the CPU
-        (bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed) and the constrained rows, the only
-        rows filled.
-
-    """
-    if all(seq.grammar is None for seq in seqs):
-        return None
-    import xgrammar
-
-    mask = xgrammar.allocate_token_bitmask(len(seqs) + sum(num_drafts), vocab_size)
-    rows: list[int] = []
-    row = 0
-    for seq, drafts in zip(seqs, num_drafts, strict=True):
-        matcher = seq.grammar
-        if matcher is not None:
-            # The drafts are accepted for the rows after them, then rolled back: the engine core accepts the
-            # tokens the step really emits. They were trimmed to what the grammar allows when proposed.
-            for i in range(drafts + 1):
-                matcher.fill_next_token_bitmask(mask, row + i)
-                if i < drafts:
-                    matcher.accept_token(seq.spec_token_ids[i])
-            matcher.rollback(drafts)
-            rows += range(row, row + drafts + 1)
-        row += drafts + 1
-    return mask, rows
 
 
 def _spec_text(spec: StructuredOutput) -> str:

@@ -160,7 +160,7 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> No
     """
     size = config.tensor_parallel_size
     Shard.of(model_config, 0, size)
-    if not getattr(model_class(model_config.architecture), "supports_tensor_parallel", False):
+    if not model_class(model_config.architecture).supports_tensor_parallel:
         raise ValueError(
             f"tensor_parallel_size={size}: the class serving {model_config.architecture} does not shard itself: "
             "serve it with tensor_parallel_size=1 (a registered text model may subclass "

@@ -101,7 +101,8 @@ def test_step_diagram_is_rendered_with_the_two_prompt_example(built):
     svgs = [(built / "html" / image).read_text() for image in images]
     step = [svg for svg in svgs if "Scheduler.schedule()" in svg]
     assert len(step) == 1, "the step() diagram is not on the LLMEngine page"
-    for stage in ("ModelRunner.execute()", "3. Sampler", "4. EngineCore update", "5. free blocks", "6. outputs"):
+    stages = ("SchedulerOutput", "ModelRunner.execute()", "3. Sampler", "Scheduler.update_from_output()", "6. outputs")
+    for stage in stages:
         assert stage in html.unescape(step[0]), stage
 
 

@@ -45,7 +45,7 @@ def assert_matches(embedding: list[float], hidden: torch.Tensor, params: Pooling
 
 def assert_all_blocks_free(llm: LLM) -> None:
     core = llm.llm_engine.core
-    assert not core.requests and core.block_manager.num_free_blocks == core.num_blocks
+    assert not core.has_unfinished_requests() and core.block_manager.num_free_blocks == core.num_blocks
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def test_n_completions_share_the_prompt_blocks(tiny_llm_dir, prompts):
     prompt = prompts[-1]  # 101 tokens: 6 full blocks
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
     engine.step()
-    seqs = engine.core.requests["r"]
+    seqs = engine.core.scheduler.requests["r"]
     shared = seqs[0].block_table[:6]
     assert all(seq.block_table[:6] == shared for seq in seqs)
     assert all(engine.core.block_manager.blocks[b].ref_count == 3 for b in shared)

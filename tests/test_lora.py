@@ -15,17 +15,18 @@ import pytest
 import safetensors.torch
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from scheduler_harness import fake_step, make_scheduler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import spindle.kernels
-from spindle.backend.block_manager import BlockManager, root_hash
+from spindle.backend.block_manager import root_hash
 from spindle.backend.engine_core import EngineCore
 from spindle.backend.models.loader import resolve_model
-from spindle.backend.scheduler import Scheduler
+from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.sequence import Sequence
 from spindle.kernels import lora as lora_kernels
 from spindle.kernels.lora import LoraMapping, LoraSlots
-from spindle.shared import FinishReason, SamplingParams
+from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from spindle.shared.lora import LoraAdapterInfo
@@ -137,8 +138,13 @@ def generate(
 def record_steps(core: EngineCore) -> list[set[int | None]]:
     """From now on, the adapter ids (None: the base model) of every step's sequences, one set per step."""
     steps: list[set[int | None]] = []
-    execute = core.runner.execute
-    core.runner.execute = lambda batch: steps.append({seq.lora_id for seq in batch.seqs}) or execute(batch)
+    runner, execute = core.runner, core.runner.execute
+
+    def recording_execute(scheduled: SchedulerOutput) -> None:
+        execute(scheduled)
+        steps.append({runner.states[seq_id].lora_id for seq_id in scheduled.num_scheduled_tokens})
+
+    runner.execute = recording_execute
     return steps
 
 
@@ -228,43 +234,39 @@ def test_least_recently_used_slot_not_pinned_is_replaced(tiny_llama_dir, adapter
 
 
 def test_scheduler_passes_over_a_sequence_whose_adapter_has_no_slot():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_loras=1)
-    seqs = [Sequence("r", i, [5, 6, 7], SamplingParams(), 0.0, lora_id=lid) for i, lid in enumerate([1, 2, None, 1])]
+    scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64, max_loras=1)
+    seqs = [
+        Sequence(f"r{i}", 0, [5, 6, 7], SamplingParams(max_tokens=100), 0.0, lora_id=lid)
+        for i, lid in enumerate([1, 2, None, 1])
+    ]
     for seq in seqs:
-        scheduler.add(seq)
+        scheduler.add_request([seq])
 
-    def step() -> list[Sequence]:
-        """Schedule, and compute and extend the batch as the engine core would."""
-        batch = scheduler.schedule()
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += num_new
-            seq.token_ids.append(9)
-        return batch.seqs
-
-    assert step() == [seqs[0], seqs[2], seqs[3]] and scheduler.running_loras == {1: 2}
+    assert fake_step(scheduler).seqs == [seqs[0], seqs[2], seqs[3]] and scheduler.running_loras == {1: 2}
     assert list(scheduler.waiting) == [seqs[1]]
-    scheduler.finish(seqs[0], FinishReason.STOP)
-    assert step() == [seqs[2], seqs[3]]  # adapter 1 still runs in seqs[3]
-    scheduler.finish(seqs[3], FinishReason.ABORT)
-    assert step() == [seqs[2], seqs[1]] and scheduler.running_loras == {2: 1}
+    scheduler.finish_sequence(seqs[0].request_id, 0)
+    assert fake_step(scheduler).seqs == [seqs[2], seqs[3]]  # adapter 1 still runs in seqs[3]
+    scheduler.abort_requests([seqs[3].request_id])
+    assert fake_step(scheduler).seqs == [seqs[2], seqs[1]] and scheduler.running_loras == {2: 1}
 
 
 def test_preemption_gives_the_adapter_slot_back():
-    # 4 blocks of 4 tokens: two 5-token prompts (of different adapters: their first blocks are not shared) fill them.
-    scheduler = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_loras=2)
-    first, second = (Sequence("r", i, [5] * 5, SamplingParams(), 0.0, lora_id=i + 1) for i in range(2))
-    scheduler.add(first)
-    scheduler.add(second)
-    assert scheduler.schedule().seqs == [first, second] and scheduler.running_loras == {1: 1, 2: 1}
-    first.num_computed_tokens = second.num_computed_tokens = 5
-    first.token_ids += [9] * 4  # 9 tokens: a third block, and none is free
-    second.token_ids += [9]
+    # 4 blocks of 4 tokens: two 5-token prompts (of different adapters: their first blocks are not shared) take two
+    # each, and the decode that needs a third block preempts the other sequence, whose adapter leaves the running set.
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64, max_loras=2)
+    first, second = (
+        Sequence(f"r{i}", 0, [5] * 5, SamplingParams(max_tokens=100), 0.0, lora_id=i + 1) for i in range(2)
+    )
+    scheduler.add_request([first])
+    scheduler.add_request([second])
+    assert fake_step(scheduler).seqs == [first, second] and scheduler.running_loras == {1: 1, 2: 1}
 
-    batch = scheduler.schedule()
+    while not (step := fake_step(scheduler)).out.num_preempted:
+        assert step.seqs == [first, second]
 
-    assert batch.seqs == [first] and batch.num_preempted == 1 and scheduler.running_loras == {1: 1}
-    scheduler.finish(first, FinishReason.STOP)
-    assert scheduler.schedule().seqs == [second] and scheduler.running_loras == {2: 1}
+    assert step.seqs == [first] and scheduler.running_loras == {1: 1}
+    scheduler.finish_sequence(first.request_id, 0)
+    assert fake_step(scheduler).seqs == [second] and scheduler.running_loras == {2: 1}
 
 
 def test_the_prefix_cache_is_shared_within_an_adapter_only(tiny_llama_dir, adapters, prompts, expected):

@@ -17,8 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from spindle import SamplingParams
-from spindle.backend.sampler import Sampler
-from spindle.backend.sequence import Sequence
+from spindle.backend.sampler import Sampler, SampleRow
 
 VOCAB = 64
 EOS = 5
@@ -50,10 +49,8 @@ def base_logits() -> torch.Tensor:
     return logits
 
 
-def make_seq(params: SamplingParams, prompt: list[int], output: Iterable[int] = (), request_id: str = "r") -> Sequence:
-    seq = Sequence(request_id, 0, prompt, params, 0.0)
-    seq.token_ids.extend(output)
-    return seq
+def make_seq(params: SamplingParams, prompt: list[int], output: Iterable[int] = ()) -> SampleRow:
+    return SampleRow(params, params.seed, [*prompt, *output], len(prompt))
 
 
 def seen_tokens(logits: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -310,11 +307,12 @@ COMPANIONS = [
 def generate(sampler: Sampler, params: SamplingParams, steps: list[torch.Tensor], batched: bool) -> list[int]:
     """Samples len(steps) tokens for one sequence, alone or as row 2 of a batch of all kinds of rows."""
     seq = make_seq(params, [1, 2, 3])
-    others = [make_seq(p, [4, 5], request_id=f"o{i}") for i, p in enumerate(COMPANIONS)] if batched else []
+    others = [make_seq(p, [4, 5]) for p in COMPANIONS] if batched else []
     batch = [*others[:2], seq, *others[2:]]
+    row = batch.index(seq)
     for step in steps:
         logits = torch.randn(len(batch), VOCAB)
-        logits[batch.index(seq)] = step
+        logits[row] = step
         tokens = sampler(logits, batch).to_host()[0]
         for s, token in zip(batch, tokens, strict=True):
             s.token_ids.append(token)

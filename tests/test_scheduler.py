@@ -2,76 +2,18 @@ import random
 from itertools import groupby, pairwise
 
 import pytest
+from scheduler_harness import add, fake_step, make_scheduler, run_to_completion
 
-from spindle import SamplingParams
-from spindle.backend.block_manager import BlockManager
 from spindle.backend.scheduler import (
     CREDIT_STEPS,
     KEYS_PER_TOKEN,
     PREFIX_KEYS,
     STEP_OVERHEAD,
     WALK_SHARE,
-    ScheduledBatch,
     Scheduler,
 )
+from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.sequence import Sequence, SequenceStatus
-
-
-def make_scheduler(
-    num_blocks: int = 64,
-    block_size: int = 4,
-    max_num_seqs: int = 8,
-    budget: int = 32,
-    slowdown: float = 0.0,
-    policy: str = "fcfs",
-    aging: float = 0.0,
-    long_threshold: int = 0,
-) -> Scheduler:
-    return Scheduler(
-        BlockManager(num_blocks, block_size),
-        max_num_seqs,
-        budget,
-        slowdown,
-        policy,
-        aging,
-        long_prefill_token_threshold=long_threshold,
-    )
-
-
-def add(
-    sched: Scheduler,
-    prompt_len: int,
-    max_tokens: int = 4,
-    first_token: int = 0,
-    priority: int = 0,
-    arrival: float = 0.0,
-) -> Sequence:
-    prompt = list(range(first_token, first_token + prompt_len))
-    seq = Sequence(f"r{first_token}", 0, prompt, SamplingParams(max_tokens=max_tokens), arrival, priority)
-    sched.add(seq)
-    return seq
-
-
-def fake_step(sched: Scheduler) -> ScheduledBatch:
-    """What the engine core does after scheduling, with a 'model' whose next token is a function of the context."""
-    batch = sched.schedule()
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        assert seq.num_computed_tokens + n <= len(seq)
-        assert len(seq.block_table) * sched.block_manager.block_size >= seq.num_computed_tokens + n
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == len(seq):
-            seq.token_ids.append(sum(seq.token_ids) % 1000)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, "length")
-    return batch
-
-
-def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[ScheduledBatch]:
-    batches = []
-    while sched.has_unfinished():
-        batches.append(fake_step(sched))
-        assert len(batches) < max_steps
-    return batches
 
 
 def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
@@ -101,7 +43,7 @@ def test_preemption_recomputes_and_loses_nothing(policy):
         seqs = [add(sched, 6 + i, max_tokens=12, first_token=100 * i, priority=-i % 3) for i in range(6)]
         batches = run_to_completion(sched)
         assert sched.block_manager.num_free_blocks == num_blocks
-        return {s.request_id: s.token_ids for s in seqs}, sum(b.num_preempted for b in batches)
+        return {s.request_id: s.token_ids for s in seqs}, sum(b.out.num_preempted for b in batches)
 
     roomy, roomy_preemptions = outputs(num_blocks=64)
     tight, tight_preemptions = outputs(num_blocks=8)
@@ -126,7 +68,7 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
     fake_step(sched)
     assert sched.block_manager.num_free_blocks < 16
     for seq in (running, waiting):
-        sched.finish(seq, "abort")
+        sched.abort_requests([seq.request_id])
         assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort"
     assert sched.block_manager.num_free_blocks == 16 and not sched.has_unfinished()
 
@@ -188,8 +130,8 @@ def test_a_long_prompt_saves_credit_for_chunks_whose_prefix_walk_outgrows_a_step
 def test_the_bound_learns_the_cost_of_decodes_from_step_times():
     """Decode units measured at a quarter of a prompt token's seconds buy a quarter of the prefill."""
     sched = make_scheduler(num_blocks=2048, block_size=16, budget=512, slowdown=2.0)
-    sched.observe(ScheduledBatch([], [], decode_cost=30.0), 0.030)  # decodes alone: 1 ms a unit
-    sched.observe(ScheduledBatch([], [], decode_cost=30.0, prefill_cost=10.0), 0.030 + 0.040)  # 4 ms a unit
+    sched.observe(SchedulerOutput(decode_cost=30.0), 0.030)  # decodes alone: 1 ms a unit
+    sched.observe(SchedulerOutput(decode_cost=30.0, prefill_cost=10.0), 0.030 + 0.040)  # 4 ms a unit
     assert sched.decode_unit_seconds == pytest.approx(0.001) and sched.prefill_unit_seconds == pytest.approx(0.004)
     chunks = prefill_beside_streams(sched, 3000, scale=0.25)
     assert chunks[0] == 7  # a quarter of 28.1 units of decodes: 7 tokens of the empty prefix, 1 unit each
@@ -197,16 +139,16 @@ def test_the_bound_learns_the_cost_of_decodes_from_step_times():
 
 def test_observed_steps_update_a_cost_weighted_running_average():
     sched = make_scheduler(slowdown=2.0)
-    sched.observe(ScheduledBatch([], [], decode_cost=10.0), 0.010)
-    sched.observe(ScheduledBatch([], [], decode_cost=10.0), 0.020)
-    sched.observe(ScheduledBatch([], [], decode_cost=30.0), 0.030)
+    sched.observe(SchedulerOutput(decode_cost=10.0), 0.010)
+    sched.observe(SchedulerOutput(decode_cost=10.0), 0.020)
+    sched.observe(SchedulerOutput(decode_cost=30.0), 0.030)
     # Weighted by cost: the second step's 2 ms a unit over 10 units counts for less than the third's 1 ms over 30.
     seconds = (0.010 * 0.8 + 0.020 * 0.2) * 0.8 + 0.030 * 0.2
     units = 10.0 * 0.8 + 30.0 * 0.2
     assert sched.decode_unit_seconds == pytest.approx(seconds / units)
-    sched.observe(ScheduledBatch([], []), 5.0)  # a step without decodes (no bound applied) teaches nothing
+    sched.observe(SchedulerOutput(), 5.0)  # a step without decodes (no bound applied) teaches nothing
     assert sched.prefill_unit_seconds is None and sched.decode_unit_seconds == pytest.approx(seconds / units)
-    sched.observe(ScheduledBatch([], [], decode_cost=20.0, prefill_cost=5.0), 20.0 * seconds / units + 0.050)
+    sched.observe(SchedulerOutput(decode_cost=20.0, prefill_cost=5.0), 20.0 * seconds / units + 0.050)
     assert sched.prefill_unit_seconds == pytest.approx(0.010)  # what the step took beyond its decodes, per unit
 
 
@@ -223,8 +165,8 @@ def test_short_prompts_are_prefilled_whole_beside_decodes_and_long_ones_held_to_
     assert chunk_cost(0, n) <= earned < chunk_cost(0, n + 1)  # the long prompt spends the credit alone
     assert sched.prefill_credit == pytest.approx(earned - chunk_cost(0, n))
     # Every chunk counts in the step's prefill cost, which the step's measured time is set against.
-    assert batch.decode_cost == pytest.approx(earned)
-    assert batch.prefill_cost == pytest.approx(chunk_cost(0, n) + 2 * chunk_cost(0, 256))
+    assert batch.out.decode_cost == pytest.approx(earned)
+    assert batch.out.prefill_cost == pytest.approx(chunk_cost(0, n) + 2 * chunk_cost(0, 256))
 
 
 def test_prefill_fills_the_token_budget_without_decodes_or_without_the_bound():
@@ -311,7 +253,7 @@ def test_out_of_blocks_preempts_the_newest_or_the_lowest_priority(policy, victim
     assert len(fake_step(sched).seqs) == 3
     batch = fake_step(sched)
     expected = {"newest": newest, "lowest_priority": lowest_priority}[victim]
-    assert batch.num_preempted == 1 and list(sched.waiting) == [expected] and expected not in batch.seqs
+    assert batch.out.num_preempted == 1 and list(sched.waiting) == [expected] and expected not in batch.seqs
     assert expected.status is SequenceStatus.WAITING and expected.block_table == []
 
 
@@ -329,7 +271,7 @@ def test_a_better_waiting_sequence_preempts_a_worse_running_one_for_room(short_o
     fake_step(sched)
     newcomer = add(sched, 8, max_tokens=2, first_token=50, priority=newcomer_priority, arrival=1.0)
     batch = fake_step(sched)
-    assert (batch.seqs, batch.num_preempted) == (([newcomer], 1) if preempts else ([running], 0))
+    assert (batch.seqs, batch.out.num_preempted) == (([newcomer], 1) if preempts else ([running], 0))
     assert running.status is (SequenceStatus.WAITING if preempts else SequenceStatus.RUNNING)
     assert newcomer.status is (SequenceStatus.RUNNING if preempts else SequenceStatus.WAITING)
     run_to_completion(sched)
@@ -338,13 +280,37 @@ def test_a_better_waiting_sequence_preempts_a_worse_running_one_for_room(short_o
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_a_sequence_waiting_for_its_grammar_is_passed_over_until_it_compiles(policy):
+def test_a_sequence_waiting_for_its_grammar_is_passed_over_until_it_compiles(policy, monkeypatch):
     sched = make_scheduler(max_num_seqs=2, policy=policy)
     compiling = add(sched, 4, arrival=0.0)
-    compiling.waiting_for_grammar = True
+    # The structured-output manager's word on which requests still compile (a real compile needs a tokenizer).
+    still_compiling = {compiling.request_id}
+    monkeypatch.setattr(sched.structured_output, "is_compiling", still_compiling.__contains__)
     # Of the same priority, so that once ready it waits for a slot under both policies rather than preempting.
     behind = [add(sched, 4, max_tokens=2, first_token=10 * (i + 1), arrival=1.0 + i) for i in range(2)]
     assert fake_step(sched).seqs == behind
-    compiling.waiting_for_grammar = False
+    still_compiling.clear()
     assert fake_step(sched).seqs == behind  # their last tokens: max_num_seqs leaves no slot yet
     assert fake_step(sched).seqs == [compiling]
+
+
+def test_the_runner_hears_once_of_each_sequence_gone_and_sees_a_preempted_one_come_back_whole():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    old = add(sched, 7, max_tokens=20)
+    new = add(sched, 7, max_tokens=20, first_token=50)
+    assert [s.seq_id for s in fake_step(sched).out.new_seqs] == [old.seq_id, new.seq_id]
+    while not (step := fake_step(sched)).out.num_preempted:
+        assert not step.out.new_seqs and not step.out.finished_seq_ids
+    assert step.out.finished_seq_ids == [new.seq_id] and new.num_output_tokens > 0
+    tokens = list(new.token_ids)
+    sched.abort_requests([old.request_id])
+    out = fake_step(sched).out
+    # The preempted sequence comes back with its prompt and outputs, to be recomputed, after the runner drops both.
+    assert out.finished_seq_ids == [old.seq_id] and [(s.seq_id, s.token_ids) for s in out.new_seqs] == [
+        (new.seq_id, tokens)
+    ]
+    sched.abort_requests([new.request_id])
+    assert not sched.schedule().num_scheduled_tokens  # an empty step: not run, so the news waits for the next one
+    late = add(sched, 3, first_token=90)
+    out = fake_step(sched).out
+    assert out.finished_seq_ids == [new.seq_id] and [s.seq_id for s in out.new_seqs] == [late.seq_id]

@@ -94,7 +94,7 @@ def test_stop_strings_cut_the_text_and_free_the_sequence(llm, expected):
     assert kept[0].outputs[0].text == full[: full.index(stop) + len(stop)]
     assert cut[0].outputs[0].finish_reason == "stop" and cut[0].outputs[0].stop_reason == stop
     core = llm.llm_engine.core
-    assert core.block_manager.num_free_blocks == core.num_blocks and not core.requests
+    assert core.block_manager.num_free_blocks == core.num_blocks and not core.has_unfinished_requests()
 
 
 def test_stop_token_ids_eos_and_lengths(llm, prompt_ids, expected):

@@ -8,7 +8,8 @@ import torch
 
 from spindle import LLM, SamplingParams
 from spindle.backend.block_manager import BlockManager
-from spindle.backend.model_runner import _draft_views
+from spindle.backend.model_runner import sample_rows
+from spindle.backend.runner_state import SequenceState
 from spindle.backend.sampler import Sampler
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import accepted_tokens, propose
@@ -50,8 +51,7 @@ def test_trim_returns_the_rejected_drafts_blocks_and_publishes_the_accepted_ones
     seq = Sequence("r", 0, [1, 2, 3, 4, 5, 6], SamplingParams(), 0.0)
     bm.allocate(seq, 5)
     seq.num_computed_tokens = 5  # the 6th token is the next input
-    seq.spec_token_ids = [7, 8, 9, 10, 11]
-    bm.allocate(seq, 6)  # the last token and 5 drafts: positions 5..10, three blocks
+    bm.allocate(seq, 6)  # the last token and 5 drafts (7, 8, 9, 10, 11): positions 5..10, three blocks
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
     assert bm.blocks[seq.block_table[1]].hash is None  # it holds drafts: not published yet
     # Two drafts accepted (7, 8) and the model's own 20: K/V is kept for positions 0..7.
@@ -100,9 +100,8 @@ def test_verification_emits_exactly_what_plain_sampling_would(monkeypatch: pytes
     observed: Counter = Counter()
     trials = 6000
     for seed in range(trials):
-        seq = Sequence("r", 0, [0], SamplingParams(temperature=1.0, seed=seed), 0.0)
-        seq.spec_token_ids = list(drafts)
-        sampled = sampler(logits.clone(), _draft_views(seq, len(drafts))).to_host()[0]
+        state = SequenceState(0, [0], 1, SamplingParams(temperature=1.0, seed=seed), seed, [], 0)
+        sampled = sampler(logits.clone(), sample_rows(state, list(drafts))).to_host()[0]
         observed[tuple(accepted_tokens(drafts, sampled))] += 1
     assert set(observed) <= set(expected)
     outcomes = sorted(expected)

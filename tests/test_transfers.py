@@ -9,6 +9,7 @@ make such calls, and a step calls its :func:`~spindle.backend.transfers.fetch` a
 
 import sys
 from collections.abc import Callable
+from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from spindle.backend import transfers
 from spindle.backend.engine_core import EngineCore
 from spindle.backend.input_buffers import InputBuffers
 from spindle.backend.model_runner import DecodeGraphs
-from spindle.backend.sequence import Sequence
+from spindle.backend.runner_state import SequenceState
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.protocol import EngineRequest
@@ -118,10 +119,11 @@ def test_a_greedy_decode_step_copies_nothing_but_its_inputs(
     assert copies == []
 
 
-def sequence(table: list[int], computed: int, tokens: int) -> Sequence:
-    seq = Sequence("r", 0, list(range(tokens)), SamplingParams(), 0.0)
-    seq.block_table, seq.num_computed_tokens = table, computed
-    return seq
+SEQ_IDS = count()
+
+
+def sequence(table: list[int], computed: int, tokens: int) -> SequenceState:
+    return SequenceState(next(SEQ_IDS), list(range(tokens)), tokens, SamplingParams(), None, table, computed)
 
 
 def test_block_tables_are_written_incrementally_and_anew_when_replaced() -> None:
@@ -143,7 +145,7 @@ def test_block_tables_are_written_incrementally_and_anew_when_replaced() -> None
     assert step.meta.block_tables.tolist() == [[7, 3, 5], [9, 8, 6]]
     assert step.meta.slot_mapping.tolist() == [5 * 4, 6 * 4]
 
-    a.block_table = [7]  # cut (rejected drafts: the block manager makes a new list), then grown again
+    a.block_table = [7]  # cut (rejected drafts: SequenceState.update makes a new list), then grown again
     a.block_table.append(4)
     a.num_computed_tokens = 5
     step = buffers.build([a], [2], [0, 1], [1])

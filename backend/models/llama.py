@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size, dtype=dtype) if config.qkv_bias else None
         self.o_proj = _weight(config.hidden_size, self.q_size, dtype=dtype)
         self.prepared: dict[str, Projection] = {}
-        # LoRA adapter slots by projection, set by spindle.backend.lora once an adapter is loaded.
+        # LoRA adapter slots by projection, set by spindle.backend.lora_manager once an adapter is loaded.
         self.lora: dict[str, LoraSlots] = {}
 
     def forward(
@@ -148,7 +148,11 @@ class LlamaForCausalLM(nn.Module):
     """
 
     supports_tensor_parallel = True
-    """Read by the model runner: this class shards itself over the ranks (a registered class may not)."""
+    """This class shards itself over the ranks (a registered class may not)."""
+    supports_images = False
+    """It takes text only."""
+    is_pooling_model = False
+    """It has an LM head: it generates."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -352,7 +356,7 @@ class LlamaModel(LlamaForCausalLM):
     """
 
     is_pooling_model = True
-    """Read by the model runner: no logits, so no sampling."""
+    """No LM head, so no logits and no sampling: it serves embedding requests only."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         # Tied, the parent creates no lm_head parameter; there is no head at all.

@@ -72,7 +72,7 @@ class LlavaForConditionalGeneration(nn.Module):
     :meth:`compute_logits` are its, so ``--quantization`` and the packed CPU projections apply to it alone.
 
     Attributes:
-        supports_images: read by the model runner: the model takes images (:meth:`embed_images`).
+        supports_images: the model takes images (:meth:`embed_images`).
         image_shape: ``(channels, image_size, image_size)``, the pixel values :meth:`embed_images` takes per image.
         num_image_tokens: embeddings per image: one per patch, plus the class token's under the ``full`` strategy;
             a prompt holds this many ``image_token_id`` placeholders per image.
@@ -85,8 +85,9 @@ class LlavaForConditionalGeneration(nn.Module):
     """
 
     supports_images = True
+    is_pooling_model = False
     supports_tensor_parallel = False
-    """Read by the model runner: the vision tower and the projector are not sharded, so neither is the model."""
+    """The vision tower and the projector are not sharded, so neither is the model."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()

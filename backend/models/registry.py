@@ -20,6 +20,9 @@ from spindle.shared.model_registry import ModelRegistry
 REQUIRED_METHODS = ("forward", "compute_logits", "load_weights", "prepare_weights", "eval")
 """What every model class must have; ``projections`` and ``parameter_slice`` only serve ``--quantization``."""
 
+REQUIRED_FLAGS = ("supports_images", "is_pooling_model", "supports_tensor_parallel")
+"""The boolean class attributes that say what a model class serves (:class:`CausalLM`)."""
+
 
 class CausalLM(Protocol):
     """What the model runner needs of a model class; :class:`~spindle.backend.models.llama.LlamaForCausalLM` is one.
@@ -35,6 +38,13 @@ class CausalLM(Protocol):
     ``supports_images = True`` and has ``image_shape``, ``num_image_tokens``, ``image_token_id``,
     ``embed_images(pixel_values)`` and the keyword arguments ``image_rows`` and ``image_embeds`` of its forward.
     """
+
+    supports_images: bool
+    """It takes images (then it has the attributes above)."""
+    is_pooling_model: bool
+    """It has no LM head: it serves embedding requests only."""
+    supports_tensor_parallel: bool
+    """It shards itself over tensor-parallel ranks (:meth:`shard_range`)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         """Create the parameters in ``dtype`` on the current default device; ``config.hf_config`` is the raw config.
@@ -87,16 +97,17 @@ class CausalLM(Protocol):
 
 
 def model_class(architecture: str) -> type[CausalLM]:
-    """Import the class registered for ``architecture`` and check it has :data:`REQUIRED_METHODS`.
+    """Import the class registered for ``architecture`` and check it has :data:`REQUIRED_METHODS` and the flags.
 
     Raises:
         ValueError: for an architecture that nothing serves (the message lists those that are served).
         ImportError: when its ``"module:Class"`` cannot be imported (the message names both).
-        TypeError: when it names something other than a class, or a class that lacks a required method.
+        TypeError: when it names something other than a class, or a class that lacks a required method or flag.
 
     """
     model_cls = ModelRegistry.load_model_cls(architecture)
     missing = [name for name in REQUIRED_METHODS if not callable(getattr(model_cls, name, None))]
+    missing += [name for name in REQUIRED_FLAGS if not isinstance(getattr(model_cls, name, None), bool)]
     if missing:
         target = ModelRegistry.get_model_cls_target(architecture)
         raise TypeError(

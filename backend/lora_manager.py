@@ -13,6 +13,10 @@ CUDA memory budget counts them) and installed into the model's ``lora`` dicts. E
 copied into a free slot, else into the least recently used one that no running sequence needs. The scheduler admits
 a sequence only when its adapter can have a slot (``max_loras`` distinct adapters among the running sequences at
 most), so there always is one.
+
+An adapter unloaded by name (:meth:`LoraManager.remove`) keeps its weights while any unfinished sequence uses it,
+waiting or running: each step's :class:`~spindle.backend.scheduler_output.SchedulerOutput` says which adapters those
+are, and the others that were unloaded leave then (:meth:`LoraManager.release_unused`).
 """
 
 import json
@@ -68,15 +72,13 @@ class LoraAdapter:
         weights: by projection name (``layers.3.self_attn.qkv_proj``), ``(A [K, in], B.T [K, out], part ranks)`` on
             the host in the model's dtype, in the slots' layout (module docstring); a part it does not adapt has
             rank 0. Projections it does not adapt are absent.
-        num_users: the engine's unfinished requests that use it.
-        removed: unloaded by name; it stays until its last request finishes.
+        removed: unloaded by name; it stays while unfinished sequences use it.
 
     """
 
     adapter_id: int
     info: LoraAdapterInfo
     weights: dict[str, HostWeights]
-    num_users: int = 0
     removed: bool = False
 
 
@@ -193,8 +195,8 @@ class LoraManager:
         self.by_name[name] = adapter.adapter_id
         return info
 
-    def remove(self, name: str) -> None:
-        """Unload ``name``: new requests may no longer use it; the requests using it keep it until they finish.
+    def remove(self, name: str, in_use: Collection[int]) -> None:
+        """Unload ``name``: new requests may no longer use it; the sequences using it (``in_use``) keep it.
 
         Raises:
             NotFoundError: no adapter of that name is loaded (field ``name``).
@@ -203,9 +205,12 @@ class LoraManager:
         adapter_id = self.by_name.pop(name, None)
         if adapter_id is None:
             raise NotFoundError("name", f"no LoRA adapter named {name!r} is loaded; loaded: {self._loaded_names()}")
-        adapter = self.adapters[adapter_id]
-        adapter.removed = True
-        if not adapter.num_users:
+        self.adapters[adapter_id].removed = True
+        self.release_unused(in_use)
+
+    def release_unused(self, in_use: Collection[int]) -> None:
+        """Drop the unloaded adapters that no unfinished sequence uses any longer (not in ``in_use``)."""
+        for adapter_id in [i for i, adapter in self.adapters.items() if adapter.removed and i not in in_use]:
             self._drop(adapter_id)
 
     def lookup(self, name: str) -> int:
@@ -225,17 +230,6 @@ class LoraManager:
     def list_adapters(self) -> list[LoraAdapterInfo]:
         """The loaded adapters, in loading order (unloaded ones still finishing requests excluded)."""
         return [self.adapters[adapter_id].info for adapter_id in self.by_name.values()]
-
-    def acquire(self, adapter_id: int) -> None:
-        """Count one more unfinished request that uses the adapter."""
-        self.adapters[adapter_id].num_users += 1
-
-    def release(self, adapter_id: int) -> None:
-        """Count one request fewer; an unloaded adapter leaves with its last one."""
-        adapter = self.adapters[adapter_id]
-        adapter.num_users -= 1
-        if adapter.removed and not adapter.num_users:
-            self._drop(adapter_id)
 
     def assign(self, adapter_ids: list[int | None], pinned: Collection[int] = ()) -> list[int]:
         """The slot of each entry's adapter (``-1`` for None, the base model), copying in those not resident.
