@@ -83,9 +83,10 @@ def test_embeddings_share_steps_with_generation_which_is_unchanged(llm, hf_model
     steps: list[tuple[bool, bool]] = []  # per step: a generation token, an embedding chunk
     execute = runner.execute
 
-    def spy(batch):
-        steps.append((any(s.pooling is None for s in batch.seqs), any(s.pooling is not None for s in batch.seqs)))
-        return execute(batch)
+    def spy(scheduled):
+        execute(scheduled)
+        pooled = [runner.states[seq_id].pooling is not None for seq_id in scheduled.num_scheduled_tokens]
+        steps.append((not all(pooled), any(pooled)))
 
     monkeypatch.setattr(runner, "execute", spy)
     params = PoolingParams(pooling="mean")
