@@ -12,7 +12,7 @@ import msgspec
 from spindle.backend import parallel
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.model_runner import ModelRunner
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler import Scheduler
 from spindle.backend.sequence import Sequence
@@ -53,7 +53,7 @@ TOKENIZER_FILES = (
 the handshake, so it needs no shared disk."""
 
 
-def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+def context_length(config: EngineConfig, checkpoint: CheckpointConfig) -> int:
     """The ``max_model_len`` served: the configured one, else the model's context.
 
     Raises:
@@ -61,7 +61,7 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 
     """
     # We attend over the whole context, so a sliding-window model is exact only up to its window.
-    model_max = min(filter(None, (model_config.max_position_embeddings, model_config.sliding_window)))
+    model_max = min(filter(None, (checkpoint.max_position_embeddings, checkpoint.sliding_window)))
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_max} tokens")
     return config.max_model_len or model_max
@@ -109,13 +109,13 @@ class EngineCore:
             raise ValueError(f"lora_dir={config.lora_dir!r} is not a directory")
         self.config = config
         self.model_dir = resolve_model(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.max_model_len = context_length(config, self.model_config)
+        self.checkpoint = CheckpointConfig.from_dir(self.model_dir)
+        self.max_model_len = context_length(config, self.checkpoint)
         self.workers: Workers | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(
-            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
+            self.model_dir, self.checkpoint.vocab_size, self.checkpoint.eos_token_ids
         )
         self.drafter = DraftProposer(self.max_model_len, self.structured_output)
         self.scheduler = Scheduler(
@@ -128,7 +128,7 @@ class EngineCore:
             config.max_loras,
             config.long_prefill_token_threshold,
             max_model_len=self.max_model_len,
-            eos_token_ids=self.model_config.eos_token_ids,
+            eos_token_ids=self.checkpoint.eos_token_ids,
             structured_output=self.structured_output,
             drafter=self.drafter,
         )
@@ -136,8 +136,8 @@ class EngineCore:
         self.info = EngineInfo(
             model_name=Path(config.model).name if config.model else DEFAULT_MODEL_NAME,
             max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-            eos_token_ids=self.model_config.eos_token_ids,
+            vocab_size=self.checkpoint.vocab_size,
+            eos_token_ids=self.checkpoint.eos_token_ids,
             num_kv_blocks=self.num_blocks,
             block_size=config.block_size,
             tokenizer_files={
@@ -158,12 +158,12 @@ class EngineCore:
         """
         if config.tensor_parallel_size > 1:
             # Refused before any process starts; the workers would find the same.
-            check_tensor_parallel(config, self.model_config)
+            check_tensor_parallel(config, self.checkpoint)
             config = parallel.rendezvous(config)
             local_size = config.tensor_parallel_size // config.nnodes
             self.workers = Workers(config, self.model_dir, range(1, local_size), self.max_model_len)
         try:
-            runner = ModelRunner(config, self.model_config, self.model_dir)
+            runner = ModelRunner(config, self.checkpoint, self.model_dir)
             if self.workers is not None:
                 self.workers.wait_loaded()
                 parallel.init_group(config, runner.device)
@@ -273,7 +273,7 @@ class EngineCore:
         if pooling is None and self.runner.is_pooling_model:
             raise InvalidRequestError(
                 "sampling_params",
-                f"{self.info.model_name} is an embedding model (a {self.model_config.architecture}, without an LM "
+                f"{self.info.model_name} is an embedding model (a {self.checkpoint.architecture}, without an LM "
                 "head): it cannot generate; ask it for embeddings (Embed, LLM.embed) instead",
             )
         if pooling is not None and len(request.prompt_token_ids) > self.max_model_len:
@@ -324,7 +324,7 @@ class EngineCore:
         if spec is None:
             raise InvalidRequestError(
                 "prompt.multi_modal_data",
-                f"{self.info.model_name} (a {self.model_config.architecture}) takes text only: send no images",
+                f"{self.info.model_name} (a {self.checkpoint.architecture}) takes text only: send no images",
             )
         prompt = request.prompt_token_ids
         end_of_previous = 0
@@ -354,7 +354,7 @@ class EngineCore:
 
         """
         assert request.pooling is not None
-        hidden_size = self.model_config.hidden_size
+        hidden_size = self.checkpoint.hidden_size
         if request.pooling.dimensions is not None and request.pooling.dimensions > hidden_size:
             raise InvalidRequestError(
                 "pooling_params.dimensions",

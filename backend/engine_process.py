@@ -29,7 +29,7 @@ import zmq
 
 from spindle.backend.engine_core import EngineCore, context_length
 from spindle.backend.memory import bound_host_memory
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.worker import serve_node
 from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
@@ -385,7 +385,7 @@ def run_backend(args: argparse.Namespace) -> int:
     if config.node_rank > 0:
         # Another node's ranks of a tensor-parallel engine: workers only; node 0 serves the frontends.
         model_dir = resolve_model(config.model)
-        return serve_node(config, model_dir, context_length(config, ModelConfig.from_dir(model_dir)))
+        return serve_node(config, model_dir, context_length(config, CheckpointConfig.from_dir(model_dir)))
     try:
         process = EngineProcess(config, args.listen, args.grace_period)
         signal.signal(signal.SIGTERM, process.drain)

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.kernels import add_lora
 from spindle.kernels.lora import LoraMapping, LoraSlots
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
@@ -126,7 +126,7 @@ class LoraManager:
         # Our projection name -> (module, attribute, out_features, in_features, each part's end column).
         self._targets: dict[str, tuple[nn.Module, str, int, int, list[int]]] = {}
         config = getattr(model, "config", None)
-        if isinstance(config, ModelConfig) and callable(getattr(model, "parameter_slice", None)):
+        if isinstance(config, CheckpointConfig) and callable(getattr(model, "parameter_slice", None)):
             for name, (module, attr) in found.items():
                 if attr in NUM_PARTS and isinstance(getattr(module, "lora", None), dict):
                     self._targets[name] = (module, attr, *_projection_layout(config, attr))
@@ -390,7 +390,7 @@ class LoraManager:
         return rank, scale, names if isinstance(names, list) else []
 
 
-def _projection_layout(config: ModelConfig, attr: str) -> tuple[int, int, list[int]]:
+def _projection_layout(config: CheckpointConfig, attr: str) -> tuple[int, int, list[int]]:
     """``(out_features, in_features, each part's end column)`` of one of our adapted projections."""
     hidden, intermediate = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

@@ -25,7 +25,7 @@ from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.lora_manager import LoraManager
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
-from spindle.backend.models.config import ModelConfig, Shard
+from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
 from spindle.backend.parallel import TensorParallel
 from spindle.backend.pooler import pool
@@ -251,7 +251,7 @@ class ModelRunner:
     ``spindle.kernels.eager``: torch's ops alone on the CPU, where nothing is compiled, and no CUDA graphs.
 
     Under tensor parallelism (``tensor_parallel_size > 1``) every rank has a runner over its
-    :class:`~spindle.backend.models.config.Shard` of the model and of the KV cache (its KV heads). Rank 0's
+    :class:`~spindle.backend.models.checkpoint_config.Shard` of the model and of the KV cache (its KV heads). Rank 0's
     :meth:`execute` broadcasts each step's scheduler output to the workers, whose :meth:`follow` runs the same
     :meth:`execute` on it; rank 0 alone samples, prompt log-probabilities and pools. Decodes run eagerly (no CUDA
     graphs) and LoRA is refused.
@@ -267,13 +267,13 @@ class ModelRunner:
 
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: CheckpointConfig, model_dir: Path, rank: int = 0) -> None:
         self.config = config
-        self.model_config = model_config
+        self.checkpoint = checkpoint
         self.block_size = config.block_size
         self.parallel = TensorParallel.of(config, rank)
         parallel.set_current(self.parallel)
-        self.shard = Shard.of(model_config, rank, self.parallel.size)
+        self.shard = Shard.of(checkpoint, rank, self.parallel.size)
         use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         if self.parallel.size > 1 and use_cuda:
@@ -319,7 +319,7 @@ class ModelRunner:
                     "them, on torch's own ops, slower."
                 ) from error
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
-        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids)
+        self.sampler = Sampler(checkpoint.vocab_size, checkpoint.eos_token_ids)
         self.lora = LoraManager(self.model, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         if config.lora_modules or config.allow_runtime_lora:
             # Now, so that the CUDA memory budget counts the slots; otherwise the first adapter loaded allocates them.
@@ -354,9 +354,9 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers: 2 (K, V) x layers x kv heads x head size x block size x dtype size.
 
-        The kv heads are this rank's (:class:`~spindle.backend.models.config.Shard`).
+        The kv heads are this rank's (:class:`~spindle.backend.models.checkpoint_config.Shard`).
         """
-        mc = self.model_config
+        mc = self.checkpoint
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.shard.num_kv_heads * mc.head_dim * self.block_size * element_size
 
@@ -418,7 +418,7 @@ class ModelRunner:
         """
         from spindle.kernels.triton.decode_attention import SPLIT_COUNTS, warm_up
 
-        mc = self.model_config
+        mc = self.checkpoint
         query = torch.zeros(1, self.shard.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         for count in tqdm(SPLIT_COUNTS, desc="Compiling the decode kernels", unit="variant"):
             warm_up(query, *self.kv_caches[0], count)
@@ -439,7 +439,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeros, not empty: batched decodes read padding slots (with zero weight), and garbage NaNs would spread.
-        mc = self.model_config
+        mc = self.checkpoint
         shape = (num_blocks, self.block_size, self.shard.num_kv_heads, mc.head_dim)
         return [
             (
@@ -472,7 +472,7 @@ class ModelRunner:
         caches = self._allocate_kv_caches(num_blocks)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         meta = AttentionMetadata.from_lists(lens, lens, tables, self.block_size, self.device)
-        vocab = self.model_config.vocab_size
+        vocab = self.checkpoint.vocab_size
         widest = SamplingParams(temperature=0.8, top_k=max(vocab - 1, 1), top_p=0.9, logprobs=MAX_LOGPROBS)
         with torch.inference_mode():
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, meta, caches)

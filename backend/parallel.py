@@ -1,10 +1,10 @@
 """Tensor parallelism over ``torch.distributed``: each rank's slice of the model, the process group, the collectives.
 
-Megatron-style: every rank holds its :class:`~spindle.backend.models.config.Shard`, its query heads and KV heads (KV
-heads replicated when there are fewer than ranks), its share of the MLP's intermediate columns and of the (padded)
-vocabulary. The row-parallel projections (o and down) and the vocabulary-parallel embedding end in one all-reduce
-each, so every rank holds the whole hidden state between layers; the LM head's vocabulary shards are gathered on rank
-0, the only rank that samples.
+Megatron-style: every rank holds its :class:`~spindle.backend.models.checkpoint_config.Shard`, its query heads and KV
+heads (KV heads replicated when there are fewer than ranks), its share of the MLP's intermediate columns and of the
+(padded) vocabulary. The row-parallel projections (o and down) and the vocabulary-parallel embedding end in one
+all-reduce each, so every rank holds the whole hidden state between layers; the LM head's vocabulary shards are
+gathered on rank 0, the only rank that samples.
 
 Rank 0 runs the engine core and sends each step's :class:`~spindle.backend.scheduler_output.SchedulerOutput` to the
 workers, encoded by msgspec (no pickling), as a small int64 header and a byte tensor (:func:`send_step`); each worker
@@ -63,7 +63,7 @@ def current() -> TensorParallel:
 def set_current(place: TensorParallel) -> None:
     """Record this process's place; the model reads it when it builds its parameters.
 
-    It builds those of its :class:`~spindle.backend.models.config.Shard`.
+    It builds those of its :class:`~spindle.backend.models.checkpoint_config.Shard`.
     """
     global _current
     _current = place

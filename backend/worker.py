@@ -18,8 +18,8 @@ from pathlib import Path
 
 from spindle.backend import parallel
 from spindle.backend.model_runner import ModelRunner
-from spindle.backend.models.config import ModelConfig, Shard
-from spindle.backend.models.registry import model_class
+from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
+from spindle.backend.models.interface import model_class
 from spindle.shared.config import EngineConfig, configure_logging, configured_log_format
 from spindle.shared.model_registry import ModelRegistry
 
@@ -130,7 +130,7 @@ def _run_worker(
     ModelRegistry.register_models(registrations)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="spindle-parent-watch", daemon=True).start()
     try:
-        runner = ModelRunner(config, ModelConfig.from_dir(model_dir), model_dir, rank)
+        runner = ModelRunner(config, CheckpointConfig.from_dir(model_dir), model_dir, rank)
     except Exception as e:
         loaded.send(f"{type(e).__name__}: {e}")
         raise SystemExit(1) from e
@@ -150,7 +150,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
+def check_tensor_parallel(config: EngineConfig, checkpoint: CheckpointConfig) -> None:
     """Refuse, before any process starts, a ``tensor_parallel_size`` that does not fit the model or its features.
 
     Raises:
@@ -159,10 +159,10 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> No
 
     """
     size = config.tensor_parallel_size
-    Shard.of(model_config, 0, size)
-    if not model_class(model_config.architecture).supports_tensor_parallel:
+    Shard.of(checkpoint, 0, size)
+    if not model_class(checkpoint.architecture).supports_tensor_parallel:
         raise ValueError(
-            f"tensor_parallel_size={size}: the class serving {model_config.architecture} does not shard itself: "
+            f"tensor_parallel_size={size}: the class serving {checkpoint.architecture} does not shard itself: "
             "serve it with tensor_parallel_size=1 (a registered text model may subclass "
             "spindle.backend.models.llama.LlamaForCausalLM, which does)"
         )
@@ -172,7 +172,7 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> No
 
 def serve_node(config: EngineConfig, model_dir: Path, max_model_len: int) -> int:
     """Run this node's ranks (``node_rank > 0``) until they exit; returns 0 when they all stopped cleanly."""
-    check_tensor_parallel(config, ModelConfig.from_dir(model_dir))
+    check_tensor_parallel(config, CheckpointConfig.from_dir(model_dir))
     config = parallel.rendezvous(config)
     local_size = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * local_size

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from bench.flops import median_seconds
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_dtype, resolve_model
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.attention import _flash_chunk
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="whose heads to use (default: the embedded SmolLM2)")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, "cpu")
-    config = ModelConfig.from_dir(resolve_model(args.model))
+    config = CheckpointConfig.from_dir(resolve_model(args.model))
     heads, kv_heads, head_size = config.num_heads, config.num_kv_heads, config.head_dim
     torch.manual_seed(0)
     num_blocks = max(n + c for n, c in CHUNKS) // BLOCK_SIZE + 64

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from bench.offline_throughput import make_prompts
 from spindle.backend.engine_core import EngineCore
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.kernels import cpu
 from spindle.kernels.linear import Projection, pack_weight
@@ -38,7 +38,7 @@ from spindle.shared.protocol import EngineRequest
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(path: Path, config: ModelConfig, rank: int, seed: int) -> Path:
+def write_random_adapter(path: Path, config: CheckpointConfig, rank: int, seed: int) -> Path:
     """A PEFT-format LoRA adapter of ``config``'s model with random matrices on all seven projections."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, intermediate = config.hidden_size, config.intermediate_size
@@ -79,7 +79,7 @@ def run(core: EngineCore, prompts: list[list[int]], names: list[str | None], max
 
 def throughput(args: argparse.Namespace) -> None:
     model_dir = resolve_model(None)
-    config = ModelConfig.from_dir(model_dir)
+    config = CheckpointConfig.from_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(text) for text in make_prompts(args.num_prompts)]
     with tempfile.TemporaryDirectory() as tmp:

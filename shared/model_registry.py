@@ -43,11 +43,11 @@ class ModelRegistry:
 
     The model runner builds and drives a registered class as it does
     :class:`~spindle.backend.models.llama.LlamaForCausalLM`, so subclassing that is the easy path. The contract
-    (:class:`~spindle.backend.models.registry.CausalLM`):
+    (:class:`~spindle.backend.models.interface.CausalLM`):
 
-    - ``__init__(config, dtype)``: ``config`` is the :class:`~spindle.backend.models.config.ModelConfig` read from
-      the checkpoint (the whole ``config.json`` is its ``hf_config`` dict); create the parameters in ``dtype`` on
-      the current default device.
+    - ``__init__(config, dtype)``: ``config`` is the
+      :class:`~spindle.backend.models.checkpoint_config.CheckpointConfig` read from the checkpoint (the whole
+      ``config.json`` is its ``hf_config`` dict); create the parameters in ``dtype`` on the current default device.
     - ``load_weights(weights)``: fill the parameters from the checkpoint's ``(name, tensor)`` pairs.
     - ``prepare_weights(quantized)``: called once after loading, before the first step; with ``--quantization``,
       ``projections()`` and ``parameter_slice(name)`` tell the loader which matrices to quantize.

@@ -12,7 +12,7 @@ import transformers
 from conftest import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS, compute_as_served
 from test_model_parity import run_schedule
 
-from spindle.backend.models import SUPPORTED_ARCHITECTURES, ModelConfig, load_model, model_class
+from spindle.backend.models import SUPPORTED_ARCHITECTURES, CheckpointConfig, load_model, model_class
 from spindle.backend.models.llava import LlavaForConditionalGeneration
 from spindle.backend.models.loader import quantized_weights
 from spindle.backend.worker import check_tensor_parallel
@@ -196,7 +196,7 @@ def test_every_checkpoint_spelling_loads(spelling: str, tiny_llava_dir: Path, tm
     ],
 )
 def test_load_weights_refuses_a_missing_tensor(drop: str, tiny_llava_dir: Path) -> None:
-    model = LlavaForConditionalGeneration(ModelConfig.from_dir(tiny_llava_dir), torch.float32)
+    model = LlavaForConditionalGeneration(CheckpointConfig.from_dir(tiny_llava_dir), torch.float32)
     with pytest.raises(ValueError, match="unloaded"):
         model.load_weights((k, v) for k, v in saved_tensors(tiny_llava_dir).items() if k != drop)
 
@@ -213,7 +213,7 @@ def test_load_weights_refuses_a_missing_tensor(drop: str, tiny_llava_dir: Path) 
     ],
 )
 def test_load_weights_refuses_unknown_tensors(extra: str, message: str, tiny_llava_dir: Path) -> None:
-    model = LlavaForConditionalGeneration(ModelConfig.from_dir(tiny_llava_dir), torch.float32)
+    model = LlavaForConditionalGeneration(CheckpointConfig.from_dir(tiny_llava_dir), torch.float32)
     tensors = saved_tensors(tiny_llava_dir)
     tensors.pop(extra, None)
     with pytest.raises(ValueError, match=message):
@@ -224,7 +224,7 @@ def test_registry_and_config_read_a_llava(tiny_llava_dir: Path) -> None:
     assert ModelRegistry.get_model_cls_target(ARCHITECTURE) == "spindle.backend.models.llava:" + ARCHITECTURE
     assert model_class(ARCHITECTURE) is LlavaForConditionalGeneration
     assert ARCHITECTURE not in SUPPORTED_ARCHITECTURES  # GGUF files are converted for the Llama family only
-    config = ModelConfig.from_dir(tiny_llava_dir)
+    config = CheckpointConfig.from_dir(tiny_llava_dir)
     decoder = (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers)
     heads = (config.num_heads, config.num_kv_heads, config.head_dim)
     assert (config.architecture, decoder, heads) == (ARCHITECTURE, (257, 64, 128, 2), (4, 2, 16))
@@ -253,23 +253,23 @@ def test_config_fills_what_a_sparse_text_config_omits() -> None:
         "torch_dtype": "float16",
         "vision_config": {"hidden_size": 1024, "image_size": 336, "num_hidden_layers": 24, "patch_size": 14},
     }
-    config = ModelConfig.from_dict(llava_15, {"eos_token_id": 2})
+    config = CheckpointConfig.from_dict(llava_15, {"eos_token_id": 2})
     fields = (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers, config.num_kv_heads)
     assert fields == (32064, 4096, 11008, 32, 32)
     assert (config.head_dim, config.rms_norm_eps, config.max_position_embeddings) == (128, 1e-5, 4096)
     assert (config.tie_word_embeddings, config.eos_token_ids, config.dtype) == (False, [2], "float16")
     # A field the text config lacks comes from the top level; the text config's own wins.
-    assert ModelConfig.from_dict(llava_15 | {"tie_word_embeddings": True}).tie_word_embeddings
+    assert CheckpointConfig.from_dict(llava_15 | {"tie_word_embeddings": True}).tie_word_embeddings
     qwen = llava_15 | {"text_config": {"model_type": "qwen2", "num_key_value_heads": 4}}
-    config = ModelConfig.from_dict(qwen)
+    config = CheckpointConfig.from_dict(qwen)
     assert (config.qkv_bias, config.vocab_size, config.num_kv_heads) == (True, 151936, 4)
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-    gemma = ModelConfig.from_dict(
+    gemma = CheckpointConfig.from_dict(
         llava_15 | {"text_config": {**llava_15["text_config"], **sizes, "model_type": "gemma"}}
     )
     with pytest.raises(ValueError, match="decoder is a 'gemma' model; Spindle's LLaVA runs llama, mistral, qwen2"):
         LlavaForConditionalGeneration(gemma, torch.float32)
-    siglip = ModelConfig.from_dict(llava_15 | {"vision_config": {"model_type": "siglip_vision_model"}})
+    siglip = CheckpointConfig.from_dict(llava_15 | {"vision_config": {"model_type": "siglip_vision_model"}})
     with pytest.raises(ValueError, match="vision tower is a 'siglip_vision_model' model"):
         LlavaForConditionalGeneration(siglip, torch.float32)
 
@@ -307,7 +307,7 @@ def test_quantization_applies_to_the_decoder(
 def test_tensor_parallel_is_refused_at_start_up(tiny_llava_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llava_dir), tensor_parallel_size=2)
     with pytest.raises(ValueError, match=f"tensor_parallel_size=2: the class serving {ARCHITECTURE} does not shard"):
-        check_tensor_parallel(config, ModelConfig.from_dir(tiny_llava_dir))
+        check_tensor_parallel(config, CheckpointConfig.from_dir(tiny_llava_dir))
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import torch
 
 from spindle.backend.memory import MemorySnapshot, kv_cache_budget
 from spindle.backend.model_runner import ModelRunner
-from spindle.backend.models import ModelConfig
+from spindle.backend.models import CheckpointConfig
 from spindle.shared.config import EngineConfig
 
 GIB = 2**30
@@ -64,12 +64,12 @@ class RecordingSampler:
 def test_the_profile_pass_samples_at_full_width(tiny_llama_dir: Path) -> None:
     """What a real step can allocate is in the profiled peak: all sequences sampling, a chunk's prompt logprobs."""
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=12, max_num_batched_tokens=40)
-    runner = ModelRunner(config, ModelConfig.from_dir(tiny_llama_dir), tiny_llama_dir)
+    runner = ModelRunner(config, CheckpointConfig.from_dir(tiny_llama_dir), tiny_llama_dir)
     recording = runner.sampler = RecordingSampler(runner.sampler)  # type: ignore[assignment]
 
     runner._profile_run(max_model_len=32, sample=True)
 
-    vocab = runner.model_config.vocab_size
+    vocab = runner.checkpoint.vocab_size
     assert recording.widths == {"sample": ((12, vocab), vocab - 1, 20), "prompt_logprobs": ((40, vocab), 20)}
 
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 from conftest import compute_as_served
 
-from spindle.backend.models import LlamaForCausalLM, ModelConfig, load_model, resolve_dtype, resolve_model
+from spindle.backend.models import CheckpointConfig, LlamaForCausalLM, load_model, resolve_dtype, resolve_model
 from spindle.backend.models.loader import (
     QUANTIZATION_FILE,
     embedded_gguf,
@@ -132,12 +132,12 @@ def test_config_reads_both_transformers_layouts(make_tiny_model: Callable[[str],
     v4["rope_theta"] = v5["rope_parameters"]["rope_theta"]
     v4["rope_scaling"] = {k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"}
     generation = {"eos_token_id": [2, 7]}
-    assert ModelConfig.from_dict(v4, generation) == ModelConfig.from_dict(v5, generation)
-    config = ModelConfig.from_dict(v5, generation)
+    assert CheckpointConfig.from_dict(v4, generation) == CheckpointConfig.from_dict(v5, generation)
+    config = CheckpointConfig.from_dict(v5, generation)
     assert (config.eos_token_ids, config.rope_theta, config.rope_scaling["rope_type"]) == ([2, 7], 10000.0, "llama3")
     assert (config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (2, 16, True)
     with pytest.raises(ValueError, match="unsupported architecture"):
-        ModelConfig.from_dict({**v5, "architectures": ["GPT2LMHeadModel"]})
+        CheckpointConfig.from_dict({**v5, "architectures": ["GPT2LMHeadModel"]})
 
 
 def test_resolve_model_rejects_what_it_cannot_load(tmp_path: Path) -> None:
@@ -157,7 +157,7 @@ def test_resolve_dtype(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16  # measured faster with bench/dtype.py
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": False})
     assert resolve_dtype("auto", "cpu") == torch.float32
-    fp16_checkpoint = dataclasses.replace(ModelConfig.from_dir(tiny_llama_dir), dtype="float16")
+    fp16_checkpoint = dataclasses.replace(CheckpointConfig.from_dir(tiny_llama_dir), dtype="float16")
     assert resolve_dtype("auto", "cuda", fp16_checkpoint) == torch.float16
     with pytest.raises(ValueError, match="not one of"):
         resolve_dtype("int8", "cpu")
@@ -165,7 +165,7 @@ def test_resolve_dtype(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_load_weights_refuses_incomplete_or_foreign_checkpoints(tiny_llama_dir: Path) -> None:
     weights = safetensors.torch.load_file(tiny_llama_dir / "model.safetensors")
-    model = LlamaForCausalLM(ModelConfig.from_dir(tiny_llama_dir), torch.float32)
+    model = LlamaForCausalLM(CheckpointConfig.from_dir(tiny_llama_dir), torch.float32)
     with pytest.raises(ValueError, match=r"unloaded.*layers\.1\.self_attn\.qkv_proj"):
         model.load_weights((k, v) for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight")
     with pytest.raises(ValueError, match="extra"):
@@ -206,7 +206,7 @@ def test_smollm2_gguf_conversion(smollm2: Converted) -> None:
     # transformers reads the file for the config, the tensors and the tokenizer, we for its quantized blocks: one
     # parse serves them all (a parse of the 49,152-token vocabulary takes seconds).
     assert smollm2.parses == 1
-    config = ModelConfig.from_dir(model_dir)
+    config = CheckpointConfig.from_dir(model_dir)
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
     assert (config.vocab_size, config.tie_word_embeddings, config.eos_token_ids) == (49152, True, [2])
     assert "<|im_start|>" in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]

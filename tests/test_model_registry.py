@@ -17,7 +17,7 @@ import transformers
 from registered_model import ARCHITECTURE, SignedLlamaForCausalLM
 
 from spindle import LLM, ModelRegistry, SamplingParams
-from spindle.backend.models import ModelConfig, model_class
+from spindle.backend.models import CheckpointConfig, model_class
 from spindle.frontend.core_client import start_backend
 from spindle.shared.config import EngineConfig
 
@@ -75,7 +75,7 @@ def generate(llm: LLM) -> list[list[int]]:
 def test_a_class_registered_in_process_serves_its_architecture(signed_dir, argmin_paths):
     ModelRegistry.register_model(ARCHITECTURE, SignedLlamaForCausalLM)
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
-    assert ModelConfig.from_dir(signed_dir).hf_config["logit_sign"] == -1
+    assert CheckpointConfig.from_dir(signed_dir).hf_config["logit_sign"] == -1
     assert generate(LLM(str(signed_dir), dtype="float32", kv_cache_memory="4MiB")) == argmin_paths
 
 
@@ -90,7 +90,7 @@ def test_an_unknown_architecture_names_every_served_one(signed_dir):
     ModelRegistry.register_model(ARCHITECTURE, SignedLlamaForCausalLM)
     config = json.loads((signed_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'") as error:
-        ModelConfig.from_dict({**config, "architectures": ["GPT2LMHeadModel"]})
+        CheckpointConfig.from_dict({**config, "architectures": ["GPT2LMHeadModel"]})
     assert all(name in str(error.value) for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", ARCHITECTURE))
 
 
@@ -99,7 +99,7 @@ def test_a_registered_architecture_still_needs_the_fields_the_engine_reads(signe
     config = json.loads((signed_dir / "config.json").read_text())
     del config["num_hidden_layers"]
     with pytest.raises(ValueError, match=f"{ARCHITECTURE} lacks num_hidden_layers"):
-        ModelConfig.from_dict(config)
+        CheckpointConfig.from_dict(config)
 
 
 @pytest.mark.parametrize("target", ["registered_model.SignedLlamaForCausalLM", "registered_model:", "a b:C", ""])

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spindle.backend import parallel
-from spindle.backend.models.config import ModelConfig, Shard
+from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.kernels import (
     AttentionMetadata,
     add_lora,
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
     row-parallel: each rank's partial sum is all-reduced.
     """
 
-    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype) -> None:
+    def __init__(self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
@@ -95,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
     down row-parallel with an all-reduce.
     """
 
-    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype) -> None:
+    def __init__(self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
@@ -142,9 +142,9 @@ class LlamaForCausalLM(nn.Module):
     the plain weight.
 
     Under tensor parallelism (:func:`spindle.backend.parallel.current`, read when the model is built) each rank
-    holds its :class:`~spindle.backend.models.config.Shard`: :meth:`shard_range` says which part of each checkpoint
-    tensor, and the parameters have the shard's shapes. The embedding and the LM head hold the rank's rows of the
-    vocabulary padded to a multiple of the ranks.
+    holds its :class:`~spindle.backend.models.checkpoint_config.Shard`: :meth:`shard_range` says which part of each
+    checkpoint tensor, and the parameters have the shard's shapes. The embedding and the LM head hold the rank's rows
+    of the vocabulary padded to a multiple of the ranks.
     """
 
     supports_tensor_parallel = True
@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     is_pooling_model = False
     """It has an LM head: it generates."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         place = parallel.current()
@@ -358,7 +358,7 @@ class LlamaModel(LlamaForCausalLM):
     is_pooling_model = True
     """No LM head, so no logits and no sampling: it serves embedding requests only."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:
         # Tied, the parent creates no lm_head parameter; there is no head at all.
         super().__init__(dataclasses.replace(config, tie_word_embeddings=True), dtype)
 
@@ -381,7 +381,7 @@ class LlamaModel(LlamaForCausalLM):
         return super().shard_range(hf_name if hf_name.startswith("model.") else "model." + hf_name)
 
 
-def _shard_range(hf_name: str, config: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
+def _shard_range(hf_name: str, config: CheckpointConfig, shard: Shard) -> tuple[int, int, int] | None:
     """The part of a full checkpoint tensor that ``shard`` holds: ``(dim, start, length)``, None for all of it.
 
     Column-parallel projections (q/k/v, gate/up, with their biases) and the vocabulary take output rows (dim 0), the

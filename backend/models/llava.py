@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from spindle.backend.models.checkpoint_config import TEXT_ARCHITECTURES, CheckpointConfig
 from spindle.backend.models.clip import ClipVisionTower, Linear, activation
-from spindle.backend.models.config import TEXT_ARCHITECTURES, ModelConfig
 from spindle.backend.models.llama import KVCache, LlamaForCausalLM
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.quant import QuantizedWeight
@@ -66,7 +66,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
     Built as every model class is (``cls(config, dtype)`` under ``with torch.device(...)``, then
     :meth:`load_weights`, ``eval()``, :meth:`prepare_weights`). ``config`` holds the decoder's fields (read from the
-    checkpoint's ``text_config``, ``ModelConfig.from_dict``); the vision fields are read from
+    checkpoint's ``text_config``, ``CheckpointConfig.from_dict``); the vision fields are read from
     ``config.hf_config``. The decoder is ``language_model``, a
     :class:`~spindle.backend.models.llama.LlamaForCausalLM`: :meth:`projections`, :meth:`prepare_weights` and
     :meth:`compute_logits` are its, so ``--quantization`` and the packed CPU projections apply to it alone.
@@ -89,7 +89,7 @@ class LlavaForConditionalGeneration(nn.Module):
     supports_tensor_parallel = False
     """The vision tower and the projector are not sharded, so neither is the model."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hf = config.hf_config
         text_type = hf.get("text_config", {}).get("model_type", "llama")

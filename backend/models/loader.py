@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from spindle.backend import parallel
-from spindle.backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from spindle.backend.models.registry import CausalLM, model_class
+from spindle.backend.models.checkpoint_config import SUPPORTED_ARCHITECTURES, CheckpointConfig
+from spindle.backend.models.interface import CausalLM, model_class
 from spindle.kernels.quant import QuantizedWeight, cat_rows, pack_int4, quantize
 
 logger = logging.getLogger(__name__)
@@ -363,10 +363,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
         FileNotFoundError: when the directory holds no safetensors weights.
         ValueError: when the architecture is unsupported or the weights do not fit the config.
         ImportError: when the class registered for the architecture cannot be imported.
-        TypeError: when what is registered is not a model class (:func:`~spindle.backend.models.registry.model_class`).
+        TypeError: when what is registered is not a model class (:func:`~spindle.backend.models.interface.model_class`).
 
     """
-    config = ModelConfig.from_dir(model_dir)
+    config = CheckpointConfig.from_dir(model_dir)
     model_cls = model_class(config.architecture)
     files = _safetensors_files(Path(model_dir))
     with torch.device(device):
@@ -395,7 +395,7 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def resolve_dtype(name: str, device: torch.device | str, config: ModelConfig | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | str, config: CheckpointConfig | None = None) -> torch.dtype:
     """Pick the compute dtype for ``--dtype name`` on ``device``.
 
     ``auto`` on CPU is bfloat16 where the CPU has native bf16 instructions, else float32. Measured with

@@ -56,7 +56,7 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 
 
 @dataclass
-class ModelConfig:
+class CheckpointConfig:
     """Hyper-parameters of a decoder: a built-in Llama-family one (Llama, Mistral, Qwen2) or a registered one.
 
     A registered architecture's ``config.json`` needs the standard fields read here (``num_hidden_layers``,
@@ -111,7 +111,7 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> "CheckpointConfig":
         """Read ``config.json`` (and ``generation_config.json``, when present, for more eos tokens) from a directory.
 
         Raises:
@@ -129,7 +129,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(config_file.read_text()), generation)
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "CheckpointConfig":
         """Build from the parsed ``config.json`` (transformers v4 or v5 layout) and ``generation_config.json``.
 
         A config with a ``text_config`` (LLaVA's) describes its decoder there: each decoder field comes from the
@@ -236,7 +236,7 @@ class Shard:
     vocab_size: int
 
     @classmethod
-    def of(cls, config: ModelConfig, rank: int, size: int) -> "Shard":
+    def of(cls, config: CheckpointConfig, rank: int, size: int) -> "Shard":
         """Rank ``rank``'s part of a model of ``config`` over ``size`` ranks.
 
         Raises:

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from spindle.backend.models.config import ModelConfig
+from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.llama import KVCache
 from spindle.kernels import AttentionMetadata
 from spindle.kernels.quant import QuantizedWeight
@@ -46,7 +46,7 @@ class CausalLM(Protocol):
     supports_tensor_parallel: bool
     """It shards itself over tensor-parallel ranks (:meth:`shard_range`)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:
         """Create the parameters in ``dtype`` on the current default device; ``config.hf_config`` is the raw config.
 
         The KV cache the runner allocates is sized from ``config.num_layers``, ``num_kv_heads`` and ``head_dim``.
@@ -112,6 +112,6 @@ def model_class(architecture: str) -> type[CausalLM]:
         target = ModelRegistry.get_model_cls_target(architecture)
         raise TypeError(
             f"architecture {architecture!r} is served by {target!r}, which lacks {', '.join(missing)}: "
-            "subclass spindle.backend.models.llama.LlamaForCausalLM, or see spindle.backend.models.registry.CausalLM"
+            "subclass spindle.backend.models.llama.LlamaForCausalLM, or see spindle.backend.models.interface.CausalLM"
         )
     return model_cls
