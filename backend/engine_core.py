@@ -62,9 +62,11 @@ def context_length(config: EngineConfig, checkpoint: CheckpointConfig) -> int:
     """
     # We attend over the whole context, so a sliding-window model is exact only up to its window.
     model_max = min(filter(None, (checkpoint.max_position_embeddings, checkpoint.sliding_window)))
-    if config.max_model_len is not None and config.max_model_len > model_max:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_max} tokens")
-    return config.max_model_len or model_max
+    if config.model.max_model_len is not None and config.model.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={config.model.max_model_len} exceeds the model's context of {model_max} tokens"
+        )
+    return config.model.max_model_len or model_max
 
 
 class EngineCore:
@@ -105,49 +107,44 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, on_worker_death: Callable[[str], None] | None = None) -> None:
-        if config.allow_runtime_lora and not Path(config.lora_dir).is_dir():
-            raise ValueError(f"lora_dir={config.lora_dir!r} is not a directory")
+        if config.lora.allow_runtime_lora and not Path(config.lora.lora_dir).is_dir():
+            raise ValueError(f"lora_dir={config.lora.lora_dir!r} is not a directory")
         self.config = config
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = resolve_model(config.model.model)
         self.checkpoint = CheckpointConfig.from_dir(self.model_dir)
         self.max_model_len = context_length(config, self.checkpoint)
         self.workers: Workers | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(
             self.model_dir, self.checkpoint.vocab_size, self.checkpoint.eos_token_ids
         )
         self.drafter = DraftProposer(self.max_model_len, self.structured_output)
         self.scheduler = Scheduler(
+            config.scheduler,
             self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.max_decode_slowdown,
-            config.scheduling_policy,
-            config.priority_aging,
-            config.max_loras,
-            config.long_prefill_token_threshold,
             max_model_len=self.max_model_len,
             eos_token_ids=self.checkpoint.eos_token_ids,
             structured_output=self.structured_output,
             drafter=self.drafter,
+            max_loras=config.lora.max_loras,
         )
         self.refused: list[tuple[str, RequestRefusedError]] = []
         self.info = EngineInfo(
-            model_name=Path(config.model).name if config.model else DEFAULT_MODEL_NAME,
+            model_name=Path(config.model.model).name if config.model.model else DEFAULT_MODEL_NAME,
             max_model_len=self.max_model_len,
             vocab_size=self.checkpoint.vocab_size,
             eos_token_ids=self.checkpoint.eos_token_ids,
             num_kv_blocks=self.num_blocks,
-            block_size=config.block_size,
+            block_size=config.cache.block_size,
             tokenizer_files={
                 name: (self.model_dir / name).read_bytes()
                 for name in TOKENIZER_FILES
                 if (self.model_dir / name).is_file()
             },
-            runtime_lora_dir=config.lora_dir if config.allow_runtime_lora else None,
+            runtime_lora_dir=config.lora.lora_dir if config.lora.allow_runtime_lora else None,
         )
-        for name, path in (config.lora_modules or {}).items():
+        for name, path in (config.lora.lora_modules or {}).items():
             self.add_lora(name, path)
 
     def _start_runner(self, config: EngineConfig, on_worker_death: Callable[[str], None]) -> tuple[ModelRunner, int]:
@@ -156,11 +153,11 @@ class EngineCore:
         Under tensor parallelism the workers start first, so that they load their shards while this process loads
         its own.
         """
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             # Refused before any process starts; the workers would find the same.
             check_tensor_parallel(config, self.checkpoint)
             config = parallel.rendezvous(config)
-            local_size = config.tensor_parallel_size // config.nnodes
+            local_size = config.parallel.tensor_parallel_size // config.parallel.nnodes
             self.workers = Workers(config, self.model_dir, range(1, local_size), self.max_model_len)
         try:
             runner = ModelRunner(config, self.checkpoint, self.model_dir)

@@ -168,7 +168,7 @@ def _enforce_eager_if_configured(
 
     @functools.wraps(method)
     def run(runner: "ModelRunner", *args: P.args, **kwargs: P.kwargs) -> R:
-        with eager(runner.config.enforce_eager):
+        with eager(runner.config.model.enforce_eager):
             return method(runner, *args, **kwargs)
 
     return run
@@ -270,20 +270,22 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: CheckpointConfig, model_dir: Path, rank: int = 0) -> None:
         self.config = config
         self.checkpoint = checkpoint
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         self.parallel = TensorParallel.of(config, rank)
         parallel.set_current(self.parallel)
         self.shard = Shard.of(checkpoint, rank, self.parallel.size)
-        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        use_cuda = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         if self.parallel.size > 1 and use_cuda:
             self.device = torch.device("cuda", self.parallel.local_rank)
             torch.cuda.set_device(self.device)
-        if config.cpu_threads is not None or self.parallel.size > 1:
+        if config.parallel.cpu_threads is not None or self.parallel.size > 1:
             # The node's ranks (or data-parallel engines) share its cores: oversubscribed threads spin against each
             # other, a step of one waiting on a thread that another's has descheduled.
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 1) // self.parallel.local_size))
-        self.dtype = resolve_dtype(config.dtype, self.device)
+            torch.set_num_threads(
+                config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // self.parallel.local_size)
+            )
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
         if self.device.type == "cuda":
             # Before the weights: the KV budget counts what this process takes from here on (spindle.backend.memory).
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -291,8 +293,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
         self.is_pooling_model = self.model.is_pooling_model
-        bits = resolve_quantization(config.quantization, model_dir)
-        with eager(config.enforce_eager):
+        bits = resolve_quantization(config.model.quantization, model_dir)
+        with eager(config.model.enforce_eager):
             self.model.prepare_weights(quantized_weights(self.model, model_dir, bits) if bits else None)
         logger.info(
             "Loaded %s (%s, %s) in %.1f s",
@@ -301,7 +303,7 @@ class ModelRunner:
             f"int{bits} projections" if bits else "unquantized",
             time.perf_counter() - start,
         )
-        if self.device.type == "cpu" and not config.enforce_eager:
+        if self.device.type == "cpu" and not config.model.enforce_eager:
             # Build (first start on a machine: ~50 s) or load the C++ kernels now, before the engine reports ready,
             # rather than in the first step, where it would stall the first requests. They are the CPU's compiled
             # path, in place of torch.compile: inductor (weight freezing, the norms, rotary and SwiGLU fused) ran a
@@ -320,8 +322,8 @@ class ModelRunner:
                 ) from error
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
         self.sampler = Sampler(checkpoint.vocab_size, checkpoint.eos_token_ids)
-        self.lora = LoraManager(self.model, config.max_loras, config.max_lora_rank, self.device, self.dtype)
-        if config.lora_modules or config.allow_runtime_lora:
+        self.lora = LoraManager(self.model, config.lora.max_loras, config.lora.max_lora_rank, self.device, self.dtype)
+        if config.lora.lora_modules or config.lora.allow_runtime_lora:
             # Now, so that the CUDA memory budget counts the slots; otherwise the first adapter loaded allocates them.
             self.lora.allocate()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -330,7 +332,7 @@ class ModelRunner:
         self.image_input = ImageSpec.of(self.model) if self.model.supports_images else None
         # As vLLM sizes its encoder cache: a step's budget of tokens, or one image where that is more.
         self.encoder_cache = EncoderCache(
-            max(config.max_num_batched_tokens, self.image_input.num_tokens if self.image_input else 0)
+            max(config.scheduler.max_num_batched_tokens, self.image_input.num_tokens if self.image_input else 0)
         )
         self._executed: _ExecutedStep | None = None
 
@@ -376,10 +378,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
             now = MemorySnapshot.take(self.device)
             peak = torch.cuda.max_memory_reserved(self.device)
-            budget = kv_cache_budget(self.config.gpu_memory_utilization, self.memory_at_start, now, peak)
-            knob = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            budget = kv_cache_budget(self.config.cache.gpu_memory_utilization, self.memory_at_start, now, peak)
+            knob = f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization}"
         else:
-            budget = self.config.kv_cache_memory
+            budget = self.config.cache.kv_cache_memory
             knob = f"kv_cache_memory={budget / 2**20:.1f} MiB"
         num_blocks = parallel.min_over_ranks(max(0, budget // self.block_bytes), self.device)
         blocks_per_seq = -(-max_model_len // self.block_size)
@@ -391,7 +393,11 @@ class ModelRunner:
             )
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.inputs = InputBuffers(
-            self.config.max_num_batched_tokens, self.config.max_num_seqs, blocks_per_seq, self.block_size, self.device
+            self.config.scheduler.max_num_batched_tokens,
+            self.config.scheduler.max_num_seqs,
+            blocks_per_seq,
+            self.block_size,
+            self.device,
         )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f sequences of max_model_len=%d fit",
@@ -406,7 +412,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_kernels()
             # Captured collectives would need NCCL graph support: TP decodes run eagerly.
-            if self.parallel.size == 1 and not self.config.enforce_eager:
+            if self.parallel.size == 1 and not self.config.model.enforce_eager:
                 self._capture_decode_graphs(max_model_len)
         return num_blocks
 
@@ -426,7 +432,7 @@ class ModelRunner:
     def _capture_decode_graphs(self, max_model_len: int) -> None:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         # A decode step never has more sequences than either limit.
-        max_batch = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        max_batch = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_model_len, self.block_size)
         torch.cuda.empty_cache()  # the eager warm-up runs' blocks; the graphs keep their own pool
         logger.info(
@@ -461,8 +467,8 @@ class ModelRunner:
         do: a budget larger than the model's context must not ask for positions past it. (The profile's own small KV
         cache is in the peak too, which errs on the safe side.)
         """
-        num_tokens = self.config.max_num_batched_tokens
-        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
         full, rest = divmod(num_tokens, max_model_len)
         lens = sorted([max_model_len] * full + [rest] * (rest > 0), key=lambda n: n != 1)  # a 1-token one decodes
         tables, num_blocks = [], 0
@@ -679,7 +685,7 @@ class ModelRunner:
         calls, so the encoder's peak memory is that of this many, which :meth:`init_cache` profiles.
         """
         num_tokens = self.image_input.num_tokens if self.image_input is not None else 1
-        return max(1, self.config.max_num_batched_tokens // num_tokens)
+        return max(1, self.config.scheduler.max_num_batched_tokens // num_tokens)
 
     def _prompt_logprobs(
         self, spans: list[tuple[SequenceState, int, int, int]], logits: torch.Tensor | None

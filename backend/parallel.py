@@ -14,7 +14,7 @@ runs the same model runner code on it (:func:`receive_step`), so the ranks keep 
 import datetime
 import os
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -48,8 +48,8 @@ class TensorParallel:
     @classmethod
     def of(cls, config: EngineConfig, rank: int) -> "TensorParallel":
         """The place of global ``rank`` under ``config``'s ``tensor_parallel_size`` and ``nnodes``."""
-        local_size = config.tensor_parallel_size // config.nnodes
-        return cls(rank, config.tensor_parallel_size, rank % local_size, local_size)
+        local_size = config.parallel.tensor_parallel_size // config.parallel.nnodes
+        return cls(rank, config.parallel.tensor_parallel_size, rank % local_size, local_size)
 
 
 _current = TensorParallel()
@@ -79,15 +79,17 @@ def rendezvous(config: EngineConfig) -> EngineConfig:
         ValueError: on several nodes without a port (``--master-port`` or ``MASTER_PORT``): the nodes must agree.
 
     """
-    addr = config.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = config.master_port or os.environ.get("MASTER_PORT")
+    addr = config.parallel.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = config.parallel.master_port or os.environ.get("MASTER_PORT")
     if port is None:
-        if config.nnodes > 1:
-            raise ValueError(f"nnodes={config.nnodes} needs master_port (or MASTER_PORT): every node must know it")
+        if config.parallel.nnodes > 1:
+            raise ValueError(
+                f"nnodes={config.parallel.nnodes} needs master_port (or MASTER_PORT): every node must know it"
+            )
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-    return replace(config, master_addr=addr, master_port=int(port))
+    return config.replace(master_addr=addr, master_port=int(port))
 
 
 def init_group(config: EngineConfig, device: torch.device) -> None:
@@ -98,7 +100,7 @@ def init_group(config: EngineConfig, device: torch.device) -> None:
     place = current()
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        init_method=f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}",
         rank=place.rank,
         world_size=place.size,
         timeout=datetime.timedelta(minutes=10),

@@ -21,6 +21,7 @@ from spindle.backend.sequence import Sequence, SequenceStatus
 from spindle.backend.speculative import DraftProposer
 from spindle.backend.structured_output import StructuredOutputManager
 from spindle.shared import FinishReason
+from spindle.shared.config import SchedulerConfig
 from spindle.shared.protocol import SequenceDelta
 
 # The cost model of the decode-latency bound, in units of one prompt token's projections and MLP: a chunk of n tokens
@@ -99,28 +100,21 @@ class Scheduler:
 
     def __init__(
         self,
+        config: SchedulerConfig,
         block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_decode_slowdown: float = 0.0,
-        policy: str = "fcfs",
-        priority_aging: float = 0.0,
-        max_loras: int | None = None,
-        long_prefill_token_threshold: int = 0,
         *,
         max_model_len: int,
         eos_token_ids: Collection[int],
         structured_output: StructuredOutputManager,
         drafter: DraftProposer,
+        max_loras: int | None = None,
     ) -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy={policy!r} must be fcfs or priority")
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_decode_slowdown = max_decode_slowdown
-        self.by_priority = policy == "priority"
-        self.priority_aging = priority_aging
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_decode_slowdown = config.max_decode_slowdown
+        self.by_priority = config.scheduling_policy == "priority"
+        self.priority_aging = config.priority_aging
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.structured_output = structured_output
@@ -137,7 +131,7 @@ class Scheduler:
         self.lora_users: Counter[int] = Counter()
         # Sequences the runner holds state of that finished or were preempted since the last output.
         self.gone_seq_ids: list[int] = []
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.prefill_credit = 0.0
         # The most credit the steps may save: CREDIT_STEPS times the latest step's earnings.
         self.credit_cap = 0.0

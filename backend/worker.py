@@ -158,7 +158,7 @@ def check_tensor_parallel(config: EngineConfig, checkpoint: CheckpointConfig) ->
             shard itself, or LoRA adapters are configured (their slots are not sharded).
 
     """
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     Shard.of(checkpoint, 0, size)
     if not model_class(checkpoint.architecture).supports_tensor_parallel:
         raise ValueError(
@@ -166,7 +166,7 @@ def check_tensor_parallel(config: EngineConfig, checkpoint: CheckpointConfig) ->
             "serve it with tensor_parallel_size=1 (a registered text model may subclass "
             "spindle.backend.models.llama.LlamaForCausalLM, which does)"
         )
-    if config.lora_modules or config.allow_runtime_lora:
+    if config.lora.lora_modules or config.lora.allow_runtime_lora:
         raise ValueError(f"LoRA adapters are not served with tensor_parallel_size={size}: use 1, or no adapters")
 
 
@@ -174,16 +174,16 @@ def serve_node(config: EngineConfig, model_dir: Path, max_model_len: int) -> int
     """Run this node's ranks (``node_rank > 0``) until they exit; returns 0 when they all stopped cleanly."""
     check_tensor_parallel(config, CheckpointConfig.from_dir(model_dir))
     config = parallel.rendezvous(config)
-    local_size = config.tensor_parallel_size // config.nnodes
-    first = config.node_rank * local_size
+    local_size = config.parallel.tensor_parallel_size // config.parallel.nnodes
+    first = config.parallel.node_rank * local_size
     workers = Workers(config, model_dir, range(first, first + local_size), max_model_len)
     workers.wait_loaded()
     logger.info(
         "Ranks %d-%d loaded; following node 0 at %s:%d",
         first,
         first + local_size - 1,
-        config.master_addr,
-        config.master_port,
+        config.parallel.master_addr,
+        config.parallel.master_port,
     )
     workers.join()
     codes = [process.exitcode for process in workers.processes.values()]

@@ -88,7 +88,7 @@ def throughput(args: argparse.Namespace) -> None:
             for i in range(args.num_adapters)
         }
         core = EngineCore(
-            EngineConfig(
+            EngineConfig.of(
                 dtype="bfloat16",
                 quantization=args.quantization,
                 kv_cache_memory="2GiB",

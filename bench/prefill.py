@@ -129,7 +129,7 @@ def main() -> None:
     for llm in engines.values():
         spindle_prefill(llm, 256, 1)  # warm-up
     transformers_prefill(model, 256, 1)
-    budget = llm.llm_engine.config.max_num_batched_tokens
+    budget = llm.llm_engine.config.scheduler.max_num_batched_tokens
     shapes, ceiling = Shapes.of(str(model_dir)), matmul_rate(getattr(torch, dtype))
     print(f"prefill, {dtype}, threads={torch.get_num_threads()}, {engine_args}, LLM's step budget {budget} tokens")
     print(f"  this machine's {dtype} matmul rate: {ceiling / 1e9:.0f} GFLOP/s (2048-cubed torch.mm, best of 10)")
@@ -147,7 +147,7 @@ def main() -> None:
     del model, llm, engines
     engine_args["quantization"] = args.quantization[0]
     for slowdown in (0, 2):
-        engine = LLMEngine(EngineConfig(**engine_args, max_decode_slowdown=slowdown))
+        engine = LLMEngine(EngineConfig.of(**engine_args, max_decode_slowdown=slowdown))
         alone, during, ttft = decode_latency(engine, args.streams, args.beside, steps=20)
         mean_alone, mean_during = statistics.mean(alone), statistics.mean(during)
         print(

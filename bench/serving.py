@@ -159,9 +159,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="engine, gRPC and offline runs, interleaved")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args = parser.parse_args()
-    config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)
+    config = EngineConfig.of(model=args.model, kv_cache_memory=args.kv_cache_memory)
     n = args.num_requests
-    llm = LLM(config.model, kv_cache_memory=config.kv_cache_memory)
+    llm = LLM(config.model.model, kv_cache_memory=config.cache.kv_cache_memory)
     rates: dict[str, list[float]] = {"engine": [], "gRPC": [], "offline": []}
     times = {path: ([], []) for path in ("engine", "gRPC")}  # TTFTs, ITLs over all rounds
     with spindle_server(config, args.port) as server:

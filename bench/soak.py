@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     warmup = args.warmup if args.warmup is not None else min(300.0, args.duration / 6)
 
-    with spindle_server(EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory)) as server:
+    with spindle_server(EngineConfig.of(model=args.model, kv_cache_memory=args.kv_cache_memory)) as server:
         pids = {"frontend": server.frontend.pid, "backend": server.backend.pid}
         samples, tally, info = asyncio.run(soak(server.port, args, pids))
 

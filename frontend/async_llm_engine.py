@@ -133,7 +133,7 @@ class AsyncLLMEngine:
         ``engine_args`` are :class:`~spindle.shared.config.EngineConfig` fields (``model``, ``dtype``,
         ``kv_cache_memory``, ...); they only matter for a backend this call starts.
         """
-        config = EngineConfig(**engine_args)
+        config = EngineConfig.of(**engine_args)
         return cls(BackendConnection(backend_address, config, use_asyncio=True, startup_timeout=startup_timeout))
 
     @property

@@ -60,7 +60,7 @@ def engine_from_args(args: argparse.Namespace) -> "Engine":
             f"--data-parallel-size {args.data_parallel_size} but {len(addresses)} --backend-address values: "
             "give one address per engine (the size then follows from them)"
         )
-    engine_args = vars(config_from_args(args))
+    engine_args = config_from_args(args).settings()
     if max(len(addresses), args.data_parallel_size) == 1:
         return AsyncLLMEngine.from_args(backend_address=addresses[0] if addresses else None, **engine_args)
     return DataParallelEngine.from_args(None if addresses else args.data_parallel_size, addresses, **engine_args)

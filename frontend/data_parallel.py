@@ -10,7 +10,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -227,15 +226,16 @@ class DataParallelEngine:
         size = len(backend_addresses) or data_parallel_size or 0
         if size < 1:
             raise ValueError(f"data_parallel_size={size} must be at least 1")
-        config = EngineConfig(**engine_args)
-        if not backend_addresses and config.cpu_threads is None:
+        config = EngineConfig.of(**engine_args)
+        if not backend_addresses and config.parallel.cpu_threads is None:
             # The engines share this machine's cores: as many threads as cores in each would stall each other's steps.
-            config = dataclasses.replace(config, cpu_threads=max(1, (os.cpu_count() or 1) // size))
+            config = config.replace(cpu_threads=max(1, (os.cpu_count() or 1) // size))
         backends: list[tuple[str, BackendProcess | None]] = [(address, None) for address in backend_addresses]
         if not backends:
             # Started from this thread, not the handshake threads: a backend's parent-death signal fires when the
             # thread that started it ends.
-            envs = device_groups(size, config.tensor_parallel_size) if config.device != "cpu" else [{}] * size
+            ranks = config.parallel.tensor_parallel_size
+            envs = device_groups(size, ranks) if config.model.device != "cpu" else [{}] * size
             backends = [(address, process) for process, address in (start_backend(config, env=env) for env in envs)]
         with concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="spindle-handshake") as pool:
             futures = [

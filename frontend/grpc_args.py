@@ -2,10 +2,8 @@
 
 import argparse
 import dataclasses
-import os
-import typing
 
-from spindle.shared.config import attribute_help
+from spindle.shared.config import add_settings_args
 
 
 @dataclasses.dataclass
@@ -57,19 +55,8 @@ class ServerConfig:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per :class:`ServerConfig` field, defaulting to ``SPINDLE_<FIELD>`` from the environment."""
-    helps = attribute_help(ServerConfig)
-    for field in dataclasses.fields(ServerConfig):
-        default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
-        # The annotation, not the default, gives the type: an unset ``int | None`` is still an int when given.
-        kinds = typing.get_args(field.type) or (field.type,)
-        kind = next((k for k in (int, float) if k in kinds), str)
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=kind,
-            default=None if default is None else kind(default),
-            help=helps[field.name],
-        )
+    """Add one ``--flag`` per :class:`ServerConfig` field (:func:`~spindle.shared.config.add_settings_args`)."""
+    add_settings_args(parser, ServerConfig)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

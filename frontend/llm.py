@@ -38,7 +38,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, multiprocess: bool = False, **engine_args: object) -> None:
         engine_args.setdefault("max_decode_slowdown", 0)
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), multiprocess)
+        self.llm_engine = LLMEngine(EngineConfig.of(model=model, **engine_args), multiprocess)
         self._next_id = 0
 
     def shutdown(self) -> None:

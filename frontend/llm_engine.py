@@ -63,7 +63,7 @@ class LLMEngine:
         With ``multiprocess=True`` the engine core runs in a backend child process; with ``backend_address`` it is
         the backend already listening there.
         """
-        return cls(EngineConfig(**kwargs), multiprocess, backend_address)
+        return cls(EngineConfig.of(**kwargs), multiprocess, backend_address)
 
     @property
     def max_model_len(self) -> int:

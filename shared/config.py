@@ -1,16 +1,22 @@
-"""Engine settings: model, dtype, cache sizing and scheduling limits, and their command-line flags; log formats."""
+"""Engine settings by concern (model, cache, scheduler, parallelism, LoRA), the flags that set them, log formats.
+
+:func:`add_settings_args` is the one generator of the commands' flags, for every settings dataclass.
+"""
 
 import argparse
 import contextvars
+import dataclasses
 import json
 import logging
 import math
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
-from typing import TextIO
+from typing import Literal, TextIO, get_args, get_origin, get_type_hints
+
+import msgspec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -30,9 +36,33 @@ def parse_memory_size(value: int | str) -> int:
     return size
 
 
-@dataclass
-class EngineConfig:
-    """Everything the engine core needs to start.
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "int8", "int4"]
+Device = Literal["auto", "cpu", "cuda"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def check_choices(settings: object) -> None:
+    """Refuse a value outside its ``Literal`` type, for every such field of a settings dataclass (the one check).
+
+    Raises:
+        ValueError: naming the field, the value and the values allowed.
+
+    """
+    for name, kind in get_type_hints(type(settings)).items():
+        if get_origin(kind) is Literal and getattr(settings, name) not in get_args(kind):
+            raise ValueError(f"{name}={getattr(settings, name)!r} must be one of {', '.join(get_args(kind))}")
+
+
+def _check_at_least(settings: object, minimum: int, *names: str) -> None:
+    for name in names:
+        if getattr(settings, name) < minimum:
+            raise ValueError(f"{name}={getattr(settings, name)} must be >= {minimum}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model the engine serves, how, and where.
 
     Attributes:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
@@ -44,7 +74,56 @@ class EngineConfig:
             fly (W8A8: past the bf16 matmul rate, perplexity +0.6% against bf16 on SmolLM2).
         device: ``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``.
         max_model_len: longest prompt + completion; defaults to the model's ``max_position_embeddings``.
+        enforce_eager: run torch's own ops only, as vLLM's flag does: on CUDA no decode steps replayed from CUDA
+            graphs; on the CPU the torch references in place of the C++ kernels the backend otherwise compiles for
+            the machine at its first start (the attention, norms, rotary, SwiGLU, bf16 and quantized projections):
+            no compiler needed, for a slower engine (``bench.offline_throughput --enforce-eager`` measures it).
+
+    """
+
+    model: str | None = None
+    dtype: Dtype = "auto"
+    quantization: Quantization = "auto"
+    device: Device = "auto"
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: its blocks and how much memory it may take.
+
+    Attributes:
         block_size: tokens per KV cache block.
+        kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
+        enable_prefix_caching: share full KV blocks between sequences with the same prefix.
+
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | str = "2GiB"
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold, and in which order requests get the steps.
+
+    Attributes:
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: the per-step token budget that chunked prefill splits long prompts against.
         max_decode_slowdown: how much slower than their decodes alone the steps may get, on average, from the
@@ -54,9 +133,6 @@ class EngineConfig:
         long_prefill_token_threshold: prompts longer than this many tokens are long (vLLM's term): only their
             prefill is held to ``max_decode_slowdown``; shorter ones are prefilled whole beside the streams, so that
             a burst of them is not starved by a few streams' bound. ``0``: every prompt is held to it.
-        kv_cache_memory: KV cache size on the CPU, e.g. ``"2GiB"``.
-        gpu_memory_utilization: fraction of GPU memory the engine may use (weights, activations, KV cache).
-        enable_prefix_caching: share full KV blocks between sequences with the same prefix.
         scheduling_policy: ``fcfs`` (first come, first served; a request's ``priority`` is ignored) or ``priority``
             (lower ``priority`` first, then arrival, as vLLM's: the lowest-priority running request is preempted
             first, also to make room for a better waiting one).
@@ -64,38 +140,9 @@ class EngineConfig:
             ``arrival + priority * priority_aging``, which bounds starvation, as a request is never overtaken by one
             ``d`` levels better that arrived more than ``d * priority_aging`` seconds after it. ``0`` is strict
             priority (vLLM's), where a stream of better requests can starve a worse one.
-        lora_modules: LoRA adapters loaded at start-up, ``name=path`` of a PEFT adapter directory each (on the
-            command line ``--lora-modules sql=/adapters/sql chat=/adapters/chat``); requests pick one by name.
-        max_loras: adapter slots in memory: the most distinct adapters one step may use; more adapters may be
-            loaded, and the least recently used one leaves its slot for the one a new request needs.
-        max_lora_rank: the largest rank ``r`` an adapter may have (the slots are sized for it).
-        allow_runtime_lora: accept ``LoadLoraAdapter``/``UnloadLoraAdapter`` calls (off: a request must not make
-            the server read files unless the operator allows it).
-        lora_dir: the directory runtime-loaded adapters must lie in (required with ``allow_runtime_lora``).
-        tensor_parallel_size: processes (ranks) the model is sharded over, Megatron-style, with ``torch.distributed``
-            (NCCL on CUDA, gloo on the CPU); rank 0 runs the engine core, the others are workers (:doc:`scaling`).
-        nnodes: machines the ranks are spread over; each runs ``tensor_parallel_size / nnodes`` of them.
-        node_rank: this machine's index among ``nnodes``: 0 runs the engine core, the others only workers.
-        master_addr: the address of node 0 for the ``torch.distributed`` rendezvous; unset: ``MASTER_ADDR`` from
-            the environment (as ``torchrun`` sets it), else ``127.0.0.1``.
-        master_port: the rendezvous port on node 0; unset: ``MASTER_PORT`` from the environment, else (one node
-            only) a free port.
-        cpu_threads: torch's threads in each process of the engine; unset: the machine's cores divided among the
-            processes of this node (tensor parallel ranks). Data-parallel engines that one ``spindle serve`` starts
-            get the cores divided among them: threads that outnumber the cores stall each other's steps.
-        enforce_eager: run torch's own ops only, as vLLM's flag does: on CUDA no decode steps replayed from CUDA
-            graphs; on the CPU the torch references in place of the C++ kernels the backend otherwise compiles for
-            the machine at its first start (the attention, norms, rotary, SwiGLU, bf16 and quantized projections):
-            no compiler needed, for a slower engine (``bench.offline_throughput --enforce-eager`` measures it).
 
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    quantization: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
     # 256, as vLLM: measured on 2 Zen 4 cores (bf16 SmolLM2, `LLM.generate` of 512 requests, two passes in opposite
     # orders), the rate does not depend on it from 64 up: 512 short prompts x 128 tokens 798 and 835 tok/s at 64,
     # 794 and 868 at 128, 808 and 868 at 256, 779 and 901 at 512; prompts of 10-160 words x 64 tokens 423-472 at 64
@@ -111,57 +158,47 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_decode_slowdown: float = 2.0
     long_prefill_token_threshold: int = 256
-    kv_cache_memory: int | str = "2GiB"
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     priority_aging: float = 10.0
-    lora_modules: dict[str, str] | None = None
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    allow_runtime_lora: bool = False
-    lora_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        _check_at_least(self, 1, "max_num_seqs", "max_num_batched_tokens")
+        _check_at_least(self, 0, "long_prefill_token_threshold")
+        if self.max_decode_slowdown != 0 and self.max_decode_slowdown < 1:
+            raise ValueError(f"max_decode_slowdown={self.max_decode_slowdown} must be 0 (no bound) or >= 1")
+        if not 0 <= self.priority_aging < math.inf:
+            raise ValueError(f"priority_aging={self.priority_aging} must be >= 0 seconds (0: no aging)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine spreads over processes, machines and cores.
+
+    Attributes:
+        tensor_parallel_size: processes (ranks) the model is sharded over, Megatron-style, with ``torch.distributed``
+            (NCCL on CUDA, gloo on the CPU); rank 0 runs the engine core, the others are workers (:doc:`scaling`).
+        nnodes: machines the ranks are spread over; each runs ``tensor_parallel_size / nnodes`` of them.
+        node_rank: this machine's index among ``nnodes``: 0 runs the engine core, the others only workers.
+        master_addr: the address of node 0 for the ``torch.distributed`` rendezvous; unset: ``MASTER_ADDR`` from
+            the environment (as ``torchrun`` sets it), else ``127.0.0.1``.
+        master_port: the rendezvous port on node 0; unset: ``MASTER_PORT`` from the environment, else (one node
+            only) a free port.
+        cpu_threads: torch's threads in each process of the engine; unset: the machine's cores divided among the
+            processes of this node (tensor parallel ranks). Data-parallel engines that one ``spindle serve`` starts
+            get the cores divided among them: threads that outnumber the cores stall each other's steps.
+
+    """
+
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     cpu_threads: int | None = None
-    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"quantization={self.quantization!r} must be one of auto, none, int8, int4")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} must be one of auto, cpu, cuda")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size} must be a power of two")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_decode_slowdown != 0 and self.max_decode_slowdown < 1:
-            raise ValueError(f"max_decode_slowdown={self.max_decode_slowdown} must be 0 (no bound) or >= 1")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
-        if not 0 <= self.priority_aging < math.inf:
-            raise ValueError(f"priority_aging={self.priority_aging} must be >= 0 seconds (0: no aging)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
-        if isinstance(self.lora_modules, list | tuple):  # from the command line: name=path strings
-            self.lora_modules = parse_lora_modules(self.lora_modules)
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("tensor_parallel_size", "nnodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        _check_at_least(self, 1, "tensor_parallel_size", "nnodes")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes}: "
@@ -171,8 +208,101 @@ class EngineConfig:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Which LoRA adapters the engine serves, and how many at once.
+
+    Attributes:
+        lora_modules: LoRA adapters loaded at start-up, ``name=path`` of a PEFT adapter directory each (on the
+            command line ``--lora-modules sql=/adapters/sql chat=/adapters/chat``); requests pick one by name.
+        max_loras: adapter slots in memory: the most distinct adapters one step may use; more adapters may be
+            loaded, and the least recently used one leaves its slot for the one a new request needs.
+        max_lora_rank: the largest rank ``r`` an adapter may have (the slots are sized for it).
+        allow_runtime_lora: accept ``LoadLoraAdapter``/``UnloadLoraAdapter`` calls (off: a request must not make
+            the server read files unless the operator allows it).
+        lora_dir: the directory runtime-loaded adapters must lie in (required with ``allow_runtime_lora``).
+
+    """
+
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    allow_runtime_lora: bool = False
+    lora_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, list | tuple):  # from the command line: name=path strings
+            object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        _check_at_least(self, 1, "max_loras", "max_lora_rank")
         if self.allow_runtime_lora and not self.lora_dir:
             raise ValueError("allow_runtime_lora needs lora_dir: the directory runtime-loaded adapters must lie in")
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+SECTIONS["lora"] = LoraConfig
+"""The parts of :class:`EngineConfig`, each one concern's settings, by attribute name."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs to start, by concern.
+
+    Build it from flat settings, as ``LLM(...)`` and the command line give them, with :meth:`of`:
+    ``EngineConfig.of(model="...", kv_cache_memory="1GiB")``; every setting names its part (they are listed on
+    :doc:`configuration`). A backend process started by a frontend gets it encoded as a struct.
+
+    Attributes:
+        model: which model, its dtype, quantization and device (:class:`ModelConfig`).
+        cache: the KV cache (:class:`CacheConfig`).
+        scheduler: the step's limits and the queue order (:class:`SchedulerConfig`).
+        parallel: tensor parallelism and threads (:class:`ParallelConfig`).
+        lora: LoRA adapters (:class:`LoraConfig`).
+
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    @classmethod
+    def of(cls, **settings: object) -> "EngineConfig":
+        """The configuration of the given flat settings (the others at their defaults).
+
+        Raises:
+            TypeError: a setting no part has.
+            ValueError: a value out of its range.
+
+        """
+        return cls().replace(**settings)
+
+    def replace(self, **settings: object) -> "EngineConfig":
+        """A copy with the given flat settings changed, each in its part.
+
+        Raises:
+            TypeError: a setting no part has.
+            ValueError: a value out of its range.
+
+        """
+        unknown = set(settings) - set(_PART_OF)
+        if unknown:
+            raise TypeError(f"unknown engine settings {sorted(unknown)}: see spindle.shared.config for the settings")
+        parts = {}
+        for part in SECTIONS:
+            changed = {name: value for name, value in settings.items() if _PART_OF[name] == part}
+            if changed:
+                parts[part] = dataclasses.replace(getattr(self, part), **changed)
+        return dataclasses.replace(self, **parts)
+
+    def settings(self) -> dict[str, object]:
+        """The flat settings, each part's fields (what :meth:`of` takes)."""
+        return {name: getattr(getattr(self, part), name) for name, part in _PART_OF.items()}
+
+
+_PART_OF = {f.name: part for part, section in SECTIONS.items() for f in fields(section)}
 
 
 def parse_lora_modules(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -195,43 +325,64 @@ def attribute_help(cls: type) -> dict[str, str]:
     return {name: " ".join(text.split()) for name, text in entries}
 
 
+def add_settings_args(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """Add one ``--flag`` per field of each settings dataclass, defaulting to ``SPINDLE_<FIELD>`` from the environment.
+
+    The one generator of the commands' flags (:class:`EngineConfig`'s parts for ``spindle serve`` and ``spindle
+    backend``, ``ServerConfig`` for ``spindle serve``): the type of each flag is its field's annotation (a
+    ``Literal`` gives its choices, a ``bool`` a ``--flag``/``--no-flag`` pair, a ``dict[str, str]`` ``NAME=VALUE``
+    pairs, space-separated in the environment), its help the field's line in the class's ``Attributes:``.
+    """
+    for cls in classes:
+        helps = attribute_help(cls)
+        for f, kind in ((f, get_type_hints(cls)[f.name]) for f in fields(cls)):
+            flag = "--" + f.name.replace("_", "-")
+            default = os.environ.get(f"SPINDLE_{f.name.upper()}", f.default)
+            kinds = (kind,) if get_origin(kind) is Literal else get_args(kind) or (kind,)
+            if kind is bool:
+                if isinstance(default, str):
+                    default = default.lower() in ("1", "true", "yes", "on")
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps[f.name])
+            elif dict[str, str] in kinds:
+                value = default.split() if isinstance(default, str) else None
+                parser.add_argument(flag, nargs="*", metavar="NAME=VALUE", default=value, help=helps[f.name])
+            else:
+                literal = next((k for k in kinds if get_origin(k) is Literal), None)
+                convert = str if str in kinds else next((k for k in (int, float) if k in kinds), str)
+                parser.add_argument(
+                    flag,
+                    type=convert,
+                    choices=get_args(literal) if literal is not None else None,
+                    default=None if default is None else convert(default),
+                    help=helps[f.name],
+                )
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per :class:`EngineConfig` field, defaulting to ``SPINDLE_<FIELD>`` from the environment."""
-    helps = attribute_help(EngineConfig)
-    for field in fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
-        default = os.environ.get(f"SPINDLE_{field.name.upper()}", field.default)
-        if field.type is bool:
-            if isinstance(default, str):
-                default = default.lower() in ("1", "true", "yes", "on")
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps[field.name])
-        elif field.type == dict[str, str] | None:  # name=value pairs, also space-separated in the environment
-            value = default.split() if isinstance(default, str) else None
-            parser.add_argument(flag, nargs="*", metavar="NAME=PATH", default=value, help=helps[field.name])
-        else:
-            kind = {int: int, int | None: int, float: float}.get(field.type, str)
-            value = None if default is None else kind(default)
-            parser.add_argument(flag, type=kind, default=value, help=helps[field.name])
+    """Add the flags of every :class:`EngineConfig` setting (:func:`add_settings_args` over its parts)."""
+    add_settings_args(parser, *SECTIONS.values())
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the :class:`EngineConfig` from flags added by :func:`add_engine_args`."""
-    return EngineConfig(**{field.name: getattr(args, field.name) for field in fields(EngineConfig)})
+    return EngineConfig.of(**{name: getattr(args, name) for name in _PART_OF})
 
 
-def config_to_argv(config: EngineConfig) -> list[str]:
-    """The flags that make :func:`config_from_args` rebuild ``config`` (to start a backend process with it)."""
-    argv = []
-    for field in fields(EngineConfig):
-        value = getattr(config, field.name)
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, dict):
-            argv += [flag, *(f"{name}={path}" for name, path in value.items())]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+def config_to_json(config: EngineConfig) -> str:
+    """``config`` as JSON, every part and field as msgspec encodes it.
+
+    It is how a frontend hands a backend child its whole configuration (``spindle backend --engine-config``), so that
+    no field has to have a flag that rebuilds it.
+    """
+    return msgspec.json.encode(config).decode()
+
+
+def config_from_json(text: str) -> EngineConfig:
+    """The :class:`EngineConfig` that :func:`config_to_json` encoded; its checks (``__post_init__``) run again.
+
+    A field of the wrong type, or a value a check refuses, raises msgspec's ``ValidationError``.
+    """
+    return msgspec.json.decode(text, type=EngineConfig)
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +400,8 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM before they are aborted",
     )
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    # start_backend hands its child the whole EngineConfig as JSON (config_to_json), in place of the engine's flags.
+    parser.add_argument("--engine-config", default=None, help=argparse.SUPPRESS)
     # start_backend made the ipc socket's directory for this backend: remove it (if empty) on exit.
     parser.add_argument("--remove-socket-dir", action="store_true", help=argparse.SUPPRESS)
     add_log_args(parser)

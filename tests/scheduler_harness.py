@@ -17,6 +17,7 @@ from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import DraftProposer
 from spindle.backend.structured_output import StructuredOutputManager
+from spindle.shared.config import SchedulerConfig
 
 
 def make_scheduler(
@@ -31,15 +32,18 @@ def make_scheduler(
     max_loras: int | None = None,
 ) -> Scheduler:
     structured_output = StructuredOutputManager(Path(), vocab_size=1000, eos_token_ids=[])  # nothing is compiled
-    return Scheduler(
-        BlockManager(num_blocks, block_size),
-        max_num_seqs,
-        budget,
-        slowdown,
-        policy,
-        aging,
-        max_loras,
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_decode_slowdown=slowdown,
         long_prefill_token_threshold=long_threshold,
+        scheduling_policy=policy,
+        priority_aging=aging,
+    )
+    return Scheduler(
+        config,
+        BlockManager(num_blocks, block_size),
+        max_loras=max_loras,
         max_model_len=1_000_000,
         eos_token_ids=(),
         structured_output=structured_output,

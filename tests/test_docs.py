@@ -13,6 +13,7 @@ import re
 import runpy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -222,10 +223,10 @@ def test_examples_run(example, expected, tiny_llm_dir, monkeypatch):
     from spindle.shared.config import EngineConfig
 
     def tiny_config(model: str | None = None, **kwargs: object) -> EngineConfig:
-        return EngineConfig(model=model or str(tiny_llm_dir), **kwargs)
+        return EngineConfig.of(model=model or str(tiny_llm_dir), **kwargs)
 
     for module in ("spindle.frontend.llm", "spindle.frontend.llm_engine", "spindle.frontend.async_llm_engine"):
-        monkeypatch.setattr(f"{module}.EngineConfig", tiny_config)
+        monkeypatch.setattr(f"{module}.EngineConfig", SimpleNamespace(of=tiny_config))
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         runpy.run_path(str(DOCS / "examples" / example), run_name="__main__")

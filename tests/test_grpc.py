@@ -37,7 +37,7 @@ LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 
 
 def tiny_config(model_dir: Path, **kwargs) -> EngineConfig:
-    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+    return EngineConfig.of(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
 
 
 class ServerThread:
@@ -128,7 +128,7 @@ PROMPTS = ["hello world", "The quick brown fox", "a"]
     ids=["greedy", "n3-seeded", "logprobs"],
 )
 def test_streams_equal_llm_generate(client, tiny_llm_dir, params):
-    llm = LLM(**vars(tiny_config(tiny_llm_dir)))
+    llm = LLM(**tiny_config(tiny_llm_dir).settings())
     expected = llm.generate(PROMPTS, SamplingParams(**params), use_tqdm=False)
     for prompt, reference in zip(PROMPTS, expected, strict=True):
         choices, messages = collect(client.generate(prompt, **params))

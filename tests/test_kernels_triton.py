@@ -259,7 +259,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
 
     def generate(with_graphs: bool) -> dict[str, list[TokenLogprobs]]:
         # A small token budget chunks the longer prompts, so decodes and prefill chunks share steps.
-        config = EngineConfig(
+        config = EngineConfig.of(
             model=str(tiny_llama_dir),
             dtype="float32",
             device="cpu",

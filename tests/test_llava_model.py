@@ -305,7 +305,7 @@ def test_quantization_applies_to_the_decoder(
 
 
 def test_tensor_parallel_is_refused_at_start_up(tiny_llava_dir: Path) -> None:
-    config = EngineConfig(model=str(tiny_llava_dir), tensor_parallel_size=2)
+    config = EngineConfig.of(model=str(tiny_llava_dir), tensor_parallel_size=2)
     with pytest.raises(ValueError, match=f"tensor_parallel_size=2: the class serving {ARCHITECTURE} does not shard"):
         check_tensor_parallel(config, CheckpointConfig.from_dir(tiny_llava_dir))
 

@@ -113,7 +113,7 @@ def expected(tiny_llama_dir: Path, adapters: dict[str, Path], prompts: list[list
 
 def tiny_core(model_dir: Path, **kwargs: object) -> EngineCore:
     config = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "kv_cache_memory": "4MiB", **kwargs}
-    return EngineCore(EngineConfig(**config))
+    return EngineCore(EngineConfig.of(**config))
 
 
 def generate(
@@ -509,7 +509,7 @@ def test_smollm2_with_random_rank8_adapters_matches_peft(tmp_path: Path) -> None
     assert peft_greedy(model, prompts[0], None) != expected[0]
     assert peft_greedy(model, prompts[1], None) != expected[1]
     core = EngineCore(
-        EngineConfig(
+        EngineConfig.of(
             dtype="float32",
             kv_cache_memory="256MiB",
             max_model_len=512,

@@ -63,7 +63,7 @@ class RecordingSampler:
 
 def test_the_profile_pass_samples_at_full_width(tiny_llama_dir: Path) -> None:
     """What a real step can allocate is in the profiled peak: all sequences sampling, a chunk's prompt logprobs."""
-    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=12, max_num_batched_tokens=40)
+    config = EngineConfig.of(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=12, max_num_batched_tokens=40)
     runner = ModelRunner(config, CheckpointConfig.from_dir(tiny_llama_dir), tiny_llama_dir)
     recording = runner.sampler = RecordingSampler(runner.sampler)  # type: ignore[assignment]
 

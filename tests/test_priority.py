@@ -9,7 +9,7 @@ import pytest
 from spindle import LLM, LLMEngine, SamplingParams
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_servicer import SpindleServicer
-from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_to_argv
+from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_from_json, config_to_json
 from spindle.v1 import spindle_pb2
 
 
@@ -108,7 +108,7 @@ def test_the_servicer_passes_the_request_priority_to_the_engine(method, request_
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (dict(scheduling_policy="lottery"), "scheduling_policy='lottery' must be fcfs or priority"),
+        (dict(scheduling_policy="lottery"), "scheduling_policy='lottery' must be one of fcfs, priority"),
         (dict(priority_aging=-1.0), "priority_aging=-1.0 must be >= 0"),
         (dict(priority_aging=float("nan")), "priority_aging=nan must be >= 0"),
         (dict(max_decode_slowdown=0.5), r"max_decode_slowdown=0.5 must be 0 \(no bound\) or >= 1"),
@@ -117,7 +117,7 @@ def test_the_servicer_passes_the_request_priority_to_the_engine(method, request_
 )
 def test_bad_scheduling_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**fields)
+        EngineConfig.of(**fields)
 
 
 def test_the_scheduling_flags_reach_the_config_and_a_backend_started_with_it():
@@ -125,9 +125,10 @@ def test_the_scheduling_flags_reach_the_config_and_a_backend_started_with_it():
     add_engine_args(parser)
     argv = ["--scheduling-policy", "priority", "--priority-aging", "2.5", "--long-prefill-token-threshold", "64"]
     config = config_from_args(parser.parse_args(argv))
-    assert (config.scheduling_policy, config.priority_aging, config.long_prefill_token_threshold) == (
+    scheduler = config.scheduler
+    assert (scheduler.scheduling_policy, scheduler.priority_aging, scheduler.long_prefill_token_threshold) == (
         "priority",
         2.5,
         64,
     )
-    assert config_from_args(parser.parse_args(config_to_argv(config))) == config
+    assert config_from_json(config_to_json(config)) == config

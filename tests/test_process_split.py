@@ -29,7 +29,7 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
 def tiny_config(model_dir: Path, **kwargs) -> EngineConfig:
-    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+    return EngineConfig.of(**{"model": str(model_dir), "dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
 
 
 def prompts_for(n: int) -> list[dict]:
@@ -72,7 +72,7 @@ async def settled_stats(engine: AsyncLLMEngine, timeout: float = 5.0):
 
 def test_concurrent_streams_equal_the_in_process_engine(backend, tiny_llm_dir):
     prompts = prompts_for(NUM_STREAMS)
-    in_process = LLM(**vars(tiny_config(tiny_llm_dir)))
+    in_process = LLM(**tiny_config(tiny_llm_dir).settings())
     expected = [o.outputs[0].token_ids for o in in_process.generate(prompts, GREEDY, use_tqdm=False)]
 
     async def split(engine):
@@ -167,7 +167,7 @@ def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
 
 
 def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_dir):
-    engine = AsyncLLMEngine.from_args(**vars(tiny_config(tiny_llm_dir)))
+    engine = AsyncLLMEngine.from_args(**tiny_config(tiny_llm_dir).settings())
 
     async def scenario():
         first = asyncio.Event()
@@ -334,7 +334,7 @@ def test_ipc_directories_are_private_and_public_binds_are_opt_in(tmp_path, monke
 
 def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
-    expected = LLM(**vars(tiny_config(tiny_llm_dir))).generate(prompts_for(1), params, use_tqdm=False)[0]
+    expected = LLM(**tiny_config(tiny_llm_dir).settings()).generate(prompts_for(1), params, use_tqdm=False)[0]
 
     async def scenario(engine):
         outputs = [output async for output in engine.generate(prompts_for(1)[0], params)]
@@ -375,9 +375,9 @@ def test_one_engine_serves_successive_event_loops(backend):
 
 
 ENGINES = {
-    "LLM": lambda config: LLM(multiprocess=True, **vars(config)),
+    "LLM": lambda config: LLM(multiprocess=True, **config.settings()),
     "LLMEngine": lambda config: LLMEngine(config, multiprocess=True),
-    "AsyncLLMEngine": lambda config: AsyncLLMEngine.from_args(**vars(config)),
+    "AsyncLLMEngine": lambda config: AsyncLLMEngine.from_args(**config.settings()),
 }
 
 

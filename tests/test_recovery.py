@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -55,7 +56,8 @@ def assert_fast_unavailable(client: SpindleClient, message: str) -> None:
 def owned_server(tiny_llm_dir, private_tmp, monkeypatch):  # noqa: F811 - private_tmp is the imported fixture
     """A server whose engine started its own backend child, as ``spindle serve`` without ``--backend-address``."""
     monkeypatch.setattr(
-        "spindle.frontend.async_llm_engine.EngineConfig", lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs)
+        "spindle.frontend.async_llm_engine.EngineConfig",
+        SimpleNamespace(of=lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs)),
     )
     server = ServerThread(None)
     yield server

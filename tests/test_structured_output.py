@@ -155,7 +155,7 @@ def test_a_stop_string_still_cuts_a_constrained_output(llm):
 
 @pytest.mark.parametrize("multiprocess", [False, True])
 def test_a_spec_that_does_not_compile_fails_its_request_only(tiny_llm_dir, multiprocess):
-    engine = LLMEngine(EngineConfig(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB"), multiprocess)
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB"), multiprocess)
     try:
         good = engine.add_request(None, "fine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         bad = engine.add_request(None, "bad", SamplingParams(structured_output=StructuredOutput(regex="(")))
@@ -263,7 +263,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    process, address = start_backend(EngineConfig(kv_cache_memory="256MiB", max_model_len=2048))
+    process, address = start_backend(EngineConfig.of(kv_cache_memory="256MiB", max_model_len=2048))
     ping_backend(address, timeout=300)  # loaded: the server's own handshake then waits no longer than usual
     server = ServerThread(address)
     yield server

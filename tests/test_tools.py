@@ -505,7 +505,7 @@ def smollm2() -> LLM:
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    process, address = start_backend(EngineConfig(**E2E_CONFIG))
+    process, address = start_backend(EngineConfig.of(**E2E_CONFIG))
     server = ServerThread(address)
     yield server
     server.close()

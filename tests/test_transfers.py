@@ -76,7 +76,7 @@ REQUESTS = [
 def test_a_step_waits_for_the_device_at_most_once(
     decode_graphs: bool, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=16
     )
     core = EngineCore(config)
@@ -105,7 +105,7 @@ def test_a_greedy_decode_step_copies_nothing_but_its_inputs(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Besides the input buffers' two copies, a greedy decode step sends nothing to the device."""
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
+    core = EngineCore(EngineConfig.of(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
     for i in range(3):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         core.add_request(EngineRequest(str(i), [3 + i, 9, 27], params, arrival_time=0.0))

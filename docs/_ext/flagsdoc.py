@@ -1,30 +1,20 @@
 """``.. engine-flags::`` and ``.. server-flags::``: the tables of ``spindle`` flags and environment variables.
 
 The rows come from the argparse parsers that ``spindle serve`` and ``spindle backend`` build, and each flag's
-meaning from the ``Attributes`` section of :class:`spindle.shared.config.EngineConfig` (engine flags) or
-:class:`spindle.frontend.grpc_args.ServerConfig` (gRPC server flags), so the tables cannot fall behind the code.
+meaning from the ``Attributes`` section of its settings dataclass: one of :class:`spindle.shared.config.EngineConfig`'s
+parts (engine flags, each named with its part) or :class:`spindle.frontend.grpc_args.ServerConfig` (gRPC server
+flags), so the tables cannot fall behind the code.
 Defaults are read with no ``SPINDLE_*`` variable set, so the builder's environment does not leak in.
 """
 
 import argparse
-import inspect
 import os
-import re
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 from unittest import mock
 
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """``name -> description`` from a Google-style ``Attributes:`` section (continuation lines joined)."""
-    docs: dict[str, str] = {}
-    section = inspect.getdoc(cls).split("Attributes:", 1)[1]
-    for name, text in re.findall(r"^    (\w+): (.*(?:\n        .*)*)", section, re.MULTILINE):
-        docs[name] = " ".join(text.split())
-    return docs
 
 
 def _parser(*add_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
@@ -36,24 +26,30 @@ def _parser(*add_args: Callable[[argparse.ArgumentParser], None]) -> argparse.Ar
     return parser
 
 
-def _config_rows(cls: type) -> list[tuple[str, str, str, str]]:
-    """``(flag, environment variable, default, meaning)`` for every field of the config dataclass ``cls``."""
-    meanings = _attribute_docs(cls)
+def _config_rows(cls: type, part: str | None = None) -> list[tuple[str, str, str, str]]:
+    """``(flag, environment variable, default, meaning)`` for every field of the settings dataclass ``cls``.
+
+    With ``part``, each meaning starts with the name of the :class:`EngineConfig` part the field belongs to.
+    """
+    from spindle.shared.config import attribute_help
+
+    meanings = attribute_help(cls)
     rows = []
     for config_field in fields(cls):
         default = None if config_field.default is MISSING else config_field.default
         flag = "--" + config_field.name.replace("_", "-")
         env = f"SPINDLE_{config_field.name.upper()}"
-        rows.append((flag, env, repr(default), meanings[config_field.name]))
+        meaning = meanings[config_field.name] if part is None else f"*{part}*: {meanings[config_field.name]}"
+        rows.append((flag, env, repr(default), meaning))
     return rows
 
 
 def flag_rows() -> list[tuple[str, str, str, str]]:
     """``(flag, environment variable, default, meaning)`` for every engine flag, then the backend-only ones."""
-    from spindle.shared.config import EngineConfig, add_backend_args, add_engine_args
+    from spindle.shared.config import SECTIONS, add_backend_args, add_engine_args
 
     engine, backend = _parser(add_engine_args), _parser(add_backend_args)
-    rows = _config_rows(EngineConfig)
+    rows = [row for part, cls in SECTIONS.items() for row in _config_rows(cls, part)]
     engine_dests = {action.dest for action in engine._actions}
     for action in backend._actions:
         if action.dest in engine_dests or action.help == argparse.SUPPRESS:

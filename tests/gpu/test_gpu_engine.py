@@ -30,8 +30,8 @@ Outputs = dict[str, tuple[list[TokenLogprobs], list[TokenLogprobs]]]
 def run(config: EngineConfig, prompts: list[list[int]], params: Callable[[int], SamplingParams]) -> Outputs:
     """Generate every prompt to the end; with ``enforce_eager`` the GPU decodes without CUDA graphs."""
     core = EngineCore(config)
-    if config.device == "cuda":
-        assert (core.runner.decode_graphs is None) == config.enforce_eager
+    if config.model.device == "cuda":
+        assert (core.runner.decode_graphs is None) == config.model.enforce_eager
     return run_on(core, prompts, params)
 
 
@@ -75,9 +75,9 @@ def tiny_params(i: int) -> SamplingParams:
 @pytest.mark.parametrize("eager", [False, True], ids=["decode_graphs", "eager"])
 def test_tiny_llama_gpu_matches_cpu(eager: bool, tiny_llama_dir: Path, tiny_prompts: list[list[int]]) -> None:
     common = dict(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
-    cpu = run(EngineConfig(device="cpu", kv_cache_memory="16MiB", **common), tiny_prompts, tiny_params)
+    cpu = run(EngineConfig.of(device="cpu", kv_cache_memory="16MiB", **common), tiny_prompts, tiny_params)
 
-    gpu_config = EngineConfig(device="cuda", gpu_memory_utilization=0.3, enforce_eager=eager, **common)
+    gpu_config = EngineConfig.of(device="cuda", gpu_memory_utilization=0.3, enforce_eager=eager, **common)
     gpu = run(gpu_config, tiny_prompts, tiny_params)
 
     assert_same_generation(gpu, cpu, atol=1e-4)
@@ -100,9 +100,9 @@ def test_tiny_llama_quantized_and_speculating_gpu_matches_cpu(
     def params(i: int) -> SamplingParams:
         return msgspec.structs.replace(tiny_params(i), num_speculative_tokens=3)
 
-    cpu = run(EngineConfig(device="cpu", kv_cache_memory="16MiB", **common), tiny_prompts, params)
+    cpu = run(EngineConfig.of(device="cpu", kv_cache_memory="16MiB", **common), tiny_prompts, params)
 
-    gpu = run(EngineConfig(device="cuda", gpu_memory_utilization=0.3, **common), tiny_prompts, params)
+    gpu = run(EngineConfig.of(device="cuda", gpu_memory_utilization=0.3, **common), tiny_prompts, params)
 
     assert_same_generation(gpu, cpu, atol=1e-4)
 
@@ -121,8 +121,8 @@ def test_prefix_hits_and_preemption_match_cpu(
     prompts = [prefix + prompt[:10] for prompt in tiny_prompts]
     common = dict(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
     cores = {
-        "cpu": EngineCore(EngineConfig(device="cpu", kv_cache_memory=cache_bytes, **common)),
-        "cuda": EngineCore(EngineConfig(device="cuda", **common)),
+        "cpu": EngineCore(EngineConfig.of(device="cpu", kv_cache_memory=cache_bytes, **common)),
+        "cuda": EngineCore(EngineConfig.of(device="cuda", **common)),
     }
     hits: dict[str, list[int]] = {device: [] for device in cores}
     for device, core in cores.items():
@@ -171,9 +171,9 @@ def test_big_heads_long_contexts_high_blocks_and_sampling_match_cpu(
     prompts = [shared + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 60, 300)]
     prompts.append(torch.randint(3, 256, (2500,), generator=generator).tolist())
     common = dict(model=str(make_tiny_model(variant)), dtype="float32", max_model_len=4096, max_num_batched_tokens=512)
-    cpu = run(EngineConfig(device="cpu", kv_cache_memory="256MiB", **common), prompts, sampled)
+    cpu = run(EngineConfig.of(device="cpu", kv_cache_memory="256MiB", **common), prompts, sampled)
 
-    core = EngineCore(EngineConfig(device="cuda", gpu_memory_utilization=0.3, **common))
+    core = EngineCore(EngineConfig.of(device="cuda", gpu_memory_utilization=0.3, **common))
     # The free list reversed: every sequence lives in the highest block ids (offsets past 2**31 elements, if the
     # cache is that large).
     core.block_manager.free = OrderedDict.fromkeys(reversed(range(core.num_blocks)))
@@ -191,8 +191,8 @@ def test_bf16_decode_graphs_over_many_steps_match_eager(tiny_llama_dir: Path, ti
     def params(_: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=2)
 
-    graphs = run(EngineConfig(device="cuda", **common), tiny_prompts, params)
-    eager = run(EngineConfig(device="cuda", enforce_eager=True, **common), tiny_prompts, params)
+    graphs = run(EngineConfig.of(device="cuda", **common), tiny_prompts, params)
+    eager = run(EngineConfig.of(device="cuda", enforce_eager=True, **common), tiny_prompts, params)
 
     for (replayed, _), (plain, _) in zip(graphs.values(), eager.values(), strict=True):
         assert len(replayed) == len(plain) == 200
@@ -209,7 +209,7 @@ def test_no_triton_compile_after_start_up(
     import triton
 
     model = str(make_tiny_model("llama_h128_g4"))
-    config = EngineConfig(model=model, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
+    config = EngineConfig.of(model=model, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
     core = EngineCore(config)
     compiled: list[str] = []
 
@@ -246,14 +246,14 @@ def smollm2_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def smollm2_cpu(smollm2_prompts: list[list[int]]) -> Outputs:
     # Unquantized: the CPU runs a prompt's chunks on the dense weights, the GPU everything on the quantized ones.
-    config = EngineConfig(
+    config = EngineConfig.of(
         dtype="float32", device="cpu", quantization="none", kv_cache_memory="256MiB", max_model_len=512
     )
     return run(config, smollm2_prompts, lambda _: SamplingParams(temperature=0, max_tokens=32, logprobs=3))
 
 
 def test_smollm2_gpu_matches_cpu(smollm2_prompts: list[list[int]], smollm2_cpu: Outputs) -> None:
-    config = EngineConfig(
+    config = EngineConfig.of(
         dtype="float32", device="cuda", quantization="none", max_model_len=512, gpu_memory_utilization=0.3
     )
 
@@ -264,10 +264,10 @@ def test_smollm2_gpu_matches_cpu(smollm2_prompts: list[list[int]], smollm2_cpu: 
 
 def test_smollm2_bf16_gpu_prompt_logprobs_near_fp32_cpu(smollm2_prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    cpu_config = EngineConfig(dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="256MiB")
+    cpu_config = EngineConfig.of(dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="256MiB")
     cpu = run(cpu_config, smollm2_prompts, lambda _: params)
 
-    gpu = run(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=512), smollm2_prompts, lambda _: params)
+    gpu = run(EngineConfig.of(dtype="bfloat16", device="cuda", max_model_len=512), smollm2_prompts, lambda _: params)
 
     diffs = torch.tensor(
         [g.logprobs[0] - c.logprobs[0] for key in cpu for g, c in zip(gpu[key][1], cpu[key][1], strict=True)]
@@ -280,7 +280,7 @@ def test_smollm2_bf16_gpu_prompt_logprobs_near_fp32_cpu(smollm2_prompts: list[li
 
 def test_two_engines_share_one_device(tiny_llama_dir: Path) -> None:
     """A second engine at 0.3 beside a first at 0.3 gets a cache of the same size: its budget counts its own use."""
-    config = EngineConfig(model=str(tiny_llama_dir), device="cuda", gpu_memory_utilization=0.3)
+    config = EngineConfig.of(model=str(tiny_llama_dir), device="cuda", gpu_memory_utilization=0.3)
     first = EngineCore(config)
     second = EngineCore(config)
     assert first.num_blocks > 0
@@ -291,7 +291,7 @@ def test_kv_cache_and_graphs_stay_within_gpu_memory_utilization(tiny_llama_dir: 
     utilization = 0.2
     free, total = torch.cuda.mem_get_info()
     budget = utilization * total - (total - free)  # what is left to us once the CUDA context and others are counted
-    config = EngineConfig(model=str(tiny_llama_dir), device="cuda", gpu_memory_utilization=utilization)
+    config = EngineConfig.of(model=str(tiny_llama_dir), device="cuda", gpu_memory_utilization=utilization)
 
     core = EngineCore(config)
 
