@@ -11,6 +11,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from spindle.frontend.core_client import BackendConnection, BackendProcess, Engi
 from spindle.frontend.input_processor import ProcessedPrompt
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.block_hash import block_hash, root_hash
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest
@@ -42,22 +44,32 @@ AFFINITY_SLACK_RATIO = 0.5
 
 
 def prefix_hashes(
-    token_ids: Sequence[int], block_size: int, salt: object = None, images: Sequence[ImageInput] = ()
-) -> list[int]:
-    """Chained hashes of the full ``block_size``-token blocks of a prompt: each covers its block and all before it.
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    images: Sequence[ImageInput] = (),
+) -> list[bytes]:
+    """The digests of the full ``block_size``-token blocks of a prompt, chained as the backend's prefix cache does.
 
-    Two prompts share the first ``k`` hashes exactly when they share their first ``k`` blocks (and ``salt``: the
-    LoRA adapter and cache salt, which keep the backend's prefix cache apart too), as the backend's block hashes do.
-    A block that holds image tokens hashes the content hashes of its ``images`` too, as the backend's does, since the
-    image tokens are the same for every image. Python's ``hash`` is enough: the hashes stay in this process, and a
-    collision only misroutes a request.
+    Each covers its block and all before it (:func:`~spindle.shared.block_hash.block_hash`, from the ``cache_salt``'s
+    :func:`~spindle.shared.block_hash.root_hash`), so two prompts share their first ``k`` digests exactly when they
+    share their first ``k`` blocks, salt and adapter; a block that holds image tokens hashes the content hashes of
+    its ``images`` too. The backend chains an adapter's blocks from a root hashed with the adapter's id, which only it
+    knows; the router knows the adapter by name, so it hashes ``lora_name`` into the root instead, under a prefix of
+    its own: those digests differ from the backend's, but they keep adapters apart as the backend's cache does, which
+    is all the routing needs.
     """
+    parent = root_hash(cache_salt)
+    if lora_name is not None:
+        parent = hashlib.sha256(
+            b"spindle-route-lora\0" + lora_name.encode("utf-8", "surrogatepass") + b"\0" + parent
+        ).digest()
     hashes = []
-    parent = hash(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
-        seen = tuple(image.content_hash for image in images if image.overlaps(start, end))
-        parent = hash((parent, *token_ids[start:end], *seen))
+        seen = b"".join(image.content_hash for image in images if image.overlaps(start, end))
+        parent = block_hash(parent, token_ids[start:end], seen)
         hashes.append(parent)
     return hashes
 
@@ -116,7 +128,7 @@ class _Replica:
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
         self.in_flight = 0
-        self.prefixes: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.prefixes: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.restarts_seen = engine.num_backend_restarts
         self.restoring: asyncio.Task | None = None
 
@@ -134,20 +146,20 @@ class _Replica:
         """The share of the backend's KV blocks that is free."""
         return self.free_blocks() / max(1, self.engine.info.num_kv_blocks)
 
-    def match(self, hashes: Sequence[int]) -> int:
+    def match(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt this engine was sent before (and likely still caches)."""
         matched = 0
         while matched < len(hashes) and hashes[matched] in self.prefixes:
             matched += 1
         return matched
 
-    def remember(self, hashes: Sequence[int]) -> None:
+    def remember(self, hashes: Sequence[bytes]) -> None:
         """Record a prompt's blocks as sent here, evicting the least recently sent beyond the capacity."""
         # Last block first: a prompt's first blocks become the most recent, so eviction takes its tail before them
         # (a match needs the blocks before it).
-        for block_hash in reversed(hashes):
-            self.prefixes[block_hash] = None
-            self.prefixes.move_to_end(block_hash)
+        for digest in reversed(hashes):
+            self.prefixes[digest] = None
+            self.prefixes.move_to_end(digest)
         while len(self.prefixes) > max(1, self.engine.info.num_kv_blocks):
             self.prefixes.popitem(last=False)
 
@@ -431,8 +443,8 @@ class DataParallelEngine:
         lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
-        salt = (lora_request.lora_name if lora_request is not None else None, params.cache_salt)
-        replica = self._route(prompt.prompt_token_ids, salt, prompt.images)
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        replica = self._route(prompt.prompt_token_ids, params.cache_salt, lora_name, prompt.images)
         self._claim([request_id], replica)
         try:
             await self._restored(replica)
@@ -443,11 +455,13 @@ class DataParallelEngine:
         finally:
             self._release([request_id], replica)
 
-    def _route(self, token_ids: Sequence[int], salt: object, images: Sequence[ImageInput]) -> _Replica:
+    def _route(
+        self, token_ids: Sequence[int], cache_salt: str | None, lora_name: str | None, images: Sequence[ImageInput]
+    ) -> _Replica:
         """The engine for a prompt, by the rule of the class docstring; it remembers the prompt's blocks."""
         live = self._live()
         block_size = live[0].engine.info.block_size
-        hashes = prefix_hashes(token_ids, block_size, salt, images)
+        hashes = prefix_hashes(token_ids, block_size, cache_salt, lora_name, images)
         least = self._least_loaded(live)
         matches = {replica: replica.match(hashes) for replica in live}
         affine = max(live, key=lambda replica: (matches[replica], -replica.load()))

@@ -22,6 +22,7 @@ from spindle.frontend.data_parallel import DataParallelEngine, device_groups, pr
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_server import GrpcServer
 from spindle.shared import SamplingParams
+from spindle.shared.block_hash import block_hash, root_hash
 from spindle.shared.protocol import ImageInput
 from spindle.v1 import spindle_pb2
 
@@ -132,8 +133,13 @@ def test_prefix_hashes_cover_full_blocks_each_with_all_before_it():
     assert prefix_hashes(prompt, 16)[0] == prefix_hashes(changed, 16)[0]
     assert prefix_hashes(prompt, 16)[1] != prefix_hashes(changed, 16)[1]
     assert prefix_hashes(prompt[:32] + [7], 16) == prefix_hashes(prompt, 16)
-    salted = prefix_hashes(prompt, 16, ("sql", None))  # another adapter (or cache salt): another cache
-    assert not set(salted) & set(prefix_hashes(prompt, 16))
+    # The digests the backend's prefix cache keys the same blocks by, salt included.
+    first = block_hash(root_hash("s"), prompt[:16])
+    assert prefix_hashes(prompt, 16, "s") == [first, block_hash(first, prompt[16:32])]
+    unsalted = set(prefix_hashes(prompt, 16))
+    for other in (prefix_hashes(prompt, 16, "s"), prefix_hashes(prompt, 16, lora_name="sql")):
+        assert not set(other) & unsalted  # another cache salt or adapter: another cache
+    assert not set(prefix_hashes(prompt, 16, lora_name="sql")) & set(prefix_hashes(prompt, 16, lora_name="chat"))
     # An image whose tokens start in the second block: the first is shared, the second differs with the image.
     pixels = np.zeros((3, 2, 2), dtype=np.float32)
     image, other = ImageInput.from_pixels(pixels, 20, 12), ImageInput.from_pixels(pixels + 1, 20, 12)
@@ -141,6 +147,7 @@ def test_prefix_hashes_cover_full_blocks_each_with_all_before_it():
     assert with_image[0] == with_other[0] == prefix_hashes(prompt, 16)[0]
     assert len({with_image[1], with_other[1], prefix_hashes(prompt, 16)[1]}) == 3
     assert prefix_hashes(prompt, 16, images=[ImageInput.from_pixels(pixels, 20, 12)]) == with_image
+    assert with_image[1] == block_hash(with_image[0], prompt[16:32], image.content_hash)
 
 
 def test_each_engine_gets_its_own_gpus_or_they_share_too_few(monkeypatch):
