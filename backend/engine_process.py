@@ -32,7 +32,13 @@ from spindle.backend.memory import bound_host_memory
 from spindle.backend.models.config import ModelConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.worker import serve_node
-from spindle.shared.config import EngineConfig, add_backend_args, config_from_args, configure_logging
+from spindle.shared.config import (
+    EngineConfig,
+    add_backend_args,
+    config_from_args,
+    config_from_json,
+    configure_logging,
+)
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 from spindle.shared.protocol import (
@@ -381,7 +387,8 @@ def run_backend(args: argparse.Namespace) -> int:
         die_with_parent(args.parent_pid)
     ModelRegistry.register_models(args.register_model)
     bound_host_memory()
-    config = config_from_args(args)
+    # A frontend that started this process passes its EngineConfig whole; run by hand, the flags give it.
+    config = config_from_json(args.engine_config) if args.engine_config else config_from_args(args)
     if config.node_rank > 0:
         # Another node's ranks of a tensor-parallel engine: workers only; node 0 serves the frontends.
         model_dir = resolve_model(config.model)

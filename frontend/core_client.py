@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from spindle.shared.config import EngineConfig, config_to_argv, configured_log_format
+from spindle.shared.config import EngineConfig, config_to_json, configured_log_format
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo
 from spindle.shared.model_registry import ModelRegistry
@@ -138,6 +138,7 @@ def start_backend(
 ) -> tuple[BackendProcess, str]:
     """Start ``spindle backend`` as a child that dies with this process; returns it and its address.
 
+    The child gets ``config`` whole, as JSON (:func:`~spindle.shared.config.config_to_json`), not as flags.
     Without an address it listens on an ipc socket in a new private (0700) temporary directory, which goes away
     with the backend (see :class:`BackendProcess`; the backend removes it too if this process is killed).
     ``grace_period`` is how long it lets in-flight requests finish after SIGTERM. It logs in the format this process
@@ -168,8 +169,11 @@ def start_backend(
         address,
         "--parent-pid",
         str(os.getpid()),
+        "--grace-period",
+        str(grace_period),
+        "--engine-config",
+        config_to_json(config),
     ]
-    argv += ["--grace-period", str(grace_period)]
     if socket_dir is not None:
         argv.append("--remove-socket-dir")
     log_format = configured_log_format()
@@ -181,7 +185,7 @@ def start_backend(
         path = os.pathsep.join(dict.fromkeys(path for path in sys.path if path))
         child_env = {**(child_env or os.environ), "PYTHONPATH": path}
     try:
-        process = BackendProcess([*argv, *config_to_argv(config)], socket_dir, child_env, env)
+        process = BackendProcess(argv, socket_dir, child_env, env)
     except BaseException:
         if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import TextIO
 
+import msgspec
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -219,19 +221,23 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{field.name: getattr(args, field.name) for field in fields(EngineConfig)})
 
 
-def config_to_argv(config: EngineConfig) -> list[str]:
-    """The flags that make :func:`config_from_args` rebuild ``config`` (to start a backend process with it)."""
-    argv = []
-    for field in fields(EngineConfig):
-        value = getattr(config, field.name)
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, dict):
-            argv += [flag, *(f"{name}={path}" for name, path in value.items())]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+def config_to_json(config: EngineConfig) -> str:
+    """``config`` as JSON, every field (nested dataclasses too) as msgspec encodes it.
+
+    It is how a frontend hands a backend child its whole configuration (``spindle backend --engine-config``), so that
+    no field has to have a flag that rebuilds it.
+    """
+    return msgspec.json.encode(config).decode()
+
+
+def config_from_json(text: str) -> EngineConfig:
+    """The :class:`EngineConfig` that :func:`config_to_json` encoded; its checks (``__post_init__``) run again.
+
+    Raises:
+        msgspec.ValidationError: a field has the wrong type, or a check refuses its value.
+
+    """
+    return msgspec.json.decode(text, type=EngineConfig)
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +255,8 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM before they are aborted",
     )
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    # start_backend hands its child the whole EngineConfig as JSON (config_to_json), in place of the engine's flags.
+    parser.add_argument("--engine-config", default=None, help=argparse.SUPPRESS)
     # start_backend made the ipc socket's directory for this backend: remove it (if empty) on exit.
     parser.add_argument("--remove-socket-dir", action="store_true", help=argparse.SUPPRESS)
     add_log_args(parser)

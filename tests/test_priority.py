@@ -9,7 +9,7 @@ import pytest
 from spindle import LLM, LLMEngine, SamplingParams
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_servicer import SpindleServicer
-from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_to_argv
+from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_from_json, config_to_json
 from spindle.v1 import spindle_pb2
 
 
@@ -130,4 +130,4 @@ def test_the_scheduling_flags_reach_the_config_and_a_backend_started_with_it():
         2.5,
         64,
     )
-    assert config_from_args(parser.parse_args(config_to_argv(config))) == config
+    assert config_from_json(config_to_json(config)) == config
