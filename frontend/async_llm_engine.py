@@ -4,7 +4,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -13,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from spindle.frontend.admission import Admission
 from spindle.frontend.core_client import (
     CALL_TIMEOUT,
     BackendConnection,
@@ -20,9 +20,8 @@ from spindle.frontend.core_client import (
     EngineDeadError,
     start_backend,
 )
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
-from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
+from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.output_processor import OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import (
     EmbeddingRequestOutput,
@@ -33,14 +32,13 @@ from spindle.shared import (
     SamplingParams,
 )
 from spindle.shared.config import EngineConfig, request_id_var
-from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, RequestRefusedError
-from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name, check_same_adapter
+from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
 from spindle.shared.protocol import (
     Call,
     CallReply,
     Command,
     EngineInfo,
-    EngineRequest,
     EngineStats,
     Heartbeat,
     ListLoras,
@@ -99,15 +97,8 @@ class AsyncLLMEngine:
 
     def __init__(self, connection: BackendConnection) -> None:
         self.connection = connection
-        self.info: EngineInfo = connection.info
-        self.tokenizer = Tokenizer.from_files(self.info.tokenizer_files)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.info.max_model_len,
-            self.info.vocab_size,
-            ImageProcessor.from_files(self.info.tokenizer_files),
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.admission = Admission(connection.info, self.call)
+        self.output_processor = OutputProcessor(self.admission.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
         self.stats: EngineStats | None = None
         self.num_backend_restarts = 0
@@ -121,8 +112,6 @@ class AsyncLLMEngine:
         self._next_delay = RESTART_BACKOFF_INITIAL
         self._opening: tuple[threading.Event, concurrent.futures.Future[BackendConnection]] | None = None
         self._calls: dict[str, asyncio.Future[CallReply]] = {}  # control-plane calls awaiting the backend's reply
-        # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
-        self._lora_paths: dict[str, str] = {}
 
     @classmethod
     def from_args(
@@ -135,6 +124,21 @@ class AsyncLLMEngine:
         """
         config = EngineConfig(**engine_args)
         return cls(BackendConnection(backend_address, config, use_asyncio=True, startup_timeout=startup_timeout))
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's description (model, limits, tokenizer files), from its backend's handshake."""
+        return self.admission.info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        return self.admission.tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """What checks and tokenizes prompts and conversations for this engine."""
+        return self.admission.input_processor
 
     @property
     def max_model_len(self) -> int:
@@ -224,10 +228,7 @@ class AsyncLLMEngine:
         prompt with tools constrains ``params`` to its tool calls, as :meth:`chat` does. Raises what
         :meth:`generate` raises, except for the checks of the inputs.
         """
-        if prompt.tools is not None:
-            params = prompt.tools.constrain(params)
-        lora_name = await self._lora_name(lora_request)
-        async for output in self._stream(request_id, prompt, params, delta, priority, lora_name):
+        async for output in self._stream(request_id, prompt, params, delta, priority, lora_request):
             yield output
 
     async def load_lora(self, name: str, path: str, *, confined: bool = False) -> LoraAdapterInfo:
@@ -260,7 +261,7 @@ class AsyncLLMEngine:
 
         """
         await self.call(UnloadLora(name))
-        self._lora_paths.pop(name, None)
+        self.admission.forget_lora(name)
 
     async def list_loras(self) -> list[LoraAdapterInfo]:
         """The adapters the backend has loaded (:class:`EngineDeadError` while it is down)."""
@@ -285,22 +286,6 @@ class AsyncLLMEngine:
             del self._calls[call.call_id]
         return decode_result(command, answer)
 
-    async def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
-        """The adapter a request names, loading its ``lora_path`` under its name unless it is loaded already."""
-        if lora_request is None or lora_request.lora_path is None:
-            return None if lora_request is None else lora_request.lora_name
-        name, path = lora_request.lora_name, os.path.realpath(lora_request.lora_path)
-        if self._lora_paths.get(name) != path:
-            try:
-                await self.load_lora(name, lora_request.lora_path)
-            except AlreadyExistsError:  # loaded before, or by a concurrent request: from the same path?
-                loaded = [adapter for adapter in await self.list_loras() if adapter.name == name]
-                if not loaded:  # unloaded again since: the request goes on and hears NOT_FOUND
-                    return name
-                check_same_adapter(lora_request, loaded[0])
-            self._lora_paths[name] = path
-        return name
-
     async def embed(
         self,
         inputs: PromptInputs | Sequence[PromptInputs],
@@ -324,39 +309,17 @@ class AsyncLLMEngine:
 
         """
         pooling = pooling_params or PoolingParams()
-        batch = [inputs] if isinstance(inputs, str | dict) else list(inputs)
-        prompts = []
-        for index, item in enumerate(batch):
-            try:
-                prompts.append(self.input_processor.process(item, None))
-            except InvalidRequestError as error:
-                raise refer_to_input(error, index) from None
-        request_id = request_id or uuid.uuid4().hex
-        request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+        prompts = self.admission.embedding_prompts(inputs)
         self._start_output_task()
-        busy = [rid for rid in request_ids if rid in self.queues]
-        if busy:
-            raise InvalidRequestError("request_id", f"request ids {busy} are already in use")
+        request_ids = self.admission.batch_ids(request_id, len(prompts), self.queues)
         queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
         try:
             for rid, prompt in zip(request_ids, prompts, strict=True):
-                state = RequestState(
-                    rid, prompt.prompt, prompt.prompt_token_ids, pooling, self.tokenizer, time.time(), False
-                )
+                request, state = self.admission.request(rid, prompt, pooling, priority=priority)
                 queues[rid] = self.queues[rid] = asyncio.Queue()
                 self.output_processor.add_request(state)
-                self.connection.add_request(
-                    EngineRequest(
-                        rid,
-                        prompt.prompt_token_ids,
-                        EMBEDDING_SAMPLING_PARAMS,
-                        state.metrics.arrival_time,
-                        priority,
-                        pooling=pooling,
-                        images=prompt.images,
-                    )
-                )
-            logger.debug("Embedding requests added: %d prompts", len(prompts), extra={"request_id": request_id})
+                self.connection.add_request(request)
+            logger.debug("Embedding requests added: %d prompts", len(prompts), extra={"request_id": request_ids[0]})
             outputs = []
             for queue in queues.values():
                 item = await queue.get()  # an embedding request has one output, when it ends
@@ -409,38 +372,23 @@ class AsyncLLMEngine:
         params: SamplingParams,
         delta: bool,
         priority: int,
-        lora_name: str | None,
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
-        request_id = request_id or uuid.uuid4().hex
+        request, state = await self.admission.admit(
+            request_id, prompt, params, self.queues, delta=delta, priority=priority, lora_request=lora_request
+        )
+        request_id = request.request_id
         # Set in the consumer's context (a generator runs in its caller's), so that its log lines name the request;
         # the lines below name it themselves, as a generator may be closed from another context.
         log_context = request_id_var.set(request_id)
         about = {"request_id": request_id}
-        queued = finished = False
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
         try:
             self._start_output_task()
-            if request_id in self.queues:
-                raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
-            queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-            self.queues[request_id] = queue
-            queued = True
-            state = RequestState(
-                request_id,
-                prompt.prompt,
-                prompt.prompt_token_ids,
-                params,
-                self.tokenizer,
-                time.time(),
-                delta,
-                tools=prompt.tools,
-            )
             self.output_processor.add_request(state)
-            arrival_time = state.metrics.arrival_time
-            self.connection.add_request(
-                EngineRequest(
-                    request_id, prompt.prompt_token_ids, params, arrival_time, priority, lora_name, images=prompt.images
-                )
-            )
+            self.connection.add_request(request)
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:
                 item = await queue.get()
@@ -455,17 +403,15 @@ class AsyncLLMEngine:
             logger.warning("Request failed: the backend is down (%s)", error, extra=about)
             raise
         except RequestRefusedError as error:
-            if queued:  # else this frontend refused it: the caller hears why, the log needs no line
-                logger.info("Request refused by the backend: %s", error, extra=about)
+            logger.info("Request refused by the backend: %s", error, extra=about)
             raise
         except (GeneratorExit, asyncio.CancelledError):
             logger.info("Request aborted: its stream was closed or cancelled", extra=about)
             raise
         finally:
-            if queued:
-                del self.queues[request_id]
-                if not finished:
-                    self._abort(request_id)
+            del self.queues[request_id]
+            if not finished:
+                self._abort(request_id)
             with contextlib.suppress(ValueError):  # closed from another context (an event loop's finalizer)
                 request_id_var.reset(log_context)
 
@@ -631,23 +577,9 @@ class AsyncLLMEngine:
 
     def _adopt(self, connection: BackendConnection) -> None:
         """Serve from the new backend's connection, following its tokenizer and limits if they changed."""
-        info = connection.info
-        if info.model_name != self.info.model_name:
-            logger.warning("The new backend serves %s, no longer %s", info.model_name, self.info.model_name)
-        if info.tokenizer_files != self.info.tokenizer_files:
-            self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
-            self.output_processor.tokenizer = self.tokenizer  # the same object: others follow its requests
-        if (info.tokenizer_files, info.max_model_len, info.vocab_size) != (
-            self.info.tokenizer_files,
-            self.info.max_model_len,
-            self.info.vocab_size,
-        ):
-            self.input_processor = InputProcessor(
-                self.tokenizer, info.max_model_len, info.vocab_size, ImageProcessor.from_files(info.tokenizer_files)
-            )
-        self.info = info
+        self.admission.adopt(connection.info)
+        self.output_processor.tokenizer = self.admission.tokenizer  # the same object: the requests' follow it
         self.connection = connection
-        self._lora_paths.clear()  # a new backend has none of the adapters requests loaded: they load them again
         self.num_backend_restarts += 1
         self._up_since = time.monotonic()
         self._down = self._down_cause = None

@@ -1,21 +1,17 @@
 """``LLMEngine``: the engine core driven in-process, with tokenization and detokenization around it."""
 
-import os
-import time
-import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from spindle.frontend.admission import Admission, run_unsuspended
 from spindle.frontend.core_client import BackendConnection, SyncCoreClient
-from spindle.frontend.image_processor import ImageProcessor
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
-from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
+from spindle.frontend.output_processor import OutputProcessor
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
-from spindle.shared.errors import InvalidRequestError
-from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name, check_same_adapter
-from spindle.shared.protocol import EngineRequest
+from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
+from spindle.shared.protocol import Command
 
 if TYPE_CHECKING:
     from spindle.backend.engine_core import EngineCore
@@ -47,14 +43,8 @@ class LLMEngine:
             from spindle.backend import engine_core  # only the in-process engine needs torch
 
             self.core = engine_core.EngineCore(config)
-        info = self.core.info
-        self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
-        self.input_processor = InputProcessor(
-            self.tokenizer, info.max_model_len, info.vocab_size, ImageProcessor.from_files(info.tokenizer_files)
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
-        self._lora_paths: dict[str, str] = {}
+        self.admission = Admission(self.core.info, self._call)
+        self.output_processor = OutputProcessor(self.admission.tokenizer)
 
     @classmethod
     def from_args(cls, multiprocess: bool = False, backend_address: str | None = None, **kwargs: object) -> "LLMEngine":
@@ -74,6 +64,16 @@ class LLMEngine:
     def num_kv_blocks(self) -> int:
         """How many KV cache blocks cache initialisation allocated."""
         return self.core.info.num_kv_blocks
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        return self.admission.tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """What checks and tokenizes prompts and conversations for this engine."""
+        return self.admission.input_processor
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""
@@ -134,8 +134,6 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
-        if prompt.tools is not None:
-            params = prompt.tools.constrain(params)
         return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
 
     def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
@@ -159,25 +157,11 @@ class LLMEngine:
 
         """
         self.core.remove_lora(name)
-        self._lora_paths.pop(name, None)
+        self.admission.forget_lora(name)
 
     def list_loras(self) -> list[LoraAdapterInfo]:
         """The adapters loaded: at start-up (``lora_modules``), with :meth:`load_lora` or by a request's path."""
         return self.core.list_loras()
-
-    def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
-        """The adapter a request names, loading its ``lora_path`` under its name unless it is loaded already."""
-        if lora_request is None or lora_request.lora_path is None:
-            return None if lora_request is None else lora_request.lora_name
-        name, path = lora_request.lora_name, os.path.realpath(lora_request.lora_path)
-        if self._lora_paths.get(name) != path:
-            loaded = next((adapter for adapter in self.core.list_loras() if adapter.name == name), None)
-            if loaded is None:
-                self.core.add_lora(name, lora_request.lora_path)
-            else:
-                check_same_adapter(lora_request, loaded)
-            self._lora_paths[name] = path
-        return name
 
     def _enqueue(
         self,
@@ -189,38 +173,25 @@ class LLMEngine:
         priority: int,
         lora_request: LoRARequest | None,
     ) -> str:
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.output_processor.requests:
-            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
-        arrival_time = arrival_time or time.time()
-        lora_name = self._lora_name(lora_request)
-        pooling = params if isinstance(params, PoolingParams) else None
-        engine_params = EMBEDDING_SAMPLING_PARAMS if pooling is not None else params
-        self.core.add_request(
-            EngineRequest(
+        request, state = run_unsuspended(
+            self.admission.admit(
                 request_id,
-                prompt.prompt_token_ids,
-                engine_params,
-                arrival_time,
-                priority,
-                lora_name,
-                pooling,
-                images=prompt.images,
-            )
-        )
-        self.output_processor.add_request(
-            RequestState(
-                request_id,
-                prompt.prompt,
-                prompt.prompt_token_ids,
+                prompt,
                 params,
-                self.tokenizer,
-                arrival_time,
-                delta,
-                tools=prompt.tools,
+                self.output_processor.requests,
+                arrival_time=arrival_time,
+                delta=delta,
+                priority=priority,
+                lora_request=lora_request,
             )
         )
-        return request_id
+        self.core.add_request(request)  # first: a request the core refuses leaves no trace
+        self.output_processor.add_request(state)
+        return request.request_id
+
+    async def _call(self, command: Command) -> Any:
+        """Run a control-plane command in the engine core (it answers before returning: see run_unsuspended)."""
+        return self.core.call(command)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one or several requests at any point; their KV blocks are freed at once. Unknown ids are ignored."""
