@@ -4,14 +4,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from spindle.frontend.admission import Admission, run_unsuspended
-from spindle.frontend.core_client import BackendConnection, SyncCoreClient
+from spindle.frontend.engine_client import SyncEngineClient, make_sync_client
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.output_processor import OutputProcessor
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
-from spindle.shared.protocol import Command
+from spindle.shared.protocol import Command, ListLoras, LoadLora, UnloadLora
 
 if TYPE_CHECKING:
     from spindle.backend.engine_core import EngineCore
@@ -37,13 +37,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, multiprocess: bool = False, backend_address: str | None = None) -> None:
         self.config = config
-        if multiprocess or backend_address is not None:
-            self.core: EngineCore | SyncCoreClient = SyncCoreClient(BackendConnection(backend_address, config))
-        else:
-            from spindle.backend import engine_core  # only the in-process engine needs torch
-
-            self.core = engine_core.EngineCore(config)
-        self.admission = Admission(self.core.info, self._call)
+        self.client: SyncEngineClient = make_sync_client(config, multiprocess, backend_address)
+        self.admission = Admission(self.client.info, self._call)
         self.output_processor = OutputProcessor(self.admission.tokenizer)
 
     @classmethod
@@ -58,12 +53,22 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         """The longest prompt + completion the engine accepts."""
-        return self.core.info.max_model_len
+        return self.client.info.max_model_len
 
     @property
     def num_kv_blocks(self) -> int:
         """How many KV cache blocks cache initialisation allocated."""
-        return self.core.info.num_kv_blocks
+        return self.client.info.num_kv_blocks
+
+    @property
+    def engine_core(self) -> "EngineCore":
+        """The engine core, when it runs in this process (for tests and benchmarks that look inside it).
+
+        Raises:
+            RuntimeError: it runs in a backend process (``multiprocess`` or ``backend_address``).
+
+        """
+        return self.client.engine_core
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -147,7 +152,7 @@ class LLMEngine:
 
         """
         check_lora_name(name)
-        return self.core.add_lora(name, path)
+        return self.client.call(LoadLora(name, path))
 
     def unload_lora(self, name: str) -> None:
         """Unload the adapter ``name``; requests already running with it finish with it.
@@ -156,12 +161,12 @@ class LLMEngine:
             NotFoundError: no adapter is loaded under ``name``.
 
         """
-        self.core.remove_lora(name)
+        self.client.call(UnloadLora(name))
         self.admission.forget_lora(name)
 
     def list_loras(self) -> list[LoraAdapterInfo]:
         """The adapters loaded: at start-up (``lora_modules``), with :meth:`load_lora` or by a request's path."""
-        return self.core.list_loras()
+        return self.client.call(ListLoras())
 
     def _enqueue(
         self,
@@ -185,18 +190,18 @@ class LLMEngine:
                 lora_request=lora_request,
             )
         )
-        self.core.add_request(request)  # first: a request the core refuses leaves no trace
+        self.client.add_request(request)  # first: a request an in-process core refuses leaves no trace
         self.output_processor.add_request(state)
         return request.request_id
 
     async def _call(self, command: Command) -> Any:
         """Run a control-plane command in the engine core (it answers before returning: see run_unsuspended)."""
-        return self.core.call(command)
+        return self.client.call(command)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one or several requests at any point; their KV blocks are freed at once. Unknown ids are ignored."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.core.abort_requests(request_ids)
+        self.client.abort_requests(request_ids)
         self.output_processor.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
@@ -212,21 +217,21 @@ class LLMEngine:
             EngineUnavailableError: a backend process refused a request because it is shutting down.
 
         """
-        refused = self.core.pop_refused()
+        refused = self.client.pop_refused()
         if refused:
             self.output_processor.abort_requests([request_id for request_id, _ in refused])
             # One error at a time; the others (rare: several bad specs in one step) are already aborted.
             request_id, error = refused[0]
             error.add_note(f"(the refused request is {request_id!r})")
             raise error
-        outputs, stopped = self.output_processor.process(self.core.step())
+        outputs, stopped = self.output_processor.process(self.client.step())
         for request_id, index in stopped:
-            self.core.finish_sequence(request_id, index)
+            self.client.finish_sequence(request_id, index)
         return outputs
 
     def shutdown(self) -> None:
         """Stop the backend process this engine started, or an in-process core's tensor-parallel workers."""
-        self.core.close()
+        self.client.close()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still in flight."""

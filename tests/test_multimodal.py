@@ -127,7 +127,7 @@ def llm(tiny_llava_dir: Path) -> Iterator[LLM]:
 def test_greedy_tokens_match_transformers(
     llm: LLM, reference: list[list[int]], as_png: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = EncoderSpy(llm.llm_engine.core, monkeypatch)
+    spy = EncoderSpy(llm.llm_engine.engine_core, monkeypatch)
     outputs = llm.generate(prompt_inputs(as_png), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == reference
     # Image and text prompts ran in the same steps, and every image's placeholders spanned two or three chunks; yet
@@ -155,10 +155,10 @@ def test_preempted_image_prompts_keep_parity(
         max_num_batched_tokens=12,
         enable_prefix_caching=False,
     )
-    spy = EncoderSpy(llm.llm_engine.core, monkeypatch)
+    spy = EncoderSpy(llm.llm_engine.engine_core, monkeypatch)
     outputs = llm.generate(prompt_inputs(as_png=False), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == reference
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     # At least one sequence was preempted after its images' embeddings were dropped, and encoded them again.
     assert len(spy.encoded) > 4
 

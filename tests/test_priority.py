@@ -40,7 +40,7 @@ def test_priority_order_is_observable_in_first_token_times_under_load(tiny_llm_d
     while engine.has_unfinished_requests():
         step()
     assert sorted(first_token_times, key=first_token_times.get) == expected
-    core = engine.core
+    core = engine.engine_core
     assert core.scheduler.num_preemptions == (policy == "priority")  # the late request's room
     assert core.block_manager.num_free_blocks == core.num_blocks
 

@@ -383,7 +383,7 @@ ENGINES = {
 
 def backend_process(engine) -> BackendProcess:
     engine = getattr(engine, "llm_engine", engine)
-    return engine.connection.process if isinstance(engine, AsyncLLMEngine) else engine.core.connection.process
+    return engine.connection.process if isinstance(engine, AsyncLLMEngine) else engine.client.connection.process
 
 
 @pytest.mark.parametrize("make_engine", ENGINES.values(), ids=ENGINES.keys())
@@ -416,7 +416,7 @@ from spindle import LLM, SamplingParams
 
 llm = LLM({model!r}, multiprocess=True, dtype="float32", kv_cache_memory="4MiB")
 llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
-process = llm.llm_engine.core.connection.process
+process = llm.llm_engine.client.connection.process
 print(json.dumps({{"child": process.pid, "socket_dir": process.socket_dir}}), flush=True)
 """
 

@@ -126,9 +126,9 @@ def serve(model: Path | None, args: dict, prompts: list) -> Served:
         try:
             outputs = llm.generate(prompts, [PARAMS[i % len(PARAMS)] for i in range(len(prompts))], use_tqdm=False)
             embeddings = np.array([out.outputs.embedding for out in llm.embed(prompts, use_tqdm=False)])
-            preemptions = llm.llm_engine.core.stats().num_preemptions
+            preemptions = llm.llm_engine.engine_core.stats().num_preemptions
         finally:
-            llm.llm_engine.core.close()
+            llm.llm_engine.engine_core.close()
     return Served(
         tokens=[list(out.outputs[0].token_ids) for out in outputs],
         prompt_logprobs=[
