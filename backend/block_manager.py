@@ -26,10 +26,10 @@ class BlockManager:
     """Hands out KV cache blocks to sequences and shares full blocks between sequences with the same prefix.
 
     A full block is keyed by the SHA-256 digest of its predecessor's digest, its own tokens and the content hashes of
-    the images whose placeholders it holds (:func:`block_hash`), so two sequences with the same first
-    ``k * block_size`` tokens (the ``n`` completions of one prompt, or prompts with the same system message, or the
-    same images at the same places) point at the same ``k`` blocks. The first block chains
-    from the request's ``cache_salt`` and LoRA adapter (:func:`root_hash`), so requests with different salts or
+    the images whose placeholders it holds (:func:`~spindle.shared.block_hash.block_hash`), so two sequences with the
+    same first ``k * block_size`` tokens (the ``n`` completions of one prompt, or prompts with the same system message,
+    or the same images at the same places) point at the same ``k`` blocks. The first block chains from the request's
+    ``cache_salt`` and LoRA adapter (:func:`~spindle.shared.block_hash.root_hash`), so requests with different salts or
     adapters, or a salted and an unsalted one, share no block; unsalted base-model requests share with each other.
     A cryptographic hash means no prompt can be crafted to collide with another's blocks, to read or poison the K/V
     cached for someone else's prefix. A block whose reference count drops to zero goes back to the free list but
