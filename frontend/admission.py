@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Container, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from spindle.frontend.image_processor import ImageProcessor
 from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
@@ -24,8 +24,6 @@ from spindle.shared.lora import LoRARequest, check_same_adapter
 from spindle.shared.protocol import Command, EngineInfo, EngineRequest, ListLoras, LoadLora
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class Admission:
@@ -214,7 +212,7 @@ class Admission:
         )
 
 
-def run_unsuspended(coroutine: Coroutine[Any, Any, T]) -> T:
+def run_unsuspended(coroutine: Coroutine[Any, Any, Any]) -> Any:
     """Run to its end, without an event loop, a coroutine whose awaits all finish at once; its result.
 
     :class:`Admission`'s steps that call the engine (loading an adapter) are coroutines, written once for both

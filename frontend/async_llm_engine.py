@@ -1,26 +1,17 @@
-"""``AsyncLLMEngine``: asyncio streams over an engine core that runs in a backend process."""
+"""``AsyncLLMEngine``: asyncio streams over an engine core that runs in one or several backend processes."""
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import zmq
-
 from spindle.frontend.admission import Admission
-from spindle.frontend.core_client import (
-    CALL_TIMEOUT,
-    BackendConnection,
-    BackendProcess,
-    EngineDeadError,
-    start_backend,
-)
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.async_client import RankStats
+from spindle.frontend.core_client import EngineDeadError
+from spindle.frontend.engine_client import AsyncEngineClient, make_async_client
+from spindle.frontend.input_processor import ProcessedPrompt
 from spindle.frontend.output_processor import OutputProcessor, RequestState
 from spindle.frontend.tokenizer import Tokenizer
 from spindle.shared import (
@@ -32,50 +23,29 @@ from spindle.shared import (
     SamplingParams,
 )
 from spindle.shared.config import EngineConfig, request_id_var
-from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.errors import RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
-from spindle.shared.protocol import (
-    Call,
-    CallReply,
-    Command,
-    EngineInfo,
-    EngineStats,
-    Heartbeat,
-    ListLoras,
-    LoadLora,
-    RequestError,
-    StepOutputs,
-    UnloadLora,
-    decode_result,
-)
+from spindle.shared.protocol import Command, EngineInfo, EngineStats, ListLoras, LoadLora, SequenceDelta, UnloadLora
 
 logger = logging.getLogger(__name__)
 
-RESTART_BACKOFF_INITIAL = 1.0
-"""Seconds before the first attempt to bring a dead backend back (the wait before a restart, or the time a
-reconnection attempt waits for an answer)."""
-
-RESTART_BACKOFF_MAX = 30.0
-"""The longest wait: each failed attempt doubles the wait, up to this."""
-
-RESTART_BACKOFF_RESET = 60.0
-"""Seconds a backend must have served for the wait to start again from ``RESTART_BACKOFF_INITIAL`` when it dies; one
-that dies sooner (a crash loop) is brought back after twice the previous wait."""
-
 
 class AsyncLLMEngine:
-    """Serve many concurrent streams from one backend process, as vLLM's ``AsyncLLMEngine`` does.
+    """Serve many concurrent streams from a backend process (or several), as vLLM's ``AsyncLLMEngine`` does.
 
     Tokenization, chat templates, detokenization and stop strings happen here, in the frontend process, which never
-    imports torch; the backend sees token ids only. One output task receives each step's deltas for all requests,
-    detokenizes them and feeds each request's queue. A stream that is cancelled or closed aborts its request in the
-    backend, which frees its KV blocks at once.
+    imports torch; the backend sees token ids only. The engine client's task receives each step's deltas for all
+    requests; the engine detokenizes them and feeds each request's queue. A stream that is cancelled or closed aborts
+    its request in the backend, which frees its KV blocks at once.
 
-    If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every stream raises
-    :class:`EngineDeadError` within two seconds, and so does every call until a backend is back. The output task
-    brings one back: it kills a backend this engine started and starts a new one, or reconnects to the backend at
-    the address it was given, until one answers. It waits 1 s before the first attempt, twice as long after each
-    failure, up to 30 s; the wait starts again from 1 s once a backend has served for 60 s.
+    If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every stream it served
+    raises :class:`EngineDeadError` within two seconds, and so does every call until a backend is back. The client
+    brings one back (:class:`~spindle.frontend.supervisor.ConnectionSupervisor`): it kills a backend it started and
+    starts a new one, or reconnects to the backend at the address it was given, until one answers. It waits 1 s
+    before the first attempt, twice as long after each failure, up to 30 s; the wait starts again from 1 s once a
+    backend has served for 60 s. With several backends (``data_parallel_size``, or several addresses: a
+    :class:`~spindle.frontend.data_parallel.DataParallelClient`), each request goes to one of them, and a dead one
+    takes down only its own streams.
 
     Example::
 
@@ -89,56 +59,48 @@ class AsyncLLMEngine:
         asyncio.run(main())
         engine.shutdown()
 
-    Attributes:
-        num_backend_restarts: how many times a new backend took over from a dead one: restarted (a backend this
-            engine started) or reconnected to (a backend at ``backend_address``).
+    Args:
+        client: the engine client, connected to its backend (or backends).
 
     """
 
-    def __init__(self, connection: BackendConnection) -> None:
-        self.connection = connection
-        self.admission = Admission(connection.info, self.call)
+    def __init__(self, client: AsyncEngineClient) -> None:
+        self.client = client
+        self.admission = Admission(client.info, client.call)
         self.output_processor = OutputProcessor(self.admission.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
-        self.stats: EngineStats | None = None
-        self.num_backend_restarts = 0
-        self._stats_updated: asyncio.Event | None = None
-        self._output_task: asyncio.Task | None = None
         self._closed = False
-        # While no backend serves: what calls raise, and the death that started it.
-        self._down: EngineDeadError | None = None
-        self._down_cause: EngineDeadError | None = None
-        self._up_since = time.monotonic()
-        self._next_delay = RESTART_BACKOFF_INITIAL
-        self._opening: tuple[threading.Event, concurrent.futures.Future[BackendConnection]] | None = None
-        self._calls: dict[str, asyncio.Future[CallReply]] = {}  # control-plane calls awaiting the backend's reply
+        client.attach(self)
 
     @classmethod
     def from_args(
-        cls, backend_address: str | None = None, startup_timeout: float = 600.0, **engine_args: object
+        cls,
+        backend_address: str | None = None,
+        startup_timeout: float = 600.0,
+        data_parallel_size: int = 1,
+        **engine_args: object,
     ) -> "AsyncLLMEngine":
         """Connect to the backend at ``backend_address``, or start one as a child process with ``engine_args``.
 
         ``engine_args`` are :class:`~spindle.shared.config.EngineConfig` fields (``model``, ``dtype``,
-        ``kv_cache_memory``, ...); they only matter for a backend this call starts.
+        ``kv_cache_memory``, ...); they only matter for backends this call starts. With ``data_parallel_size`` N it
+        starts N backends, each with its own KV cache (and its own GPUs where there are enough, or else an equal
+        share of this machine's cores), and routes each request to one of them; a comma-separated
+        ``backend_address`` connects to one backend engine per address the same way
+        (:func:`~spindle.frontend.engine_client.make_async_client`).
         """
         config = EngineConfig(**engine_args)
-        return cls(BackendConnection(backend_address, config, use_asyncio=True, startup_timeout=startup_timeout))
+        return cls(make_async_client(config, backend_address, data_parallel_size, startup_timeout))
 
     @property
     def info(self) -> EngineInfo:
         """The engine's description (model, limits, tokenizer files), from its backend's handshake."""
-        return self.admission.info
+        return self.client.info
 
     @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""
         return self.admission.tokenizer
-
-    @property
-    def input_processor(self) -> InputProcessor:
-        """What checks and tokenizes prompts and conversations for this engine."""
-        return self.admission.input_processor
 
     @property
     def max_model_len(self) -> int:
@@ -148,7 +110,15 @@ class AsyncLLMEngine:
     @property
     def is_dead(self) -> bool:
         """Whether no backend serves now: it died and none is back yet, or the engine was shut down."""
-        return self._closed or self._down is not None or self.connection.dead is not None
+        return self._closed or self.client.is_dead
+
+    @property
+    def num_backend_restarts(self) -> int:
+        """How many times a new backend took over from a dead one, over all backends.
+
+        Restarted (a backend this engine started) or reconnected to (one at ``backend_address``).
+        """
+        return self.client.num_restarts
 
     async def generate(
         self,
@@ -178,10 +148,8 @@ class AsyncLLMEngine:
 
         """
         params = sampling_params or SamplingParams()
-        prompt = await self.input_processor.process_async(inputs, params)
-        async for output in self.generate_processed(
-            prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
-        ):
+        prompt = await self.admission.input_processor.process_async(inputs, params)
+        async for output in self._stream(request_id, prompt, params, delta, priority, lora_request):
             yield output
 
     async def chat(
@@ -203,88 +171,52 @@ class AsyncLLMEngine:
         a finished completion of a request with tools carries its parsed calls (:doc:`tool_calling`).
         """
         params = sampling_params or SamplingParams()
-        prompt = await self.input_processor.process_chat_async(
+        prompt = await self.admission.input_processor.process_chat_async(
             messages, params, add_generation_prompt, tools, tool_choice
         )
-        async for output in self.generate_processed(
-            prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
-        ):
-            yield output
-
-    async def generate_processed(
-        self,
-        prompt: ProcessedPrompt,
-        params: SamplingParams,
-        request_id: str | None = None,
-        *,
-        delta: bool = False,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Like :meth:`generate` for a prompt that :attr:`input_processor` has already checked and tokenized.
-
-        A router that needs a prompt's token ids to choose an engine
-        (:class:`~spindle.frontend.data_parallel.DataParallelEngine`) tokenizes it once and streams it here; a chat
-        prompt with tools constrains ``params`` to its tool calls, as :meth:`chat` does. Raises what
-        :meth:`generate` raises, except for the checks of the inputs.
-        """
         async for output in self._stream(request_id, prompt, params, delta, priority, lora_request):
             yield output
 
     async def load_lora(self, name: str, path: str, *, confined: bool = False) -> LoraAdapterInfo:
-        """Load the PEFT adapter directory ``path`` under ``name`` in the backend, for requests to name.
+        """Load the PEFT adapter directory ``path`` under ``name`` in the backends, for requests to name.
 
         Args:
             name: what requests will call it.
-            path: the adapter's directory, as the backend process sees it.
-            confined: load it as the gRPC API does: only if the backend runs with ``allow_runtime_lora``, and from
+            path: the adapter's directory, as the backends process sees it.
+            confined: load it as the gRPC API does: only if the backends runs with ``allow_runtime_lora``, and from
                 its ``lora_dir`` (``path`` relative to it, or absolute inside it; see :doc:`lora`).
 
         Raises:
             InvalidRequestError: an empty name, no adapter the engine can serve at ``path``, or (``confined``) a path
-                outside the backend's ``lora_dir`` or a backend that does not load adapters at run time.
+                outside the backends's ``lora_dir`` or a backend that does not load adapters at run time.
             AlreadyExistsError: an adapter is loaded under ``name`` already.
-            EngineDeadError: the backend is down.
-            EngineUnavailableError: the backend did not answer within ``CALL_TIMEOUT`` seconds.
+            EngineDeadError: the backends is down.
+            EngineUnavailableError: the backends did not answer within ``CALL_TIMEOUT`` seconds.
 
         """
         check_lora_name(name)
         return await self.call(LoadLora(name, path, confined))
 
     async def unload_lora(self, name: str) -> None:
-        """Unload the adapter ``name`` in the backend; requests already running with it finish with it.
+        """Unload the adapter ``name`` in the backends; requests already running with it finish with it.
 
         Raises:
             NotFoundError: no adapter is loaded under ``name``.
-            EngineDeadError: the backend is down.
-            EngineUnavailableError: the backend did not answer within ``CALL_TIMEOUT`` seconds.
+            EngineDeadError: the backends is down.
+            EngineUnavailableError: the backends did not answer within ``CALL_TIMEOUT`` seconds.
 
         """
         await self.call(UnloadLora(name))
         self.admission.forget_lora(name)
 
     async def list_loras(self) -> list[LoraAdapterInfo]:
-        """The adapters the backend has loaded (:class:`EngineDeadError` while it is down)."""
+        """The adapters the backends has loaded (:class:`EngineDeadError` while it is down)."""
         return await self.call(ListLoras())
 
     async def call(self, command: Command) -> Any:
-        """Run a control-plane command in the backend and await its result (the output task routes the reply here)."""
-        self._start_output_task()
-        call = Call(uuid.uuid4().hex, command)
-        reply: asyncio.Future[CallReply] = asyncio.get_running_loop().create_future()
-        self._calls[call.call_id] = reply
-        try:
-            self.connection.send(call)
-            async with asyncio.timeout(CALL_TIMEOUT):
-                answer = await reply
-        except TimeoutError:
-            raise EngineUnavailableError(
-                f"the backend did not answer a {type(command).__name__} within {CALL_TIMEOUT:g} s: it may still carry "
-                "it out, check before retrying"
-            ) from None
-        finally:
-            del self._calls[call.call_id]
-        return decode_result(command, answer)
+        """Run a control-plane command in the backends and await its result (see :meth:`load_lora`)."""
+        self._check_open()
+        return await self.client.call(command)
 
     async def embed(
         self,
@@ -308,17 +240,20 @@ class AsyncLLMEngine:
             EngineDeadError: the backend died during the requests, or is down when they come.
 
         """
+        self._check_open()
         pooling = pooling_params or PoolingParams()
         prompts = self.admission.embedding_prompts(inputs)
-        self._start_output_task()
         request_ids = self.admission.batch_ids(request_id, len(prompts), self.queues)
+        admitted = [
+            self.admission.request(rid, prompt, pooling, priority=priority)
+            for rid, prompt in zip(request_ids, prompts, strict=True)
+        ]
         queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
         try:
-            for rid, prompt in zip(request_ids, prompts, strict=True):
-                request, state = self.admission.request(rid, prompt, pooling, priority=priority)
-                queues[rid] = self.queues[rid] = asyncio.Queue()
+            for request, state in admitted:
+                queues[request.request_id] = self.queues[request.request_id] = asyncio.Queue()
                 self.output_processor.add_request(state)
-                self.connection.add_request(request)
+            await self.client.add_requests([request for request, _ in admitted])
             logger.debug("Embedding requests added: %d prompts", len(prompts), extra={"request_id": request_ids[0]})
             outputs = []
             for queue in queues.values():
@@ -350,20 +285,51 @@ class AsyncLLMEngine:
         return True
 
     async def get_stats(self) -> EngineStats:
-        """The backend's scheduler and KV cache state, as of its next heartbeat or step (at most 0.25 s away)."""
-        self._start_output_task()
-        self._stats_updated.clear()
-        await self._stats_updated.wait()
-        self._check_alive()
-        return self.stats
+        """The backends' scheduler and KV cache state, added up, as of each one's next heartbeat or step.
+
+        That is at most 0.25 s away.
+        """
+        self._check_open()
+        return await self.client.get_stats()
+
+    def rank_stats(self) -> list[RankStats]:
+        """Each backend's latest figures (stats, restarts, whether it serves), one entry per backend."""
+        return self.client.rank_stats()
 
     def shutdown(self) -> None:
-        """Stop the output task, any attempt to bring a backend back, and the backend this engine started (if any)."""
+        """Stop receiving, any attempt to bring a backend back, and the backends this engine started (if any)."""
         self._closed = True
-        if self._output_task is not None:
-            self._output_task.cancel()
-        self._abandon_opening()
-        self.connection.close()
+        self.client.close()
+
+    def on_step(self, deltas: list[SequenceDelta]) -> None:
+        """Turn a step's deltas into outputs for the streams; end in the backend what a stop string ended here."""
+        outputs, stopped = self.output_processor.process(deltas)
+        for request_id, index in stopped:
+            self.client.finish_sequence(request_id, index)
+        for output in outputs:
+            queue = self.queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def on_refused(self, request_id: str, error: RequestRefusedError) -> None:
+        """A backend refused a request: its stream raises ``error``."""
+        self.output_processor.abort_requests([request_id])
+        queue = self.queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def on_lost(self, request_ids: list[str], error: EngineDeadError) -> None:
+        """A backend died: the streams of its requests raise ``error``."""
+        self.output_processor.abort_requests(request_ids)
+        for request_id in request_ids:
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+
+    def on_adopted(self) -> None:
+        """A new backend took over: follow its tokenizer and limits."""
+        self.admission.adopt(self.client.info)
+        self.output_processor.tokenizer = self.admission.tokenizer  # the same object: the requests' follow it
 
     async def _stream(
         self,
@@ -374,6 +340,7 @@ class AsyncLLMEngine:
         priority: int,
         lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
+        self._check_open()
         request, state = await self.admission.admit(
             request_id, prompt, params, self.queues, delta=delta, priority=priority, lora_request=lora_request
         )
@@ -386,9 +353,8 @@ class AsyncLLMEngine:
         self.queues[request_id] = queue
         finished = False
         try:
-            self._start_output_task()
             self.output_processor.add_request(state)
-            self.connection.add_request(request)
+            await self.client.add_requests([request])
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:
                 item = await queue.get()
@@ -415,180 +381,13 @@ class AsyncLLMEngine:
             with contextlib.suppress(ValueError):  # closed from another context (an event loop's finalizer)
                 request_id_var.reset(log_context)
 
-    def _check_alive(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        if self._down is not None:
-            raise self._down
-        self.connection.check_alive()
-
-    def _start_output_task(self) -> None:
-        if self._closed:
-            raise EngineDeadError("the engine was shut down")
-        # One output task per event loop: a task of an earlier asyncio.run() is done and cannot be awaited here.
-        # It is started even while the backend is down: it is what brings one back.
-        task = self._output_task
-        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
-            self._stats_updated = asyncio.Event()
-            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
-        self._check_alive()
 
     def _abort(self, request_id: str) -> None:
         self.output_processor.abort_requests([request_id])
-        with contextlib.suppress(EngineDeadError):
-            self.connection.abort_requests([request_id])
-
-    async def _output_loop(self) -> None:
-        """Receive every message from the backend; when it dies, fail the streams in flight and bring one back."""
-        while True:
-            if self._down is None:
-                try:
-                    await self._receive(self.connection)
-                except EngineDeadError as dead:
-                    self._down = self._down_cause = dead
-                    self._stats_updated.set()  # get_stats() callers see the error through _check_alive
-                    for queue in self.queues.values():
-                        queue.put_nowait(dead)
-                    for reply in self._calls.values():
-                        if not reply.done():
-                            reply.set_exception(dead)
-                    self.output_processor.abort_requests(list(self.output_processor.requests))
-            await self._recover()
-
-    async def _receive(self, connection: BackendConnection) -> None:
-        """Turn the backend's step outputs into request outputs for the streams, until it dies (EngineDeadError)."""
-        while True:
-            # Drain what is there before awaiting readiness: ZeroMQ signals readiness on edges only.
-            try:
-                payload = connection.sync_socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                await connection.socket.poll(50)
-                connection.check_alive()
-                continue
-            message = connection.decode(payload)
-            if isinstance(message, StepOutputs | Heartbeat):
-                self.stats = message.stats
-                self._stats_updated.set()
-            if isinstance(message, StepOutputs):
-                outputs, stopped = self.output_processor.process(message.deltas)
-                for request_id, index in stopped:
-                    connection.finish_sequence(request_id, index)
-                for output in outputs:
-                    queue = self.queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-            elif isinstance(message, RequestError):
-                self.output_processor.abort_requests([message.request_id])
-                queue = self.queues.get(message.request_id)
-                if queue is not None:
-                    queue.put_nowait(message.to_exception())
-            elif isinstance(message, CallReply):
-                reply = self._calls.get(message.call_id)
-                if reply is not None and not reply.done():  # else its caller gave up waiting
-                    reply.set_result(message)
-            connection.check_alive()
-
-    async def _recover(self) -> None:
-        """Replace the dead backend: restart the one this engine started, or reconnect to the remote one.
-
-        Attempts go on, with the backoff of ``RESTART_BACKOFF_*``, until one succeeds or the task is cancelled.
-        """
-        old = self.connection
-        old.close()  # SIGKILLs a backend this engine started: dead or hung, it has nothing left to finish
-        owned = old.process is not None
-        cause = self._down_cause
-        if time.monotonic() - self._up_since >= RESTART_BACKOFF_RESET:
-            self._next_delay = RESTART_BACKOFF_INITIAL
-        attempt = 0
-        while True:
-            attempt += 1
-            delay, self._next_delay = self._next_delay, min(2 * self._next_delay, RESTART_BACKOFF_MAX)
-            started = time.monotonic()
-            try:
-                if owned:
-                    self._down = EngineDeadError(f"{cause}; a new backend is starting, attempt {attempt}")
-                    logger.warning(
-                        "The backend is down (%s): starting a new one in %g s (attempt %d)", cause, delay, attempt
-                    )
-                    await asyncio.sleep(delay)
-                    # From this thread: see start_backend. With the variables the old one had (its devices).
-                    process, address = start_backend(old.config, env=old.process.extra_env)
-                    connection = await self._open(address, old.config, old.startup_timeout, process)
-                else:
-                    self._down = EngineDeadError(f"{cause}; reconnecting, attempt {attempt}")
-                    logger.warning(
-                        "The backend is down (%s): reconnecting, waiting up to %g s for an answer (attempt %d)",
-                        cause,
-                        delay,
-                        attempt,
-                    )
-                    connection = await self._open(old.address, old.config, delay)
-            except (EngineDeadError, RuntimeError, OSError) as error:
-                logger.warning("Attempt %d to bring the backend back failed: %s", attempt, error)
-                # A refusal or a crash can come at once: the next attempt still waits for its turn.
-                await asyncio.sleep(max(0.0, started + delay - time.monotonic()))
-                continue
-            break
-        self._adopt(connection)
-        how = "restarted" if owned else f"reconnected to {connection.address}"
-        logger.info(
-            "The backend is back (%s after %d attempt(s); %d since start-up)", how, attempt, self.num_backend_restarts
-        )
-
-    async def _open(
-        self, address: str, config: EngineConfig, timeout: float, process: BackendProcess | None = None
-    ) -> BackendConnection:
-        """A new connection, its blocking handshake run in a thread of its own; given up if this task is cancelled."""
-        cancelled = threading.Event()
-        future: concurrent.futures.Future[BackendConnection] = concurrent.futures.Future()
-        # Running, so that cancelling the awaiting task cannot cancel the future and lose the connection it will hold.
-        future.set_running_or_notify_cancel()
-
-        def handshake() -> None:
-            try:
-                connection = BackendConnection(
-                    address, config, True, timeout, process=process, cancelled=cancelled.is_set
-                )
-            except BaseException as error:
-                if process is not None:  # a failed handshake stopped it; anything else may not have
-                    process.kill()
-                    process.wait()
-                future.set_exception(error)
-            else:
-                future.set_result(connection)
-
-        self._opening = cancelled, future
-        # A daemon thread, not the loop's executor: a handshake may take minutes, and must not hold up the exit.
-        threading.Thread(target=handshake, name="spindle-reconnect", daemon=True).start()
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self._abandon_opening()
-            raise
-        finally:
-            self._opening = None
-
-    def _abandon_opening(self) -> None:
-        """Give up the connection being opened, and close it should it open anyway."""
-        if self._opening is not None:
-            cancelled, future = self._opening
-            cancelled.set()
-            future.add_done_callback(_close_opened)
-
-    def _adopt(self, connection: BackendConnection) -> None:
-        """Serve from the new backend's connection, following its tokenizer and limits if they changed."""
-        self.admission.adopt(connection.info)
-        self.output_processor.tokenizer = self.admission.tokenizer  # the same object: the requests' follow it
-        self.connection = connection
-        self.num_backend_restarts += 1
-        self._up_since = time.monotonic()
-        self._down = self._down_cause = None
-
-
-def _close_opened(future: concurrent.futures.Future[BackendConnection]) -> None:
-    """Close the connection an abandoned attempt opened after all."""
-    if future.exception() is None:
-        future.result().close()
+        self.client.abort_requests([request_id])
 
 
 def _log_finished(state: RequestState, about: dict[str, str]) -> None:

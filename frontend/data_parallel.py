@@ -1,9 +1,11 @@
-"""``DataParallelEngine``: N engines, each a backend process with its own KV cache, behind one frontend.
+"""``DataParallelClient``: N backend engines, each its own process with its own KV cache, behind one frontend.
 
-It offers the interface of :class:`~spindle.frontend.async_llm_engine.AsyncLLMEngine`, so that the gRPC server serves
-it the same way (``spindle serve --data-parallel-size N``, or ``--backend-address`` with a comma-separated list). Each
-engine keeps its own connection, recovery and restarts; this module only chooses where each request goes and adds up
-what the engines report. It runs in the frontend process and never imports torch.
+It is an :class:`~spindle.frontend.engine_client.AsyncEngineClient` like a single backend's, so one
+``AsyncLLMEngine`` serves from it as from one backend (``spindle serve --data-parallel-size N``, or
+``--backend-address`` with a comma-separated list): the engine admits, tokenizes and detokenizes each request once,
+and this client chooses the backend it goes to and adds up what the backends report. Each backend keeps its own
+connection, recovery and restarts (an :class:`~spindle.frontend.async_client.AsyncBackendClient` each). It runs in
+the frontend process and never imports torch.
 """
 
 import asyncio
@@ -16,28 +18,36 @@ import logging
 import os
 import shutil
 import subprocess
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.async_client import AsyncBackendClient, RankStats
 from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
-from spindle.frontend.input_processor import ProcessedPrompt
-from spindle.frontend.tokenizer import Tokenizer
-from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.block_hash import block_hash, root_hash
 from spindle.shared.config import EngineConfig
-from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
-from spindle.shared.lora import LoraAdapterInfo, LoRARequest
-from spindle.shared.protocol import EngineInfo, EngineStats, ImageInput
+from spindle.shared.errors import AlreadyExistsError, NotFoundError, RequestRefusedError
+from spindle.shared.protocol import (
+    Command,
+    EngineInfo,
+    EngineRequest,
+    EngineStats,
+    ImageInput,
+    ListLoras,
+    LoadLora,
+    SequenceDelta,
+    UnloadLora,
+)
+
+if TYPE_CHECKING:
+    from spindle.frontend.engine_client import OutputHandler
 
 logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4
 """How many more requests (in flight plus waiting) than the least loaded engine the engine holding a request's
-prefix may have and still get it; see :class:`DataParallelEngine`."""
+prefix may have and still get it; see :class:`DataParallelClient`."""
 
 AFFINITY_SLACK_RATIO = 0.5
 """The same slack as a share of the least loaded engine's load, when that is more than :data:`AFFINITY_SLACK`."""
@@ -111,43 +121,83 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
     return EngineStats(*(sum(getattr(s, name) for s in stats) for name in EngineStats.__struct_fields__))
 
 
-class _Replica:
-    """One engine as the router sees it: its requests in flight and the prompt prefixes it was sent.
+def connect_backends(
+    config: EngineConfig, size: int, addresses: Sequence[str] = (), startup_timeout: float = 600.0
+) -> list[BackendConnection]:
+    """Connect to the backends at ``addresses``, or start ``size`` backend children with ``config``.
+
+    The backends this starts each get their own KV cache of ``kv_cache_memory``, their own GPUs where there are
+    enough (:func:`device_groups`), and unless ``cpu_threads`` is given, an equal share of this machine's cores. The
+    handshakes run side by side.
+
+    Raises:
+        EngineDeadError: a backend exited or did not answer in time (the others are stopped).
+        RuntimeError: a backend refused the handshake (e.g. another protocol version; the others are stopped).
+
+    """
+    if not addresses and config.cpu_threads is None:
+        # The engines share this machine's cores: as many threads as cores in each would stall each other's steps.
+        config = dataclasses.replace(config, cpu_threads=max(1, (os.cpu_count() or 1) // size))
+    backends: list[tuple[str, BackendProcess | None]] = [(address, None) for address in addresses]
+    if not backends:
+        # Started from this thread, not the handshake threads: a backend's parent-death signal fires when the
+        # thread that started it ends.
+        envs = device_groups(size, config.tensor_parallel_size) if config.device != "cpu" else [{}] * size
+        backends = [(address, process) for process, address in (start_backend(config, env=env) for env in envs)]
+    with concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="spindle-handshake") as pool:
+        futures = [
+            pool.submit(BackendConnection, address, config, True, startup_timeout, process=process)
+            for address, process in backends
+        ]
+    connections = [future.result() for future in futures if future.exception() is None]
+    errors = [future.exception() for future in futures if future.exception() is not None]
+    if errors:
+        for connection in connections:
+            connection.close()
+        for _, process in backends:
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        raise errors[0]
+    return connections
+
+
+class _Rank:
+    """One backend as the router sees it: its client, the prompt prefixes it was sent, its adapters coming back.
+
+    It is also the :class:`~spindle.frontend.engine_client.OutputHandler` of its client: what the backend sends goes
+    on to the router's handler, and a new backend in its place starts with an empty prefix cache and none of the
+    adapters loaded at run time, which it gets again.
 
     Attributes:
-        engine: the engine.
-        in_flight: requests this router sent there that have not ended (counted at once, unlike the backend's).
-        prefixes: an LRU of :func:`prefix_hashes` of the prompts sent there, at most the engine's KV blocks long:
+        client: the backend's client.
+        prefixes: an LRU of :func:`prefix_hashes` of the prompts sent there, at most the backend's KV blocks long:
             the backend cannot hold more blocks than that, so older ones are likely evicted there too.
-        restarts_seen: the engine's ``num_backend_restarts`` when the router last looked: when it grows, the new
-            backend's cache is empty and its runtime adapters are gone.
         restoring: the task reloading the runtime adapters into a new backend, which requests routed there await.
 
     """
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self.engine = engine
-        self.in_flight = 0
+    def __init__(self, router: "DataParallelClient", client: AsyncBackendClient) -> None:
+        self.router = router
+        self.client = client
         self.prefixes: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self.restarts_seen = engine.num_backend_restarts
         self.restoring: asyncio.Task | None = None
 
     def load(self) -> int:
-        """Requests in flight from this router, plus those waiting in the backend's queue (counted again: they wait)."""
-        stats = self.engine.stats
-        return self.in_flight + (stats.num_waiting if stats is not None else 0)
+        """Requests in flight there, plus those waiting in the backend's queue."""
+        return self.client.load()
 
     def free_blocks(self) -> int:
         """The backend's free KV blocks, as of its latest stats."""
-        stats = self.engine.stats
-        return stats.num_free_blocks if stats is not None else self.engine.info.num_kv_blocks
+        stats = self.client.stats
+        return stats.num_free_blocks if stats is not None else self.client.info.num_kv_blocks
 
     def free_share(self) -> float:
         """The share of the backend's KV blocks that is free."""
-        return self.free_blocks() / max(1, self.engine.info.num_kv_blocks)
+        return self.free_blocks() / max(1, self.client.info.num_kv_blocks)
 
     def match(self, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of a prompt this engine was sent before (and likely still caches)."""
+        """How many leading blocks of a prompt this backend was sent before (and likely still caches)."""
         matched = 0
         while matched < len(hashes) and hashes[matched] in self.prefixes:
             matched += 1
@@ -160,378 +210,231 @@ class _Replica:
         for digest in reversed(hashes):
             self.prefixes[digest] = None
             self.prefixes.move_to_end(digest)
-        while len(self.prefixes) > max(1, self.engine.info.num_kv_blocks):
+        while len(self.prefixes) > max(1, self.client.info.num_kv_blocks):
             self.prefixes.popitem(last=False)
 
+    async def restored(self) -> None:
+        """Wait until the runtime adapters are back in this backend, if it is a new one."""
+        if self.restoring is not None:
+            await asyncio.shield(self.restoring)  # shielded: a cancelled request must not cancel the reload
 
-class DataParallelEngine:
-    """Serve from N engines, each a backend process with its own KV cache, as one :class:`AsyncLLMEngine` would.
+    def on_step(self, deltas: list[SequenceDelta]) -> None:
+        """Pass a step's deltas on."""
+        self.router.handler.on_step(deltas)
 
-    The methods are those of :class:`AsyncLLMEngine`, with the same errors. The prompt is tokenized once, here (the
-    router needs its token ids), and streamed to the chosen engine. Each engine recovers on its own: a dead backend
-    fails only the requests it held (:class:`EngineDeadError`), the others go on, new requests go to the live ones,
-    and it takes requests again once it is back. Calls fail with :class:`EngineDeadError` only while every engine is
-    down.
+    def on_refused(self, request_id: str, error: RequestRefusedError) -> None:
+        """Pass a refusal on."""
+        self.router.handler.on_refused(request_id, error)
 
-    Routing: a request goes to a live engine, chosen by the request's prompt (its full KV blocks of ``block_size``
-    tokens) and each engine's *load*, its requests in flight from this router plus those waiting in its scheduler
+    def on_lost(self, request_ids: list[str], error: EngineDeadError) -> None:
+        """Pass on the requests lost with the backend; the others go on elsewhere."""
+        self.router.handler.on_lost(request_ids, error)
+
+    def on_adopted(self) -> None:
+        """Follow a new backend: its prefix cache starts empty, and the runtime adapters are loaded into it again."""
+        self.prefixes.clear()
+        if self.router.loras:
+            loads = list(self.router.loras.values())
+            self.restoring = asyncio.get_running_loop().create_task(self._restore(loads))
+        self.router.handler.on_adopted()
+
+    async def _restore(self, loads: list[LoadLora]) -> None:
+        """Load the runtime adapters; a failure is logged, and requests naming the adapter hear NOT_FOUND."""
+        for load in loads:
+            try:
+                await self.client.call(load)
+            except AlreadyExistsError:  # a backend reconnected to still has it
+                pass
+            except Exception as error:
+                logger.warning("Could not load LoRA adapter %r into a new backend again: %s", load.name, error)
+
+
+class DataParallelClient:
+    """N backends behind one engine: each request goes to one, chosen by prefix affinity and load.
+
+    Each backend recovers on its own: a dead backend fails only the requests it held (the handler hears they are
+    lost), the others go on, new requests go to the live ones, and it takes requests again once it is back. Calls
+    fail with :class:`~spindle.frontend.core_client.EngineDeadError` only while every backend is down.
+
+    Routing: a request goes to a live backend, chosen by the request's prompt (its full KV blocks of ``block_size``
+    tokens) and each backend's *load*, its requests in flight from this client plus those waiting in its scheduler
     (from its latest stats):
 
-    1. the *affine* engine is the one that was sent the longest leading run of the prompt's blocks (chained block
-       hashes kept per engine in an LRU as long as its KV cache; the LoRA adapter and ``cache_salt`` are part of the
-       hash, as they are of the backend's); the *least loaded* engine has the lowest load, then the largest share of
-       free KV blocks;
-    2. the request goes to the affine engine if it matched at least one block, unless it is clearly busier than the
-       least loaded one: more than ``max(AFFINITY_SLACK, AFFINITY_SLACK_RATIO * least's load)`` requests above it,
-       or fewer free KV blocks than the prompt's uncached blocks where the least loaded engine has them;
-    3. otherwise to the least loaded engine.
+    1. the *affine* backend is the one that was sent the longest leading run of the prompt's blocks (chained block
+       hashes, :func:`prefix_hashes`, kept per backend in an LRU as long as its KV cache; the LoRA adapter and
+       ``cache_salt`` are part of the hash, as they are of the backend's); the *least loaded* backend has the lowest
+       load, then the largest share of free KV blocks;
+    2. the request goes to the affine backend if it matched at least one block, unless it is clearly busier than
+       the least loaded one: more than ``max(AFFINITY_SLACK, AFFINITY_SLACK_RATIO * least's load)`` requests above
+       it, or fewer free KV blocks than the prompt's uncached blocks where the least loaded backend has them;
+    3. otherwise to the least loaded backend.
 
-    So requests that share a long prefix land on one engine and hit its prefix cache, until it is clearly busier
-    than the others. Embedding batches go to the least loaded engine (every ``{request_id}-{i}`` to the same one).
+    So requests that share a long prefix land on one backend and hit its prefix cache, until it is clearly busier
+    than the others. An embedding batch goes whole to the least loaded backend.
 
-    Every request id maps to its engine while it runs, so :meth:`abort` (and a cancelled stream) reaches it.
-    LoRA adapters loaded through :meth:`load_lora` are loaded into every live engine (all or none), and again into
-    an engine whose backend restarted or was reconnected to, before it gets another request; adapters that a
-    request's ``lora_request.lora_path`` loads are loaded by the engine that serves it, as with one engine.
+    A request's aborts and ended completions go to the backend that runs it (:meth:`client_of`). LoRA adapters
+    (:class:`~spindle.shared.protocol.LoadLora`, whether a caller or a request's ``lora_path`` asks) are loaded into
+    every live backend or into none, and again into a backend that restarted or was reconnected to, before it gets
+    another request.
 
     Args:
-        engines: the engines, each connected to its backend (all serving the same model).
+        clients: the backends' clients (all serving the same model).
 
     Attributes:
-        engines: the engines, in the order given.
+        clients: the backends' clients, in the order given.
+        loras: the adapters loaded at run time, by name, as the commands that loaded them.
 
     """
 
-    def __init__(self, engines: Sequence[AsyncLLMEngine]) -> None:
-        if not engines:
-            raise ValueError("a DataParallelEngine needs at least one engine")
-        self.engines = list(engines)
-        self._replicas = [_Replica(engine) for engine in self.engines]
-        self._owners: dict[str, _Replica] = {}  # request id -> the engine that runs it
-        self._loras: dict[str, tuple[str, bool]] = {}  # adapters loaded at run time: name -> (path, confined)
-
-    @classmethod
-    def from_args(
-        cls,
-        data_parallel_size: int | None = None,
-        backend_addresses: Sequence[str] = (),
-        startup_timeout: float = 600.0,
-        **engine_args: object,
-    ) -> "DataParallelEngine":
-        """Connect to the backends at ``backend_addresses``, or start ``data_parallel_size`` backend children.
-
-        ``engine_args`` are :class:`~spindle.shared.config.EngineConfig` fields, for the backends this call starts
-        (each with its own KV cache of ``kv_cache_memory``, its own GPUs where there are enough
-        (:func:`device_groups`), and unless ``cpu_threads`` is given, an equal share of this machine's cores). The
-        handshakes run side by side.
-
-        Raises:
-            ValueError: neither a size nor addresses, or a size other than the number of addresses.
-            EngineDeadError: a backend exited or did not answer in time (the others are stopped).
-            RuntimeError: a backend refused the handshake (e.g. another protocol version; the others are stopped).
-
-        """
-        if backend_addresses and data_parallel_size not in (None, len(backend_addresses)):
-            raise ValueError(
-                f"data_parallel_size={data_parallel_size} but {len(backend_addresses)} backend addresses: "
-                "give one address per engine, or no size"
-            )
-        size = len(backend_addresses) or data_parallel_size or 0
-        if size < 1:
-            raise ValueError(f"data_parallel_size={size} must be at least 1")
-        config = EngineConfig(**engine_args)
-        if not backend_addresses and config.cpu_threads is None:
-            # The engines share this machine's cores: as many threads as cores in each would stall each other's steps.
-            config = dataclasses.replace(config, cpu_threads=max(1, (os.cpu_count() or 1) // size))
-        backends: list[tuple[str, BackendProcess | None]] = [(address, None) for address in backend_addresses]
-        if not backends:
-            # Started from this thread, not the handshake threads: a backend's parent-death signal fires when the
-            # thread that started it ends.
-            envs = device_groups(size, config.tensor_parallel_size) if config.device != "cpu" else [{}] * size
-            backends = [(address, process) for process, address in (start_backend(config, env=env) for env in envs)]
-        with concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="spindle-handshake") as pool:
-            futures = [
-                pool.submit(BackendConnection, address, config, True, startup_timeout, process=process)
-                for address, process in backends
-            ]
-        connections = [future.result() for future in futures if future.exception() is None]
-        errors = [future.exception() for future in futures if future.exception() is not None]
-        if errors:
-            for connection in connections:
-                connection.close()
-            for _, process in backends:
-                if process is not None and process.poll() is None:
-                    process.kill()
-                    process.wait()
-            raise errors[0]
-        return cls([AsyncLLMEngine(connection) for connection in connections])
+    def __init__(self, clients: Sequence[AsyncBackendClient]) -> None:
+        if not clients:
+            raise ValueError("a DataParallelClient needs at least one backend")
+        self.clients = list(clients)
+        self.loras: dict[str, LoadLora] = {}
+        self.handler: OutputHandler | None = None
+        self._ranks = [_Rank(self, client) for client in self.clients]
 
     @property
     def info(self) -> EngineInfo:
-        """A live engine's description, with the KV blocks of all engines."""
-        total = sum(replica.engine.info.num_kv_blocks for replica in self._replicas)
-        return msgspec.structs.replace(self._any().engine.info, num_kv_blocks=total)
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The model's tokenizer (a live engine's)."""
-        return self._any().engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt + completion the engines accept."""
-        return self._any().engine.max_model_len
+        """A live backend's description, with the KV blocks of all backends."""
+        total = sum(client.info.num_kv_blocks for client in self.clients)
+        return msgspec.structs.replace(self._any().client.info, num_kv_blocks=total)
 
     @property
     def is_dead(self) -> bool:
-        """Whether no engine serves now."""
-        return all(engine.is_dead for engine in self.engines)
+        """Whether no backend serves now."""
+        return all(client.is_dead for client in self.clients)
 
     @property
-    def num_backend_restarts(self) -> int:
-        """How many times a new backend took over from a dead one, over all engines."""
-        return sum(engine.num_backend_restarts for engine in self.engines)
+    def num_restarts(self) -> int:
+        """How many times a new backend took over from a dead one, over all backends."""
+        return sum(client.num_restarts for client in self.clients)
 
-    def engine_of(self, request_id: str) -> AsyncLLMEngine | None:
-        """The engine that runs the request ``request_id`` now (``None`` when none does)."""
-        replica = self._owners.get(request_id)
-        return replica.engine if replica is not None else None
+    def client_of(self, request_id: str) -> AsyncBackendClient | None:
+        """The client of the backend that runs the request ``request_id`` now (``None`` when none does)."""
+        return next((client for client in self.clients if request_id in client.requests), None)
 
-    async def generate(
-        self,
-        inputs: PromptInputs,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        delta: bool = False,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs from the engine it is routed to (:meth:`AsyncLLMEngine.generate`)."""
-        params = sampling_params or SamplingParams()
-        prompt = await self._any().engine.input_processor.process_async(inputs, params)
-        async for output in self._stream(prompt, params, request_id, delta, priority, lora_request):
-            yield output
+    def attach(self, handler: "OutputHandler") -> None:
+        """Hand what every backend sends from now on to ``handler``."""
+        self.handler = handler
+        for rank in self._ranks:
+            rank.client.attach(rank)
 
-    async def chat(
-        self,
-        messages: list[dict[str, Any]],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        delta: bool = False,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: str | dict[str, Any] | None = "auto",
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the reply to a conversation from the engine it is routed to (:meth:`AsyncLLMEngine.chat`)."""
-        params = sampling_params or SamplingParams()
-        input_processor = self._any().engine.input_processor
-        prompt = await input_processor.process_chat_async(messages, params, add_generation_prompt, tools, tool_choice)
-        async for output in self._stream(prompt, params, request_id, delta, priority, lora_request):
-            yield output
+    async def add_requests(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue requests in one backend, chosen by the rule of the class docstring, once its adapters are back."""
+        rank = self._route(requests)
+        await rank.restored()
+        await rank.client.add_requests(requests)
 
-    async def embed(
-        self,
-        inputs: PromptInputs | Sequence[PromptInputs],
-        pooling_params: PoolingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-    ) -> list[EmbeddingRequestOutput]:
-        """Embed a batch of prompts on the least loaded engine (:meth:`AsyncLLMEngine.embed`)."""
-        batch = [inputs] if isinstance(inputs, str | dict) else list(inputs)
-        request_id = request_id or uuid.uuid4().hex
-        request_ids = [f"{request_id}-{index}" for index in range(len(batch))]
-        replica = self._least_loaded(self._live())
-        self._claim(request_ids, replica)
-        try:
-            await self._restored(replica)
-            return await replica.engine.embed(batch, pooling_params, request_id, priority=priority)
-        finally:
-            self._release(request_ids, replica)
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Abort requests in the backends that run them."""
+        for client in self.clients:
+            owned = [request_id for request_id in request_ids if request_id in client.requests]
+            if owned:
+                client.abort_requests(owned)
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request in the engine that runs it; returns whether one did (:meth:`AsyncLLMEngine.abort`)."""
-        engine = self.engine_of(request_id)
-        return engine is not None and await engine.abort(request_id)
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End one completion in the backend that runs its request."""
+        client = self.client_of(request_id)
+        if client is not None:
+            client.finish_sequence(request_id, index)
 
-    async def get_stats(self) -> EngineStats:
-        """The live engines' stats added up, as of each one's next heartbeat or step.
+    async def call(self, command: Command) -> Any:
+        """Run a control-plane command in the live backends; the result is theirs together.
+
+        :class:`~spindle.shared.protocol.LoadLora` loads the adapter into every live backend, or into none: if any
+        refuses it, it is unloaded again from those that took it, and the first refusal is raised (an adapter on
+        some backends only would make requests naming it fail or not by their route); a backend that is down gets
+        it once it is back. :class:`~spindle.shared.protocol.UnloadLora` unloads it from every live backend
+        (:class:`~spindle.shared.errors.NotFoundError` only if none had it: one may have restarted since).
+        :class:`~spindle.shared.protocol.ListLoras` lists what any live backend has, each name once.
 
         Raises:
-            EngineDeadError: no engine serves.
+            EngineDeadError: no backend serves, or one died meanwhile.
+            EngineUnavailableError: a backend did not answer in time.
 
         """
-        results = await asyncio.gather(
-            *(replica.engine.get_stats() for replica in self._live()), return_exceptions=True
-        )
+        live = self._live()
+        results = await asyncio.gather(*(rank.client.call(command) for rank in live), return_exceptions=True)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        match command:
+            case LoadLora(name=name):
+                if errors:
+                    for rank, result in zip(live, results, strict=True):
+                        if not isinstance(result, BaseException):
+                            with contextlib.suppress(Exception):
+                                await rank.client.call(UnloadLora(name))
+                    raise errors[0]
+                self.loras[name] = command
+                return results[0]
+            case UnloadLora(name=name):
+                self.loras.pop(name, None)
+                # A backend without it is no failure while another had it.
+                others = [error for error in errors if not isinstance(error, NotFoundError)]
+                if others or len(errors) == len(live):
+                    raise (others or errors)[0]
+                return None
+            case ListLoras():
+                lists = [result for result in results if not isinstance(result, BaseException)]
+                if not lists:
+                    raise errors[0]
+                adapters = {adapter.name: adapter for adapters in reversed(lists) for adapter in adapters}
+                return sorted(adapters.values(), key=lambda adapter: adapter.name)
+
+    async def get_stats(self) -> EngineStats:
+        """The live backends' stats added up, as of each one's next heartbeat or step.
+
+        Raises:
+            EngineDeadError: no backend serves.
+
+        """
+        results = await asyncio.gather(*(rank.client.get_stats() for rank in self._live()), return_exceptions=True)
         stats = [result for result in results if isinstance(result, EngineStats)]
-        if not stats:  # every live engine died while we waited
+        if not stats:  # every live backend died while we waited
             raise next(result for result in results if isinstance(result, BaseException))
         return sum_stats(stats)
 
-    async def load_lora(self, name: str, path: str, *, confined: bool = False) -> LoraAdapterInfo:
-        """Load an adapter into every live engine, or into none (:meth:`AsyncLLMEngine.load_lora`).
+    def rank_stats(self) -> list[RankStats]:
+        """Each backend's figures, in the order of :attr:`clients`."""
+        return [figures for client in self.clients for figures in client.rank_stats()]
 
-        An engine that is down gets it once it is back, before its next request. If any engine refuses it, it is
-        unloaded again from those that took it, and the first refusal is raised: an adapter on some engines only
-        would make requests naming it fail or not by their route.
-        """
+    def close(self) -> None:
+        """Close every backend's client (stopping the backends this client started)."""
+        for rank in self._ranks:
+            if rank.restoring is not None:
+                rank.restoring.cancel()
+            rank.client.close()
+
+    def _route(self, requests: Sequence[EngineRequest]) -> _Rank:
+        """The backend for a request (an embedding batch: the least loaded); it remembers the prompt's blocks."""
         live = self._live()
-        results = await asyncio.gather(
-            *(replica.engine.load_lora(name, path, confined=confined) for replica in live), return_exceptions=True
+        least = min(live, key=lambda rank: (rank.load(), -rank.free_share()))
+        request = requests[0]
+        if request.pooling is not None:
+            return least
+        block_size = live[0].client.info.block_size
+        hashes = prefix_hashes(
+            request.prompt_token_ids, block_size, request.params.cache_salt, request.lora_name, request.images
         )
-        errors = [result for result in results if isinstance(result, BaseException)]
-        if errors:
-            for replica, result in zip(live, results, strict=True):
-                if not isinstance(result, BaseException):
-                    with contextlib.suppress(Exception):
-                        await replica.engine.unload_lora(name)
-            raise errors[0]
-        self._loras[name] = (path, confined)
-        return results[0]
-
-    async def unload_lora(self, name: str) -> None:
-        """Unload an adapter from every live engine (:meth:`AsyncLLMEngine.unload_lora`).
-
-        Raises:
-            NotFoundError: no live engine has an adapter under ``name``.
-            EngineDeadError: an engine died meanwhile (the others unloaded it).
-            EngineUnavailableError: an engine did not answer in time.
-
-        """
-        self._loras.pop(name, None)
-        live = self._live()
-        results = await asyncio.gather(*(replica.engine.unload_lora(name) for replica in live), return_exceptions=True)
-        errors = [result for result in results if isinstance(result, BaseException)]
-        # An engine without it is no failure while another had it: it may have restarted since, or never served
-        # a request that loaded it.
-        others = [error for error in errors if not isinstance(error, NotFoundError)]
-        if others:
-            raise others[0]
-        if len(errors) == len(live):
-            raise errors[0]
-
-    async def list_loras(self) -> list[LoraAdapterInfo]:
-        """The adapters any live engine has loaded, each name once."""
-        results = await asyncio.gather(
-            *(replica.engine.list_loras() for replica in self._live()), return_exceptions=True
-        )
-        lists = [result for result in results if not isinstance(result, BaseException)]
-        if not lists:
-            raise next(result for result in results if isinstance(result, BaseException))
-        adapters = {adapter.name: adapter for adapters in reversed(lists) for adapter in adapters}
-        return sorted(adapters.values(), key=lambda adapter: adapter.name)
-
-    def shutdown(self) -> None:
-        """Shut every engine down (:meth:`AsyncLLMEngine.shutdown`)."""
-        for replica in self._replicas:
-            if replica.restoring is not None:
-                replica.restoring.cancel()
-            replica.engine.shutdown()
-
-    async def _stream(
-        self,
-        prompt: ProcessedPrompt,
-        params: SamplingParams,
-        request_id: str | None,
-        delta: bool,
-        priority: int,
-        lora_request: LoRARequest | None,
-    ) -> AsyncIterator[RequestOutput]:
-        request_id = request_id or uuid.uuid4().hex
-        lora_name = lora_request.lora_name if lora_request is not None else None
-        replica = self._route(prompt.prompt_token_ids, params.cache_salt, lora_name, prompt.images)
-        self._claim([request_id], replica)
-        try:
-            await self._restored(replica)
-            async for output in replica.engine.generate_processed(
-                prompt, params, request_id, delta=delta, priority=priority, lora_request=lora_request
-            ):
-                yield output
-        finally:
-            self._release([request_id], replica)
-
-    def _route(
-        self, token_ids: Sequence[int], cache_salt: str | None, lora_name: str | None, images: Sequence[ImageInput]
-    ) -> _Replica:
-        """The engine for a prompt, by the rule of the class docstring; it remembers the prompt's blocks."""
-        live = self._live()
-        block_size = live[0].engine.info.block_size
-        hashes = prefix_hashes(token_ids, block_size, cache_salt, lora_name, images)
-        least = self._least_loaded(live)
-        matches = {replica: replica.match(hashes) for replica in live}
-        affine = max(live, key=lambda replica: (matches[replica], -replica.load()))
+        matches = {rank: rank.match(hashes) for rank in live}
+        affine = max(live, key=lambda rank: (matches[rank], -rank.load()))
         chosen = least
         if matches[affine]:
             slack = max(AFFINITY_SLACK, AFFINITY_SLACK_RATIO * least.load())
-            uncached = -(-(len(token_ids) - matches[affine] * block_size) // block_size)  # ceiling division
+            uncached = -(-(len(request.prompt_token_ids) - matches[affine] * block_size) // block_size)  # ceiling
             busier = affine.load() > least.load() + slack or affine.free_blocks() < uncached <= least.free_blocks()
             if not busier:
                 chosen = affine
         chosen.remember(hashes)
         return chosen
 
-    def _least_loaded(self, live: list[_Replica]) -> _Replica:
-        return min(live, key=lambda replica: (replica.load(), -replica.free_share()))
-
-    def _live(self) -> list[_Replica]:
-        """The engines that serve now, caught up with their restarts; :class:`EngineDeadError` if none does."""
-        live = [replica for replica in self._replicas if not replica.engine.is_dead]
+    def _live(self) -> list[_Rank]:
+        """The backends that serve now; :class:`EngineDeadError` if none does."""
+        live = [rank for rank in self._ranks if not rank.client.is_dead]
         if not live:
-            raise EngineDeadError(f"all {len(self._replicas)} engines are down")
-        for replica in live:
-            if replica.engine.num_backend_restarts != replica.restarts_seen:
-                self._catch_up(replica)
+            raise EngineDeadError(f"all {len(self._ranks)} engines are down")
         return live
 
-    def _any(self) -> _Replica:
-        """A live engine if there is one, else the first: for what all engines share (model, tokenizer, limits)."""
-        return next((replica for replica in self._replicas if not replica.engine.is_dead), self._replicas[0])
-
-    def _catch_up(self, replica: _Replica) -> None:
-        """Follow a new backend: its prefix cache starts empty, and the runtime adapters must be loaded again."""
-        replica.restarts_seen = replica.engine.num_backend_restarts
-        replica.prefixes.clear()
-        if self._loras:
-            replica.restoring = asyncio.get_running_loop().create_task(self._restore_loras(replica, dict(self._loras)))
-
-    async def _restore_loras(self, replica: _Replica, loras: dict[str, tuple[str, bool]]) -> None:
-        """Load the runtime adapters into a new backend; a failure is logged, and requests naming it hear NOT_FOUND."""
-        for name, (path, confined) in loras.items():
-            try:
-                await replica.engine.load_lora(name, path, confined=confined)
-            except AlreadyExistsError:  # a backend reconnected to still has it
-                pass
-            except Exception as error:
-                logger.warning("Could not load LoRA adapter %r into a new backend again: %s", name, error)
-
-    async def _restored(self, replica: _Replica) -> None:
-        """Wait until the runtime adapters are back in the engine's backend, if it restarted."""
-        if replica.restoring is not None:
-            await asyncio.shield(replica.restoring)  # shielded: a cancelled request must not cancel the reload
-
-    def _claim(self, request_ids: list[str], replica: _Replica) -> None:
-        busy = [request_id for request_id in request_ids if request_id in self._owners]
-        if busy:
-            raise InvalidRequestError("request_id", f"request ids {busy} are already in use")
-        for request_id in request_ids:
-            self._owners[request_id] = replica
-        replica.in_flight += len(request_ids)
-
-    def _release(self, request_ids: list[str], replica: _Replica) -> None:
-        for request_id in request_ids:
-            del self._owners[request_id]
-        replica.in_flight -= len(request_ids)
-
-
-Engine = AsyncLLMEngine | DataParallelEngine
-"""What the gRPC server serves: one engine, or several behind a :class:`DataParallelEngine`."""
-
-
-def replicas(engine: Engine) -> list[AsyncLLMEngine]:
-    """The engines that do the work of ``engine``: its engines for a :class:`DataParallelEngine`, else itself."""
-    return engine.engines if isinstance(engine, DataParallelEngine) else [engine]
+    def _any(self) -> _Rank:
+        """A live backend if there is one, else the first: for what all share (model, tokenizer, limits)."""
+        return next((rank for rank in self._ranks if not rank.client.is_dead), self._ranks[0])

@@ -1,23 +1,31 @@
 """The engine clients: how an engine reaches its engine core, in this process or in backend processes.
 
-Every client offers :class:`EngineClient`'s methods; ``LLMEngine`` drives a :class:`SyncEngineClient` one step at a
+Every client offers :class:`EngineClient`'s methods. ``LLMEngine`` drives a :class:`SyncEngineClient` one step at a
 time:
 
 * :class:`~spindle.frontend.inprocess_client.InProcessClient`: an engine core in this process (imports torch);
 * :class:`~spindle.frontend.sync_client.SyncBackendClient`: a backend process, whose next step it waits for.
 
-:func:`make_sync_client` picks one.
+``AsyncLLMEngine`` streams from an :class:`AsyncEngineClient`, which hands what its backends send to an
+:class:`OutputHandler` (the engine) from a task of its own:
+
+* :class:`~spindle.frontend.async_client.AsyncBackendClient`: a backend process, brought back when it dies;
+* :class:`~spindle.frontend.data_parallel.DataParallelClient`: several, each request routed to one of them.
+
+:func:`make_sync_client` and :func:`make_async_client` pick one.
 """
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from spindle.frontend.core_client import BackendConnection
+from spindle.frontend.async_client import AsyncBackendClient, RankStats
+from spindle.frontend.core_client import BackendConnection, EngineDeadError
+from spindle.frontend.data_parallel import DataParallelClient, connect_backends
 from spindle.frontend.inprocess_client import InProcessClient
 from spindle.frontend.sync_client import SyncBackendClient
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import RequestRefusedError
-from spindle.shared.protocol import Command, EngineInfo, EngineRequest, SequenceDelta
+from spindle.shared.protocol import Command, EngineInfo, EngineRequest, EngineStats, SequenceDelta
 
 if TYPE_CHECKING:
     from spindle.backend.engine_core import EngineCore
@@ -80,6 +88,66 @@ class SyncEngineClient(EngineClient, Protocol):
         """
 
 
+class OutputHandler(Protocol):
+    """What an :class:`AsyncEngineClient` hands its backends' messages to, from its receiving task."""
+
+    def on_step(self, deltas: list[SequenceDelta]) -> None:
+        """A backend ran a step: these are its deltas."""
+
+    def on_refused(self, request_id: str, error: RequestRefusedError) -> None:
+        """A backend refused a request, or dropped it (its structured-output spec did not compile)."""
+
+    def on_lost(self, request_ids: list[str], error: EngineDeadError) -> None:
+        """A backend died with these requests in flight: they are gone."""
+
+    def on_adopted(self) -> None:
+        """A new backend took over from a dead one: the client's ``info`` may have changed."""
+
+
+class AsyncEngineClient(EngineClient, Protocol):
+    """An engine client that ``AsyncLLMEngine`` streams from: its backends' messages go to an :class:`OutputHandler`."""
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether no backend serves now (one is being brought back, or the client was closed)."""
+
+    @property
+    def num_restarts(self) -> int:
+        """How many times a new backend took over from a dead one (over all backends)."""
+
+    def attach(self, handler: OutputHandler) -> None:
+        """Hand what the backends send from now on to ``handler``."""
+
+    async def add_requests(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue requests, all in one backend (several: an embedding batch).
+
+        Raises:
+            EngineDeadError: no backend serves (one is being brought back).
+
+        """
+
+    async def call(self, command: Command) -> Any:
+        """Run a control-plane command in the backends; its result (the command's ``Result`` type).
+
+        Raises:
+            RequestRefusedError: a backend refused the command.
+            EngineDeadError: no backend serves, or one died before it answered.
+            EngineUnavailableError: a backend did not answer within ``CALL_TIMEOUT`` seconds.
+
+        """
+
+    async def get_stats(self) -> EngineStats:
+        """The backends' stats, added up, as of each one's next heartbeat or step.
+
+        Raises:
+            EngineDeadError: no backend serves.
+
+        """
+
+    def rank_stats(self) -> list[RankStats]:
+        """Each backend's latest figures, one entry per backend."""
+
+
 def make_sync_client(
     config: EngineConfig, multiprocess: bool = False, backend_address: str | None = None
 ) -> SyncEngineClient:
@@ -93,3 +161,39 @@ def make_sync_client(
     from spindle.backend.engine_core import EngineCore  # only the in-process engine needs torch
 
     return InProcessClient(EngineCore(config))
+
+
+def make_async_client(
+    config: EngineConfig,
+    backend_address: str | None = None,
+    data_parallel_size: int = 1,
+    startup_timeout: float = 600.0,
+) -> AsyncEngineClient:
+    """The client an ``AsyncLLMEngine`` streams from: one backend, or several behind a data-parallel router.
+
+    Args:
+        config: the engine settings of the backends this starts.
+        backend_address: the backend to connect to instead of starting one; a comma-separated list for one backend
+            engine each, routed between.
+        data_parallel_size: how many backends to start (each with its own KV cache); with addresses, 1 or their
+            number.
+        startup_timeout: seconds to wait for each backend's handshake (a first start may convert a GGUF file).
+
+    Raises:
+        ValueError: a size below 1, or other than 1 or the number of addresses.
+        EngineDeadError: a backend exited or did not answer in time.
+        RuntimeError: a backend refused the handshake (e.g. another protocol version).
+
+    """
+    addresses = [address.strip() for address in (backend_address or "").split(",") if address.strip()]
+    if data_parallel_size < 1 or addresses and data_parallel_size not in (1, len(addresses)):
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} with {len(addresses)} backend addresses: give a size of at "
+            "least 1, or one address per engine (the size then follows from them)"
+        )
+    size = len(addresses) or data_parallel_size
+    if size == 1:
+        address = addresses[0] if addresses else None
+        return AsyncBackendClient(BackendConnection(address, config, use_asyncio=True, startup_timeout=startup_timeout))
+    connections = connect_backends(config, size, addresses, startup_timeout)
+    return DataParallelClient([AsyncBackendClient(connection) for connection in connections])

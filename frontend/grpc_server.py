@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from spindle.frontend.data_parallel import Engine
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_servicer import SpindleServicer
 from spindle.frontend.metrics import MetricsServer
@@ -180,8 +180,8 @@ def _refusing_unparsable(handler: grpc.RpcMethodHandler, method: str) -> grpc.Rp
 class GrpcServer:
     """The gRPC server: Spindle, health and reflection services on one port, and its drain on shutdown.
 
-    Health reports ``SERVING`` while the backend lives (one of them, for a
-    :class:`~spindle.frontend.data_parallel.DataParallelEngine`) and the server is not draining, ``NOT_SERVING``
+    Health reports ``SERVING`` while the backend lives (one of them, with data-parallel backends) and the server is
+    not draining, ``NOT_SERVING``
     otherwise, both for the whole server (``""``) and for ``spindle.v1.SpindleService``. With ``config.metrics_port``
     it also serves Prometheus metrics over HTTP: its ``metrics`` attribute holds the
     :class:`~spindle.frontend.metrics.MetricsServer` while the server runs.
@@ -192,7 +192,7 @@ class GrpcServer:
 
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.servicer = SpindleServicer(engine, config)
@@ -275,7 +275,7 @@ class GrpcServer:
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def serve(engine: Engine, config: ServerConfig) -> None:
+async def serve(engine: AsyncLLMEngine, config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see :meth:`GrpcServer.drain`)."""
     server = GrpcServer(engine, config)
     await server.start()

@@ -30,8 +30,8 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.core_client import EngineDeadError
-from spindle.frontend.data_parallel import Engine
 from spindle.frontend.grpc_args import ServerConfig
 from spindle.frontend.grpc_mapping import (
     ResponseBuilder,
@@ -167,8 +167,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     Each method raises what goes wrong; :func:`status_for` alone turns it into the call's status.
 
     Args:
-        engine: the engine, connected to its backend: an :class:`~spindle.frontend.async_llm_engine.AsyncLLMEngine`,
-            or a :class:`~spindle.frontend.data_parallel.DataParallelEngine` whose figures are its engines' sums.
+        engine: the engine, connected to its backend (or backends, whose figures add up).
         config: the server's limits, and where to send traces.
 
     Attributes:
@@ -177,7 +176,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.load = LoadTracker(engine)

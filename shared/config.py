@@ -234,7 +234,7 @@ def config_from_json(text: str) -> EngineConfig:
     """The :class:`EngineConfig` that :func:`config_to_json` encoded; its checks (``__post_init__``) run again.
 
     Raises:
-        msgspec.ValidationError: a field has the wrong type, or a check refuses its value.
+        ValueError: a field has the wrong type, or a check refuses its value (a ``msgspec.ValidationError``).
 
     """
     return msgspec.json.decode(text, type=EngineConfig)

@@ -208,14 +208,13 @@ def stats(preemptions: int, queries: int, hits: int) -> EngineStats:
 
 
 def test_load_totals_keep_growing_across_backend_restarts():
-    engine = SimpleNamespace(num_backend_restarts=0)
-    load = LoadTracker(engine)
+    load = LoadTracker(SimpleNamespace())
     load.update(stats(3, 100, 40))  # what the backend counted before this server
     load.update(stats(5, 150, 60))
-    engine.num_backend_restarts = 1  # a new backend: counting from zero, already past the old one's counts
-    load.update(stats(7, 200, 100))
-    load.update(stats(8, 210, 100))
-    load.update(stats(1, 10, 0))  # a restart the engine did not count (a count went down)
+    # A new backend (its first restart): counting from zero, already past the old one's counts.
+    load.update(stats(7, 200, 100), num_restarts=1)
+    load.update(stats(8, 210, 100), num_restarts=1)
+    load.update(stats(1, 10, 0), num_restarts=1)  # a restart the engine did not count (a count went down)
     assert load.totals["num_preemptions"] == 3 + 2 + 7 + 1 + 1
     assert (load.totals["num_prefix_cache_queries"], load.totals["num_prefix_cache_hits"]) == (370, 160)
     figures = load.load()

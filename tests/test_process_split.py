@@ -178,7 +178,7 @@ def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_di
 
         tasks = [asyncio.create_task(stream(i)) for i in range(8)]
         await first.wait()
-        os.kill(engine.connection.process.pid, signal.SIGKILL)
+        os.kill(engine.client.connection.process.pid, signal.SIGKILL)
         killed = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         elapsed = time.monotonic() - killed
@@ -237,7 +237,7 @@ async def main():
         if len(output.outputs[0].token_ids) == 2:
             heavy = ("torch", "triton", "transformers", "spindle.backend.engine_core")
             loaded = sorted(m for m in heavy if m in sys.modules)
-            child = engine.connection.process.pid if engine.connection.process else None
+            child = engine.client.connection.process.pid if engine.client.connection.process else None
             report = {{"loaded": loaded, "child": child, "image_shape": image.images[0].shape}}
             print(json.dumps(report), flush=True)
             await asyncio.sleep(3600)
@@ -382,8 +382,7 @@ ENGINES = {
 
 
 def backend_process(engine) -> BackendProcess:
-    engine = getattr(engine, "llm_engine", engine)
-    return engine.connection.process if isinstance(engine, AsyncLLMEngine) else engine.client.connection.process
+    return getattr(engine, "llm_engine", engine).client.connection.process
 
 
 @pytest.mark.parametrize("make_engine", ENGINES.values(), ids=ENGINES.keys())

@@ -83,7 +83,7 @@ def test_a_killed_backend_that_the_server_started_is_restarted(owned_server, tin
         assert adapter_tokens(owned_server, adapter) == 4  # loads the adapter into this backend
         running = client.generate("in flight", **LONG)
         next(running)
-        old = engine.connection.process.pid
+        old = engine.client.connection.process.pid
         os.kill(old, signal.SIGKILL)
         assert wait_for_health(client, "NOT_SERVING", 3.0) < 3.0
         with pytest.raises(grpc.RpcError) as error:
@@ -93,12 +93,12 @@ def test_a_killed_backend_that_the_server_started_is_restarted(owned_server, tin
         wait_for_health(client, "SERVING", RECOVERY)
         assert generated_text(client)
         assert adapter_tokens(owned_server, adapter) == 4  # the new backend had none: the request loaded it again
-    assert engine.num_backend_restarts == 1 and engine.connection.process.pid != old
+    assert engine.num_backend_restarts == 1 and engine.client.connection.process.pid != old
 
 
 def test_a_hung_backend_is_detected_killed_and_replaced(owned_server):
     engine = owned_server.engine
-    hung = engine.connection.process.pid
+    hung = engine.client.connection.process.pid
     try:
         with owned_server.client(timeout=30) as client:
             os.kill(hung, signal.SIGSTOP)  # alive, but silent: only the heartbeats can tell

@@ -233,7 +233,7 @@ def test_killing_a_worker_ends_every_stream_within_two_seconds(tiny_tp_llm_dir):
 
         tasks = [asyncio.create_task(stream(i)) for i in range(4)]
         await first.wait()
-        backend = psutil.Process(engine.connection.process.pid)
+        backend = psutil.Process(engine.client.connection.process.pid)
         (worker,) = [p for p in backend.children() if "spawn_main" in " ".join(p.cmdline())]
         os.kill(worker.pid, signal.SIGKILL)
         killed = time.monotonic()
