@@ -235,11 +235,12 @@ class GrpcServer:
 
     async def drain(self) -> None:
         """Report NOT_SERVING, refuse new streams, let those in flight finish for ``grace_period`` s, then stop."""
-        self.servicer.draining = True
+        control = self.servicer.admission_control
+        control.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        logger.info("Draining %d streams for up to %.0f s", self.servicer.num_streams, self.config.grace_period)
+        logger.info("Draining %d streams for up to %.0f s", control.num_streams, self.config.grace_period)
         try:
-            await asyncio.wait_for(self.servicer.streams_done.wait(), self.config.grace_period)
+            await asyncio.wait_for(control.streams_done.wait(), self.config.grace_period)
         except TimeoutError:
             logger.warning("Streams still running after the grace period are cancelled")
         await self.stop()
@@ -264,7 +265,7 @@ class GrpcServer:
         while True:
             await asyncio.sleep(0.1)
             up = not self.engine.is_dead
-            if up == serving or self.servicer.draining:  # a drain's NOT_SERVING stays
+            if up == serving or self.servicer.admission_control.draining:  # a drain's NOT_SERVING stays
                 continue
             serving = up
             if up:

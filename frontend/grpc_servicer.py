@@ -15,7 +15,6 @@ With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trac
 :class:`~spindle.frontend.metrics.LoadTracker` follows.
 """
 
-import asyncio
 import functools
 import importlib.metadata
 import inspect
@@ -30,6 +29,7 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from spindle.frontend.admission_control import AdmissionControl, QueueFullError
 from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.core_client import EngineDeadError
 from spindle.frontend.grpc_args import ServerConfig
@@ -62,10 +62,6 @@ WATCH_INTERVAL_BOUNDS = (0.05, 60.0)
 """The shortest and longest ``WatchLoad`` interval a request may set, in seconds."""
 
 
-class QueueFullError(Exception):
-    """The server already holds ``max_queued_requests`` requests that wait for the backend: retry with backoff."""
-
-
 class RuntimeLoraDisabledError(Exception):
     """A call loads or unloads a LoRA adapter, and the backend does not allow it (no ``--allow-runtime-lora``)."""
 
@@ -84,7 +80,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
         :class:`~spindle.frontend.core_client.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
-        :class:`QueueFullError`; ``INTERNAL`` for anything else, a bug (the caller logs it).
+        :class:`~spindle.frontend.admission_control.QueueFullError`; ``INTERNAL`` for anything else, a bug (the
+        caller logs it).
 
     """
     if isinstance(error, InvalidRequestError):
@@ -171,6 +168,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         config: the server's limits, and where to send traces.
 
     Attributes:
+        admission_control: which calls it takes in (none while the server drains), and those in flight.
         load: what ``WatchLoad`` and ``GetServerInfo`` report (and the metrics read); started with the server.
         tracer: makes each request's trace span; ``None`` without ``config.otlp_traces_endpoint``.
 
@@ -182,11 +180,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self.load = LoadTracker(engine)
         self.tracer = RequestTracer.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self.started = time.monotonic()
-        self.draining = False
-        self.num_queued = 0
-        self.num_streams = 0
-        self.streams_done = asyncio.Event()
-        self.streams_done.set()
+        self.admission_control = AdmissionControl(config.max_queued_requests)
 
     @_ends_with_status
     async def Generate(  # noqa: N802 - gRPC method names are CamelCase
@@ -241,24 +235,8 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         inputs = embed_inputs_from_proto(request)
         pooling = pooling_params_from_proto(request.pooling_params)
         request_id = request.request_id or uuid.uuid4().hex
-        if self.draining:
-            raise EngineUnavailableError("the server is shutting down: retry elsewhere")
-        if self.num_queued >= self.config.max_queued_requests:
-            raise QueueFullError(
-                f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}): "
-                "retry later with backoff"
-            )
-        # Counted as waiting until they end (an embedding request ends with its prefill), and as a stream to drain.
-        self.num_queued += len(inputs)
-        self.num_streams += 1
-        self.streams_done.clear()
-        try:
+        with self.admission_control.admit(len(inputs)):  # waiting until they end: an embedding ends with its prefill
             outputs = await self.engine.embed(inputs, pooling, request_id, priority=request.priority)
-        finally:
-            self.num_queued -= len(inputs)
-            self.num_streams -= 1
-            if not self.num_streams:
-                self.streams_done.set()
         return embed_response(request_id, outputs)
 
     @_ends_with_status
@@ -343,7 +321,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         interval = _watch_interval(request)
         reported, reported_at = None, 0.0
         while True:
-            if self.draining:
+            if self.admission_control.draining:
                 raise EngineUnavailableError("the server is shutting down: watch another replica")
             if self.engine.is_dead:
                 raise EngineDeadError("it died, and no other has taken over yet")
@@ -423,35 +401,17 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 request_id, context.invocation_metadata() or (), self.engine.info.model_name, method
             )
         try:
-            if self.draining:
-                raise EngineUnavailableError("the server is shutting down: retry elsewhere")
-            if self.num_queued >= self.config.max_queued_requests:
-                raise QueueFullError(
-                    f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}):"
-                    " retry later with backoff"
-                )
-            self.num_queued += 1
-            self.num_streams += 1
-            self.streams_done.clear()
-            queued = True
-            builder = ResponseBuilder()
-            try:
+            with self.admission_control.admit() as admitted:
+                builder = ResponseBuilder()
                 params = self._sampling_params(request.sampling_params)
                 if span is not None:
                     span.set_params(params)
                 async for output in start(params, request_id):
-                    if queued:
-                        self.num_queued -= 1
-                        queued = False
+                    admitted.started()
                     response = builder.build(output)
                     if span is not None:
                         span.record(output, builder.completion_tokens)
                     yield response
-            finally:
-                self.num_queued -= queued
-                self.num_streams -= 1
-                if not self.num_streams:
-                    self.streams_done.set()
         except Exception as error:
             if span is not None:
                 code, message, _ = status_for(error)
