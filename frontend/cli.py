@@ -13,17 +13,17 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from spindle.frontend.grpc_args import add_server_args
+from spindle.frontend.grpc.args import add_server_args
 from spindle.shared.config import add_backend_args, add_engine_args, add_log_args, config_from_args, configure_logging
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 
 if TYPE_CHECKING:
-    from spindle.frontend.async_llm_engine import AsyncLLMEngine
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from spindle.frontend.grpc_args import server_config_from_args
-    from spindle.frontend.grpc_server import serve
+    from spindle.frontend.grpc.args import server_config_from_args
+    from spindle.frontend.grpc.server import serve
 
     configure_logging(args.log_format)  # first: the backend children started below log in the same format
     ModelRegistry.register_models(args.register_model)  # forwarded to the backend children; imported there only
@@ -50,7 +50,7 @@ def engine_from_args(args: argparse.Namespace) -> "AsyncLLMEngine":
         ValueError: a ``--data-parallel-size`` other than 1 or the number of backend addresses.
 
     """
-    from spindle.frontend.async_llm_engine import AsyncLLMEngine
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
     return AsyncLLMEngine.from_args(
         backend_address=args.backend_address,
@@ -82,7 +82,7 @@ def _check_backend(address: str, timeout: float) -> int:
     """
     import zmq
 
-    from spindle.frontend.core_client import EngineDeadError, ping_backend
+    from spindle.frontend.engine.connection import EngineDeadError, ping_backend
     from spindle.shared.protocol import PROTOCOL_VERSION
 
     host = address.removeprefix("tcp://").rsplit(":", 1)[0] if address.startswith("tcp://") else None

@@ -336,7 +336,7 @@ class JsonLogFormatter(logging.Formatter):
 def configure_logging(log_format: str = "text", level: int = logging.INFO, stream: TextIO | None = None) -> None:
     """Send every log record (warnings too) to ``stream`` (stderr) in ``log_format``, replacing earlier handlers.
 
-    A backend child started afterwards by :func:`~spindle.frontend.core_client.start_backend` logs in the same
+    A backend child started afterwards by :func:`~spindle.frontend.engine.connection.start_backend` logs in the same
     format.
 
     Raises:

@@ -16,12 +16,12 @@ from test_grpc import LONG, ServerThread, collect, tiny_config
 from test_lora_api import save_adapter
 from test_observability import scrape, watch
 
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.cli import add_commands, engine_from_args
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.data_parallel import DataParallelClient, device_groups, prefix_hashes
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_server import GrpcServer
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.engine.data_parallel import DataParallelClient, device_groups, prefix_hashes
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.server import GrpcServer
 from spindle.shared import SamplingParams
 from spindle.shared.block_hash import block_hash, root_hash
 from spindle.shared.protocol import ImageInput, ListLoras

@@ -21,13 +21,13 @@ from grpc_status import rpc_status
 
 from spindle import LLM
 from spindle.client import SpindleClient
-from spindle.frontend.admission_control import QueueFullError
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import EngineDeadError, start_backend
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_mapping import messages_from_proto, prompt_inputs_from_proto, sampling_params_from_proto
-from spindle.frontend.grpc_server import GrpcServer
-from spindle.frontend.grpc_servicer import status_for
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import EngineDeadError, start_backend
+from spindle.frontend.grpc.admission_control import QueueFullError
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.mapping import messages_from_proto, prompt_inputs_from_proto, sampling_params_from_proto
+from spindle.frontend.grpc.server import GrpcServer
+from spindle.frontend.grpc.servicer import status_for
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError

@@ -21,8 +21,8 @@ from spindle import LLM, SamplingParams
 from spindle.backend.engine_core import EngineCore
 from spindle.backend.model_runner import RunnerOutput
 from spindle.backend.scheduler import ScheduledBatch
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import EngineRequest, ImageInput
 from spindle.v1 import spindle_pb2

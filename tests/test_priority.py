@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from spindle import LLM, LLMEngine, SamplingParams
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_servicer import SpindleServicer
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_from_json, config_to_json
 from spindle.v1 import spindle_pb2
 

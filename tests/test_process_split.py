@@ -17,8 +17,8 @@ from conftest import LLAVA_IMAGE_SIZE
 
 from spindle import LLM, FinishReason, LLMEngine, SamplingParams
 from spindle.backend.engine_process import prepare_address
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.shared.protocol import FRONTEND_TIMEOUT
@@ -161,7 +161,7 @@ def test_bad_requests_fail_alone(backend):
 
 
 def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
-    monkeypatch.setattr("spindle.frontend.core_client.PROTOCOL_VERSION", 999)
+    monkeypatch.setattr("spindle.frontend.engine.connection.PROTOCOL_VERSION", 999)
     with pytest.raises(RuntimeError, match="protocol version mismatch: the frontend speaks 999"):
         BackendConnection(backend, startup_timeout=10)
 
@@ -213,10 +213,10 @@ def socket_dirs(tmp: Path) -> list[Path]:
 FRONTEND_SCRIPT = """
 import asyncio, io, json, pathlib, sys
 from PIL import Image
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.input_processor import InputProcessor
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.processing.image_processor import ImageProcessor
+from spindle.frontend.processing.input_processor import InputProcessor
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle import SamplingParams
 
 # An image prompt for the LLaVA model, decoded and preprocessed as the frontend does it.

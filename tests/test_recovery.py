@@ -19,7 +19,7 @@ from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc 
 
 from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
-from spindle.frontend.core_client import EngineDeadError, ping_backend
+from spindle.frontend.engine.connection import EngineDeadError, ping_backend
 from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 
 SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
@@ -55,7 +55,7 @@ def assert_fast_unavailable(client: SpindleClient, message: str) -> None:
 def owned_server(tiny_llm_dir, private_tmp, monkeypatch):  # noqa: F811 - private_tmp is the imported fixture
     """A server whose engine started its own backend child, as ``spindle serve`` without ``--backend-address``."""
     monkeypatch.setattr(
-        "spindle.frontend.async_llm_engine.EngineConfig", lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs)
+        "spindle.frontend.engine.async_llm_engine.EngineConfig", lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs)
     )
     server = ServerThread(None)
     yield server

@@ -17,9 +17,9 @@ from test_grpc import ServerThread, assert_invalid, collect, refusal
 
 from spindle import LLM
 from spindle.backend.structured_output import StructuredOutputManager
-from spindle.frontend.core_client import ping_backend, start_backend
-from spindle.frontend.grpc_mapping import structured_output_from_proto
-from spindle.frontend.llm_engine import LLMEngine
+from spindle.frontend.engine.connection import ping_backend, start_backend
+from spindle.frontend.engine.llm_engine import LLMEngine
+from spindle.frontend.grpc.mapping import structured_output_from_proto
 from spindle.shared import CompletionOutput, SamplingParams, StructuredOutput
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError

@@ -26,8 +26,8 @@ from spindle.backend import parallel
 from spindle.backend.models.llama import LlamaForCausalLM
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_model
 from spindle.backend.parallel import TensorParallel
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import EngineDeadError
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import EngineDeadError
 from spindle.kernels.quant import dequantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -3,14 +3,14 @@
 Every client offers :class:`EngineClient`'s methods. ``LLMEngine`` drives a :class:`SyncEngineClient` one step at a
 time:
 
-* :class:`~spindle.frontend.inprocess_client.InProcessClient`: an engine core in this process (imports torch);
-* :class:`~spindle.frontend.sync_client.SyncBackendClient`: a backend process, whose next step it waits for.
+* :class:`~spindle.frontend.engine.inprocess_client.InProcessClient`: an engine core in this process (imports torch);
+* :class:`~spindle.frontend.engine.sync_client.SyncBackendClient`: a backend process, whose next step it waits for.
 
 ``AsyncLLMEngine`` streams from an :class:`AsyncEngineClient`, which hands what its backends send to an
 :class:`OutputHandler` (the engine) from a task of its own:
 
-* :class:`~spindle.frontend.async_client.AsyncBackendClient`: a backend process, brought back when it dies;
-* :class:`~spindle.frontend.data_parallel.DataParallelClient`: several, each request routed to one of them.
+* :class:`~spindle.frontend.engine.async_client.AsyncBackendClient`: a backend process, brought back when it dies;
+* :class:`~spindle.frontend.engine.data_parallel.DataParallelClient`: several, each request routed to one of them.
 
 :func:`make_sync_client` and :func:`make_async_client` pick one.
 """
@@ -18,11 +18,11 @@ time:
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from spindle.frontend.async_client import AsyncBackendClient, RankStats
-from spindle.frontend.core_client import BackendConnection, EngineDeadError
-from spindle.frontend.data_parallel import DataParallelClient, connect_backends
-from spindle.frontend.inprocess_client import InProcessClient
-from spindle.frontend.sync_client import SyncBackendClient
+from spindle.frontend.engine.async_client import AsyncBackendClient, RankStats
+from spindle.frontend.engine.connection import BackendConnection, EngineDeadError
+from spindle.frontend.engine.data_parallel import DataParallelClient, connect_backends
+from spindle.frontend.engine.inprocess_client import InProcessClient
+from spindle.frontend.engine.sync_client import SyncBackendClient
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import RequestRefusedError
 from spindle.shared.protocol import Command, EngineInfo, EngineRequest, EngineStats, SequenceDelta

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from spindle.frontend.core_client import CALL_TIMEOUT, BackendConnection, EngineDeadError
-from spindle.frontend.supervisor import ConnectionSupervisor
+from spindle.frontend.engine.connection import CALL_TIMEOUT, BackendConnection, EngineDeadError
+from spindle.frontend.engine.supervisor import ConnectionSupervisor
 from spindle.shared.errors import EngineUnavailableError
 from spindle.shared.protocol import (
     Call,
@@ -27,7 +27,7 @@ from spindle.shared.protocol import (
 )
 
 if TYPE_CHECKING:
-    from spindle.frontend.engine_client import OutputHandler
+    from spindle.frontend.engine.client import OutputHandler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +52,12 @@ class AsyncBackendClient:
 
     The task (one per event loop: a task of an earlier ``asyncio.run()`` is done and cannot be awaited there) receives
     every message from the backend: step deltas and refusals go to the
-    :class:`~spindle.frontend.engine_client.OutputHandler`, call replies to their
-    callers, stats to :meth:`get_stats`. The client keeps the requests it sent that are still running, completion by
-    completion, so that when the backend dies it tells the handler exactly which requests were lost. Its
-    :class:`~spindle.frontend.supervisor.ConnectionSupervisor` then brings a backend back, and the handler hears of
-    it; until then every call raises :class:`~spindle.frontend.core_client.EngineDeadError`, saying what is being
-    done about it.
+    :class:`~spindle.frontend.engine.client.OutputHandler`, call replies to their callers, stats to :meth:`get_stats`.
+    The client keeps the requests it sent that are still running, completion by completion, so that when the backend
+    dies it tells the handler exactly which requests were lost. Its
+    :class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor` then brings a backend back, and the handler hears
+    of it; until then every call raises :class:`~spindle.frontend.engine.connection.EngineDeadError`, saying what is
+    being done about it.
 
     Args:
         connection: the connection to the backend, after its handshake (an asyncio one).

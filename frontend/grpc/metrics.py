@@ -4,7 +4,7 @@ Everything comes from what the frontend already receives, over the one socket to
 :class:`~spindle.shared.protocol.EngineStats` that comes with every step and heartbeat (running and waiting
 sequences, KV cache blocks, and counts since the backend started: preemptions, prefix cache lookups, draft tokens),
 and the requests' progress as the output processor applies each step (a
-:class:`~spindle.frontend.output_processor.StepListener`: tokens, timings, finish reasons).
+:class:`~spindle.frontend.processing.output_processor.StepListener`: tokens, timings, finish reasons).
 
 The metric names are vLLM's with the ``spindle:`` prefix, and the histograms have vLLM's buckets, so dashboards
 and alerts written for vLLM carry over; every metric has a ``model_name`` label. :data:`METRICS` lists them (the
@@ -21,13 +21,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from spindle.frontend.data_parallel import sum_stats
-from spindle.frontend.output_processor import RequestState
+from spindle.frontend.engine.data_parallel import sum_stats
+from spindle.frontend.processing.output_processor import RequestState
 from spindle.shared import FinishReason
 from spindle.shared.protocol import EngineStats
 
 if TYPE_CHECKING:
-    from spindle.frontend.async_llm_engine import AsyncLLMEngine
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +207,10 @@ def kv_cache_usage(stats: EngineStats | None) -> float:
 class LoadTracker:
     """The engine's load as the server sees it: the latest stats, totals that survive backend restarts, and rates.
 
-    :meth:`start` follows every stats update (each step and heartbeat) in a task, taking each backend's figures
-    from :meth:`~spindle.frontend.async_llm_engine.AsyncLLMEngine.rank_stats` (with several backends, they add up),
-    and every request's tokens as a :class:`~spindle.frontend.output_processor.StepListener`. A backend's counts
-    start from zero when it restarts; the :attr:`totals` add up what they grew by, so they only ever grow.
+    :meth:`start` follows every stats update (each step and heartbeat) in a task, taking each backend's figures from
+    :meth:`~spindle.frontend.engine.async_llm_engine.AsyncLLMEngine.rank_stats` (with several backends, they add up),
+    and every request's tokens as a :class:`~spindle.frontend.processing.output_processor.StepListener`. A backend's
+    counts start from zero when it restarts; the :attr:`totals` add up what they grew by, so they only ever grow.
 
     Args:
         engine: the engine, connected to its backend (or backends).
@@ -387,9 +387,9 @@ class MetricsServer:
     """Serves the Prometheus metrics over HTTP at ``http://host:port/metrics``, from a thread of its own.
 
     The request metrics are recorded as the output processor applies each step (this is a
-    :class:`~spindle.frontend.output_processor.StepListener`); the engine's are read from ``load`` at each scrape.
-    The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors), not
-    prometheus_client's global one, so that several servers can share a process.
+    :class:`~spindle.frontend.processing.output_processor.StepListener`); the engine's are read from ``load`` at each
+    scrape. The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors),
+    not prometheus_client's global one, so that several servers can share a process.
 
     Args:
         engine: the engine, connected to its backend (or backends).

@@ -1,11 +1,11 @@
 """``DataParallelClient``: N backend engines, each its own process with its own KV cache, behind one frontend.
 
-It is an :class:`~spindle.frontend.engine_client.AsyncEngineClient` like a single backend's, so one
-``AsyncLLMEngine`` serves from it as from one backend (``spindle serve --data-parallel-size N``, or
-``--backend-address`` with a comma-separated list): the engine admits, tokenizes and detokenizes each request once,
-and this client chooses the backend it goes to and adds up what the backends report. Each backend keeps its own
-connection, recovery and restarts (an :class:`~spindle.frontend.async_client.AsyncBackendClient` each). It runs in
-the frontend process and never imports torch.
+It is an :class:`~spindle.frontend.engine.client.AsyncEngineClient` like a single backend's, so one ``AsyncLLMEngine``
+serves from it as from one backend (``spindle serve --data-parallel-size N``, or ``--backend-address`` with a
+comma-separated list): the engine admits, tokenizes and detokenizes each request once, and this client chooses the
+backend it goes to and adds up what the backends report. Each backend keeps its own connection, recovery and restarts
+(an :class:`~spindle.frontend.engine.async_client.AsyncBackendClient` each). It runs in the frontend process and never
+imports torch.
 """
 
 import asyncio
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from spindle.frontend.async_client import AsyncBackendClient, RankStats
-from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
+from spindle.frontend.engine.async_client import AsyncBackendClient, RankStats
+from spindle.frontend.engine.connection import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.shared.block_hash import block_hash, root_hash
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import AlreadyExistsError, NotFoundError, RequestRefusedError
@@ -41,7 +41,7 @@ from spindle.shared.protocol import (
 )
 
 if TYPE_CHECKING:
-    from spindle.frontend.engine_client import OutputHandler
+    from spindle.frontend.engine.client import OutputHandler
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def connect_backends(
 class _Rank:
     """One backend as the router sees it: its client, the prompt prefixes it was sent, its adapters coming back.
 
-    It is also the :class:`~spindle.frontend.engine_client.OutputHandler` of its client: what the backend sends goes
+    It is also the :class:`~spindle.frontend.engine.client.OutputHandler` of its client: what the backend sends goes
     on to the router's handler, and a new backend in its place starts with an empty prefix cache and none of the
     adapters loaded at run time, which it gets again.
 
@@ -254,7 +254,7 @@ class DataParallelClient:
 
     Each backend recovers on its own: a dead backend fails only the requests it held (the handler hears they are
     lost), the others go on, new requests go to the live ones, and it takes requests again once it is back. Calls
-    fail with :class:`~spindle.frontend.core_client.EngineDeadError` only while every backend is down.
+    fail with :class:`~spindle.frontend.engine.connection.EngineDeadError` only while every backend is down.
 
     Routing: a request goes to a live backend, chosen by the request's prompt (its full KV blocks of ``block_size``
     tokens) and each backend's *load*, its requests in flight from this client plus those waiting in its scheduler

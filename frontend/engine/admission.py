@@ -1,10 +1,10 @@
 """``Admission``: the one path a checked prompt takes into an engine, the same for ``LLMEngine`` and ``AsyncLLMEngine``.
 
-A request gets its id, its LoRA adapter and, for a chat with tools, the constraint of its tool choice here, and
-leaves as the :class:`~spindle.shared.protocol.EngineRequest` the engine core queues and the
-:class:`~spindle.frontend.output_processor.RequestState` the output processor follows. The engines only say where
-each goes: an ``LLMEngine`` queues the request and then tracks it, so that a refusal of its in-process core leaves no
-trace; an ``AsyncLLMEngine`` opens the request's stream first, so that no output can come before it.
+A request gets its id, its LoRA adapter and, for a chat with tools, the constraint of its tool choice here, and leaves
+as the :class:`~spindle.shared.protocol.EngineRequest` the engine core queues and the
+:class:`~spindle.frontend.processing.output_processor.RequestState` the output processor follows. The engines only say
+where each goes: an ``LLMEngine`` queues the request and then tracks it, so that a refusal of its in-process core leaves
+no trace; an ``AsyncLLMEngine`` opens the request's stream first, so that no output can come before it.
 """
 
 import logging
@@ -14,10 +14,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Container, Coroutine, Sequence
 from typing import Any
 
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
-from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, RequestState
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.image_processor import ImageProcessor
+from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
+from spindle.frontend.processing.output_processor import EMBEDDING_SAMPLING_PARAMS, RequestState
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import PoolingParams, PromptInputs, SamplingParams
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError
 from spindle.shared.lora import LoRARequest, check_same_adapter

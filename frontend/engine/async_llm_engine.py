@@ -7,13 +7,13 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from spindle.frontend.admission import Admission
-from spindle.frontend.async_client import RankStats
-from spindle.frontend.core_client import EngineDeadError
-from spindle.frontend.engine_client import AsyncEngineClient, make_async_client
-from spindle.frontend.input_processor import ProcessedPrompt
-from spindle.frontend.output_processor import OutputProcessor, RequestState
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.admission import Admission
+from spindle.frontend.engine.async_client import RankStats
+from spindle.frontend.engine.client import AsyncEngineClient, make_async_client
+from spindle.frontend.engine.connection import EngineDeadError
+from spindle.frontend.processing.input_processor import ProcessedPrompt
+from spindle.frontend.processing.output_processor import OutputProcessor, RequestState
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import (
     EmbeddingRequestOutput,
     FinishReason,
@@ -40,12 +40,12 @@ class AsyncLLMEngine:
 
     If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every stream it served
     raises :class:`EngineDeadError` within two seconds, and so does every call until a backend is back. The client
-    brings one back (:class:`~spindle.frontend.supervisor.ConnectionSupervisor`): it kills a backend it started and
-    starts a new one, or reconnects to the backend at the address it was given, until one answers. It waits 1 s
+    brings one back (:class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor`): it kills a backend it started
+    and starts a new one, or reconnects to the backend at the address it was given, until one answers. It waits 1 s
     before the first attempt, twice as long after each failure, up to 30 s; the wait starts again from 1 s once a
     backend has served for 60 s. With several backends (``data_parallel_size``, or several addresses: a
-    :class:`~spindle.frontend.data_parallel.DataParallelClient`), each request goes to one of them, and a dead one
-    takes down only its own streams.
+    :class:`~spindle.frontend.engine.data_parallel.DataParallelClient`), each request goes to one of them, and a dead
+    one takes down only its own streams.
 
     Example::
 
@@ -87,7 +87,7 @@ class AsyncLLMEngine:
         starts N backends, each with its own KV cache (and its own GPUs where there are enough, or else an equal
         share of this machine's cores), and routes each request to one of them; a comma-separated
         ``backend_address`` connects to one backend engine per address the same way
-        (:func:`~spindle.frontend.engine_client.make_async_client`).
+        (:func:`~spindle.frontend.engine.client.make_async_client`).
         """
         config = EngineConfig(**engine_args)
         return cls(make_async_client(config, backend_address, data_parallel_size, startup_timeout))
@@ -167,8 +167,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Like :meth:`generate` for a conversation, rendered with the model's chat template.
 
-        ``tools`` and ``tool_choice`` are those of :meth:`~spindle.frontend.llm_engine.LLMEngine.add_chat_request`:
-        a finished completion of a request with tools carries its parsed calls (:doc:`tool_calling`).
+        ``tools`` and ``tool_choice`` are those of
+        :meth:`~spindle.frontend.engine.llm_engine.LLMEngine.add_chat_request`: a finished completion of a request with
+        tools carries its parsed calls (:doc:`tool_calling`).
         """
         params = sampling_params or SamplingParams()
         prompt = await self.admission.input_processor.process_chat_async(

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from spindle.frontend.core_client import CALL_TIMEOUT, BackendConnection
+from spindle.frontend.engine.connection import CALL_TIMEOUT, BackendConnection
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.protocol import (
     Call,

@@ -3,11 +3,11 @@
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from spindle.frontend.admission import Admission, run_unsuspended
-from spindle.frontend.engine_client import SyncEngineClient, make_sync_client
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
-from spindle.frontend.output_processor import OutputProcessor
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.admission import Admission, run_unsuspended
+from spindle.frontend.engine.client import SyncEngineClient, make_sync_client
+from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.processing.output_processor import OutputProcessor
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name

@@ -5,14 +5,14 @@ else: ``INVALID_ARGUMENT`` (with a ``google.rpc.BadRequest`` field violation per
 parameters, ``RESOURCE_EXHAUSTED`` when the waiting queue is full, ``UNAVAILABLE`` when the backend is down or the
 server or engine drains, ``INTERNAL`` (logged) for a bug of ours. gRPC itself answers ``RESOURCE_EXHAUSTED`` for a
 message over the size limit, ``CANCELLED`` and ``DEADLINE_EXCEEDED`` (which abort the request in the backend: the
-handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc_server` adds
+handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc.server` adds
 ``UNAUTHENTICATED`` without the API key and ``INVALID_ARGUMENT`` for a request message that does not parse.
 The LoRA adapter calls add ``NOT_FOUND`` (an unknown adapter, with a field violation naming the field that holds the
 name), ``ALREADY_EXISTS`` (a name taken) and ``FAILED_PRECONDITION`` (loading adapters at run time is off).
 
 With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trace span
-(:mod:`spindle.frontend.tracing`); ``WatchLoad`` and ``GetServerInfo`` report the load that a
-:class:`~spindle.frontend.metrics.LoadTracker` follows.
+(:mod:`spindle.frontend.grpc.tracing`); ``WatchLoad`` and ``GetServerInfo`` report the load that a
+:class:`~spindle.frontend.grpc.metrics.LoadTracker` follows.
 """
 
 import functools
@@ -29,11 +29,11 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from spindle.frontend.admission_control import AdmissionControl, QueueFullError
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import EngineDeadError
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_mapping import (
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import EngineDeadError
+from spindle.frontend.grpc.admission_control import AdmissionControl, QueueFullError
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.mapping import (
     ResponseBuilder,
     embed_inputs_from_proto,
     embed_response,
@@ -46,8 +46,8 @@ from spindle.frontend.grpc_mapping import (
     tool_choice_from_proto,
     tools_from_proto,
 )
-from spindle.frontend.metrics import Load, LoadTracker, kv_cache_usage
-from spindle.frontend.tracing import RequestTracer
+from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
+from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
 from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
@@ -79,8 +79,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         :class:`~spindle.shared.errors.AlreadyExistsError` (with the same violations); ``FAILED_PRECONDITION`` for a
         :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
-        :class:`~spindle.frontend.core_client.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
-        :class:`~spindle.frontend.admission_control.QueueFullError`; ``INTERNAL`` for anything else, a bug (the
+        :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
+        :class:`~spindle.frontend.grpc.admission_control.QueueFullError`; ``INTERNAL`` for anything else, a bug (the
         caller logs it).
 
     """

@@ -1,6 +1,6 @@
 """The gRPC server's life: ``spindle.v1.SpindleService``, health and reflection on one port, then the drain on SIGTERM.
 
-The service itself is :class:`~spindle.frontend.grpc_servicer.SpindleServicer` (with the status code of every
+The service itself is :class:`~spindle.frontend.grpc.servicer.SpindleServicer` (with the status code of every
 error); this module serves it with the standard health service, server reflection (both ``grpc.reflection.v1`` and
 the older ``v1alpha``), the API-key check (``UNAUTHENTICATED``), and ``INVALID_ARGUMENT`` for a request message that
 does not parse (gRPC would answer ``UNKNOWN``).
@@ -23,10 +23,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_servicer import SpindleServicer
-from spindle.frontend.metrics import MetricsServer
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.metrics import MetricsServer
+from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class GrpcServer:
     not draining, ``NOT_SERVING``
     otherwise, both for the whole server (``""``) and for ``spindle.v1.SpindleService``. With ``config.metrics_port``
     it also serves Prometheus metrics over HTTP: its ``metrics`` attribute holds the
-    :class:`~spindle.frontend.metrics.MetricsServer` while the server runs.
+    :class:`~spindle.frontend.grpc.metrics.MetricsServer` while the server runs.
 
     Args:
         engine: the engine, connected to its backend (or backends).

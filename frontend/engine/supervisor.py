@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
+from spindle.frontend.engine.connection import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.shared.config import EngineConfig
 
 logger = logging.getLogger(__name__)

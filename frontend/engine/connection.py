@@ -2,7 +2,8 @@
 
 A backend is alive while it answers: it sends a heartbeat every ``HEARTBEAT_INTERVAL`` seconds from its I/O thread,
 so silence for ``HEARTBEAT_TIMEOUT`` seconds, or the exit of a backend we started, means it is dead, and every
-call raises :class:`EngineDeadError` from then on (``AsyncLLMEngine`` then brings a backend back on a new connection).
+call raises :class:`EngineDeadError` from then on (an asyncio client's
+:class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor` then brings a backend back on a new connection).
 :func:`ping_backend` asks whether a backend is up without joining it. This module imports no torch.
 """
 
@@ -186,7 +187,7 @@ class BackendConnection:
     Args:
         address: the backend's ZeroMQ address; ``None`` starts a backend child process with ``config``.
         config: the engine settings for a backend this connection starts.
-        use_asyncio: make :attr:`socket` an asyncio socket (for ``AsyncLLMEngine``).
+        use_asyncio: make :attr:`socket` an asyncio socket (for an ``AsyncBackendClient``).
         startup_timeout: seconds to wait for the handshake (a first start may convert a GGUF file).
         process: a backend child already started (by :func:`start_backend`) at ``address``, which this
             connection then owns as if it had started it.
