@@ -1,41 +1,9 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, a free list, reference counts and prefix sharing."""
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
 
 from spindle.backend.sequence import Sequence
-
-_UNSALTED_ROOT = hashlib.sha256(b"spindle-kv-unsalted").digest()
-
-
-def root_hash(cache_salt: str | None, lora_id: int | None = None) -> bytes:
-    """The digest a sequence's first block chains from: one per salt (or none) and LoRA adapter (or none).
-
-    The salt is hashed under its own prefix, so no salt gives the unsalted root and no two salts give the same one.
-    An adapter changes every layer's K/V, so its sequences chain from the salt's root hashed again under another
-    prefix with the adapter's id: no two adapters, nor an adapter and the base model, share a block. The id is the
-    one :mod:`spindle.backend.lora_manager` gives each loaded adapter, never reused, so an adapter unloaded and loaded
-    again with other weights under the same name finds none of the old blocks.
-    """
-    root = _UNSALTED_ROOT
-    if cache_salt is not None:
-        root = hashlib.sha256(b"spindle-kv-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
-    if lora_id is not None:
-        root = hashlib.sha256(b"spindle-kv-lora\0" + str(lora_id).encode() + b"\0" + root).digest()
-    return root
-
-
-def block_hash(parent: bytes, token_ids: Iterable[int], image_hashes: bytes = b"") -> bytes:
-    """SHA-256 of the parent block's 32-byte digest, the block's token ids as 8-byte integers, and image digests.
-
-    Every part has a fixed width (``image_hashes`` is a run of 32-byte digests), so the encoding is unambiguous, and
-    the chain makes a block's digest stand for its whole prefix (and the salt at its root). ``image_hashes`` holds the
-    content hashes of the images whose placeholder tokens the block holds: the placeholders are the same token ids
-    for every image, so without them two different images would share K/V.
-    """
-    return hashlib.sha256(parent + array("q", token_ids).tobytes() + image_hashes).digest()
+from spindle.shared.block_hash import block_hash, root_hash
 
 
 def _image_hashes(seq: Sequence, start: int, end: int) -> bytes:
@@ -58,10 +26,10 @@ class BlockManager:
     """Hands out KV cache blocks to sequences and shares full blocks between sequences with the same prefix.
 
     A full block is keyed by the SHA-256 digest of its predecessor's digest, its own tokens and the content hashes of
-    the images whose placeholders it holds (:func:`block_hash`), so two sequences with the same first
-    ``k * block_size`` tokens (the ``n`` completions of one prompt, or prompts with the same system message, or the
-    same images at the same places) point at the same ``k`` blocks. The first block chains
-    from the request's ``cache_salt`` and LoRA adapter (:func:`root_hash`), so requests with different salts or
+    the images whose placeholders it holds (:func:`~spindle.shared.block_hash.block_hash`), so two sequences with the
+    same first ``k * block_size`` tokens (the ``n`` completions of one prompt, or prompts with the same system message,
+    or the same images at the same places) point at the same ``k`` blocks. The first block chains from the request's
+    ``cache_salt`` and LoRA adapter (:func:`~spindle.shared.block_hash.root_hash`), so requests with different salts or
     adapters, or a salted and an unsalted one, share no block; unsalted base-model requests share with each other.
     A cryptographic hash means no prompt can be crafted to collide with another's blocks, to read or poison the K/V
     cached for someone else's prefix. A block whose reference count drops to zero goes back to the free list but

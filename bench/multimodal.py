@@ -30,7 +30,7 @@ from PIL import Image
 
 from spindle import LLM, SamplingParams
 from spindle.backend.models.loader import cache_root, resolve_dtype, resolve_model
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.tokenizer import Tokenizer
 
 IMAGE_TOKEN = "<empty_output>"
 IMAGE_SIZE, PATCH_SIZE = 224, 16

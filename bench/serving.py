@@ -28,8 +28,8 @@ import grpc
 
 from spindle import LLM, SamplingParams
 from spindle.client import sampling_params
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import start_backend
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import start_backend
 from spindle.shared.config import EngineConfig
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 

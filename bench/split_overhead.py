@@ -14,7 +14,7 @@ import statistics
 import time
 
 from spindle import LLMEngine, SamplingParams
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
 PROMPT = "Write a short story about {}. Make it vivid."
 TOPICS = ["the ocean", "a small town", "machine learning", "Rome", "coffee", "a robot", "winter", "jazz"]

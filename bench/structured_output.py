@@ -64,7 +64,7 @@ def rate(llm: LLM, conversations: list, params: list[SamplingParams]) -> float:
 def compile_seconds(llm: LLM, schema: dict) -> float:
     """Seconds to compile ``schema`` in the in-process engine core's structured-output manager."""
     start = time.perf_counter()
-    llm.llm_engine.core.structured_output.compile(StructuredOutput(json_schema=schema)).result()
+    llm.llm_engine.engine_core.structured_output.compile(StructuredOutput(json_schema=schema)).result()
     return time.perf_counter() - start
 
 

@@ -13,17 +13,17 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from spindle.frontend.grpc_args import add_server_args
+from spindle.frontend.grpc.args import add_server_args
 from spindle.shared.config import add_backend_args, add_engine_args, add_log_args, config_from_args, configure_logging
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 
 if TYPE_CHECKING:
-    from spindle.frontend.data_parallel import Engine
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from spindle.frontend.grpc_args import server_config_from_args
-    from spindle.frontend.grpc_server import serve
+    from spindle.frontend.grpc.args import server_config_from_args
+    from spindle.frontend.grpc.server import serve
 
     configure_logging(args.log_format)  # first: the backend children started below log in the same format
     ModelRegistry.register_models(args.register_model)  # forwarded to the backend children; imported there only
@@ -40,30 +40,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_from_args(args: argparse.Namespace) -> "Engine":
+def engine_from_args(args: argparse.Namespace) -> "AsyncLLMEngine":
     """The engine ``spindle serve`` serves, connected to its backends.
 
-    One :class:`~spindle.frontend.async_llm_engine.AsyncLLMEngine`, or a
-    :class:`~spindle.frontend.data_parallel.DataParallelEngine` over ``--data-parallel-size`` backends (or over the
-    backends of a comma-separated ``--backend-address``).
+    One backend, or ``--data-parallel-size`` backends (or the backends of a comma-separated ``--backend-address``),
+    each request routed to one of them.
 
     Raises:
         ValueError: a ``--data-parallel-size`` other than 1 or the number of backend addresses.
 
     """
-    from spindle.frontend.async_llm_engine import AsyncLLMEngine
-    from spindle.frontend.data_parallel import DataParallelEngine
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
-    addresses = [address.strip() for address in (args.backend_address or "").split(",") if address.strip()]
-    if addresses and args.data_parallel_size not in (1, len(addresses)):
-        raise ValueError(
-            f"--data-parallel-size {args.data_parallel_size} but {len(addresses)} --backend-address values: "
-            "give one address per engine (the size then follows from them)"
-        )
-    engine_args = config_from_args(args).settings()
-    if max(len(addresses), args.data_parallel_size) == 1:
-        return AsyncLLMEngine.from_args(backend_address=addresses[0] if addresses else None, **engine_args)
-    return DataParallelEngine.from_args(None if addresses else args.data_parallel_size, addresses, **engine_args)
+    return AsyncLLMEngine.from_args(
+        backend_address=args.backend_address,
+        data_parallel_size=args.data_parallel_size,
+        **config_from_args(args).settings(),
+    )
 
 
 def _positive_int(value: str) -> int:
@@ -89,7 +82,7 @@ def _check_backend(address: str, timeout: float) -> int:
     """
     import zmq
 
-    from spindle.frontend.core_client import EngineDeadError, ping_backend
+    from spindle.frontend.engine.connection import EngineDeadError, ping_backend
     from spindle.shared.protocol import PROTOCOL_VERSION
 
     host = address.removeprefix("tcp://").rsplit(":", 1)[0] if address.startswith("tcp://") else None

@@ -369,7 +369,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def config_to_json(config: EngineConfig) -> str:
-    """``config`` as JSON, every part and field as msgspec encodes it.
+    """``config`` as JSON, every field (nested dataclasses too) as msgspec encodes it.
 
     It is how a frontend hands a backend child its whole configuration (``spindle backend --engine-config``), so that
     no field has to have a flag that rebuilds it.
@@ -380,7 +380,9 @@ def config_to_json(config: EngineConfig) -> str:
 def config_from_json(text: str) -> EngineConfig:
     """The :class:`EngineConfig` that :func:`config_to_json` encoded; its checks (``__post_init__``) run again.
 
-    A field of the wrong type, or a value a check refuses, raises msgspec's ``ValidationError``.
+    Raises:
+        ValueError: a field has the wrong type, or a check refuses its value (a ``msgspec.ValidationError``).
+
     """
     return msgspec.json.decode(text, type=EngineConfig)
 
@@ -481,7 +483,7 @@ class JsonLogFormatter(logging.Formatter):
 def configure_logging(log_format: str = "text", level: int = logging.INFO, stream: TextIO | None = None) -> None:
     """Send every log record (warnings too) to ``stream`` (stderr) in ``log_format``, replacing earlier handlers.
 
-    A backend child started afterwards by :func:`~spindle.frontend.core_client.start_backend` logs in the same
+    A backend child started afterwards by :func:`~spindle.frontend.engine.connection.start_backend` logs in the same
     format.
 
     Raises:

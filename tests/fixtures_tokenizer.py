@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from spindle.backend.models.loader import embedded_gguf
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.tokenizer import Tokenizer
 
 LLAMA_STYLE_CORPUS = [
     "Hello world, the cat sat on the mat.",

@@ -17,12 +17,14 @@ from test_lora_api import save_adapter
 from test_observability import scrape, watch
 
 from spindle.frontend.cli import add_commands, engine_from_args
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.data_parallel import DataParallelEngine, device_groups, prefix_hashes
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_server import GrpcServer
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.engine.data_parallel import DataParallelClient, device_groups, prefix_hashes
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.server import GrpcServer
 from spindle.shared import SamplingParams
-from spindle.shared.protocol import ImageInput
+from spindle.shared.block_hash import block_hash, root_hash
+from spindle.shared.protocol import ImageInput, ListLoras
 from spindle.v1 import spindle_pb2
 
 TINY_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB"]
@@ -53,8 +55,8 @@ class DataParallelServer(ServerThread):
         self.address = f"127.0.0.1:{self.port}"
 
     def stats(self, index: int):
-        """The latest stats of engine ``index``."""
-        return self.run(self.engine.engines[index].get_stats())
+        """The latest stats of backend ``index``."""
+        return self.run(self.engine.client.clients[index].get_stats())
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def remote_server(tiny_llm_dir):
     """Two backends of their own, served as ``spindle serve --backend-address A,B``."""
     backends = [start_backend(tiny_config(tiny_llm_dir)) for _ in range(2)]
     server = DataParallelServer("--backend-address", ",".join(address for _, address in backends))
+    server.backend_addresses = [address for _, address in backends]
     yield server
     server.close()
     for process, _ in backends:
@@ -84,9 +87,9 @@ def owned_server(tiny_llm_dir, tmp_path_factory):
     server.close()
 
 
-def visible_devices(engine) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` that an engine's backend process runs with."""
-    environ = Path(f"/proc/{engine.connection.process.pid}/environ").read_bytes().split(b"\0")
+def visible_devices(client) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` that a backend client's process runs with."""
+    environ = Path(f"/proc/{client.connection.process.pid}/environ").read_bytes().split(b"\0")
     return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES="))
 
 
@@ -101,7 +104,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 def test_the_engines_serve_as_one(request, fixture):
     server = request.getfixturevalue(fixture)
     engine = server.engine
-    assert isinstance(engine, DataParallelEngine) and len(engine.engines) == 2
+    assert isinstance(engine.client, DataParallelClient) and len(engine.client.clients) == 2
     with server.client(timeout=30) as client:
         assert client.health() == "SERVING"
         before = scrape(server)
@@ -117,12 +120,12 @@ def test_the_engines_serve_as_one(request, fixture):
         assert moved("spindle:generation_tokens_total") == 4
         assert moved("spindle:request_success_total", finished_reason="length") == 1
         info = client.server_info()
-        assert info.num_total_kv_blocks == sum(e.info.num_kv_blocks for e in engine.engines) > 0
+        assert info.num_total_kv_blocks == sum(c.info.num_kv_blocks for c in engine.client.clients) > 0
         reports = watch(client, seconds=30)
         assert next(reports).kv_cache_usage == 0.0
         reports.cancel()
         embeddings = client.embed(["one", "two", "three"], "batch").embeddings
-        assert len(embeddings) == 3 and engine.engine_of("batch-0") is None  # let go once it ended
+        assert len(embeddings) == 3 and engine.client.client_of("batch-0") is None  # let go once it ended
 
 
 def test_prefix_hashes_cover_full_blocks_each_with_all_before_it():
@@ -132,8 +135,13 @@ def test_prefix_hashes_cover_full_blocks_each_with_all_before_it():
     assert prefix_hashes(prompt, 16)[0] == prefix_hashes(changed, 16)[0]
     assert prefix_hashes(prompt, 16)[1] != prefix_hashes(changed, 16)[1]
     assert prefix_hashes(prompt[:32] + [7], 16) == prefix_hashes(prompt, 16)
-    salted = prefix_hashes(prompt, 16, ("sql", None))  # another adapter (or cache salt): another cache
-    assert not set(salted) & set(prefix_hashes(prompt, 16))
+    # The digests the backend's prefix cache keys the same blocks by, salt included.
+    first = block_hash(root_hash("s"), prompt[:16])
+    assert prefix_hashes(prompt, 16, "s") == [first, block_hash(first, prompt[16:32])]
+    unsalted = set(prefix_hashes(prompt, 16))
+    for other in (prefix_hashes(prompt, 16, "s"), prefix_hashes(prompt, 16, lora_name="sql")):
+        assert not set(other) & unsalted  # another cache salt or adapter: another cache
+    assert not set(prefix_hashes(prompt, 16, lora_name="sql")) & set(prefix_hashes(prompt, 16, lora_name="chat"))
     # An image whose tokens start in the second block: the first is shared, the second differs with the image.
     pixels = np.zeros((3, 2, 2), dtype=np.float32)
     image, other = ImageInput.from_pixels(pixels, 20, 12), ImageInput.from_pixels(pixels + 1, 20, 12)
@@ -141,6 +149,7 @@ def test_prefix_hashes_cover_full_blocks_each_with_all_before_it():
     assert with_image[0] == with_other[0] == prefix_hashes(prompt, 16)[0]
     assert len({with_image[1], with_other[1], prefix_hashes(prompt, 16)[1]}) == 3
     assert prefix_hashes(prompt, 16, images=[ImageInput.from_pixels(pixels, 20, 12)]) == with_image
+    assert with_image[1] == block_hash(with_image[0], prompt[16:32], image.content_hash)
 
 
 def test_each_engine_gets_its_own_gpus_or_they_share_too_few(monkeypatch):
@@ -165,10 +174,15 @@ def test_64_concurrent_streams_equal_a_single_engines_greedy_output(remote_serve
         return last.outputs[0].text
 
     async def scenario():
-        expected = [await final_text(engine.engines[0], prompt) for prompt in prompts]
-        before = [(await e.get_stats()).num_prefix_cache_queries for e in engine.engines]
+        single = AsyncLLMEngine.from_args(backend_address=remote_server.backend_addresses[0])
+        try:
+            expected = [await final_text(single, prompt) for prompt in prompts]
+        finally:
+            single.shutdown()
+        clients = engine.client.clients
+        before = [(await c.get_stats()).num_prefix_cache_queries for c in clients]
         texts = await asyncio.gather(*(final_text(engine, prompts[i % 8]) for i in range(64)))
-        after = [(await e.get_stats()).num_prefix_cache_queries for e in engine.engines]
+        after = [(await c.get_stats()).num_prefix_cache_queries for c in clients]
         return expected, texts, before, after
 
     expected, texts, before, after = remote_server.run(scenario())
@@ -193,7 +207,8 @@ def test_abort_and_cancel_reach_the_engine_that_runs_the_request(remote_server, 
         streams = [client.generate(f"run {name}", request_id=f"{how}-{name}", **LONG) for name in ("a", "b")]
         for stream in streams:
             next(stream)
-        ending, going_on = (engine.engines.index(engine.engine_of(f"{how}-{name}")) for name in ("a", "b"))
+        clients = engine.client.clients
+        ending, going_on = (clients.index(engine.client.client_of(f"{how}-{name}")) for name in ("a", "b"))
         assert ending != going_on  # the least loaded engine took the second one
         if how == "abort":
             assert client.abort(f"{how}-a")
@@ -215,7 +230,7 @@ def test_abort_and_cancel_reach_the_engine_that_runs_the_request(remote_server, 
 
 
 def adapter_names(server: DataParallelServer, index: int) -> list[str]:
-    return [adapter.name for adapter in server.run(server.engine.engines[index].list_loras())]
+    return [adapter.name for adapter in server.run(server.engine.client.clients[index].call(ListLoras()))]
 
 
 def test_a_dead_engine_takes_only_its_own_streams_down_and_comes_back_with_the_adapters(owned_server):
@@ -226,9 +241,9 @@ def test_a_dead_engine_takes_only_its_own_streams_down_and_comes_back_with_the_a
         doomed = client.generate("doomed", request_id="doomed", **LONG)
         spared = client.generate("spared", request_id="spared", **LONG)
         next(doomed), next(spared)
-        victim = engine.engine_of("doomed")
-        assert victim is not engine.engine_of("spared")
-        assert sorted(visible_devices(e) for e in engine.engines) == ["0", "1"]  # a GPU each
+        victim = engine.client.client_of("doomed")
+        assert victim is not engine.client.client_of("spared")
+        assert sorted(visible_devices(c) for c in engine.client.clients) == ["0", "1"]  # a GPU each
         devices = visible_devices(victim)
         os.kill(victim.connection.process.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as error:
@@ -242,8 +257,8 @@ def test_a_dead_engine_takes_only_its_own_streams_down_and_comes_back_with_the_a
         wait_until(lambda: not victim.is_dead, 60.0, "the dead engine's backend is restarted")
         assert client.health() == "SERVING" and engine.num_backend_restarts == 1
         assert visible_devices(victim) == devices  # the new backend runs on the dead one's GPU
-        # The next request routed anywhere has the router notice the new backend and load the adapter into it.
+        # The new backend got the adapter loaded at run time again, and requests naming it run anywhere.
+        wait_until(lambda: "sql" in adapter_names(owned_server, engine.client.clients.index(victim)), 10.0, "reloaded")
         collect(client.generate("with the adapter", lora_name="sql", temperature=0, max_tokens=2))
-        wait_until(lambda: "sql" in adapter_names(owned_server, engine.engines.index(victim)), 10.0, "reloaded")
         client.unload_lora_adapter("sql")
         assert adapter_names(owned_server, 0) == adapter_names(owned_server, 1) == []

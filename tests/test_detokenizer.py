@@ -5,8 +5,8 @@ import pytest
 from tokenizers.decoders import DecodeStream
 
 from spindle import SamplingParams
-from spindle.frontend.detokenizer import IncrementalDetokenizer
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.detokenizer import IncrementalDetokenizer
+from spindle.frontend.processing.tokenizer import Tokenizer
 
 pytest_plugins = ["fixtures_tokenizer"]
 

@@ -55,10 +55,10 @@ def _engine_class(path: str) -> type:
 
 
 ENGINE_PAGES = [
-    ("api.html", "spindle.frontend.llm.LLM", ["generate", "chat", "embed", "get_tokenizer", "shutdown"]),
+    ("api.html", "spindle.frontend.engine.llm.LLM", ["generate", "chat", "embed", "get_tokenizer", "shutdown"]),
     (
         "llm_engine.html",
-        "spindle.frontend.llm_engine.LLMEngine",
+        "spindle.frontend.engine.llm_engine.LLMEngine",
         [
             "from_args",
             "add_request",
@@ -73,7 +73,7 @@ ENGINE_PAGES = [
     ),
     (
         "async_engine.html",
-        "spindle.frontend.async_llm_engine.AsyncLLMEngine",
+        "spindle.frontend.engine.async_llm_engine.AsyncLLMEngine",
         ["from_args", "generate", "chat", "embed", "abort", "load_lora", "unload_lora", "list_loras"],
     ),
 ]
@@ -225,7 +225,11 @@ def test_examples_run(example, expected, tiny_llm_dir, monkeypatch):
     def tiny_config(model: str | None = None, **kwargs: object) -> EngineConfig:
         return EngineConfig.of(model=model or str(tiny_llm_dir), **kwargs)
 
-    for module in ("spindle.frontend.llm", "spindle.frontend.llm_engine", "spindle.frontend.async_llm_engine"):
+    for module in (
+        "spindle.frontend.engine.llm",
+        "spindle.frontend.engine.llm_engine",
+        "spindle.frontend.engine.async_llm_engine",
+    ):
         monkeypatch.setattr(f"{module}.EngineConfig", SimpleNamespace(of=tiny_config))
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):

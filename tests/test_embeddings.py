@@ -44,7 +44,7 @@ def assert_matches(embedding: list[float], hidden: torch.Tensor, params: Pooling
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    core = llm.llm_engine.core
+    core = llm.llm_engine.engine_core
     assert not core.has_unfinished_requests() and core.block_manager.num_free_blocks == core.num_blocks
 
 
@@ -77,7 +77,7 @@ def test_embed_equals_transformers_pooled_the_same_way(llm, hf_model, params):
 
 
 def test_embeddings_share_steps_with_generation_which_is_unchanged(llm, hf_model, monkeypatch):
-    engine, runner = llm.llm_engine, llm.llm_engine.core.runner
+    engine, runner = llm.llm_engine, llm.llm_engine.engine_core.runner
     gen_prompt = [7 + (5 * i) % 200 for i in range(20)]
     solo = llm.generate({"prompt_token_ids": gen_prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     steps: list[tuple[bool, bool]] = []  # per step: a generation token, an embedding chunk
@@ -129,7 +129,7 @@ def test_a_preempted_embedding_is_pooled_from_the_start_again(tiny_llm_dir, hf_m
     finished = {}
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.engine_core.scheduler.num_preemptions > 0
     assert finished["gen"].outputs[0].token_ids == solo
     assert_matches(finished["emb"].outputs.embedding, hidden_states(hf_model, embed_prompt), params)
     assert_all_blocks_free(llm)

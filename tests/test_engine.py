@@ -68,7 +68,7 @@ def test_greedy_matches_transformers(scenario, speculative, tiny_llm_dir, prompt
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert [o.prompt_token_ids for o in outputs] == prompts
-    core = llm.llm_engine.core
+    core = llm.llm_engine.engine_core
     assert (core.scheduler.num_preemptions > 0) == (scenario == "preemption")
     # Under the bound the engine core times its steps: the last ones, decodes alone, give a decode unit's seconds.
     assert (core.scheduler.decode_unit_seconds is not None) == (scenario == "decode_bound")
@@ -111,20 +111,20 @@ def test_abort_mid_generation_frees_every_block(tiny_llm_dir, prompts, expected)
         engine.add_request(str(i), {"prompt_token_ids": ids}, GREEDY)
     for _ in range(4):
         engine.step()
-    free_before = engine.core.block_manager.num_free_blocks
+    free_before = engine.engine_core.block_manager.num_free_blocks
     engine.abort_request(["1", "3"])
     engine.abort_request("no-such-request")
-    assert engine.core.block_manager.num_free_blocks > free_before
+    assert engine.engine_core.block_manager.num_free_blocks > free_before
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(finished) == ["0", "2", "4", "5"]
     assert all(finished[str(i)].outputs[0].token_ids == expected[i] for i in (0, 2, 4, 5))
-    assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.engine_core.block_manager.num_free_blocks == engine.num_kv_blocks
     engine.add_request("late", {"prompt_token_ids": prompts[3]}, GREEDY)
     engine.step()
     engine.abort_request("late")
-    assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.engine_core.block_manager.num_free_blocks == engine.num_kv_blocks
     assert not engine.has_unfinished_requests()
 
 
@@ -133,10 +133,10 @@ def test_n_completions_share_the_prompt_blocks(tiny_llm_dir, prompts):
     prompt = prompts[-1]  # 101 tokens: 6 full blocks
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
     engine.step()
-    seqs = engine.core.scheduler.requests["r"]
+    seqs = engine.engine_core.scheduler.requests["r"]
     shared = seqs[0].block_table[:6]
     assert all(seq.block_table[:6] == shared for seq in seqs)
-    assert all(engine.core.block_manager.blocks[b].ref_count == 3 for b in shared)
+    assert all(engine.engine_core.block_manager.blocks[b].ref_count == 3 for b in shared)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -144,7 +144,7 @@ def test_n_completions_share_the_prompt_blocks(tiny_llm_dir, prompts):
     assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
     assert final.num_cached_tokens == 96
     assert len({tuple(c.token_ids) for c in final.outputs}) == 3  # seed + index: the samples differ
-    assert engine.core.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.engine_core.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
 def test_cache_salt_isolates_the_prefix_cache(tiny_llm_dir):
@@ -159,7 +159,7 @@ def test_cache_salt_isolates_the_prefix_cache(tiny_llm_dir):
     cached, tokens = zip(*(run(salt) for salt in ("a", "a", "b", None, None, "b")), strict=True)
     assert cached == (0, 32, 0, 0, 32, 32)  # two full blocks shared only under the same salt
     assert len(set(map(tuple, tokens))) == 1  # the salt changes what is shared, never what is generated
-    core = llm.llm_engine.core
+    core = llm.llm_engine.engine_core
     assert core.block_manager.num_free_blocks == core.num_blocks
 
 
@@ -343,5 +343,5 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(tiny_llm):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny_llm.generate(["fine", {"prompt_token_ids": [1, 999]}], use_tqdm=False)
     assert not tiny_llm.llm_engine.has_unfinished_requests()
-    core = tiny_llm.llm_engine.core
+    core = tiny_llm.llm_engine.engine_core
     assert core.block_manager.num_free_blocks == core.num_blocks

@@ -21,12 +21,13 @@ from grpc_status import rpc_status
 
 from spindle import LLM
 from spindle.client import SpindleClient
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import EngineDeadError, start_backend
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_mapping import messages_from_proto, prompt_inputs_from_proto, sampling_params_from_proto
-from spindle.frontend.grpc_server import GrpcServer
-from spindle.frontend.grpc_servicer import QueueFullError, status_for
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import EngineDeadError, start_backend
+from spindle.frontend.grpc.admission_control import QueueFullError
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.mapping import messages_from_proto, prompt_inputs_from_proto, sampling_params_from_proto
+from spindle.frontend.grpc.server import GrpcServer
+from spindle.frontend.grpc.servicer import status_for
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
@@ -454,7 +455,7 @@ def test_a_full_queue_is_resource_exhausted_and_a_dead_backend_flips_health(tiny
             # The third goes in as soon as the second is accepted, long before the first's 400 tokens are done (a
             # fixed pause raced them: on a fast machine the first finished and the second left the queue first).
             deadline = time.monotonic() + 10
-            while server.server.servicer.num_queued < 1 and time.monotonic() < deadline:
+            while server.server.servicer.admission_control.num_queued < 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
             with pytest.raises(grpc.RpcError) as error:
                 list(client.generate("third"))

@@ -13,8 +13,8 @@ from conftest import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS, LLAVA_PATCH_SIZE
 from PIL import Image
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-from spindle.frontend import image_processor
-from spindle.frontend.image_processor import MAX_IMAGE_BYTES, ImageProcessor
+from spindle.frontend.processing import image_processor
+from spindle.frontend.processing.image_processor import MAX_IMAGE_BYTES, ImageProcessor
 from spindle.shared.errors import InvalidRequestError
 
 MODEL_FILES = ("config.json", "preprocessor_config.json")

@@ -7,9 +7,9 @@ from test_image_processor import encode, model_files, random_image
 from transformers import AutoTokenizer
 
 from spindle import SamplingParams
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.image_processor import ImageProcessor
+from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared.errors import InvalidRequestError
 
 pytest_plugins = ["fixtures_tokenizer"]

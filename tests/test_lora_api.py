@@ -13,8 +13,8 @@ import pytest
 from test_grpc import LONG, ServerThread, assert_invalid, collect, refusal, tiny_config, violated_fields
 
 from spindle import LLM, LLMEngine, LoRARequest, RequestOutput, SamplingParams
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.grpc_servicer import RuntimeLoraDisabledError, status_for
+from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.grpc.servicer import RuntimeLoraDisabledError, status_for
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from spindle.shared.lora import confine_adapter_path
 from spindle.v1 import spindle_pb2

@@ -18,7 +18,7 @@ from registered_model import ARCHITECTURE, SignedLlamaForCausalLM
 
 from spindle import LLM, ModelRegistry, SamplingParams
 from spindle.backend.models import CheckpointConfig, model_class
-from spindle.frontend.core_client import start_backend
+from spindle.frontend.engine.connection import start_backend
 from spindle.shared.config import EngineConfig
 
 PROMPTS = [[5, 17, 99, 3], [200, 8]]
@@ -179,7 +179,7 @@ def test_registering_and_forwarding_import_no_torch():
         import spindle
         registry = spindle.ModelRegistry
         registry.register_model("MyForCausalLM", "my_models.tiny:MyForCausalLM")
-        import spindle.frontend.cli, spindle.frontend.core_client
+        import spindle.frontend.cli, spindle.frontend.engine.connection
         assert "MyForCausalLM" in registry.get_supported_archs()
         assert registry.backend_args() == ["--register-model", "MyForCausalLM=my_models.tiny:MyForCausalLM"]
         print(sorted(m for m in ("torch", "transformers", "my_models") if m in sys.modules))

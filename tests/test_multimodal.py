@@ -21,8 +21,8 @@ from spindle import LLM, SamplingParams
 from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.engine_core import EngineCore
 from spindle.backend.scheduler_output import SchedulerOutput
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import EngineRequest, ImageInput
 from spindle.v1 import spindle_pb2
@@ -131,7 +131,7 @@ def llm(tiny_llava_dir: Path) -> Iterator[LLM]:
 def test_greedy_tokens_match_transformers(
     llm: LLM, reference: list[list[int]], as_png: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = EncoderSpy(llm.llm_engine.core, monkeypatch)
+    spy = EncoderSpy(llm.llm_engine.engine_core, monkeypatch)
     outputs = llm.generate(prompt_inputs(as_png), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == reference
     # Image and text prompts ran in the same steps, and every image's placeholders spanned two or three chunks; yet
@@ -156,12 +156,12 @@ def test_preempted_image_prompts_keep_parity(
         max_num_batched_tokens=12,
         enable_prefix_caching=False,
     )
-    spy = EncoderSpy(llm.llm_engine.core, monkeypatch)
+    spy = EncoderSpy(llm.llm_engine.engine_core, monkeypatch)
     outputs = llm.generate(prompt_inputs(as_png=False), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == reference
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     # Once no sequence needs an image, the encoder cache keeps no more than its budget (one image here).
-    cache = llm.llm_engine.core.runner.encoder_cache
+    cache = llm.llm_engine.engine_core.runner.encoder_cache
     assert len(set(spy.encoded)) == 3 and 0 < cache.num_tokens <= cache.max_tokens == LLAVA_IMAGE_TOKENS
 
 

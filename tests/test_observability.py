@@ -21,8 +21,8 @@ from test_grpc import ServerThread, assert_invalid, backend, collect, refusal  #
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.sequence import Sequence
-from spindle.frontend.metrics import METRICS, LoadTracker
-from spindle.frontend.tracing import RequestTracer
+from spindle.frontend.grpc.metrics import METRICS, LoadTracker
+from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.shared.protocol import EngineStats
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
@@ -140,14 +140,14 @@ def test_a_request_span_is_a_child_of_the_callers_trace(server, client):
 def test_serving_without_the_tracing_flag_never_imports_opentelemetry(backend):  # noqa: F811
     script = f"""
 import asyncio, sys
-import spindle.frontend.grpc_server
+import spindle.frontend.grpc.server
 from spindle.client import SpindleClient
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.grpc_args import ServerConfig
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.grpc.args import ServerConfig
 
 async def main():
     engine = AsyncLLMEngine.from_args(backend_address={backend!r})
-    server = spindle.frontend.grpc_server.GrpcServer(engine, ServerConfig(port=0, metrics_port=0))
+    server = spindle.frontend.grpc.server.GrpcServer(engine, ServerConfig(port=0, metrics_port=0))
     port = await server.start()
     with SpindleClient(f"127.0.0.1:{{port}}", timeout=30) as client:
         await asyncio.to_thread(lambda: list(client.generate("hi", max_tokens=2)))
@@ -208,14 +208,13 @@ def stats(preemptions: int, queries: int, hits: int) -> EngineStats:
 
 
 def test_load_totals_keep_growing_across_backend_restarts():
-    engine = SimpleNamespace(num_backend_restarts=0)
-    load = LoadTracker(engine)
+    load = LoadTracker(SimpleNamespace())
     load.update(stats(3, 100, 40))  # what the backend counted before this server
     load.update(stats(5, 150, 60))
-    engine.num_backend_restarts = 1  # a new backend: counting from zero, already past the old one's counts
-    load.update(stats(7, 200, 100))
-    load.update(stats(8, 210, 100))
-    load.update(stats(1, 10, 0))  # a restart the engine did not count (a count went down)
+    # A new backend (its first restart): counting from zero, already past the old one's counts.
+    load.update(stats(7, 200, 100), num_restarts=1)
+    load.update(stats(8, 210, 100), num_restarts=1)
+    load.update(stats(1, 10, 0), num_restarts=1)  # a restart the engine did not count (a count went down)
     assert load.totals["num_preemptions"] == 3 + 2 + 7 + 1 + 1
     assert (load.totals["num_prefix_cache_queries"], load.totals["num_prefix_cache_hits"]) == (370, 160)
     figures = load.load()

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from spindle import LLM, LLMEngine, SamplingParams
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_servicer import SpindleServicer
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_from_json, config_to_json
 from spindle.v1 import spindle_pb2
 
@@ -40,7 +40,7 @@ def test_priority_order_is_observable_in_first_token_times_under_load(tiny_llm_d
     while engine.has_unfinished_requests():
         step()
     assert sorted(first_token_times, key=first_token_times.get) == expected
-    core = engine.core
+    core = engine.engine_core
     assert core.scheduler.num_preemptions == (policy == "priority")  # the late request's room
     assert core.block_manager.num_free_blocks == core.num_blocks
 

@@ -17,8 +17,8 @@ from conftest import LLAVA_IMAGE_SIZE
 
 from spindle import LLM, FinishReason, LLMEngine, SamplingParams
 from spindle.backend.engine_process import prepare_address
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import BackendConnection, BackendProcess, EngineDeadError, start_backend
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.shared.protocol import FRONTEND_TIMEOUT
@@ -161,7 +161,7 @@ def test_bad_requests_fail_alone(backend):
 
 
 def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
-    monkeypatch.setattr("spindle.frontend.core_client.PROTOCOL_VERSION", 999)
+    monkeypatch.setattr("spindle.frontend.engine.connection.PROTOCOL_VERSION", 999)
     with pytest.raises(RuntimeError, match="protocol version mismatch: the frontend speaks 999"):
         BackendConnection(backend, startup_timeout=10)
 
@@ -178,7 +178,7 @@ def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_di
 
         tasks = [asyncio.create_task(stream(i)) for i in range(8)]
         await first.wait()
-        os.kill(engine.connection.process.pid, signal.SIGKILL)
+        os.kill(engine.client.connection.process.pid, signal.SIGKILL)
         killed = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         elapsed = time.monotonic() - killed
@@ -213,10 +213,10 @@ def socket_dirs(tmp: Path) -> list[Path]:
 FRONTEND_SCRIPT = """
 import asyncio, io, json, pathlib, sys
 from PIL import Image
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.input_processor import InputProcessor
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.processing.image_processor import ImageProcessor
+from spindle.frontend.processing.input_processor import InputProcessor
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle import SamplingParams
 
 # An image prompt for the LLaVA model, decoded and preprocessed as the frontend does it.
@@ -237,7 +237,7 @@ async def main():
         if len(output.outputs[0].token_ids) == 2:
             heavy = ("torch", "triton", "transformers", "spindle.backend.engine_core")
             loaded = sorted(m for m in heavy if m in sys.modules)
-            child = engine.connection.process.pid if engine.connection.process else None
+            child = engine.client.connection.process.pid if engine.client.connection.process else None
             report = {{"loaded": loaded, "child": child, "image_shape": image.images[0].shape}}
             print(json.dumps(report), flush=True)
             await asyncio.sleep(3600)
@@ -382,8 +382,7 @@ ENGINES = {
 
 
 def backend_process(engine) -> BackendProcess:
-    engine = getattr(engine, "llm_engine", engine)
-    return engine.connection.process if isinstance(engine, AsyncLLMEngine) else engine.core.connection.process
+    return getattr(engine, "llm_engine", engine).client.connection.process
 
 
 @pytest.mark.parametrize("make_engine", ENGINES.values(), ids=ENGINES.keys())
@@ -416,7 +415,7 @@ from spindle import LLM, SamplingParams
 
 llm = LLM({model!r}, multiprocess=True, dtype="float32", kv_cache_memory="4MiB")
 llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
-process = llm.llm_engine.core.connection.process
+process = llm.llm_engine.client.connection.process
 print(json.dumps({{"child": process.pid, "socket_dir": process.socket_dir}}), flush=True)
 """
 

@@ -20,7 +20,7 @@ from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc 
 
 from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
-from spindle.frontend.core_client import EngineDeadError, ping_backend
+from spindle.frontend.engine.connection import EngineDeadError, ping_backend
 from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 
 SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
@@ -56,7 +56,7 @@ def assert_fast_unavailable(client: SpindleClient, message: str) -> None:
 def owned_server(tiny_llm_dir, private_tmp, monkeypatch):  # noqa: F811 - private_tmp is the imported fixture
     """A server whose engine started its own backend child, as ``spindle serve`` without ``--backend-address``."""
     monkeypatch.setattr(
-        "spindle.frontend.async_llm_engine.EngineConfig",
+        "spindle.frontend.engine.async_llm_engine.EngineConfig",
         SimpleNamespace(of=lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs)),
     )
     server = ServerThread(None)
@@ -85,7 +85,7 @@ def test_a_killed_backend_that_the_server_started_is_restarted(owned_server, tin
         assert adapter_tokens(owned_server, adapter) == 4  # loads the adapter into this backend
         running = client.generate("in flight", **LONG)
         next(running)
-        old = engine.connection.process.pid
+        old = engine.client.connection.process.pid
         os.kill(old, signal.SIGKILL)
         assert wait_for_health(client, "NOT_SERVING", 3.0) < 3.0
         with pytest.raises(grpc.RpcError) as error:
@@ -95,12 +95,12 @@ def test_a_killed_backend_that_the_server_started_is_restarted(owned_server, tin
         wait_for_health(client, "SERVING", RECOVERY)
         assert generated_text(client)
         assert adapter_tokens(owned_server, adapter) == 4  # the new backend had none: the request loaded it again
-    assert engine.num_backend_restarts == 1 and engine.connection.process.pid != old
+    assert engine.num_backend_restarts == 1 and engine.client.connection.process.pid != old
 
 
 def test_a_hung_backend_is_detected_killed_and_replaced(owned_server):
     engine = owned_server.engine
-    hung = engine.connection.process.pid
+    hung = engine.client.connection.process.pid
     try:
         with owned_server.client(timeout=30) as client:
             os.kill(hung, signal.SIGSTOP)  # alive, but silent: only the heartbeats can tell

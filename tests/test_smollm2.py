@@ -62,7 +62,7 @@ def expected(hf_model, prompt_ids) -> list[list[int]]:
 def test_greedy_matches_transformers(engine_args, speculative, llm, prompt_ids, expected):
     """Also with n-gram speculation, whose drafts the repetitive prompts accept: the same tokens."""
     engine = llm if not engine_args else LLM(dtype="float32", **{"max_model_len": 2048, **engine_args})
-    core = engine.llm_engine.core
+    core = engine.llm_engine.engine_core
     accepted_before = core.stats().num_accepted_draft_tokens
     params = msgspec.structs.replace(GREEDY, num_speculative_tokens=speculative)
     outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
@@ -93,7 +93,7 @@ def test_stop_strings_cut_the_text_and_free_the_sequence(llm, expected):
     assert cut[0].outputs[0].text == full[: full.index(stop)]
     assert kept[0].outputs[0].text == full[: full.index(stop) + len(stop)]
     assert cut[0].outputs[0].finish_reason == "stop" and cut[0].outputs[0].stop_reason == stop
-    core = llm.llm_engine.core
+    core = llm.llm_engine.engine_core
     assert core.block_manager.num_free_blocks == core.num_blocks and not core.has_unfinished_requests()
 
 

@@ -137,7 +137,7 @@ def test_seeded_sampling_keeps_its_distribution_under_speculation(tiny_llm_dir: 
         ]
         results = llm.generate([prompt] * len(params), params, use_tqdm=False)
         outputs[speculative] = [r.outputs[0].token_ids for r in results]
-    stats = llm.llm_engine.core.stats()
+    stats = llm.llm_engine.engine_core.stats()
     assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
     for position in range(4):
         plain = Counter(tokens[position] for tokens in outputs[0])

@@ -17,9 +17,9 @@ from test_grpc import ServerThread, assert_invalid, collect, refusal
 
 from spindle import LLM
 from spindle.backend.structured_output import StructuredOutputManager
-from spindle.frontend.core_client import ping_backend, start_backend
-from spindle.frontend.grpc_mapping import structured_output_from_proto
-from spindle.frontend.llm_engine import LLMEngine
+from spindle.frontend.engine.connection import ping_backend, start_backend
+from spindle.frontend.engine.llm_engine import LLMEngine
+from spindle.frontend.grpc.mapping import structured_output_from_proto
 from spindle.shared import CompletionOutput, SamplingParams, StructuredOutput
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
@@ -143,7 +143,7 @@ def test_the_grammar_survives_preemption(tiny_llm_dir):
     spec = StructuredOutput(regex="(ab|cd)[0-9]{10,30}")
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=2, structured_output=spec)
     outputs = llm.generate(["first prompt", "second prompt"], params, use_tqdm=False)
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert all(re.fullmatch("(ab|cd)[0-9]{10,30}", answer(c)) for out in outputs for c in out.outputs)
 
 

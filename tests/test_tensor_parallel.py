@@ -26,8 +26,8 @@ from spindle.backend import parallel
 from spindle.backend.models.llama import LlamaForCausalLM
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_model
 from spindle.backend.parallel import TensorParallel
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.core_client import EngineDeadError
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import EngineDeadError
 from spindle.kernels.quant import dequantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -126,9 +126,9 @@ def serve(model: Path | None, args: dict, prompts: list) -> Served:
         try:
             outputs = llm.generate(prompts, [PARAMS[i % len(PARAMS)] for i in range(len(prompts))], use_tqdm=False)
             embeddings = np.array([out.outputs.embedding for out in llm.embed(prompts, use_tqdm=False)])
-            preemptions = llm.llm_engine.core.stats().num_preemptions
+            preemptions = llm.llm_engine.engine_core.stats().num_preemptions
         finally:
-            llm.llm_engine.core.close()
+            llm.llm_engine.engine_core.close()
     return Served(
         tokens=[list(out.outputs[0].token_ids) for out in outputs],
         prompt_logprobs=[
@@ -233,7 +233,7 @@ def test_killing_a_worker_ends_every_stream_within_two_seconds(tiny_tp_llm_dir):
 
         tasks = [asyncio.create_task(stream(i)) for i in range(4)]
         await first.wait()
-        backend = psutil.Process(engine.connection.process.pid)
+        backend = psutil.Process(engine.client.connection.process.pid)
         (worker,) = [p for p in backend.children() if "spawn_main" in " ".join(p.cmdline())]
         os.kill(worker.pid, signal.SIGKILL)
         killed = time.monotonic()

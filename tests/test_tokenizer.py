@@ -9,7 +9,7 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer, GenerationConfig
 
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.tokenizer import Tokenizer
 
 pytest_plugins = ["fixtures_tokenizer"]
 

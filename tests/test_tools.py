@@ -12,17 +12,17 @@ from test_grpc import ServerThread, assert_invalid, collect, refusal
 
 from spindle import LLM, SamplingParams
 from spindle.client import SpindleClient
-from spindle.frontend.core_client import start_backend
-from spindle.frontend.grpc_mapping import (
+from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.grpc.mapping import (
     ResponseBuilder,
     messages_from_proto,
     tool_choice_from_proto,
     tools_from_proto,
 )
-from spindle.frontend.input_processor import InputProcessor
-from spindle.frontend.output_processor import OutputProcessor, RequestState
-from spindle.frontend.tokenizer import Tokenizer
-from spindle.frontend.tools import ChatTools, parse_tool_calls
+from spindle.frontend.processing.input_processor import InputProcessor
+from spindle.frontend.processing.output_processor import OutputProcessor, RequestState
+from spindle.frontend.processing.tokenizer import Tokenizer
+from spindle.frontend.processing.tools import ChatTools, parse_tool_calls
 from spindle.shared import FinishReason, StructuredOutput, ToolCall
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from spindle.client import SpindleClient as SpindleClient
-    from spindle.frontend.async_llm_engine import AsyncLLMEngine as AsyncLLMEngine
-    from spindle.frontend.llm import LLM as LLM
-    from spindle.frontend.llm_engine import LLMEngine as LLMEngine
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine as AsyncLLMEngine
+    from spindle.frontend.engine.llm import LLM as LLM
+    from spindle.frontend.engine.llm_engine import LLMEngine as LLMEngine
     from spindle.shared.config import EngineConfig as EngineConfig
     from spindle.shared.errors import EngineUnavailableError as EngineUnavailableError
     from spindle.shared.errors import InvalidRequestError as InvalidRequestError
@@ -48,9 +48,9 @@ if TYPE_CHECKING:
 __version__ = version("spindle-client")
 
 _PUBLIC = {
-    "LLM": "spindle.frontend.llm",
-    "LLMEngine": "spindle.frontend.llm_engine",
-    "AsyncLLMEngine": "spindle.frontend.async_llm_engine",
+    "LLM": "spindle.frontend.engine.llm",
+    "LLMEngine": "spindle.frontend.engine.llm_engine",
+    "AsyncLLMEngine": "spindle.frontend.engine.async_llm_engine",
     "EngineConfig": "spindle.shared.config",
     "SamplingParams": "spindle.shared.sampling_params",
     "StructuredOutput": "spindle.shared.sampling_params",

@@ -2,7 +2,7 @@
 
 The rows come from the argparse parsers that ``spindle serve`` and ``spindle backend`` build, and each flag's
 meaning from the ``Attributes`` section of its settings dataclass: one of :class:`spindle.shared.config.EngineConfig`'s
-parts (engine flags, each named with its part) or :class:`spindle.frontend.grpc_args.ServerConfig` (gRPC server
+parts (engine flags, each named with its part) or :class:`spindle.frontend.grpc.args.ServerConfig` (gRPC server
 flags), so the tables cannot fall behind the code.
 Defaults are read with no ``SPINDLE_*`` variable set, so the builder's environment does not leak in.
 """
@@ -64,12 +64,12 @@ def server_flag_rows() -> list[tuple[str, str, str, str]]:
     """``(flag, environment variable, default, meaning)`` for every gRPC server flag of ``spindle serve``.
 
     Raises:
-        AssertionError: :func:`~spindle.frontend.grpc_args.add_server_args` adds a flag that ``ServerConfig``
+        AssertionError: :func:`~spindle.frontend.grpc.args.add_server_args` adds a flag that ``ServerConfig``
             lacks, or
             its default differs from the field's.
 
     """
-    from spindle.frontend.grpc_args import ServerConfig, add_server_args
+    from spindle.frontend.grpc.args import ServerConfig, add_server_args
 
     parser = _parser(add_server_args)
     rows = _config_rows(ServerConfig)

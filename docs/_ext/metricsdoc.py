@@ -1,7 +1,7 @@
 """``.. metrics-table::`` and ``.. span-attributes::``: the observability tables, made from the code.
 
-The metrics come from :data:`spindle.frontend.metrics.METRICS` (the list the server builds its metrics from), the
-span attributes from :data:`spindle.frontend.tracing.SPAN_ATTRIBUTES`, so the tables cannot fall behind the code.
+The metrics come from :data:`spindle.frontend.grpc.metrics.METRICS` (the list the server builds its metrics from), the
+span attributes from :data:`spindle.frontend.grpc.tracing.SPAN_ATTRIBUTES`, so the tables cannot fall behind the code.
 Neither module imports prometheus_client or OpenTelemetry at import time, so the docs build needs neither.
 """
 
@@ -18,7 +18,7 @@ def _bounds(buckets: tuple[float, ...]) -> str:
 
 def metric_rows() -> list[tuple[str, str, str, str]]:
     """``(name as scraped, type, labels, meaning)`` for every metric the server exports."""
-    from spindle.frontend.metrics import METRICS
+    from spindle.frontend.grpc.metrics import METRICS
 
     rows = []
     for spec in METRICS:
@@ -48,7 +48,7 @@ class SpanAttributes(SphinxDirective):
 
     def run(self) -> list:
         """Build the table's reStructuredText and parse it in place."""
-        from spindle.frontend.tracing import SPAN_ATTRIBUTES
+        from spindle.frontend.grpc.tracing import SPAN_ATTRIBUTES
 
         lines = [".. list-table::", "   :header-rows: 1", "   :widths: 40 60", ""]
         lines += ["   * - attribute", "     - value"]

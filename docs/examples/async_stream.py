@@ -3,7 +3,7 @@
 import asyncio
 
 from spindle import SamplingParams
-from spindle.frontend.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
 
 async def stream(engine: AsyncLLMEngine, request_id: str, prompt: str) -> str:

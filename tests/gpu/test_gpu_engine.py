@@ -237,7 +237,7 @@ CHAT_PROMPTS = [
 @pytest.fixture(scope="module")
 def smollm2_prompts() -> list[list[int]]:
     from spindle.backend.models.loader import resolve_model
-    from spindle.frontend.tokenizer import Tokenizer
+    from spindle.frontend.processing.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(resolve_model(None))
     return [tokenizer.encode(text) for text in CHAT_PROMPTS]

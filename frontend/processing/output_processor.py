@@ -7,9 +7,9 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from spindle.frontend.detokenizer import IncrementalDetokenizer
-from spindle.frontend.tokenizer import Tokenizer
-from spindle.frontend.tools import ChatTools
+from spindle.frontend.processing.detokenizer import IncrementalDetokenizer
+from spindle.frontend.processing.tokenizer import Tokenizer
+from spindle.frontend.processing.tools import ChatTools
 from spindle.shared import (
     CompletionOutput,
     EmbeddingOutput,

@@ -1,21 +1,17 @@
 """``LLMEngine``: the engine core driven in-process, with tokenization and detokenization around it."""
 
-import os
-import time
-import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from spindle.frontend.core_client import BackendConnection, SyncCoreClient
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.input_processor import InputProcessor, ProcessedPrompt
-from spindle.frontend.output_processor import EMBEDDING_SAMPLING_PARAMS, OutputProcessor, RequestState
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.admission import Admission, run_unsuspended
+from spindle.frontend.engine.client import SyncEngineClient, make_sync_client
+from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.processing.output_processor import OutputProcessor
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
-from spindle.shared.errors import InvalidRequestError
-from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name, check_same_adapter
-from spindle.shared.protocol import EngineRequest
+from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
+from spindle.shared.protocol import Command, ListLoras, LoadLora, UnloadLora
 
 if TYPE_CHECKING:
     from spindle.backend.engine_core import EngineCore
@@ -41,20 +37,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, multiprocess: bool = False, backend_address: str | None = None) -> None:
         self.config = config
-        if multiprocess or backend_address is not None:
-            self.core: EngineCore | SyncCoreClient = SyncCoreClient(BackendConnection(backend_address, config))
-        else:
-            from spindle.backend import engine_core  # only the in-process engine needs torch
-
-            self.core = engine_core.EngineCore(config)
-        info = self.core.info
-        self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
-        self.input_processor = InputProcessor(
-            self.tokenizer, info.max_model_len, info.vocab_size, ImageProcessor.from_files(info.tokenizer_files)
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
-        self._lora_paths: dict[str, str] = {}
+        self.client: SyncEngineClient = make_sync_client(config, multiprocess, backend_address)
+        self.admission = Admission(self.client.info, self._call)
+        self.output_processor = OutputProcessor(self.admission.tokenizer)
 
     @classmethod
     def from_args(cls, multiprocess: bool = False, backend_address: str | None = None, **kwargs: object) -> "LLMEngine":
@@ -68,12 +53,32 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         """The longest prompt + completion the engine accepts."""
-        return self.core.info.max_model_len
+        return self.client.info.max_model_len
 
     @property
     def num_kv_blocks(self) -> int:
         """How many KV cache blocks cache initialisation allocated."""
-        return self.core.info.num_kv_blocks
+        return self.client.info.num_kv_blocks
+
+    @property
+    def engine_core(self) -> "EngineCore":
+        """The engine core, when it runs in this process (for tests and benchmarks that look inside it).
+
+        Raises:
+            RuntimeError: it runs in a backend process (``multiprocess`` or ``backend_address``).
+
+        """
+        return self.client.engine_core
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        return self.admission.tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """What checks and tokenizes prompts and conversations for this engine."""
+        return self.admission.input_processor
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""
@@ -134,8 +139,6 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
-        if prompt.tools is not None:
-            params = prompt.tools.constrain(params)
         return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
 
     def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
@@ -149,7 +152,7 @@ class LLMEngine:
 
         """
         check_lora_name(name)
-        return self.core.add_lora(name, path)
+        return self.client.call(LoadLora(name, path))
 
     def unload_lora(self, name: str) -> None:
         """Unload the adapter ``name``; requests already running with it finish with it.
@@ -158,26 +161,12 @@ class LLMEngine:
             NotFoundError: no adapter is loaded under ``name``.
 
         """
-        self.core.remove_lora(name)
-        self._lora_paths.pop(name, None)
+        self.client.call(UnloadLora(name))
+        self.admission.forget_lora(name)
 
     def list_loras(self) -> list[LoraAdapterInfo]:
         """The adapters loaded: at start-up (``lora_modules``), with :meth:`load_lora` or by a request's path."""
-        return self.core.list_loras()
-
-    def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
-        """The adapter a request names, loading its ``lora_path`` under its name unless it is loaded already."""
-        if lora_request is None or lora_request.lora_path is None:
-            return None if lora_request is None else lora_request.lora_name
-        name, path = lora_request.lora_name, os.path.realpath(lora_request.lora_path)
-        if self._lora_paths.get(name) != path:
-            loaded = next((adapter for adapter in self.core.list_loras() if adapter.name == name), None)
-            if loaded is None:
-                self.core.add_lora(name, lora_request.lora_path)
-            else:
-                check_same_adapter(lora_request, loaded)
-            self._lora_paths[name] = path
-        return name
+        return self.client.call(ListLoras())
 
     def _enqueue(
         self,
@@ -189,43 +178,30 @@ class LLMEngine:
         priority: int,
         lora_request: LoRARequest | None,
     ) -> str:
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.output_processor.requests:
-            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
-        arrival_time = arrival_time or time.time()
-        lora_name = self._lora_name(lora_request)
-        pooling = params if isinstance(params, PoolingParams) else None
-        engine_params = EMBEDDING_SAMPLING_PARAMS if pooling is not None else params
-        self.core.add_request(
-            EngineRequest(
+        request, state = run_unsuspended(
+            self.admission.admit(
                 request_id,
-                prompt.prompt_token_ids,
-                engine_params,
-                arrival_time,
-                priority,
-                lora_name,
-                pooling,
-                images=prompt.images,
-            )
-        )
-        self.output_processor.add_request(
-            RequestState(
-                request_id,
-                prompt.prompt,
-                prompt.prompt_token_ids,
+                prompt,
                 params,
-                self.tokenizer,
-                arrival_time,
-                delta,
-                tools=prompt.tools,
+                self.output_processor.requests,
+                arrival_time=arrival_time,
+                delta=delta,
+                priority=priority,
+                lora_request=lora_request,
             )
         )
-        return request_id
+        self.client.add_request(request)  # first: a request an in-process core refuses leaves no trace
+        self.output_processor.add_request(state)
+        return request.request_id
+
+    async def _call(self, command: Command) -> Any:
+        """Run a control-plane command in the engine core (it answers before returning: see run_unsuspended)."""
+        return self.client.call(command)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one or several requests at any point; their KV blocks are freed at once. Unknown ids are ignored."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.core.abort_requests(request_ids)
+        self.client.abort_requests(request_ids)
         self.output_processor.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
@@ -241,21 +217,21 @@ class LLMEngine:
             EngineUnavailableError: a backend process refused a request because it is shutting down.
 
         """
-        refused = self.core.pop_refused()
+        refused = self.client.pop_refused()
         if refused:
             self.output_processor.abort_requests([request_id for request_id, _ in refused])
             # One error at a time; the others (rare: several bad specs in one step) are already aborted.
             request_id, error = refused[0]
             error.add_note(f"(the refused request is {request_id!r})")
             raise error
-        outputs, stopped = self.output_processor.process(self.core.step())
+        outputs, stopped = self.output_processor.process(self.client.step())
         for request_id, index in stopped:
-            self.core.finish_sequence(request_id, index)
+            self.client.finish_sequence(request_id, index)
         return outputs
 
     def shutdown(self) -> None:
         """Stop the backend process this engine started, or an in-process core's tensor-parallel workers."""
-        self.core.close()
+        self.client.close()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still in flight."""

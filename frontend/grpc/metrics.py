@@ -4,7 +4,7 @@ Everything comes from what the frontend already receives, over the one socket to
 :class:`~spindle.shared.protocol.EngineStats` that comes with every step and heartbeat (running and waiting
 sequences, KV cache blocks, and counts since the backend started: preemptions, prefix cache lookups, draft tokens),
 and the requests' progress as the output processor applies each step (a
-:class:`~spindle.frontend.output_processor.StepListener`: tokens, timings, finish reasons).
+:class:`~spindle.frontend.processing.output_processor.StepListener`: tokens, timings, finish reasons).
 
 The metric names are vLLM's with the ``spindle:`` prefix, and the histograms have vLLM's buckets, so dashboards
 and alerts written for vLLM carry over; every metric has a ``model_name`` label. :data:`METRICS` lists them (the
@@ -19,11 +19,15 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from spindle.frontend.data_parallel import Engine, replicas, sum_stats
-from spindle.frontend.output_processor import RequestState
+from spindle.frontend.engine.data_parallel import sum_stats
+from spindle.frontend.processing.output_processor import RequestState
 from spindle.shared import FinishReason
 from spindle.shared.protocol import EngineStats
+
+if TYPE_CHECKING:
+    from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -203,89 +207,82 @@ def kv_cache_usage(stats: EngineStats | None) -> float:
 class LoadTracker:
     """The engine's load as the server sees it: the latest stats, totals that survive backend restarts, and rates.
 
-    :meth:`start` follows every stats update (each step and heartbeat) in a task, and every request's tokens as a
-    :class:`~spindle.frontend.output_processor.StepListener`; for a
-    :class:`~spindle.frontend.data_parallel.DataParallelEngine`, those of each of its engines, whose figures add up.
-    The backend's counts start from zero when it restarts; the :attr:`totals` add up what they grew by, so they only
-    ever grow.
+    :meth:`start` follows every stats update (each step and heartbeat) in a task, taking each backend's figures from
+    :meth:`~spindle.frontend.engine.async_llm_engine.AsyncLLMEngine.rank_stats` (with several backends, they add up),
+    and every request's tokens as a :class:`~spindle.frontend.processing.output_processor.StepListener`. A backend's
+    counts start from zero when it restarts; the :attr:`totals` add up what they grew by, so they only ever grow.
 
     Args:
         engine: the engine, connected to its backend (or backends).
         window: the seconds that the recent rates (throughput, prefix cache hit rate) cover.
 
     Attributes:
-        engines: the engines followed: ``engine`` itself, or its engines.
         totals: per cumulative :class:`EngineStats` field (``num_preemptions``, ``num_prefix_cache_queries``, ...),
-            its sum over every backend the engines have had.
+            its sum over every backend the engine has had.
 
     """
 
-    def __init__(self, engine: Engine, window: float = 10.0) -> None:
+    def __init__(self, engine: "AsyncLLMEngine", window: float = 10.0) -> None:
         self.engine = engine
-        self.engines = replicas(engine)
         self.window = window
         self.totals = dict.fromkeys(_CUMULATIVE_STATS, 0)
-        # Per engine: its latest stats, whether it served at its latest look, and its restarts then.
-        self._latest: list[EngineStats | None] = [None] * len(self.engines)
-        self._serving = [True] * len(self.engines)
-        self._restarts = [0] * len(self.engines)
+        # Per backend (its rank): its latest stats, whether it served at its latest look, and its restarts then.
+        self._latest: dict[int, EngineStats] = {}
+        self._serving: dict[int, bool] = {}
+        self._restarts: dict[int, int] = {}
         self._started = time.monotonic()
         # One entry per second that saw activity: [second, tokens generated, prefix queries, prefix hits].
         self._seconds: collections.deque[list[int]] = collections.deque()
         self._updated = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._task: asyncio.Task | None = None
 
     @property
     def stats(self) -> EngineStats | None:
-        """The latest stats (``None`` before the first): with several engines, the sum over those that serve.
+        """The latest stats (``None`` before the first): with several backends, the sum over those that serve.
 
-        While none serves, the last ones seen stay, as they do for a single engine.
+        While none serves, the last ones seen stay, as they do for a single backend.
         """
-        seen = [stats for stats in self._latest if stats is not None]
-        serving = [stats for stats, up in zip(self._latest, self._serving, strict=True) if stats is not None and up]
-        latest = serving or seen
+        serving = [stats for rank, stats in self._latest.items() if self._serving[rank]]
+        latest = serving or list(self._latest.values())
         if len(latest) <= 1:
             return latest[0] if latest else None
         return sum_stats(latest)
 
     def start(self) -> None:
-        """Start following the engines (from their event loop)."""
-        loop = asyncio.get_running_loop()
-        for member, engine in enumerate(self.engines):
-            engine.output_processor.listeners.append(self)
-            self._tasks.append(loop.create_task(self._follow(member)))
+        """Start following the engine (from its event loop)."""
+        self.engine.output_processor.listeners.append(self)
+        self._task = asyncio.get_running_loop().create_task(self._follow())
 
     async def close(self) -> None:
-        """Stop following the engines."""
-        for engine in self.engines:
-            with contextlib.suppress(ValueError):
-                engine.output_processor.listeners.remove(self)
-        for task in self._tasks:
-            task.cancel()
+        """Stop following the engine."""
+        with contextlib.suppress(ValueError):
+            self.engine.output_processor.listeners.remove(self)
+        if self._task is not None:
+            self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await self._task
 
-    def update(self, stats: EngineStats, member: int = 0) -> None:
+    def update(self, stats: EngineStats, rank: int = 0, num_restarts: int = 0) -> None:
         """Take one stats update: add what the counts grew by to the totals and the window, wake the waiters.
 
-        ``member`` is the index, among :attr:`engines`, of the engine the stats come from.
+        ``rank`` is the index of the backend the stats come from, ``num_restarts`` how many new backends had taken
+        over there when it sent them.
         """
-        restarts = getattr(self.engines[member], "num_backend_restarts", 0)
         # After a restart the new backend's counts start from zero, so all of them are new.
-        previous = self._latest[member] if restarts == self._restarts[member] else None
-        self._restarts[member] = restarts
+        previous = self._latest.get(rank) if num_restarts == self._restarts.get(rank, 0) else None
+        self._restarts[rank] = num_restarts
         grown = {}
         for name in _CUMULATIVE_STATS:
             new, old = getattr(stats, name), getattr(previous, name, 0)
             # A count that went down means a new backend too (if the engine did not say so).
             grown[name] = new - old if new >= old else new
             self.totals[name] += grown[name]
-        if self._latest[member] is not None:  # the first update brings what the backend counted before this server
+        if rank in self._latest:  # the first update brings what the backend counted before this server
             second = self._second()
             second[2] += grown["num_prefix_cache_queries"]
             second[3] += grown["num_prefix_cache_hits"]
-        self._latest[member] = stats
-        self._serving[member] = True
+        self._latest[rank] = stats
+        self._serving[rank] = True
         self._updated.set()
         self._updated = asyncio.Event()
 
@@ -331,18 +328,19 @@ class LoadTracker:
                 self._seconds.popleft()
         return self._seconds[-1]
 
-    async def _follow(self, member: int) -> None:
-        engine = self.engines[member]
+    async def _follow(self) -> None:
         while True:
             try:
-                stats = await engine.get_stats()  # the next step's or heartbeat's
+                await self.engine.get_stats()  # the next step's or heartbeat's of each backend that serves
             except Exception as error:
-                # The backend is down (EngineDeadError): nothing to follow until the engine has one again.
+                # Every backend is down (EngineDeadError): nothing to follow until the engine has one again.
                 logger.debug("No engine stats (%s): trying again shortly", error)
-                self._serving[member] = False
                 await asyncio.sleep(0.5)
-                continue
-            self.update(stats, member)
+            for rank, figures in enumerate(self.engine.rank_stats()):
+                if figures.serving and figures.stats is not None:
+                    self.update(figures.stats, rank, figures.num_restarts)
+                else:
+                    self._serving[rank] = False
 
 
 def _finished_reason(state: RequestState) -> str:
@@ -375,7 +373,7 @@ class _EngineCollector:
             "spindle:num_preemptions": totals["num_preemptions"],
             "spindle:spec_decode_num_draft_tokens": totals["num_draft_tokens"],
             "spindle:spec_decode_num_accepted_tokens": totals["num_accepted_draft_tokens"],
-            "spindle:engine_restarts": getattr(self.load.engine, "num_backend_restarts", 0),
+            "spindle:engine_restarts": self.load.engine.num_backend_restarts,
         }
         for spec in METRICS:
             if spec.source == "engine":
@@ -389,9 +387,9 @@ class MetricsServer:
     """Serves the Prometheus metrics over HTTP at ``http://host:port/metrics``, from a thread of its own.
 
     The request metrics are recorded as the output processor applies each step (this is a
-    :class:`~spindle.frontend.output_processor.StepListener`); the engine's are read from ``load`` at each scrape.
-    The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors), not
-    prometheus_client's global one, so that several servers can share a process.
+    :class:`~spindle.frontend.processing.output_processor.StepListener`); the engine's are read from ``load`` at each
+    scrape. The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors),
+    not prometheus_client's global one, so that several servers can share a process.
 
     Args:
         engine: the engine, connected to its backend (or backends).
@@ -405,7 +403,7 @@ class MetricsServer:
 
     """
 
-    def __init__(self, engine: Engine, load: LoadTracker, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: "AsyncLLMEngine", load: LoadTracker, host: str = "127.0.0.1", port: int = 0) -> None:
         # Imported here: only a server that serves metrics needs prometheus_client.
         import prometheus_client
 
@@ -433,9 +431,8 @@ class MetricsServer:
         self._metrics = {name: metric.labels(model_name) for name, metric in metrics.items()}
         self.httpd, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
         self.port: int = self.httpd.server_address[1]
-        self.engines = replicas(engine)
-        for member in self.engines:
-            member.output_processor.listeners.append(self)
+        self.engine = engine
+        engine.output_processor.listeners.append(self)
         logger.info("Serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
@@ -470,9 +467,8 @@ class MetricsServer:
 
     def close(self) -> None:
         """Stop recording and serving."""
-        for member in self.engines:
-            with contextlib.suppress(ValueError):
-                member.output_processor.listeners.remove(self)
+        with contextlib.suppress(ValueError):
+            self.engine.output_processor.listeners.remove(self)
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(5)

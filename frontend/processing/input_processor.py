@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from spindle.frontend.image_processor import ImageProcessor
-from spindle.frontend.tokenizer import Tokenizer
-from spindle.frontend.tools import ChatTools
+from spindle.frontend.processing.image_processor import ImageProcessor
+from spindle.frontend.processing.tokenizer import Tokenizer
+from spindle.frontend.processing.tools import ChatTools
 from spindle.shared import PromptInputs, SamplingParams, ToolCall
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import ImageInput
@@ -88,7 +88,7 @@ class InputProcessor:
             inputs: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``, each dict optionally with
                 ``multi_modal_data``: ``{"image": image}`` or ``{"image": [image, ...]}`` (one per placeholder, in
                 order), an image being a PIL image or encoded image bytes (see
-                :meth:`~spindle.frontend.image_processor.ImageProcessor.preprocess`).
+                :meth:`~spindle.frontend.processing.image_processor.ImageProcessor.preprocess`).
             params: the request's sampling parameters (``max_tokens`` must fit after the prompt); ``None`` for an
                 embedding request, whose prompt may fill the context since nothing is generated after it.
 
@@ -201,13 +201,14 @@ class InputProcessor:
                 ``tool_call_id``.
             params: the request's sampling parameters (``max_tokens`` must fit after the prompt).
             add_generation_prompt: end with the header that starts an assistant turn.
-            tools: the functions the model may call (see :mod:`spindle.frontend.tools`).
+            tools: the functions the model may call (see :mod:`spindle.frontend.processing.tools`).
             tool_choice: ``"auto"``, ``"none"``, ``"required"`` or a tool's name (see
-                :meth:`~spindle.frontend.tools.ChatTools.from_request`).
+                :meth:`~spindle.frontend.processing.tools.ChatTools.from_request`).
 
         Returns:
-            The rendered prompt text and its token ids, and the request's :class:`~spindle.frontend.tools.ChatTools`
-            (which constrain its sampling parameters and parse its replies).
+            The rendered prompt text and its token ids, and the request's
+            :class:`~spindle.frontend.processing.tools.ChatTools` (which constrain its sampling parameters and parse its
+            replies).
 
         Raises:
             InvalidRequestError: a message or tool is malformed, the tool choice is not possible, the model has no

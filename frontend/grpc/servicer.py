@@ -5,17 +5,16 @@ else: ``INVALID_ARGUMENT`` (with a ``google.rpc.BadRequest`` field violation per
 parameters, ``RESOURCE_EXHAUSTED`` when the waiting queue is full, ``UNAVAILABLE`` when the backend is down or the
 server or engine drains, ``INTERNAL`` (logged) for a bug of ours. gRPC itself answers ``RESOURCE_EXHAUSTED`` for a
 message over the size limit, ``CANCELLED`` and ``DEADLINE_EXCEEDED`` (which abort the request in the backend: the
-handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc_server` adds
+handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc.server` adds
 ``UNAUTHENTICATED`` without the API key and ``INVALID_ARGUMENT`` for a request message that does not parse.
 The LoRA adapter calls add ``NOT_FOUND`` (an unknown adapter, with a field violation naming the field that holds the
 name), ``ALREADY_EXISTS`` (a name taken) and ``FAILED_PRECONDITION`` (loading adapters at run time is off).
 
 With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trace span
-(:mod:`spindle.frontend.tracing`); ``WatchLoad`` and ``GetServerInfo`` report the load that a
-:class:`~spindle.frontend.metrics.LoadTracker` follows.
+(:mod:`spindle.frontend.grpc.tracing`); ``WatchLoad`` and ``GetServerInfo`` report the load that a
+:class:`~spindle.frontend.grpc.metrics.LoadTracker` follows.
 """
 
-import asyncio
 import functools
 import importlib.metadata
 import inspect
@@ -30,10 +29,11 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from spindle.frontend.core_client import EngineDeadError
-from spindle.frontend.data_parallel import Engine
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_mapping import (
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.engine.connection import EngineDeadError
+from spindle.frontend.grpc.admission_control import AdmissionControl, QueueFullError
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.mapping import (
     ResponseBuilder,
     embed_inputs_from_proto,
     embed_response,
@@ -46,8 +46,8 @@ from spindle.frontend.grpc_mapping import (
     tool_choice_from_proto,
     tools_from_proto,
 )
-from spindle.frontend.metrics import Load, LoadTracker, kv_cache_usage
-from spindle.frontend.tracing import RequestTracer
+from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
+from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
 from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
@@ -60,10 +60,6 @@ WATCH_INTERVAL = 1.0
 """Seconds between two ``WatchLoad`` reports when nothing changes, unless the request sets its ``interval``."""
 WATCH_INTERVAL_BOUNDS = (0.05, 60.0)
 """The shortest and longest ``WatchLoad`` interval a request may set, in seconds."""
-
-
-class QueueFullError(Exception):
-    """The server already holds ``max_queued_requests`` requests that wait for the backend: retry with backoff."""
 
 
 class RuntimeLoraDisabledError(Exception):
@@ -83,8 +79,9 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         :class:`~spindle.shared.errors.AlreadyExistsError` (with the same violations); ``FAILED_PRECONDITION`` for a
         :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
-        :class:`~spindle.frontend.core_client.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
-        :class:`QueueFullError`; ``INTERNAL`` for anything else, a bug (the caller logs it).
+        :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
+        :class:`~spindle.frontend.grpc.admission_control.QueueFullError`; ``INTERNAL`` for anything else, a bug (the
+        caller logs it).
 
     """
     if isinstance(error, InvalidRequestError):
@@ -167,27 +164,23 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     Each method raises what goes wrong; :func:`status_for` alone turns it into the call's status.
 
     Args:
-        engine: the engine, connected to its backend: an :class:`~spindle.frontend.async_llm_engine.AsyncLLMEngine`,
-            or a :class:`~spindle.frontend.data_parallel.DataParallelEngine` whose figures are its engines' sums.
+        engine: the engine, connected to its backend (or backends, whose figures add up).
         config: the server's limits, and where to send traces.
 
     Attributes:
+        admission_control: which calls it takes in (none while the server drains), and those in flight.
         load: what ``WatchLoad`` and ``GetServerInfo`` report (and the metrics read); started with the server.
         tracer: makes each request's trace span; ``None`` without ``config.otlp_traces_endpoint``.
 
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.load = LoadTracker(engine)
         self.tracer = RequestTracer.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self.started = time.monotonic()
-        self.draining = False
-        self.num_queued = 0
-        self.num_streams = 0
-        self.streams_done = asyncio.Event()
-        self.streams_done.set()
+        self.admission_control = AdmissionControl(config.max_queued_requests)
 
     @_ends_with_status
     async def Generate(  # noqa: N802 - gRPC method names are CamelCase
@@ -242,24 +235,8 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         inputs = embed_inputs_from_proto(request)
         pooling = pooling_params_from_proto(request.pooling_params)
         request_id = request.request_id or uuid.uuid4().hex
-        if self.draining:
-            raise EngineUnavailableError("the server is shutting down: retry elsewhere")
-        if self.num_queued >= self.config.max_queued_requests:
-            raise QueueFullError(
-                f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}): "
-                "retry later with backoff"
-            )
-        # Counted as waiting until they end (an embedding request ends with its prefill), and as a stream to drain.
-        self.num_queued += len(inputs)
-        self.num_streams += 1
-        self.streams_done.clear()
-        try:
+        with self.admission_control.admit(len(inputs)):  # waiting until they end: an embedding ends with its prefill
             outputs = await self.engine.embed(inputs, pooling, request_id, priority=request.priority)
-        finally:
-            self.num_queued -= len(inputs)
-            self.num_streams -= 1
-            if not self.num_streams:
-                self.streams_done.set()
         return embed_response(request_id, outputs)
 
     @_ends_with_status
@@ -344,7 +321,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         interval = _watch_interval(request)
         reported, reported_at = None, 0.0
         while True:
-            if self.draining:
+            if self.admission_control.draining:
                 raise EngineUnavailableError("the server is shutting down: watch another replica")
             if self.engine.is_dead:
                 raise EngineDeadError("it died, and no other has taken over yet")
@@ -424,35 +401,17 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 request_id, context.invocation_metadata() or (), self.engine.info.model_name, method
             )
         try:
-            if self.draining:
-                raise EngineUnavailableError("the server is shutting down: retry elsewhere")
-            if self.num_queued >= self.config.max_queued_requests:
-                raise QueueFullError(
-                    f"{self.num_queued} requests are already waiting (the limit is {self.config.max_queued_requests}):"
-                    " retry later with backoff"
-                )
-            self.num_queued += 1
-            self.num_streams += 1
-            self.streams_done.clear()
-            queued = True
-            builder = ResponseBuilder()
-            try:
+            with self.admission_control.admit() as admitted:
+                builder = ResponseBuilder()
                 params = self._sampling_params(request.sampling_params)
                 if span is not None:
                     span.set_params(params)
                 async for output in start(params, request_id):
-                    if queued:
-                        self.num_queued -= 1
-                        queued = False
+                    admitted.started()
                     response = builder.build(output)
                     if span is not None:
                         span.record(output, builder.completion_tokens)
                     yield response
-            finally:
-                self.num_queued -= queued
-                self.num_streams -= 1
-                if not self.num_streams:
-                    self.streams_done.set()
         except Exception as error:
             if span is not None:
                 code, message, _ = status_for(error)

@@ -7,8 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spindle.frontend.llm_engine import LLMEngine
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.engine.llm_engine import LLMEngine
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.lora import LoRARequest
@@ -69,7 +69,7 @@ class LLM:
                 ``multi_modal_data``), or a list of these. A vision-language model's prompt takes images as
                 ``"multi_modal_data": {"image": image}`` (or a list of images), each a PIL image or encoded image
                 bytes (PNG, JPEG, ...), one ``<image>`` placeholder in the prompt for each, in order
-                (:meth:`~spindle.frontend.input_processor.InputProcessor.process`).
+                (:meth:`~spindle.frontend.processing.input_processor.InputProcessor.process`).
             sampling_params: one :class:`SamplingParams` for all prompts or one per prompt (default
                 ``SamplingParams()``).
             use_tqdm: show a progress bar. It is the third positional argument, where vLLM's old signature had
@@ -134,7 +134,7 @@ class LLM:
                 of parts: ``{"type": "text", "text": ...}`` and, for a vision-language model, images as
                 ``{"type": "image", "image": image}`` (a PIL image or encoded image bytes) or OpenAI's
                 ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
-                (:meth:`~spindle.frontend.input_processor.InputProcessor.process_chat`).
+                (:meth:`~spindle.frontend.processing.input_processor.InputProcessor.process_chat`).
             sampling_params: one :class:`SamplingParams` for all conversations or one per conversation.
             use_tqdm: show a progress bar.
             add_generation_prompt: end each prompt with the header that starts an assistant turn.

@@ -1,6 +1,6 @@
 """The gRPC server's life: ``spindle.v1.SpindleService``, health and reflection on one port, then the drain on SIGTERM.
 
-The service itself is :class:`~spindle.frontend.grpc_servicer.SpindleServicer` (with the status code of every
+The service itself is :class:`~spindle.frontend.grpc.servicer.SpindleServicer` (with the status code of every
 error); this module serves it with the standard health service, server reflection (both ``grpc.reflection.v1`` and
 the older ``v1alpha``), the API-key check (``UNAUTHENTICATED``), and ``INVALID_ARGUMENT`` for a request message that
 does not parse (gRPC would answer ``UNKNOWN``).
@@ -23,10 +23,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from spindle.frontend.data_parallel import Engine
-from spindle.frontend.grpc_args import ServerConfig
-from spindle.frontend.grpc_servicer import SpindleServicer
-from spindle.frontend.metrics import MetricsServer
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.metrics import MetricsServer
+from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -180,11 +180,11 @@ def _refusing_unparsable(handler: grpc.RpcMethodHandler, method: str) -> grpc.Rp
 class GrpcServer:
     """The gRPC server: Spindle, health and reflection services on one port, and its drain on shutdown.
 
-    Health reports ``SERVING`` while the backend lives (one of them, for a
-    :class:`~spindle.frontend.data_parallel.DataParallelEngine`) and the server is not draining, ``NOT_SERVING``
+    Health reports ``SERVING`` while the backend lives (one of them, with data-parallel backends) and the server is
+    not draining, ``NOT_SERVING``
     otherwise, both for the whole server (``""``) and for ``spindle.v1.SpindleService``. With ``config.metrics_port``
     it also serves Prometheus metrics over HTTP: its ``metrics`` attribute holds the
-    :class:`~spindle.frontend.metrics.MetricsServer` while the server runs.
+    :class:`~spindle.frontend.grpc.metrics.MetricsServer` while the server runs.
 
     Args:
         engine: the engine, connected to its backend (or backends).
@@ -192,7 +192,7 @@ class GrpcServer:
 
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.servicer = SpindleServicer(engine, config)
@@ -235,11 +235,12 @@ class GrpcServer:
 
     async def drain(self) -> None:
         """Report NOT_SERVING, refuse new streams, let those in flight finish for ``grace_period`` s, then stop."""
-        self.servicer.draining = True
+        control = self.servicer.admission_control
+        control.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        logger.info("Draining %d streams for up to %.0f s", self.servicer.num_streams, self.config.grace_period)
+        logger.info("Draining %d streams for up to %.0f s", control.num_streams, self.config.grace_period)
         try:
-            await asyncio.wait_for(self.servicer.streams_done.wait(), self.config.grace_period)
+            await asyncio.wait_for(control.streams_done.wait(), self.config.grace_period)
         except TimeoutError:
             logger.warning("Streams still running after the grace period are cancelled")
         await self.stop()
@@ -264,7 +265,7 @@ class GrpcServer:
         while True:
             await asyncio.sleep(0.1)
             up = not self.engine.is_dead
-            if up == serving or self.servicer.draining:  # a drain's NOT_SERVING stays
+            if up == serving or self.servicer.admission_control.draining:  # a drain's NOT_SERVING stays
                 continue
             serving = up
             if up:
@@ -275,7 +276,7 @@ class GrpcServer:
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def serve(engine: Engine, config: ServerConfig) -> None:
+async def serve(engine: AsyncLLMEngine, config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see :meth:`GrpcServer.drain`)."""
     server = GrpcServer(engine, config)
     await server.start()

@@ -2,7 +2,7 @@
 
 from tokenizers.decoders import DecodeStream
 
-from spindle.frontend.tokenizer import Tokenizer
+from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import SamplingParams
 
 # Prompt tokens the decode stream starts from, so that the first generated token decodes as it would after the

@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from spindle.frontend.input_processor import refer_to_input
+from spindle.frontend.processing.input_processor import refer_to_input
 from spindle.shared import (
     CompletionOutput,
     EmbeddingRequestOutput,

@@ -2,12 +2,12 @@
 
 A backend is alive while it answers: it sends a heartbeat every ``HEARTBEAT_INTERVAL`` seconds from its I/O thread,
 so silence for ``HEARTBEAT_TIMEOUT`` seconds, or the exit of a backend we started, means it is dead, and every
-call raises :class:`EngineDeadError` from then on (``AsyncLLMEngine`` then brings a backend back on a new connection).
+call raises :class:`EngineDeadError` from then on (an asyncio client's
+:class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor` then brings a backend back on a new connection).
 :func:`ping_backend` asks whether a backend is up without joining it. This module imports no torch.
 """
 
 import atexit
-import collections
 import logging
 import os
 import shutil
@@ -18,15 +18,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from spindle.shared.config import EngineConfig, config_to_json, configured_log_format
-from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
-from spindle.shared.lora import LoraAdapterInfo
 from spindle.shared.model_registry import ModelRegistry
 from spindle.shared.protocol import (
     HEARTBEAT_INTERVAL,
@@ -36,24 +33,15 @@ from spindle.shared.protocol import (
     AddRequest,
     BackendMessage,
     Call,
-    CallReply,
-    Command,
     EngineInfo,
     EngineRequest,
     FinishSequence,
     FrontendHeartbeat,
     Hello,
-    ListLoras,
-    LoadLora,
     Ping,
     Pong,
     Ready,
     Refused,
-    RequestError,
-    SequenceDelta,
-    StepOutputs,
-    UnloadLora,
-    decode_result,
 )
 
 logger = logging.getLogger(__name__)
@@ -199,7 +187,7 @@ class BackendConnection:
     Args:
         address: the backend's ZeroMQ address; ``None`` starts a backend child process with ``config``.
         config: the engine settings for a backend this connection starts.
-        use_asyncio: make :attr:`socket` an asyncio socket (for ``AsyncLLMEngine``).
+        use_asyncio: make :attr:`socket` an asyncio socket (for an ``AsyncBackendClient``).
         startup_timeout: seconds to wait for the handshake (a first start may convert a GGUF file).
         process: a backend child already started (by :func:`start_backend`) at ``address``, which this
             connection then owns as if it had started it.
@@ -378,104 +366,3 @@ def ping_backend(address: str, timeout: float = 5.0) -> Pong:
         raise EngineDeadError(f"no backend answered at {address} within {timeout:g} s")
     finally:
         context.destroy(linger=0)
-
-
-class SyncCoreClient:
-    """The engine core in a backend process, behind the same methods as an in-process ``EngineCore``.
-
-    ``LLMEngine(..., multiprocess=True)`` uses it: :meth:`step` returns the deltas of the backend's next step.
-    """
-
-    def __init__(self, connection: BackendConnection) -> None:
-        self.connection = connection
-        self.info = connection.info
-        self.refused: list[tuple[str, RequestRefusedError]] = []
-        # Steps that came while waiting for the answer to an adapter call, for the next step() calls.
-        self.pending_steps: collections.deque[list[SequenceDelta]] = collections.deque()
-
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request in the backend."""
-        self.connection.add_request(request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort requests in the backend."""
-        self.connection.abort_requests(request_ids)
-
-    def finish_sequence(self, request_id: str, index: int) -> None:
-        """End one completion in the backend."""
-        self.connection.finish_sequence(request_id, index)
-
-    def add_lora(self, name: str, path: str) -> LoraAdapterInfo:
-        """Load the adapter at ``path`` (as the backend sees it) under ``name``, as :class:`EngineCore` does.
-
-        Raises:
-            InvalidRequestError: no adapter at ``path`` (or one the engine cannot serve).
-            AlreadyExistsError: ``name`` is taken.
-            EngineDeadError: the backend died.
-            EngineUnavailableError: no answer within ``CALL_TIMEOUT`` seconds.
-
-        """
-        return self.call(LoadLora(name, path))
-
-    def remove_lora(self, name: str) -> None:
-        """Unload the adapter ``name`` (:class:`~spindle.shared.errors.NotFoundError` when unknown)."""
-        self.call(UnloadLora(name))
-
-    def list_loras(self) -> list[LoraAdapterInfo]:
-        """The adapters the backend has loaded."""
-        return self.call(ListLoras())
-
-    def call(self, command: Command) -> Any:
-        """Run a control-plane command in the backend and wait for its result, keeping the steps that come first."""
-        call = Call(uuid.uuid4().hex, command)
-        self.connection.send(call)
-        deadline = time.monotonic() + CALL_TIMEOUT
-        while time.monotonic() < deadline:
-            reply = self._receive()
-            if isinstance(reply, CallReply) and reply.call_id == call.call_id:
-                return decode_result(command, reply)
-            if isinstance(reply, list) and reply:  # a late reply to a call that timed out is dropped
-                self.pending_steps.append(reply)
-        raise EngineUnavailableError(f"the backend did not answer a {type(command).__name__} within {CALL_TIMEOUT:g} s")
-
-    def step(self) -> list[SequenceDelta]:
-        """Wait for the backend's next step and return its deltas ([] after a heartbeat or a refusal).
-
-        A request the backend refused (invalid, or it is shutting down) is kept for :meth:`pop_refused`.
-
-        Raises:
-            EngineDeadError: the backend died.
-
-        """
-        if self.pending_steps:
-            return self.pending_steps.popleft()
-        while True:
-            received = self._receive()
-            if received is not None:
-                return [] if isinstance(received, CallReply) else received
-
-    def _receive(self) -> list[SequenceDelta] | CallReply | None:
-        """The next message from the backend, within 0.1 s (else ``None``): a step's deltas, or an adapter call's reply.
-
-        A heartbeat or a refusal gives ``[]``; the refusal is kept for :meth:`pop_refused`.
-        """
-        self.connection.check_alive()
-        if not self.connection.sync_socket.poll(100):
-            return None
-        message = self.connection.decode(self.connection.sync_socket.recv())
-        if isinstance(message, StepOutputs):
-            return message.deltas
-        if isinstance(message, CallReply):
-            return message
-        if isinstance(message, RequestError):
-            self.refused.append((message.request_id, message.to_exception()))
-        return []
-
-    def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
-        """The requests the backend refused since the last call (as :meth:`EngineCore.pop_refused` reports them)."""
-        refused, self.refused = self.refused, []
-        return refused
-
-    def close(self) -> None:
-        """Stop the backend (if this process started it)."""
-        self.connection.close()
