@@ -4,6 +4,7 @@ import logging
 import sys
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -192,7 +193,7 @@ class OutputProcessor:
         for request_id in request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None:
-                self._tell("on_finished", state, now)
+                self._tell(lambda listener, state=state: listener.on_finished(state, now))
 
     def process(
         self, deltas: list[SequenceDelta]
@@ -237,24 +238,24 @@ class OutputProcessor:
             num_new_tokens[delta.request_id] = num_new_tokens.get(delta.request_id, 0) + len(delta.new_token_ids)
         outputs = []
         for request_id, state in changed.items():
-            if num_new_tokens[request_id]:
-                self._tell("on_tokens", state, num_new_tokens[request_id], now)
+            if new := num_new_tokens[request_id]:
+                self._tell(lambda listener, state=state, new=new: listener.on_tokens(state, new, now))
                 state.last_token_time = now
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[request_id]
-                self._tell("on_finished", state, now)
+                self._tell(lambda listener, state=state: listener.on_finished(state, now))
             outputs.append(state.output())
         return outputs, stopped
 
-    def _tell(self, event: str, state: RequestState, *args: object) -> None:
-        """Call ``event`` (a :class:`StepListener` method) of every listener."""
+    def _tell(self, call: Callable[[StepListener], None]) -> None:
+        """Make ``call`` (one :class:`StepListener` method's call) on every listener."""
         for listener in self.listeners:
             try:
-                getattr(listener, event)(state, *args)
+                call(listener)
             except Exception:
                 # A broken metric must not stop the outputs of every request: log it and serve on.
-                logger.exception("%s.%s failed", type(listener).__name__, event)
+                logger.exception("%s failed to follow a step", type(listener).__name__)
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         # The chosen token comes first with its own rank; the top-N follow with ranks 1..N.
