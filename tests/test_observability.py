@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 from test_grpc import ServerThread, assert_invalid, backend, collect, refusal  # noqa: F401 - backend is a fixture
+from waiting import wait_until
 
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
@@ -74,12 +75,13 @@ def test_metrics_move_by_exactly_what_two_requests_did(server, client):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     # The backend's counts come with its next stats, which may trail the last response by a step or a heartbeat.
-    deadline = time.monotonic() + 5
-    while True:
-        after = scrape(server)
-        if moved("spindle:prefix_cache_queries_total") == 77 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    queries = ("spindle:prefix_cache_queries_total", ())
+
+    def counted() -> dict | None:
+        samples = scrape(server)
+        return samples if samples[queries] - before[queries] >= 40 + 37 else None
+
+    after = wait_until(counted, "both prompts' lookups are counted")
     assert moved("spindle:prefix_cache_queries_total") == 40 + 37
     assert moved("spindle:prefix_cache_hits_total") == 32
     assert moved("spindle:prompt_tokens_total") == 40 + 37
