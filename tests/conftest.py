@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,13 @@ from spindle.kernels import quant
 # (importing torch does not import Triton); a binary on PATH, such as nvidia-smi, may be missing where CUDA works.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tests import Spindle as installed, as users do (see `make test`). With the repository root on sys.path, as
+# `python -m pytest` puts it, transformers' probe for Hugging Face's `kernels` package imports our kernels/ a second
+# time, as a top-level `kernels`, and that copy's registration of the spindle::attend op replaces the first one:
+# attend() under torch.compile then reads the copy's attention metadata, which nothing sets.
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
 
 
 def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:
