@@ -48,6 +48,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    # pytest-randomly prints its seed in the header, which -q (`make test`) leaves out.
+    seed = config.getoption("randomly_seed", None)
+    if seed is not None:
+        terminalreporter.write_line(f"Shuffled with --randomly-seed={seed}; -p no:randomly runs the file order.")
+
+
 def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:
     """Make the unprepared ``reference`` compute, in torch, what ``served``'s quantized projections compute.
 
