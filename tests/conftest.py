@@ -47,6 +47,57 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
 
+# Every test module's tier, a marker for `pytest -m TIER` (the markers in pyproject.toml say what each holds; see
+# docs/quickstart.rst, "The tests"), by the heaviest thing one of its tests does. A new module goes in here, or
+# the collection fails.
+TIERS = {
+    "test_block_manager": "unit",
+    "test_detokenizer": "unit",
+    "test_image_processor": "unit",
+    "test_input_processor": "unit",
+    "test_kernels_cpu": "unit",
+    "test_sampler": "unit",
+    "test_scheduler": "unit",
+    "test_shared": "unit",
+    "test_tokenizer": "unit",
+    "test_engine": "engine",
+    "test_gpu_engine": "engine",
+    "test_kernels_triton": "engine",  # one test steps an EngineCore through the decode graphs
+    "test_llava_model": "engine",
+    "test_lora": "engine",
+    "test_memory": "engine",
+    "test_model_parity": "engine",
+    "test_priority": "engine",
+    "test_smollm2": "engine",
+    "test_speculative": "engine",
+    "test_transfers": "engine",
+    "test_data_parallel": "process",
+    "test_embeddings": "process",
+    "test_grpc": "process",
+    "test_lora_api": "process",
+    "test_model_registry": "process",
+    "test_multimodal": "process",
+    "test_observability": "process",
+    "test_process_split": "process",
+    "test_recovery": "process",
+    "test_structured_output": "process",
+    "test_tensor_parallel": "process",
+    "test_tools": "process",  # the parser and schema checks are unit tests; the end-to-end ones start a backend
+    "test_compose": "deploy",
+    "test_deploy": "deploy",
+    "test_docs": "deploy",
+    "test_packaging": "deploy",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unknown = sorted({item.path.name for item in items if item.path.stem not in TIERS})
+    if unknown:
+        raise pytest.UsageError(f"{', '.join(unknown)}: no tier; add the module to TIERS in {Path(__file__).name}")
+    for item in items:
+        item.add_marker(TIERS[item.path.stem])
+
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     # pytest-randomly prints its seed in the header, which -q (`make test`) leaves out.
