@@ -437,7 +437,7 @@ def test_tls(backend, tmp_path):
     try:
         with SpindleClient(f"localhost:{server.port}", tls_ca=str(cert)) as client:
             assert client.detokenize(client.tokenize("tls")) == "tls"
-        with SpindleClient(f"localhost:{server.port}", timeout=2) as plain, pytest.raises(grpc.RpcError) as error:
+        with SpindleClient(f"localhost:{server.port}", timeout=30) as plain, pytest.raises(grpc.RpcError) as error:
             plain.tokenize("tls")
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
