@@ -42,6 +42,14 @@ PARAMS = [
 BLOCKS = 12  # KV blocks of 16 tokens for the tiny model: two 128-token sequences' worth, so the batch preempts
 
 
+@pytest.fixture(autouse=True)
+def torch_threads() -> Iterator[None]:
+    """Give later tests back torch's threads: rank 0 of an in-process engine sets the process's to its share."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_prompts() -> list[dict]:
     """Six prompts of 5 to 45 tokens: with 16-token steps the long ones are prefilled in chunks."""
     return [{"prompt_token_ids": [3 + (11 * i + 5 * j) % 250 for j in range(5 + 8 * i)]} for i in range(6)]
