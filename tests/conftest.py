@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,71 @@ from spindle.kernels import quant
 # (importing torch does not import Triton); a binary on PATH, such as nvidia-smi, may be missing where CUDA works.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tests import Spindle as installed, as users do (see `make test`). With the repository root on sys.path, as
+# `python -m pytest` puts it, transformers' probe for Hugging Face's `kernels` package imports our kernels/ a second
+# time, as a top-level `kernels`, and that copy's registration of the spindle::attend op replaces the first one:
+# attend() under torch.compile then reads the copy's attention metadata, which nothing sets.
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
+
+# Every test module's tier, a marker for `pytest -m TIER` (the markers in pyproject.toml say what each holds; see
+# docs/quickstart.rst, "The tests"), by the heaviest thing one of its tests does. A new module goes in here, or
+# the collection fails.
+TIERS = {
+    "test_block_manager": "unit",
+    "test_detokenizer": "unit",
+    "test_image_processor": "unit",
+    "test_input_processor": "unit",
+    "test_kernels_cpu": "unit",
+    "test_sampler": "unit",
+    "test_scheduler": "unit",
+    "test_shared": "unit",
+    "test_tokenizer": "unit",
+    "test_engine": "engine",
+    "test_gpu_engine": "engine",
+    "test_kernels_triton": "engine",  # one test steps an EngineCore through the decode graphs
+    "test_llava_model": "engine",
+    "test_lora": "engine",
+    "test_memory": "engine",
+    "test_model_parity": "engine",
+    "test_priority": "engine",
+    "test_smollm2": "engine",
+    "test_speculative": "engine",
+    "test_transfers": "engine",
+    "test_data_parallel": "process",
+    "test_embeddings": "process",
+    "test_grpc": "process",
+    "test_lora_api": "process",
+    "test_model_registry": "process",
+    "test_multimodal": "process",
+    "test_observability": "process",
+    "test_process_split": "process",
+    "test_recovery": "process",
+    "test_structured_output": "process",
+    "test_tensor_parallel": "process",
+    "test_tools": "process",  # the parser and schema checks are unit tests; the end-to-end ones start a backend
+    "test_compose": "deploy",
+    "test_deploy": "deploy",
+    "test_docs": "deploy",
+    "test_packaging": "deploy",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unknown = sorted({item.path.name for item in items if item.path.stem not in TIERS})
+    if unknown:
+        raise pytest.UsageError(f"{', '.join(unknown)}: no tier; add the module to TIERS in {Path(__file__).name}")
+    for item in items:
+        item.add_marker(TIERS[item.path.stem])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    # pytest-randomly prints its seed in the header, which -q (`make test`) leaves out.
+    seed = config.getoption("randomly_seed", None)
+    if seed is not None:
+        terminalreporter.write_line(f"Shuffled with --randomly-seed={seed}; -p no:randomly runs the file order.")
 
 
 def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:

@@ -13,13 +13,13 @@ import re
 import signal
 import socket
 import subprocess
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 from compose_spec import PyCompose
+from waiting import wait_until
 
 from spindle.client import SpindleClient
 
@@ -265,6 +265,7 @@ class Process:
     """One service's command as a process here, with its environment and volumes where ``host_dirs`` puts them."""
 
     def __init__(self, name: str, host_env: dict[str, str], tmp_path: Path) -> None:
+        self.name = name
         self.service = SERVICES[name]
         self.host_env = host_env
         self.dirs = host_dirs(self.service, host_env, tmp_path)
@@ -289,11 +290,14 @@ class Process:
             self.popen.kill()
 
 
-def wait_healthy(process: Process, *others: Process, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not process.healthy():
-        assert time.monotonic() < deadline and all(p.popen.poll() is None for p in (process, *others))
-        time.sleep(0.5)
+def wait_healthy(process: Process, *others: Process) -> None:
+    def healthy() -> bool:
+        exited = [p.name for p in (process, *others) if p.popen.poll() is not None]
+        assert not exited, f"{exited} exited while {process.name} started"
+        return process.healthy()
+
+    # Every look runs the service's health check command, a process of its own.
+    wait_until(healthy, f"{process.name} is healthy", timeout=120, interval=0.5)
 
 
 def model_env(tiny_llm_dir: Path) -> dict[str, str]:

@@ -5,12 +5,13 @@ zero, which would change nothing), so that generating with one changes the token
 """
 
 import shutil
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from test_grpc import LONG, ServerThread, assert_invalid, collect, refusal, tiny_config, violated_fields
+from test_process_split import run_engine, settled_stats
+from waiting import wait_until
 
 from spindle import LLM, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from spindle.frontend.engine.connection import start_backend
@@ -241,14 +242,13 @@ def test_adapters_come_and_go_while_streams_run(client, adapters, model_dir):
     assert done[0]["finish"] == [(spindle_pb2.FINISH_REASON_LENGTH, None)]
 
 
-def finish(engine: LLMEngine, request_id: str, timeout: float = 60.0) -> RequestOutput:
-    """Step ``engine`` until request ``request_id`` finishes; its last output."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                return output
-    raise AssertionError(f"request {request_id} did not finish within {timeout:g} s")
+def stepped_output(engine: LLMEngine, request_id: str, finished: bool) -> RequestOutput:
+    """Step ``engine`` until it gives an output of request ``request_id`` (a finished one if ``finished``)."""
+
+    def step() -> RequestOutput | None:
+        return next((o for o in engine.step() if o.request_id == request_id and (o.finished or not finished)), None)
+
+    return wait_until(step, f"request {request_id} {'finishes' if finished else 'runs'}", interval=0)
 
 
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "backend-process"])
@@ -281,9 +281,11 @@ def test_llm_loads_a_lora_request_on_first_use(model_dir, adapters, multiprocess
         assert not engine.has_unfinished_requests()
         # An adapter call while a request runs: the backend's steps that come before the reply must reach step().
         request_id = engine.add_request(None, PROMPT, params)
-        time.sleep(0.5)
+        stepped_output(engine, request_id, finished=False)
+        if multiprocess:  # the backend runs the request to its end, as another frontend sees: all its steps come first
+            run_engine(engine.core.connection.address, settled_stats)
         engine.load_lora("sql-again", str(lora_dir / "sql"))
-        assert finish(engine, request_id).outputs[0].token_ids == base
+        assert stepped_output(engine, request_id, finished=True).outputs[0].token_ids == base
         engine.unload_lora("chat")
         assert {adapter.name for adapter in engine.list_loras()} == {"sql", "sql-again"}
         with pytest.raises(NotFoundError):

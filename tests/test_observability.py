@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 from test_grpc import ServerThread, assert_invalid, backend, collect, refusal  # noqa: F401 - backend is a fixture
+from waiting import SLACK, wait_until
 
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
@@ -74,12 +75,13 @@ def test_metrics_move_by_exactly_what_two_requests_did(server, client):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     # The backend's counts come with its next stats, which may trail the last response by a step or a heartbeat.
-    deadline = time.monotonic() + 5
-    while True:
-        after = scrape(server)
-        if moved("spindle:prefix_cache_queries_total") == 77 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    queries = ("spindle:prefix_cache_queries_total", ())
+
+    def counted() -> dict | None:
+        samples = scrape(server)
+        return samples if samples[queries] - before[queries] >= 40 + 37 else None
+
+    after = wait_until(counted, "both prompts' lookups are counted")
     assert moved("spindle:prefix_cache_queries_total") == 40 + 37
     assert moved("spindle:prefix_cache_hits_total") == 32
     assert moved("spindle:prompt_tokens_total") == 40 + 37
@@ -170,15 +172,16 @@ def watch(client, **interval):
 
 
 def test_watch_load_reports_when_a_request_starts_and_ends(server, client):
-    reports = watch(client, seconds=30)  # no report from the interval within this test: only changes send one
+    interval = 30  # seconds: longer than the test, so that every report after the first is one of a change
+    reports = watch(client, seconds=interval)
     first = next(reports)
-    assert first.num_requests_running == 0 and abs(first.timestamp.ToMilliseconds() / 1000 - time.time()) < 5
+    assert first.num_requests_running == 0 and abs(first.timestamp.ToMilliseconds() / 1000 - time.time()) < SLACK
     stream = client.generate("watched", temperature=0, max_tokens=200, ignore_eos=True)
-    started = time.monotonic()
     running = [next(reports)]
     while running[-1].num_requests_running == 0:
         running.append(next(reports))
-    assert running[-1].num_requests_running == 1 and time.monotonic() - started < 10
+    assert running[-1].num_requests_running == 1
+    assert running[-1].timestamp.ToMilliseconds() - first.timestamp.ToMilliseconds() < interval * 1000
     choices, _ = collect(stream)
     assert len(choices[0]["token_ids"]) == 200
     ended = next(reports)
@@ -196,11 +199,13 @@ def test_watch_load_refuses_an_interval_out_of_bounds(client, interval):
     assert_invalid(refusal(lambda: watch(client, **interval)), ["interval"], "is outside [0.05s, 60s]")
 
 
-def test_watch_load_reports_at_least_every_interval(client):
+def test_watch_load_reports_at_least_every_interval(client, monkeypatch):
+    # The default interval longer than the call's deadline: reports can only come at the requested one (0.1 s).
+    monkeypatch.setattr("spindle.frontend.grpc_servicer.WATCH_INTERVAL", 3600.0)
     reports = watch(client, nanos=100_000_000)
     stamps = [next(reports).timestamp.ToMilliseconds() for _ in range(4)]
     reports.cancel()
-    assert all(0 < later - earlier < 1000 for earlier, later in zip(stamps, stamps[1:], strict=False))
+    assert all(0 < later - earlier < (0.1 + SLACK) * 1000 for earlier, later in zip(stamps, stamps[1:], strict=False))
 
 
 def stats(preemptions: int, queries: int, hits: int) -> EngineStats:

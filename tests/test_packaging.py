@@ -168,19 +168,22 @@ def test_spindle_serve_serves_and_spindle_generate_streams(full_venv, outside):
 
 
 def test_uninstalling_hugging_face_kernels_leaves_spindle_whole(full_venv, outside):
-    # Its own venv copy would cost another install; uninstalling last from the shared one is safe: the tests above
-    # ran first (file order), and nothing after this one needs Hugging Face's package.
+    # In the shared venv, as a copy of its own would cost another install, and reinstalled at the end: the tests run
+    # in any order, and test_hugging_face_kernels_and_spindle_side_by_side needs Hugging Face's package.
     subprocess.run([str(full_venv), "-m", "pip", "uninstall", "--quiet", "-y", "kernels"], check=True)
-    missing = run_python(
-        full_venv,
-        """
-        from importlib.metadata import distribution
-        print([str(f) for name in ("spindle-serve", "spindle-client") for f in distribution(name).files
-               if not f.locate().exists()])
-        from spindle.kernels import AttentionMetadata
-        """,
-        outside,
-    )
+    try:
+        missing = run_python(
+            full_venv,
+            """
+            from importlib.metadata import distribution
+            print([str(f) for name in ("spindle-serve", "spindle-client") for f in distribution(name).files
+                   if not f.locate().exists()])
+            from spindle.kernels import AttentionMetadata
+            """,
+            outside,
+        )
+    finally:
+        pip_install(full_venv, "kernels")
     assert missing.strip() == "[]"
 
 

@@ -14,14 +14,21 @@ from pathlib import Path
 
 import pytest
 from conftest import LLAVA_IMAGE_SIZE
+from waiting import DEADLINE, SLACK, wait_until, wait_until_async
 
 from spindle import LLM, FinishReason, LLMEngine, SamplingParams
 from spindle.backend.engine_process import prepare_address
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.engine.connection import BackendConnection, BackendProcess, EngineDeadError, start_backend
+from spindle.frontend.engine.connection import (
+    BackendConnection,
+    BackendProcess,
+    EngineDeadError,
+    ping_backend,
+    start_backend,
+)
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
-from spindle.shared.protocol import FRONTEND_TIMEOUT
+from spindle.shared.protocol import FRONTEND_TIMEOUT, HEARTBEAT_TIMEOUT, EngineStats
 
 NUM_STREAMS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
@@ -61,13 +68,14 @@ async def collect(engine: AsyncLLMEngine, inputs: dict, params: SamplingParams, 
     return final.outputs[0].token_ids
 
 
-async def settled_stats(engine: AsyncLLMEngine, timeout: float = 5.0):
-    """Wait until the backend reports nothing running, and return its stats."""
-    deadline = time.monotonic() + timeout
-    stats = await engine.get_stats()
-    while (stats.num_running or stats.num_waiting) and time.monotonic() < deadline:
+async def settled_stats(engine: AsyncLLMEngine, timeout: float = DEADLINE) -> EngineStats:
+    """The backend's stats once nothing runs or waits there (each look awaits its next stats)."""
+
+    async def settled() -> EngineStats | None:
         stats = await engine.get_stats()
-    return stats
+        return None if stats.num_running or stats.num_waiting else stats
+
+    return await wait_until_async(settled, "nothing runs or waits in the backend", timeout, interval=0)
 
 
 def test_concurrent_streams_equal_the_in_process_engine(backend, tiny_llm_dir):
@@ -131,7 +139,7 @@ def test_closing_a_stream_or_matching_a_stop_string_frees_the_backend(backend):
         async for output in engine.generate("hello", params, "stopped"):
             stopped = output
         assert stopped.outputs[0].text == full[: full.index(stop)] and stopped.outputs[0].stop_reason == stop
-        return await settled_stats(engine, timeout=1.0)
+        return await settled_stats(engine)
 
     stats = run_engine(backend, scenario)
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
@@ -166,7 +174,7 @@ def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
         BackendConnection(backend, startup_timeout=10)
 
 
-def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_dir):
+def test_sigkill_of_the_backend_ends_every_stream_and_refuses_new_ones(tiny_llm_dir):
     engine = AsyncLLMEngine.from_args(**tiny_config(tiny_llm_dir).settings())
 
     async def scenario():
@@ -183,11 +191,12 @@ def test_sigkill_of_the_backend_ends_every_stream_within_two_seconds(tiny_llm_di
         results = await asyncio.gather(*tasks, return_exceptions=True)
         elapsed = time.monotonic() - killed
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert elapsed < 2.0
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError):
+        # The exit of a backend it started is seen at once; the heartbeats' silence would tell too, a timeout later.
+        assert elapsed < HEARTBEAT_TIMEOUT + SLACK
+        # Refused at once, while the new backend is still starting (it takes seconds): a request does not wait for it.
+        with pytest.raises(EngineDeadError, match="a new backend is starting"):
             await anext(engine.generate("late"))
-        assert time.monotonic() - start < 0.1 and engine.is_dead
+        assert engine.is_dead
 
     try:
         asyncio.run(scenario())
@@ -264,11 +273,11 @@ def test_the_frontend_process_never_imports_model_code_and_a_lost_frontend_is_cl
     lost_at = time.monotonic()
 
     async def watch(engine):
-        return await settled_stats(engine, timeout=FRONTEND_TIMEOUT + 3)
+        return await settled_stats(engine, timeout=FRONTEND_TIMEOUT + SLACK)
 
     stats = run_engine(backend, watch)
-    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
-    assert time.monotonic() - lost_at < FRONTEND_TIMEOUT + 3
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert time.monotonic() - lost_at < FRONTEND_TIMEOUT + SLACK
 
 
 def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir, tiny_llava_dir, private_tmp):
@@ -277,16 +286,20 @@ def test_a_backend_child_dies_with_its_frontend(tiny_llm_dir, tiny_llava_dir, pr
     assert len(socket_dirs(private_tmp)) == 1
     process.kill()
     process.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            assert socket_dirs(private_tmp) == []  # the backend removed the directory its killed frontend made
-            return
-        time.sleep(0.1)
-    os.kill(child, signal.SIGKILL)
-    pytest.fail("the backend outlived its parent frontend by 10 s")
+    try:
+        wait_until(lambda: not alive(child), "the backend exits with its parent frontend")
+    except AssertionError:
+        os.kill(child, signal.SIGKILL)  # not left running by the failed test
+        raise
+    assert socket_dirs(private_tmp) == []  # the backend removed the directory its killed frontend made
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("grace_period,finish_reason", [(30.0, "length"), (0.05, "abort")])
@@ -295,12 +308,15 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llm_dir, grace_p
     # Long enough that the streams are still running while the checks after SIGTERM happen.
     params = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
 
+    async def draining() -> bool:
+        return (await asyncio.to_thread(ping_backend, address)).draining
+
     async def scenario(engine):
         streams = [engine.generate(p, params) for p in prompts_for(4)]
         firsts = [await anext(s) for s in streams]
         process.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.1)
         if finish_reason == "length":
+            await wait_until_async(draining, "the backend drains")
             with pytest.raises(EngineUnavailableError, match="shutting down"):
                 await anext(engine.generate("late"))
         finals = []

@@ -8,12 +8,12 @@ gRPC (a random model's strings need not end; a real one's do).
 
 import json
 import re
-import time
 
 import grpc
 import jsonschema
 import pytest
 from test_grpc import ServerThread, assert_invalid, collect, refusal
+from waiting import wait_until
 
 from spindle import LLM
 from spindle.backend.structured_output import StructuredOutputManager
@@ -160,12 +160,16 @@ def test_a_spec_that_does_not_compile_fails_its_request_only(tiny_llm_dir, multi
         good = engine.add_request(None, "fine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         bad = engine.add_request(None, "bad", SamplingParams(structured_output=StructuredOutput(regex="(")))
         finished, refused = {}, None
-        deadline = time.monotonic() + 60
-        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+
+        def step() -> bool:
+            nonlocal refused
             try:
                 finished.update((out.request_id, out) for out in engine.step() if out.finished)
             except InvalidRequestError as error:
                 refused = error
+            return not engine.has_unfinished_requests()
+
+        wait_until(step, "both requests end", interval=0)
         assert refused is not None and refused.fields == ("sampling_params.structured_output.regex",)
         assert repr(bad) in refused.__notes__[0]
         assert list(finished) == [good] and len(finished[good].outputs[0].token_ids) == 8

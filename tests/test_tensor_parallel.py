@@ -20,12 +20,14 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from waiting import SLACK
 
 from spindle import LLM, ModelRegistry, SamplingParams
 from spindle.backend import parallel
 from spindle.backend.models.llama import LlamaForCausalLM
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_model
 from spindle.backend.parallel import TensorParallel
+from spindle.backend.worker import Workers
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import EngineDeadError
 from spindle.kernels.quant import dequantize
@@ -38,6 +40,14 @@ PARAMS = [
     msgspec.structs.replace(GREEDY, prompt_logprobs=2),
 ]
 BLOCKS = 12  # KV blocks of 16 tokens for the tiny model: two 128-token sequences' worth, so the batch preempts
+
+
+@pytest.fixture(autouse=True)
+def torch_threads() -> Iterator[None]:
+    """Give later tests back torch's threads: rank 0 of an in-process engine sets the process's to its share."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_prompts() -> list[dict]:
@@ -192,11 +202,11 @@ def test_a_rank_keeps_the_gguf_int4_blocks_of_its_slice():
         assert torch.equal(dequantize(ours[name]), dequantize(full[name]).index_select(dim, torch.tensor(index))), name
 
 
-def test_a_size_that_does_not_split_the_heads_is_refused(tiny_tp_llm_dir):
-    start = time.monotonic()
+def test_a_size_that_does_not_split_the_heads_is_refused(tiny_tp_llm_dir, monkeypatch):
+    # Refused before any worker starts: starting them fails the test.
+    monkeypatch.setattr(Workers, "__init__", lambda *_: pytest.fail("workers started for a size that does not fit"))
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not fit the model: its 8 query heads are not"):
         LLM(str(tiny_tp_llm_dir), **tiny_args(3))
-    assert time.monotonic() - start < 5  # refused before any worker starts
 
 
 class FailingWorkerLlama(LlamaForCausalLM):
@@ -218,7 +228,7 @@ def test_a_worker_that_fails_to_load_fails_the_start_with_its_error(tiny_tp_llm_
         LLM(str(model_dir), **tiny_args(2))
 
 
-def test_killing_a_worker_ends_every_stream_within_two_seconds(tiny_tp_llm_dir):
+def test_killing_a_worker_ends_every_stream(tiny_tp_llm_dir):
     engine = AsyncLLMEngine.from_args(
         model=str(tiny_tp_llm_dir), dtype="float32", kv_cache_memory="4MiB", tensor_parallel_size=2
     )
@@ -239,7 +249,8 @@ def test_killing_a_worker_ends_every_stream_within_two_seconds(tiny_tp_llm_dir):
         killed = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert time.monotonic() - killed < 2.0
+        # The backend's watcher wakes on the worker's exit and the backend exits, which its frontend sees at once.
+        assert time.monotonic() - killed < SLACK
 
     try:
         asyncio.run(scenario())
