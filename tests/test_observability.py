@@ -22,6 +22,7 @@ from waiting import SLACK, wait_until
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.sequence import Sequence
+from spindle.frontend.data_parallel import sum_stats
 from spindle.frontend.metrics import METRICS, LoadTracker
 from spindle.frontend.tracing import RequestTracer
 from spindle.shared.protocol import EngineStats
@@ -59,7 +60,16 @@ def scrape(server: ServerThread) -> dict[tuple[str, tuple], float]:
     return samples
 
 
+def counted_all(server: ServerThread) -> bool:
+    """Whether the server's load tracker has the latest stats of every backend, so that a baseline of its metrics
+    holds what they counted for requests that ended (another frontend's, say): those come a heartbeat later, or a
+    second after a restart."""
+    load = server.server.servicer.load
+    return load.stats == sum_stats([server.run(engine.get_stats()) for engine in load.engines])
+
+
 def test_metrics_move_by_exactly_what_two_requests_did(server, client):
+    wait_until(lambda: counted_all(server), "the server has what the backend counted")
     before = scrape(server)
     names = {spec.sample_name + ("_count" if spec.kind == "histogram" else "") for spec in METRICS}
     assert names - {name for name, _ in before} == set()
