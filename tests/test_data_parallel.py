@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_grpc import LONG, ServerThread, collect, tiny_config
 from test_lora_api import save_adapter
-from test_observability import scrape, watch
+from test_observability import counted_all, scrape, watch
 from waiting import wait_until
 
 from spindle.frontend.cli import add_commands, engine_from_args
@@ -100,15 +100,7 @@ def test_the_engines_serve_as_one(request, fixture):
     assert isinstance(engine.client, DataParallelClient) and len(engine.client.clients) == 2
     with server.client(timeout=30) as client:
         assert client.health() == "SERVING"
-
-        def caught_up() -> bool:
-            counted = server.server.servicer.load.stats  # the latest stats of each engine that the server has seen
-            queries = sum(server.stats(i).num_prefix_cache_queries for i in range(2))
-            return counted is not None and counted.num_prefix_cache_queries == queries
-
-        # The baseline once the server has counted what its engines have: it follows a restarted engine again only
-        # within a second, so after the test that kills one it may lag.
-        wait_until(caught_up, "the server has the engines' counts")
+        wait_until(lambda: counted_all(server), "the server has what the engines counted")  # after a restart too
         before = scrape(server)
         choices, _ = collect(client.generate([5, 6, 7, 8, 9], temperature=0, max_tokens=4, ignore_eos=True))
         assert len(choices[0]["token_ids"]) == 4

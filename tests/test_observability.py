@@ -59,7 +59,15 @@ def scrape(server: ServerThread) -> dict[tuple[str, tuple], float]:
     return samples
 
 
+def counted_all(server: ServerThread) -> bool:
+    """Whether the server's load tracker has the latest stats of every backend, so that a baseline of its metrics
+    holds what they counted for requests that ended (another frontend's, say): those come a heartbeat later, or a
+    second after a restart."""
+    return server.server.servicer.load.stats == server.run(server.engine.get_stats())
+
+
 def test_metrics_move_by_exactly_what_two_requests_did(server, client):
+    wait_until(lambda: counted_all(server), "the server has what the backend counted")
     before = scrape(server)
     names = {spec.sample_name + ("_count" if spec.kind == "histogram" else "") for spec in METRICS}
     assert names - {name for name, _ in before} == set()
@@ -201,7 +209,7 @@ def test_watch_load_refuses_an_interval_out_of_bounds(client, interval):
 
 def test_watch_load_reports_at_least_every_interval(client, monkeypatch):
     # The default interval longer than the call's deadline: reports can only come at the requested one (0.1 s).
-    monkeypatch.setattr("spindle.frontend.grpc_servicer.WATCH_INTERVAL", 3600.0)
+    monkeypatch.setattr("spindle.frontend.grpc.servicer.WATCH_INTERVAL", 3600.0)
     reports = watch(client, nanos=100_000_000)
     stamps = [next(reports).timestamp.ToMilliseconds() for _ in range(4)]
     reports.cancel()
