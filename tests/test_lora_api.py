@@ -283,7 +283,7 @@ def test_llm_loads_a_lora_request_on_first_use(model_dir, adapters, multiprocess
         request_id = engine.add_request(None, PROMPT, params)
         stepped_output(engine, request_id, finished=False)
         if multiprocess:  # the backend runs the request to its end, as another frontend sees: all its steps come first
-            run_engine(engine.core.connection.address, settled_stats)
+            run_engine(engine.client.connection.address, settled_stats)
         engine.load_lora("sql-again", str(lora_dir / "sql"))
         assert stepped_output(engine, request_id, finished=True).outputs[0].token_ids == base
         engine.unload_lora("chat")
