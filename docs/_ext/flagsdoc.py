@@ -1,4 +1,4 @@
-"""``.. engine-flags::`` and ``.. server-flags::``: the tables of ``spindle`` flags and environment variables.
+"""``.. engine-flags::``, ``.. server-flags::`` and ``.. chosen-flags::``: tables of ``spindle`` flags.
 
 The rows come from the argparse parsers that ``spindle serve`` and ``spindle backend`` build, and each flag's
 meaning from the ``Attributes`` section of its settings dataclass: one of :class:`spindle.shared.config.EngineConfig`'s
@@ -88,9 +88,26 @@ class _FlagTable(SphinxDirective):
         """Build the table's reStructuredText and parse it in place."""
         lines = [".. list-table::", "   :header-rows: 1", "   :widths: 22 28 12 38", ""]
         lines += ["   * - flag", "     - environment variable", "     - default", "     - meaning"]
-        for flag, env, default, meaning in type(self).rows():
+        for flag, env, default, meaning in self.rows():
             lines += [f"   * - ``{flag}``", f"     - ``{env}``", f"     - ``{default}``", f"     - {meaning}"]
         return self.parse_text_to_nodes("\n".join(lines))
+
+
+class ChosenFlags(_FlagTable):
+    """The engine and server flags named in the directive's content, one per line, in that order.
+
+    A name that is no flag fails the build, so a page that lists limits cannot name one that is gone.
+    """
+
+    has_content = True
+
+    def rows(self) -> list[tuple[str, str, str, str]]:  # type: ignore[override]
+        """The named flags' rows."""
+        every = {row[0]: row for row in [*flag_rows(), *server_flag_rows()]}
+        unknown = [name for name in self.content if name not in every]
+        if unknown:
+            raise self.error(f"chosen-flags: no such flag: {', '.join(unknown)}")
+        return [every[name] for name in self.content]
 
 
 class EngineFlags(_FlagTable):
@@ -109,4 +126,5 @@ def setup(app: Sphinx) -> dict[str, object]:
     """Register the directives."""
     app.add_directive("engine-flags", EngineFlags)
     app.add_directive("server-flags", ServerFlags)
+    app.add_directive("chosen-flags", ChosenFlags)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
