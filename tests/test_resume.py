@@ -137,7 +137,7 @@ Kill = Callable[[AsyncBackendClient], None]
 
 
 @contextlib.contextmanager
-def owned_engine(model_dir: Path, private_tmp: Path, size: int) -> Iterator[tuple[AsyncLLMEngine, Kill]]:
+def owned_engine(model_dir: Path, tmp: Path, size: int) -> Iterator[tuple[AsyncLLMEngine, Kill]]:
     """An engine of ``size`` backends it started; killing one has it start another."""
     engine = AsyncLLMEngine.from_args(data_parallel_size=size, **tiny_config(model_dir).settings())
     try:
@@ -147,9 +147,9 @@ def owned_engine(model_dir: Path, private_tmp: Path, size: int) -> Iterator[tupl
 
 
 @contextlib.contextmanager
-def remote_engine(model_dir: Path, private_tmp: Path) -> Iterator[tuple[AsyncLLMEngine, Kill]]:
+def remote_engine(model_dir: Path, tmp: Path) -> Iterator[tuple[AsyncLLMEngine, Kill]]:
     """An engine of a backend at an address; killing it starts another there, as its container's restart would."""
-    address = f"ipc://{private_tmp}/run/engine.sock"
+    address = f"ipc://{tmp}/run/engine.sock"
     backends = [start_backend(tiny_config(model_dir), address)[0]]
 
     def kill(client: AsyncBackendClient) -> None:
@@ -208,3 +208,48 @@ def test_streams_resume_token_for_token_when_their_backend_is_killed(tiny_llm_di
             assert engine.num_backend_restarts == 1
 
         asyncio.run(scenario())
+
+
+@pytest.fixture
+def make_server(tiny_llm_dir, private_tmp, monkeypatch) -> Iterator[Callable[..., ServerThread]]:  # noqa: F811
+    """``make_server(**recovery)``: a gRPC server with metrics over an engine that starts its own tiny backend."""
+    servers = []
+
+    def make(**recovery: object) -> ServerThread:
+        monkeypatch.setattr(
+            "spindle.frontend.engine.async_llm_engine.EngineConfig",
+            SimpleNamespace(of=lambda **kwargs: tiny_config(tiny_llm_dir, **kwargs, **recovery)),
+        )
+        servers.append(ServerThread(None, metrics_port=0))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "recovery,kills,resumed,failed,message",
+    [
+        ({"resume_streams": False}, 1, 0, 0, "backend is down (the backend process exited"),
+        ({"max_stream_resumes": 1}, 2, 1, 1, "; not resumed again (max_stream_resumes=1)"),
+    ],
+    ids=["resumption-off", "resumes-exhausted"],
+)
+def test_a_stream_fails_when_resumption_is_off_or_exhausted(make_server, recovery, kills, resumed, failed, message):
+    server = make_server(**recovery)
+    engine = server.engine
+    with server.client(timeout=60) as client:
+        doomed = client.generate("doomed", request_id="doomed", **LONG)
+        next(doomed)
+        for kill in range(kills):
+            # The second kill waits for the resumed request to run on the new backend.
+            wait_until(lambda kill=kill: engine.num_resumed_requests == kill, f"the request was resumed {kill} times")
+            wait_until(lambda: "doomed" in engine.client.requests, "the request runs in a backend")
+            os.kill(engine.client.connection.process.pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as error:
+            list(doomed)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and message in error.value.details()
+        metrics = scrape(server)
+        assert metrics["spindle:request_resumptions_total", ()] == engine.num_resumed_requests == resumed
+        assert metrics["spindle:request_resume_failures_total", ()] == engine.num_resume_failures == failed

@@ -346,13 +346,14 @@ class AsyncLLMEngine:
         times.
         """
         limit = self.recovery.max_stream_resumes
+        exhausted = EngineDeadError(f"{error}; not resumed again (max_stream_resumes={limit})")
         for request_id in request_ids:
             state = self.output_processor.requests.get(request_id)
             if not self.recovery.resume_streams or state is None or state.request is None:
                 self._fail(request_id, error)
             elif state.num_resumes >= limit:
                 self.num_resume_failures += 1
-                self._fail(request_id, EngineDeadError(f"{error}; the request was resumed {limit} times, the limit"))
+                self._fail(request_id, exhausted)
             else:
                 logger.warning("Request paused: its backend died (%s)", error, extra={"request_id": request_id})
                 self._paused[request_id] = state
