@@ -264,7 +264,8 @@ class EngineCore:
             InvalidRequestError: the request id is in use, the prompt leaves no room for a completion (an embedding
                 request's may fill the context), a generation request comes to an embedding model, an embedding
                 request's pooling parameters do not fit the model (``dimensions`` above the hidden size, ``n > 1``),
-                or a resumed request's completions do not fit it (see :meth:`_resumed_outputs`).
+                or a resumed request's completions do not fit it (an embedding request's, completions listed twice
+                or outside ``range(n)``, or one that has nothing left to generate).
             NotFoundError: ``lora_name`` names no loaded LoRA adapter (field ``lora_name``).
 
         """

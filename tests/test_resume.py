@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import grpc
 import msgspec
+import numpy as np
 import pytest
 from test_grpc import LONG, ServerThread, tiny_config
 from test_observability import scrape
@@ -253,3 +254,22 @@ def test_a_stream_fails_when_resumption_is_off_or_exhausted(make_server, recover
         metrics = scrape(server)
         assert metrics["spindle:request_resumptions_total", ()] == engine.num_resumed_requests == resumed
         assert metrics["spindle:request_resume_failures_total", ()] == engine.num_resume_failures == failed
+
+
+def test_an_embedding_batch_is_sent_again_whole(tiny_llm_dir, private_tmp):  # noqa: F811
+    with owned_engine(tiny_llm_dir, private_tmp, 1) as (engine, kill):
+
+        async def scenario() -> None:
+            prompts = [{"prompt_token_ids": [3 + i, *PROMPT]} for i in range(4)]
+            expected = await engine.embed(prompts)
+            backend = engine.client.connection.process.pid
+            os.kill(backend, signal.SIGSTOP)  # so that it dies with the batch in flight, whatever the machine's pace
+            batch = asyncio.create_task(engine.embed(prompts, request_id="batch"))
+            await wait_until_async(lambda: asyncio.sleep(0, len(engine.client.requests) == 4), "the batch is sent")
+            kill(engine.client)
+            outputs = await batch
+            embeddings = [[o.outputs.embedding for o in batch] for batch in (outputs, expected)]
+            np.testing.assert_allclose(*embeddings, rtol=1e-5, atol=1e-6)
+            assert engine.num_resumed_requests == 4
+
+        asyncio.run(scenario())

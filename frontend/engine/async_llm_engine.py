@@ -45,7 +45,7 @@ class AsyncLLMEngine:
     first attempt, twice as long after each failure, up to 30 s; the wait starts again from 1 s once a backend has
     served for 60 s. With several backends (``data_parallel_size``, or several addresses: a
     :class:`~spindle.frontend.engine.data_parallel.DataParallelClient`), each request goes to one of them, and a dead
-    one takes down only its own streams.
+    one disturbs only its own streams.
 
     The streams of a dead backend pause meanwhile, and are resumed (``resume_streams``, on by default): each request
     is sent again as its prompt and the tokens it has streamed, taken as its output so far, to the backend that takes
@@ -349,7 +349,7 @@ class AsyncLLMEngine:
         exhausted = EngineDeadError(f"{error}; not resumed again (max_stream_resumes={limit})")
         for request_id in request_ids:
             state = self.output_processor.requests.get(request_id)
-            if not self.recovery.resume_streams or state is None or state.request is None:
+            if not self.recovery.resume_streams or state is None:
                 self._fail(request_id, error)
             elif state.num_resumes >= limit:
                 self.num_resume_failures += 1
