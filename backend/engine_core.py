@@ -257,10 +257,15 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks.
 
+        A resumed request (``EngineRequest.resumed``) becomes a sequence per completion it lists, each starting with
+        its output so far.
+
         Raises:
             InvalidRequestError: the request id is in use, the prompt leaves no room for a completion (an embedding
-                request's may fill the context), a generation request comes to an embedding model, or an embedding
-                request's pooling parameters do not fit the model (``dimensions`` above the hidden size, ``n > 1``).
+                request's may fill the context), a generation request comes to an embedding model, an embedding
+                request's pooling parameters do not fit the model (``dimensions`` above the hidden size, ``n > 1``),
+                or a resumed request's completions do not fit it (an embedding request's, completions listed twice
+                or outside ``range(n)``, or one that has nothing left to generate).
             NotFoundError: ``lora_name`` names no loaded LoRA adapter (field ``lora_name``).
 
         """
@@ -286,6 +291,7 @@ class EngineCore:
             )
         if request.images:
             self._check_images(request)
+        outputs = self._resumed_outputs(request)
         lora_id = self.runner.lora_id(request.lora_name) if request.lora_name else None
         seqs = [
             Sequence(
@@ -298,13 +304,44 @@ class EngineCore:
                 pooling=pooling,
                 lora_id=lora_id,
                 images=request.images,
+                output_token_ids=outputs.get(i),
             )
-            for i in range(request.params.n)
+            for i in request.indices
         ]
         if request.params.structured_output is not None:
             seq_ids = [seq.seq_id for seq in seqs]
-            self.structured_output.add_request(request.request_id, seq_ids, request.params.structured_output)
+            replay = {seq.seq_id: seq.output_token_ids for seq in seqs if seq.num_output_tokens}
+            self.structured_output.add_request(request.request_id, seq_ids, request.params.structured_output, replay)
         self.scheduler.add_request(seqs)
+
+    def _resumed_outputs(self, request: EngineRequest) -> dict[int, list[int]]:
+        """A resumed request's output so far, by completion index (nothing for a new request).
+
+        Raises:
+            InvalidRequestError: an embedding request, no completion or one listed twice or out of ``range(n)``, or
+                an output that had reached its ``max_tokens`` or the context (it would have finished).
+
+        """
+        if request.resumed is None:
+            return {}
+        if request.pooling is not None:
+            raise InvalidRequestError("resumed", "an embedding request is sent again whole, never resumed")
+        indices = request.indices
+        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < request.params.n for i in indices):
+            raise InvalidRequestError(
+                "resumed",
+                f"a resumed request lists each unfinished completion once, of range({request.params.n}): {indices}",
+            )
+        max_tokens = request.params.max_tokens or self.max_model_len
+        for k, completion in enumerate(request.resumed):
+            generated = len(completion.token_ids)
+            if generated >= max_tokens or len(request.prompt_token_ids) + generated >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"resumed[{k}].token_ids",
+                    f"completion {completion.index} has {generated} tokens: it reached max_tokens={max_tokens} or "
+                    f"max_model_len={self.max_model_len} with the prompt, and has nothing left to generate",
+                )
+        return {completion.index: completion.token_ids for completion in request.resumed}
 
     def _check_images(self, request: EngineRequest) -> None:
         """Refuse images the model cannot take: to a text-only model, or not as its vision encoder takes them.

@@ -165,9 +165,10 @@ class Scheduler:
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         """End one completion of a request (the frontend matched a stop string) and free its blocks."""
-        seqs = self.requests.get(request_id)
-        if seqs is not None and not seqs[index].is_finished:
-            self._finish(seqs[index], FinishReason.STOP)
+        # By index, not position: a resumed request has only the completions that had not finished.
+        seq = next((s for s in self.requests.get(request_id, []) if s.index == index), None)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, FinishReason.STOP)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts, allocating their blocks; the drafts of those that speculate."""

@@ -28,7 +28,8 @@ class Sequence:
 
     With ``pooling`` set it is an embedding request's: its prompt is prefilled and pooled
     (:mod:`spindle.backend.pooler`), and it ends when the prompt is complete, generating nothing. A vision-language
-    prompt has ``images``, each at its placeholder tokens.
+    prompt has ``images``, each at its placeholder tokens. A resumed completion starts with ``output_token_ids``, the
+    output it had generated on a backend that died: it is recomputed as a preempted sequence is, and goes on from there.
     """
 
     _ids = count()
@@ -44,6 +45,7 @@ class Sequence:
         pooling: PoolingParams | None = None,
         lora_id: int | None = None,
         images: list[ImageInput] | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
@@ -53,7 +55,8 @@ class Sequence:
         self.priority = priority
         # The LoRA adapter it runs with (spindle.backend.lora_manager's id, unique per loaded adapter); None: the base.
         self.lora_id = lora_id
-        self.token_ids = list(prompt_token_ids)
+        # A resumed completion starts with the output it had generated (EngineRequest.resumed).
+        self.token_ids = [*prompt_token_ids, *(output_token_ids or [])]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

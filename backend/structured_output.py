@@ -80,16 +80,25 @@ class StructuredOutputManager:
         # Request id -> (its grammar being compiled, its sequences' ids); then each sequence's matcher.
         self._compiling: dict[str, tuple[Future[CompiledGrammar], list[int]]] = {}
         self._matchers: dict[int, GrammarMatcher] = {}
+        # By seq_id, the output a resumed sequence had generated: its matcher accepts it before the sequence runs.
+        self._replays: dict[int, list[int]] = {}
 
-    def add_request(self, request_id: str, seq_ids: list[int], spec: StructuredOutput) -> None:
-        """Start compiling a request's spec; its sequences wait until :meth:`collect` finds it compiled."""
+    def add_request(
+        self, request_id: str, seq_ids: list[int], spec: StructuredOutput, replay: dict[int, list[int]] | None = None
+    ) -> None:
+        """Start compiling a request's spec; its sequences wait until :meth:`collect` finds it compiled.
+
+        ``replay`` holds, by ``seq_id``, the output of each sequence of a resumed request that had generated some.
+        """
         self._compiling[request_id] = (self.compile(spec), seq_ids)
+        self._replays.update(replay or {})
 
     def remove_request(self, request_id: str, seq_ids: list[int]) -> None:
         """Forget a request (finished or aborted): its compile, if under way, and its sequences' matchers."""
         self._compiling.pop(request_id, None)
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
+            self._replays.pop(seq_id, None)
 
     def is_compiling(self, request_id: str) -> bool:
         """Whether the request's grammar is not compiled yet (its sequences may not run)."""
@@ -98,7 +107,8 @@ class StructuredOutputManager:
     def collect(self) -> list[tuple[str, RequestRefusedError]]:
         """Give the sequences of each request whose grammar has compiled their matchers; the others' refusals.
 
-        A refused request (its spec does not compile) is forgotten here; its sequences are the caller's to drop.
+        A resumed sequence's matcher accepts its output so far first. A refused request (its spec does not compile,
+        or a resumed output does not follow it) is forgotten here; its sequences are the caller's to drop.
         """
         refused = []
         for request_id, (future, seq_ids) in list(self._compiling.items()):
@@ -106,13 +116,24 @@ class StructuredOutputManager:
                 continue
             del self._compiling[request_id]
             error = future.exception()
+            if error is None:
+                error = self._start_matchers(future.result(), seq_ids)
             if error is not None:
                 assert isinstance(error, RequestRefusedError)
                 refused.append((request_id, error))
-                continue
-            for seq_id in seq_ids:
-                self._matchers[seq_id] = self.matcher(future.result())
         return refused
+
+    def _start_matchers(self, grammar: "CompiledGrammar", seq_ids: list[int]) -> InvalidRequestError | None:
+        """Give each sequence its matcher, past its replayed output; why not, if an output does not follow it."""
+        matchers = {seq_id: self.matcher(grammar) for seq_id in seq_ids}
+        replays = {seq_id: self._replays.pop(seq_id, []) for seq_id in seq_ids}
+        for seq_id, matcher in matchers.items():
+            if not all(matcher.accept_token(token_id) for token_id in replays[seq_id]) or matcher.is_terminated():
+                return InvalidRequestError(
+                    "resumed", "a resumed completion's output does not follow its grammar, or completes it"
+                )
+        self._matchers.update(matchers)
+        return None
 
     def wait_for_compile(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a compile under way to end (at once when none is)."""

@@ -240,8 +240,30 @@ class LoraConfig:
             raise ValueError("allow_runtime_lora needs lora_dir: the directory runtime-loaded adapters must lie in")
 
 
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """What the frontend does with the requests of a backend that dies (a backend ignores these settings).
+
+    Attributes:
+        resume_streams: send each request in flight on a backend that dies again, as its prompt and the tokens it
+            has streamed, to the backend that takes over (or another data-parallel engine that serves), so that its
+            stream pauses and goes on where it was, greedy and seeded ones token for token (default on); off,
+            those streams fail with ``EngineDeadError`` (``UNAVAILABLE``).
+        max_stream_resumes: the most times one request is resumed (default 3); when its backend dies once more, its
+            stream fails with ``EngineDeadError``.
+
+    """
+
+    resume_streams: bool = True
+    max_stream_resumes: int = 3
+
+    def __post_init__(self) -> None:
+        _check_at_least(self, 1, "max_stream_resumes")
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 SECTIONS["lora"] = LoraConfig
+SECTIONS["recovery"] = RecoveryConfig
 """The parts of :class:`EngineConfig`, each one concern's settings, by attribute name."""
 
 
@@ -259,6 +281,7 @@ class EngineConfig:
         scheduler: the step's limits and the queue order (:class:`SchedulerConfig`).
         parallel: tensor parallelism and threads (:class:`ParallelConfig`).
         lora: LoRA adapters (:class:`LoraConfig`).
+        recovery: the frontend's handling of a backend's death (:class:`RecoveryConfig`).
 
     """
 
@@ -267,6 +290,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     @classmethod
     def of(cls, **settings: object) -> "EngineConfig":

@@ -27,7 +27,7 @@ from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -73,6 +73,13 @@ class ImageInput(msgspec.Struct, array_like=True):
         return np.frombuffer(self.pixels, dtype="<f4").reshape(self.shape)
 
 
+class ResumedCompletion(msgspec.Struct, array_like=True):
+    """One completion of a resumed request: its index and the tokens it had generated when its backend died."""
+
+    index: int
+    token_ids: list[int]
+
+
 class EngineRequest(msgspec.Struct):
     """A tokenized request handed to the engine core.
 
@@ -80,6 +87,11 @@ class EngineRequest(msgspec.Struct):
     generates with (``None``: the base model). With ``pooling`` set it is an embedding request: the engine prefills
     the prompt, pools its hidden states and finishes it, generating nothing (``params`` is then unused). ``images``
     are the prompt's images in prompt order, each at its placeholder tokens (a vision-language model only).
+
+    ``resumed`` makes it a request that a dead backend held, sent again: only the completions it lists run, each
+    after the tokens it had generated, which the engine takes as that completion's output so far, not as prompt (its
+    ``max_tokens`` and ``min_tokens``, penalties, stop conditions, seeded draws and grammar count them), so that it
+    goes on as it would have; the completions it leaves out had finished. ``None``: a new request, all ``n`` run.
     """
 
     request_id: str
@@ -90,6 +102,14 @@ class EngineRequest(msgspec.Struct):
     lora_name: str | None = None
     pooling: PoolingParams | None = None
     images: list[ImageInput] = []
+    resumed: list[ResumedCompletion] | None = None
+
+    @property
+    def indices(self) -> list[int]:
+        """The indices of the completions the engine runs for it: all ``n``, or the ones a resumed request lists."""
+        if self.resumed is None:
+            return list(range(self.params.n))
+        return [completion.index for completion in self.resumed]
 
 
 class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):

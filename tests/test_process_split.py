@@ -175,7 +175,8 @@ def test_a_mismatched_protocol_version_is_refused(backend, monkeypatch):
 
 
 def test_sigkill_of_the_backend_ends_every_stream_and_refuses_new_ones(tiny_llm_dir):
-    engine = AsyncLLMEngine.from_args(**tiny_config(tiny_llm_dir).settings())
+    # Without resumption (test_resume has the streams that outlive their backend).
+    engine = AsyncLLMEngine.from_args(**tiny_config(tiny_llm_dir, resume_streams=False).settings())
 
     async def scenario():
         first = asyncio.Event()

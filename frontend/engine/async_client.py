@@ -112,7 +112,7 @@ class AsyncBackendClient:
         self.supervisor.check_alive()
         for request in requests:
             self.connection.add_request(request)
-            self.requests[request.request_id] = set(range(request.params.n))
+            self.requests[request.request_id] = set(request.indices)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Abort requests in the backend; their blocks are freed there. A dead backend has none left to abort."""

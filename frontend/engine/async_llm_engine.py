@@ -22,7 +22,7 @@ from spindle.shared import (
     RequestOutput,
     SamplingParams,
 )
-from spindle.shared.config import EngineConfig, request_id_var
+from spindle.shared.config import EngineConfig, RecoveryConfig, request_id_var
 from spindle.shared.errors import RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
 from spindle.shared.protocol import Command, EngineInfo, EngineStats, ListLoras, LoadLora, SequenceDelta, UnloadLora
@@ -38,14 +38,21 @@ class AsyncLLMEngine:
     requests; the engine detokenizes them and feeds each request's queue. A stream that is cancelled or closed aborts
     its request in the backend, which frees its KV blocks at once.
 
-    If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every stream it served
-    raises :class:`EngineDeadError` within two seconds, and so does every call until a backend is back. The client
-    brings one back (:class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor`): it kills a backend it started
-    and starts a new one, or reconnects to the backend at the address it was given, until one answers. It waits 1 s
-    before the first attempt, twice as long after each failure, up to 30 s; the wait starts again from 1 s once a
-    backend has served for 60 s. With several backends (``data_parallel_size``, or several addresses: a
+    If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every call raises
+    :class:`EngineDeadError` until a backend is back. The client brings one back
+    (:class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor`): it kills a backend it started and starts a
+    new one, or reconnects to the backend at the address it was given, until one answers. It waits 1 s before the
+    first attempt, twice as long after each failure, up to 30 s; the wait starts again from 1 s once a backend has
+    served for 60 s. With several backends (``data_parallel_size``, or several addresses: a
     :class:`~spindle.frontend.engine.data_parallel.DataParallelClient`), each request goes to one of them, and a dead
-    one takes down only its own streams.
+    one disturbs only its own streams.
+
+    The streams of a dead backend pause meanwhile, and are resumed (``resume_streams``, on by default): each request
+    is sent again as its prompt and the tokens it has streamed, taken as its output so far, to the backend that takes
+    over, or at once to another engine that serves, and its stream goes on with the next token, as it would have
+    (greedy and seeded ones token for token); the completions that had finished stay so. A request is resumed at most
+    ``max_stream_resumes`` times; when its backend dies once more, or with ``resume_streams`` off, its stream raises
+    :class:`EngineDeadError` within two seconds of the death. An embedding request is sent again whole.
 
     Example::
 
@@ -61,15 +68,27 @@ class AsyncLLMEngine:
 
     Args:
         client: the engine client, connected to its backend (or backends).
+        recovery: what to do with the requests of a backend that dies (by default: resume them).
+
+    Attributes:
+        num_resumed_requests: how many times a request was sent again after its backend died.
+        num_resume_failures: the requests whose stream failed because their backend died once more after they had
+            been resumed ``max_stream_resumes`` times.
 
     """
 
-    def __init__(self, client: AsyncEngineClient) -> None:
+    def __init__(self, client: AsyncEngineClient, recovery: RecoveryConfig | None = None) -> None:
         self.client = client
+        self.recovery = recovery or RecoveryConfig()
         self.admission = Admission(client.info, client.call)
         self.output_processor = OutputProcessor(self.admission.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
+        self.num_resumed_requests = 0
+        self.num_resume_failures = 0
         self._closed = False
+        # The requests whose backend died, in the order they are to be sent again, and the task that sends them.
+        self._paused: dict[str, RequestState] = {}
+        self._resuming: asyncio.Task | None = None
         client.attach(self)
 
     @classmethod
@@ -90,7 +109,7 @@ class AsyncLLMEngine:
         (:func:`~spindle.frontend.engine.client.make_async_client`).
         """
         config = EngineConfig.of(**engine_args)
-        return cls(make_async_client(config, backend_address, data_parallel_size, startup_timeout))
+        return cls(make_async_client(config, backend_address, data_parallel_size, startup_timeout), config.recovery)
 
     @property
     def info(self) -> EngineInfo:
@@ -253,6 +272,7 @@ class AsyncLLMEngine:
         try:
             for request, state in admitted:
                 queues[request.request_id] = self.queues[request.request_id] = asyncio.Queue()
+                state.request = request
                 self.output_processor.add_request(state)
             await self.client.add_requests([request for request, _ in admitted])
             logger.debug("Embedding requests added: %d prompts", len(prompts), extra={"request_id": request_ids[0]})
@@ -320,17 +340,68 @@ class AsyncLLMEngine:
             queue.put_nowait(error)
 
     def on_lost(self, request_ids: list[str], error: EngineDeadError) -> None:
-        """A backend died: the streams of its requests raise ``error``."""
-        self.output_processor.abort_requests(request_ids)
+        """A backend died: its requests pause until a backend serves, to be resumed there, or their streams raise.
+
+        They raise ``error`` with ``resume_streams`` off, and once a request was resumed ``max_stream_resumes``
+        times.
+        """
+        limit = self.recovery.max_stream_resumes
+        exhausted = EngineDeadError(f"{error}; not resumed again (max_stream_resumes={limit})")
         for request_id in request_ids:
-            queue = self.queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(error)
+            state = self.output_processor.requests.get(request_id)
+            if not self.recovery.resume_streams or state is None:
+                self._fail(request_id, error)
+            elif state.num_resumes >= limit:
+                self.num_resume_failures += 1
+                self._fail(request_id, exhausted)
+            else:
+                logger.warning("Request paused: its backend died (%s)", error, extra={"request_id": request_id})
+                self._paused[request_id] = state
+        self._resume_paused()
 
     def on_adopted(self) -> None:
-        """A new backend took over: follow its tokenizer and limits."""
+        """A new backend took over: follow its tokenizer and limits, and resume the paused requests there."""
         self.admission.adopt(self.client.info)
         self.output_processor.tokenizer = self.admission.tokenizer  # the same object: the requests' follow it
+        self._resume_paused()
+
+    def _fail(self, request_id: str, error: EngineDeadError) -> None:
+        """End a request lost with its backend: its stream raises ``error``."""
+        self.output_processor.abort_requests([request_id])
+        queue = self.queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _resume_paused(self) -> None:
+        """Start sending the paused requests again, unless that is under way or no backend serves."""
+        if self._paused and not self.client.is_dead and (self._resuming is None or self._resuming.done()):
+            self._resuming = asyncio.get_running_loop().create_task(self._resume())
+
+    async def _resume(self) -> None:
+        """Send each paused request again, as it stands (:meth:`RequestState.resumed_request`), while a backend serves.
+
+        One that no backend takes (they all died meanwhile) stays paused for the next backend that serves.
+        """
+        while self._paused and not self.client.is_dead:
+            request_id, state = next(iter(self._paused.items()))
+            request = state.resumed_request()
+            try:
+                await self.client.add_requests([request])
+            except EngineDeadError:
+                return
+            if self._paused.pop(request_id, None) is None:  # aborted while it was being sent: free it there
+                self.client.abort_requests([request_id])
+                continue
+            state.num_resumes += 1
+            self.num_resumed_requests += 1
+            streamed = sum(len(completion.token_ids) for completion in request.resumed or [])
+            logger.info(
+                "Request resumed (%d of at most %d times), after %d tokens streamed",
+                state.num_resumes,
+                self.recovery.max_stream_resumes,
+                streamed,
+                extra={"request_id": request_id},
+            )
 
     async def _stream(
         self,
@@ -354,6 +425,7 @@ class AsyncLLMEngine:
         self.queues[request_id] = queue
         finished = False
         try:
+            state.request = request
             self.output_processor.add_request(state)
             await self.client.add_requests([request])
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
@@ -387,6 +459,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine was shut down")
 
     def _abort(self, request_id: str) -> None:
+        self._paused.pop(request_id, None)
         self.output_processor.abort_requests([request_id])
         self.client.abort_requests([request_id])
 

@@ -252,8 +252,9 @@ class _Rank:
 class DataParallelClient:
     """N backends behind one engine: each request goes to one, chosen by prefix affinity and load.
 
-    Each backend recovers on its own: a dead backend fails only the requests it held (the handler hears they are
-    lost), the others go on, new requests go to the live ones, and it takes requests again once it is back. Calls
+    Each backend recovers on its own: a dead backend loses only the requests it held (the handler hears they are
+    lost, and may send them again: they go to the live ones), the others go on, new requests go to the live ones,
+    and it takes requests again once it is back. Calls
     fail with :class:`~spindle.frontend.engine.connection.EngineDeadError` only while every backend is down.
 
     Routing: a request goes to a live backend, chosen by the request's prompt (its full KV blocks of ``block_size``

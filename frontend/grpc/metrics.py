@@ -107,6 +107,18 @@ METRICS: tuple[MetricSpec, ...] = (
         "Times a new backend took over from a dead one (restarted, or reconnected to).",
         "engine",
     ),
+    _spec(
+        "request_resumptions",
+        "counter",
+        "Times a request was sent again, with the tokens it had streamed, after its backend died.",
+        "engine",
+    ),
+    _spec(
+        "request_resume_failures",
+        "counter",
+        "Requests failed because their backend died after they had been resumed max_stream_resumes times.",
+        "engine",
+    ),
     # Each request's progress, as the frontend applies each step.
     _spec("prompt_tokens", "counter", "Prompt tokens of the requests that got their first token (prefill tokens)."),
     _spec("generation_tokens", "counter", "Tokens generated."),
@@ -374,6 +386,8 @@ class _EngineCollector:
             "spindle:spec_decode_num_draft_tokens": totals["num_draft_tokens"],
             "spindle:spec_decode_num_accepted_tokens": totals["num_accepted_draft_tokens"],
             "spindle:engine_restarts": self.load.engine.num_backend_restarts,
+            "spindle:request_resumptions": self.load.engine.num_resumed_requests,
+            "spindle:request_resume_failures": self.load.engine.num_resume_failures,
         }
         for spec in METRICS:
             if spec.source == "engine":

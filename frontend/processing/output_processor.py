@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from spindle.frontend.processing.detokenizer import IncrementalDetokenizer
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.frontend.processing.tools import ChatTools
@@ -24,7 +26,7 @@ from spindle.shared import (
     TokenLogprobs,
     ToolCall,
 )
-from spindle.shared.protocol import SequenceDelta
+from spindle.shared.protocol import EngineRequest, ResumedCompletion, SequenceDelta
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +91,30 @@ class RequestState:
         self.num_cached_tokens = 0
         # When a step last gave this request tokens (None before the first): for the inter-token latency.
         self.last_token_time: float | None = None
+        # The request as first sent to the engine (set by its sender), and how often it was resumed since.
+        self.request: EngineRequest | None = None
+        self.num_resumes = 0
 
     @property
     def finished(self) -> bool:
         """Whether every completion has ended."""
         return all(c.finish_reason is not None for c in self.completions)
+
+    def resumed_request(self) -> EngineRequest:
+        """The request to send again after its backend died: it goes on from the tokens streamed so far.
+
+        Each unfinished completion carries its tokens, as output (``EngineRequest.resumed``); the finished ones stay
+        finished. An embedding request is sent again whole: it has no output until it ends.
+        """
+        assert self.request is not None, "resumed_request() needs the request as sent"
+        if self.pooling is not None:
+            return self.request
+        resumed = [
+            ResumedCompletion(index, list(c.token_ids))
+            for index, c in enumerate(self.completions)
+            if c.finish_reason is None
+        ]
+        return msgspec.structs.replace(self.request, resumed=resumed)
 
     def output(self) -> RequestOutput | EmbeddingRequestOutput:
         """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode).
