@@ -3,12 +3,12 @@
 gRPC's write of a streamed response waits while the client does not read (HTTP/2 flow control), but the engine
 keeps producing the request's outputs into memory meanwhile. So a stream's outputs are read ahead by a task of its
 own into a buffer of ``size``; once the buffer has stayed full for ``timeout`` seconds, the request is aborted in
-the engine (its KV cache freed) and the call ends, whatever write it waits in.
+the engine (its KV cache freed), and the caller hears of it to end the call, whatever write it waits in.
 """
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 logger = logging.getLogger(__name__)
@@ -23,25 +23,29 @@ class _End:
         self.error = error
 
 
-async def read_ahead(outputs: AsyncGenerator[T, None], size: int, timeout: float, request_id: str) -> AsyncIterator[T]:
+async def read_ahead(
+    outputs: AsyncGenerator[T, None], size: int, timeout: float, request_id: str, stalled: Callable[[], None]
+) -> AsyncIterator[T]:
     """Yield ``outputs``, read ahead into a buffer of at most ``size`` by a task of their own.
 
     When the buffer stays full for ``timeout`` seconds (the caller does not take what it holds), ``outputs`` is
-    closed, which aborts its request in the engine, and the caller's task is cancelled: it may be stuck in a write
-    to a client that never reads. Closing or cancelling this generator closes ``outputs`` too.
+    closed, which aborts its request in the engine, and ``stalled()`` is called: the caller may be stuck in a write
+    to a client that never reads, so it has to end the call from there. Closing or cancelling this generator closes
+    ``outputs`` too.
 
     Args:
         outputs: the request's outputs (an engine stream, which aborts its request when closed).
         size: the most outputs held for the caller.
         timeout: seconds the buffer may stay full.
         request_id: the request, for the log line of an abort.
+        stalled: called once ``outputs`` is closed for a stall.
 
     Raises:
         Exception: what ``outputs`` raised, once the outputs before it are taken.
 
     """
     buffer: asyncio.Queue[T | _End] = asyncio.Queue(size)
-    reader = asyncio.get_running_loop().create_task(_read(outputs, buffer, timeout, request_id, asyncio.current_task()))
+    reader = asyncio.get_running_loop().create_task(_read(outputs, buffer, timeout, request_id, stalled))
     try:
         while not isinstance(item := await buffer.get(), _End):
             yield item
@@ -57,9 +61,10 @@ async def _read(
     buffer: asyncio.Queue[T | _End],
     timeout: float,
     request_id: str,
-    consumer: asyncio.Task | None,
+    stalled: Callable[[], None],
 ) -> None:
-    """Move ``outputs`` into ``buffer``; cancel ``consumer`` once the buffer has been full for ``timeout`` s."""
+    """Move ``outputs`` into ``buffer``; close them and call ``stalled`` once it has been full for ``timeout`` s."""
+    stall = False
     try:
         try:
             async for output in outputs:
@@ -77,10 +82,11 @@ async def _read(
             timeout,
             extra={"request_id": request_id},
         )
-        if consumer is not None:
-            consumer.cancel("the client does not read its stream")
+        stall = True
     finally:
         await outputs.aclose()
+    if stall:
+        stalled()
 
 
 class _Stalled(Exception):

@@ -258,6 +258,9 @@ class GrpcServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_concurrent_streams", config.max_streams_per_connection + CONTROL_STREAMS),
+            # gRPC's default SO_REUSEPORT lets another server bind the same port (port 0 may even pick a taken one)
+            # and take a share of this one's connections.
+            ("grpc.so_reuseport", 0),
         ]
         # The keys are checked first, so a caller without one learns nothing, not even that its message is bad.
         keys = (config.api_key, config.admin_api_key)

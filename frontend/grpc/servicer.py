@@ -24,6 +24,7 @@ With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trac
 """
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -200,6 +201,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self.watchers = CallLimit(config.max_watchers, "load and health watches")
         # Tokenize and Detokenize run here, off the event loop; those beyond the threads wait, up to the queue's size.
         self._tokenizer_threads = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="spindle-tokenize")
+        self._endings: set[asyncio.Task] = set()  # the statuses of calls ended for unread outputs, being sent
         self._tokenizer_calls = CallLimit(
             config.tokenizer_threads + config.max_queued_requests, "Tokenize and Detokenize calls"
         )
@@ -411,6 +413,8 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         """Stop following the engine's load and the tokenizer threads, and export the trace spans still buffered."""
         await self.load.close()
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+        for ending in self._endings:
+            ending.cancel()
         tracer, self.tracer = self.tracer, None
         if tracer is not None:
             tracer.shutdown()
@@ -424,6 +428,21 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         """
         with self._tokenizer_calls.hold():
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, work)
+
+    def _end_unread(self, context: grpc.aio.ServicerContext, handler: asyncio.Task) -> None:
+        """End a call whose client left its outputs unread (its request is aborted already).
+
+        Its handler waits in a write that may never end, so it is cancelled, and the call's status (which gRPC sends
+        after the unread outputs) is sent from a task of its own.
+        """
+        message = (
+            f"the client left {self.config.max_unread_outputs} outputs unread for {self.config.unread_timeout:g} s "
+            "(the server's max_unread_outputs and unread_timeout): its request was aborted"
+        )
+        ending = asyncio.get_running_loop().create_task(_abort_quietly(context, message))
+        self._endings.add(ending)
+        ending.add_done_callback(self._endings.discard)
+        handler.cancel()
 
     def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:
         """The request's SamplingParams, within this server's ``max_n`` and ``max_tokens_limit``."""
@@ -460,7 +479,9 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                     span.set_params(params)
                 engine_id = _engine_id(context, request_id)
                 outputs = start(params, engine_id)
-                async for output in read_ahead(outputs, config.max_unread_outputs, config.unread_timeout, engine_id):
+                stalled = functools.partial(self._end_unread, context, asyncio.current_task())
+                size, timeout = config.max_unread_outputs, config.unread_timeout
+                async for output in read_ahead(outputs, size, timeout, engine_id, stalled):
                     admitted.started()
                     response = builder.build(output)
                     response.request_id = request_id  # the caller's, not the engine's
@@ -479,6 +500,12 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         finally:
             if span is not None:
                 span.end()
+
+
+async def _abort_quietly(context: grpc.aio.ServicerContext, message: str) -> None:
+    """End the call with ``RESOURCE_EXHAUSTED`` and ``message``, once its client reads what comes before."""
+    with contextlib.suppress(grpc.aio.AbortError, grpc.aio.UsageError):  # ended: by this abort, or before it
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 def _engine_id(context: grpc.aio.ServicerContext, request_id: str) -> str:
