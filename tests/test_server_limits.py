@@ -120,12 +120,11 @@ def test_a_long_tokenize_runs_off_the_loop_and_the_excess_is_refused(make_server
         assert entered.acquire(timeout=60)
         waiting = client.stub.Tokenize.future(spindle_pb2.TokenizeRequest(text="slow"), timeout=120)
         try:
-            # The one thread is busy, the one waiting place taken (once the second call is in).
-            def third_refused() -> grpc.RpcError | None:
-                error = refusal(lambda: client.tokenize("third"))
-                return error if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-
-            error = wait_until(third_refused, "a third Tokenize is refused")
+            calls = server.server.servicer.tokenizer_calls
+            wait_until(lambda: calls.counts[""] == 2, "the second Tokenize waits for the thread")
+            # The one thread is busy, the one waiting place taken.
+            error = refusal(lambda: client.tokenize("third"))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "Tokenize and Detokenize calls" in error.details()
             # Streams go on meanwhile: on the event loop, the blocked tokenizer would stall this one for good.
             choices, _ = collect(client.generate("meanwhile", temperature=0, max_tokens=16))

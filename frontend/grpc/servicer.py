@@ -185,6 +185,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         admission_control: which calls it takes in (none while the server drains), and those in flight.
         connections: the ``Generate``, ``Chat`` and ``Embed`` calls open on each connection (by peer address).
         watchers: the ``WatchLoad`` and health ``Watch`` streams open.
+        tokenizer_calls: the ``Tokenize`` and ``Detokenize`` calls that run or wait for a tokenizer thread.
         load: what ``WatchLoad`` and ``GetServerInfo`` report (and the metrics read); started with the server.
         tracer: makes each request's trace span; ``None`` without ``config.otlp_traces_endpoint``.
 
@@ -202,7 +203,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         # Tokenize and Detokenize run here, off the event loop; those beyond the threads wait, up to the queue's size.
         self._tokenizer_threads = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="spindle-tokenize")
         self._endings: set[asyncio.Task] = set()  # the statuses of calls ended for unread outputs, being sent
-        self._tokenizer_calls = CallLimit(
+        self.tokenizer_calls = CallLimit(
             config.tokenizer_threads + config.max_queued_requests, "Tokenize and Detokenize calls"
         )
 
@@ -426,7 +427,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             OverLimitError: the threads are busy and ``max_queued_requests`` calls wait for them already.
 
         """
-        with self._tokenizer_calls.hold():
+        with self.tokenizer_calls.hold():
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, work)
 
     def _end_unread(self, context: grpc.aio.ServicerContext, handler: asyncio.Task) -> None:
