@@ -27,8 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format)  # first: the backend children started below log in the same format
     ModelRegistry.register_models(args.register_model)  # forwarded to the backend children; imported there only
-    server_config = server_config_from_args(args)
     try:
+        server_config = server_config_from_args(args)  # first: a bad server flag starts no backend
         engine = engine_from_args(args)
     except ValueError as error:
         print(f"spindle serve: {error}", file=sys.stderr)

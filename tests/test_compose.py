@@ -136,6 +136,20 @@ def test_backend_reads_models_from_the_model_volume_and_keeps_its_caches(name):
         assert f"{variable}={service['environment'][variable]}" in stage
 
 
+def test_the_metrics_port_is_published_on_the_loopback_unless_asked():
+    """Metrics need no key: published on all of the host's interfaces only when SPINDLE_METRICS_BIND says so."""
+    grpc_port, metrics_port = SERVICES["frontend"]["ports"]
+    assert interpolate(grpc_port, {}) == "50051:50051"
+    assert interpolate(metrics_port, {}) == "127.0.0.1:9090:9090"
+    assert interpolate(metrics_port, {"SPINDLE_METRICS_BIND": "0.0.0.0"}) == "0.0.0.0:9090:9090"
+
+
+def test_the_keys_pass_through_from_the_host():
+    """Unset on the host, unset in the container: compose never turns a missing key into an empty one."""
+    environment = SERVICES["frontend"]["environment"]
+    assert environment["SPINDLE_API_KEY"] is None and environment["SPINDLE_ADMIN_API_KEY"] is None
+
+
 def test_the_model_helper_writes_the_volume_the_backends_read():
     helper = SERVICES["models"]
     assert helper["profiles"] == ["tools"]  # never started by `up`

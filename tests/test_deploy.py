@@ -140,6 +140,14 @@ def test_backend_and_frontend_share_the_socket_and_the_ports(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_the_api_key_is_required_from_the_secret(variant):
+    """A missing secret stops the pod instead of serving open; the app beside the server sends the same key."""
+    reference = {"secretKeyRef": {"name": "spindle", "key": "api-key"}}
+    for name in ("frontend", "app"):
+        assert env(containers(pod(variant))[name])["SPINDLE_API_KEY"] == reference
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_probes(variant):
     """The backend: exec probes that ping its socket; the frontend: gRPC health on its port."""
     backend, frontend = containers(pod(variant))["backend"], containers(pod(variant))["frontend"]

@@ -184,10 +184,24 @@ def refused(processor: ImageProcessor, image: object, message: str) -> None:
         (b"\0" * (MAX_IMAGE_BYTES + 1), f"has {MAX_IMAGE_BYTES + 1} bytes, more than the {MAX_IMAGE_BYTES}"),
         (png_header(8000, 5001), "is 8000x5001 pixels, more than the 40000000"),  # refused before the pixels
         (png_header(20000, 20000), "more than the 40000000 (40 megapixels)"),  # PIL's decompression-bomb error
+        # 60,000 pixels that a shortest edge of 28 would resize to 47 megapixels: refused before the resize
+        (encode(Image.new("RGB", (1, 60000))), "is 1x60000 pixels, which this model resizes to 28x1680000, more than"),
+        (encode(Image.new("RGB", (60000, 1))), "is 60000x1 pixels, which this model resizes to 1680000x28, more than"),
         ("cat.png", "must be a PIL image or encoded image bytes, not str"),
         (np.zeros((3, 28, 28)), "not ndarray"),
     ],
-    ids=["garbage", "tiff", "truncated", "too-many-bytes", "too-many-pixels", "bomb", "str", "array"],
+    ids=[
+        "garbage",
+        "tiff",
+        "truncated",
+        "too-many-bytes",
+        "too-many-pixels",
+        "bomb",
+        "too-tall-once-resized",
+        "too-wide-once-resized",
+        "str",
+        "array",
+    ],
 )
 def test_undecodable_oversized_or_mistyped_images_are_refused_naming_the_field(processor, image, message):
     refused(processor, image, message)

@@ -87,6 +87,13 @@ class RecordingEngine:
         yield
 
 
+class PeerContext:
+    """Stands in for a gRPC call's context: the servicer reads only the caller's address."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+
 @pytest.mark.parametrize(
     "method,request_message",
     [
@@ -99,7 +106,7 @@ def test_the_servicer_passes_the_request_priority_to_the_engine(method, request_
     servicer = SpindleServicer(engine, ServerConfig())
 
     async def call() -> list:
-        return [response async for response in getattr(servicer, method)(request_message, None)]
+        return [response async for response in getattr(servicer, method)(request_message, PeerContext())]
 
     assert asyncio.run(call()) == []
     assert [keywords["priority"] for keywords in engine.keywords] == [-3]

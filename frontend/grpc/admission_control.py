@@ -1,13 +1,22 @@
-"""``AdmissionControl``: which calls the gRPC server takes in, and the count of those in flight that a drain awaits."""
+"""Which calls the gRPC server takes in, within its limits.
+
+``AdmissionControl`` keeps the queue and the count of calls in flight that a drain awaits; ``CallLimit`` the most
+calls of one kind at once, per caller or in all.
+"""
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 from spindle.shared.errors import EngineUnavailableError
 
 
-class QueueFullError(Exception):
+class OverLimitError(Exception):
+    """A call would go over one of the server's limits (``RESOURCE_EXHAUSTED``): retry later, with backoff."""
+
+
+class QueueFullError(OverLimitError):
     """The server already holds ``max_queued_requests`` requests that wait for the backend: retry with backoff."""
 
 
@@ -33,8 +42,8 @@ class AdmissionControl:
     """Takes in the server's calls that queue requests: none once the server drains, none while too many wait.
 
     Every ``Generate``, ``Chat`` and ``Embed`` call goes through :meth:`admit`: a stream's request counts as waiting
-    until its first output, an ``Embed`` call's requests until the call ends (an embedding ends with its prefill),
-    and each call counts as one in flight until it ends, which is what a drain waits for.
+    until its first output, an ``Embed`` call's requests (one per input) until the call ends (an embedding ends with
+    its prefill), and each call counts as one in flight until it ends, which is what a drain waits for.
 
     Args:
         max_queued_requests: the most requests that may wait for the backend; one more is refused with
@@ -62,15 +71,15 @@ class AdmissionControl:
 
         Raises:
             EngineUnavailableError: the server drains.
-            QueueFullError: ``max_queued_requests`` requests wait already.
+            QueueFullError: ``num_requests`` more would make more than ``max_queued_requests`` wait.
 
         """
         if self.draining:
             raise EngineUnavailableError("the server is shutting down: retry elsewhere")
-        if self.num_queued >= self.max_queued_requests:
+        if self.num_queued + num_requests > self.max_queued_requests:
             raise QueueFullError(
-                f"{self.num_queued} requests are already waiting (the limit is {self.max_queued_requests}): "
-                "retry later with backoff"
+                f"{self.num_queued} requests are already waiting, and {num_requests} more would go over the limit "
+                f"(the limit is {self.max_queued_requests}): retry later with backoff"
             )
         admitted = Admitted(self, num_requests)
         self.num_queued += num_requests
@@ -83,3 +92,39 @@ class AdmissionControl:
             self.num_streams -= 1
             if not self.num_streams:
                 self.streams_done.set()
+
+
+class CallLimit:
+    """The most calls of one kind that may run at once for each caller (or, under one key, in all).
+
+    Args:
+        limit: the most calls at once under one key; one more is refused with :class:`OverLimitError`.
+        what: what the calls are, for the refusal's message (``"streams on this connection"``).
+
+    Attributes:
+        counts: the calls running under each key that has any.
+
+    """
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self.counts: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def hold(self, key: str = "") -> Iterator[None]:
+        """Count one call under ``key`` for as long as the ``with`` block runs.
+
+        Raises:
+            OverLimitError: ``limit`` calls run under ``key`` already.
+
+        """
+        if self.counts[key] >= self.limit:
+            raise OverLimitError(f"{self.counts[key]} {self.what} are open already (the limit is {self.limit})")
+        self.counts[key] += 1
+        try:
+            yield
+        finally:
+            self.counts[key] -= 1
+            if not self.counts[key]:
+                del self.counts[key]

@@ -13,12 +13,30 @@ class ServerConfig:
     Attributes:
         host: interface to listen on (``0.0.0.0`` in a container).
         port: TCP port; ``0`` picks a free one (:meth:`GrpcServer.start` returns it).
-        api_key: when set, every call but health checks needs ``authorization: Bearer <api_key>`` metadata.
+        api_key: when set, every call but health checks needs ``authorization: Bearer <api_key>`` metadata (or the
+            admin key); an empty key is refused, never taken for "no key".
+        admin_api_key: the key that ``LoadLoraAdapter`` and ``UnloadLoraAdapter`` need (``authorization: Bearer
+            <admin_api_key>``), which every other call takes too. Unset, those two calls are refused
+            (``PERMISSION_DENIED``) on a server with an ``api_key``, and open on a server without one.
         tls_cert: PEM certificate chain file; with ``tls_key``, the server speaks TLS only.
         tls_key: PEM private key file.
         max_message_bytes: largest request or response message.
         max_queued_requests: most requests accepted but not yet streaming (waiting for the backend to schedule
-            them); one more is refused with ``RESOURCE_EXHAUSTED``.
+            them), each input of an ``Embed`` call one; one more is refused with ``RESOURCE_EXHAUSTED``.
+        max_embed_inputs: most inputs of one ``Embed`` call (256); more is ``INVALID_ARGUMENT``. A call can never
+            hold more than ``max_queued_requests`` inputs anyway, as each one waits in the queue.
+        max_streams_per_connection: most ``Generate``, ``Chat`` and ``Embed`` calls one client connection may have
+            open at once (128, as nginx allows per HTTP/2 connection); one more is refused with
+            ``RESOURCE_EXHAUSTED``, so that one client cannot fill the queue alone.
+        max_watchers: most ``WatchLoad`` and health ``Watch`` streams open at once, over all clients (256); one
+            more is refused with ``RESOURCE_EXHAUSTED``.
+        tokenizer_threads: threads that run ``Tokenize`` and ``Detokenize`` off the event loop, so that a long one
+            stalls no stream (4); calls beyond them wait, and beyond ``max_queued_requests`` waiting are refused
+            with ``RESOURCE_EXHAUSTED``.
+        max_unread_outputs: outputs a stream may hold for a client that does not read them (256); the stream
+            stops taking outputs from the engine while that many wait.
+        unread_timeout: seconds a stream may stay full (``max_unread_outputs`` unread) before its request is
+            aborted in the backend, freeing its KV cache (60).
         max_n: largest ``n`` (completions per request).
         max_tokens_limit: largest ``max_tokens``; ``0`` allows up to the model's context length.
         grace_period: seconds that streams in flight may take to finish after SIGTERM.
@@ -33,10 +51,17 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     api_key: str | None = None
+    admin_api_key: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_bytes: int = 4 * 2**20
     max_queued_requests: int = 256
+    max_embed_inputs: int = 256
+    max_streams_per_connection: int = 128
+    max_watchers: int = 256
+    tokenizer_threads: int = 4
+    max_unread_outputs: int = 256
+    unread_timeout: float = 60.0
     max_n: int = 16
     max_tokens_limit: int = 0
     grace_period: float = 30.0
@@ -47,9 +72,26 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
-        for name in ("max_message_bytes", "max_queued_requests", "max_n"):
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) == "":  # e.g. SPINDLE_API_KEY set from a missing secret: never serve open
+                flag, variable = "--" + name.replace("_", "-"), "SPINDLE_" + name.upper()
+                raise ValueError(f"{flag} (or {variable}) is set but empty: give the key, or unset it")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("--admin-api-key must differ from --api-key, or every client would be an admin")
+        for name in (
+            "max_message_bytes",
+            "max_queued_requests",
+            "max_n",
+            "max_embed_inputs",
+            "max_streams_per_connection",
+            "max_watchers",
+            "tokenizer_threads",
+            "max_unread_outputs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.unread_timeout <= 0:
+            raise ValueError(f"unread_timeout={self.unread_timeout} must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port} is not a TCP port (0 to 65535)")
 

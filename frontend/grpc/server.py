@@ -2,8 +2,8 @@
 
 The service itself is :class:`~spindle.frontend.grpc.servicer.SpindleServicer` (with the status code of every
 error); this module serves it with the standard health service, server reflection (both ``grpc.reflection.v1`` and
-the older ``v1alpha``), the API-key check (``UNAUTHENTICATED``), and ``INVALID_ARGUMENT`` for a request message that
-does not parse (gRPC would answer ``UNKNOWN``).
+the older ``v1alpha``), the API-key check (``UNAUTHENTICATED``, and ``PERMISSION_DENIED`` for an adapter call without
+the admin key), and ``INVALID_ARGUMENT`` for a request message that does not parse (gRPC would answer ``UNKNOWN``).
 
 This module runs in the frontend process and never imports torch.
 """
@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
+from spindle.frontend.grpc.admission_control import CallLimit, OverLimitError
 from spindle.frontend.grpc.args import ServerConfig
 from spindle.frontend.grpc.metrics import MetricsServer
 from spindle.frontend.grpc.servicer import SpindleServicer
@@ -32,6 +33,11 @@ from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = spindle_pb2.DESCRIPTOR.services_by_name["SpindleService"].full_name
+ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ("LoadLoraAdapter", "UnloadLoraAdapter"))
+"""The calls that change what every tenant is served: with an API key, only the admin key may make them."""
+CONTROL_STREAMS = 32
+"""Calls a connection may have open beside its ``max_streams_per_connection`` generations (unary calls, watches,
+reflection): past both, a gRPC client waits for one to end before it opens another."""
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 """Server reflection as grpcurl and current clients ask for it first; ``v1alpha`` is its older, identical twin."""
 
@@ -84,11 +90,17 @@ def _add_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> 
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
-class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call but health checks that lacks ``authorization: Bearer <api_key>``."""
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the keys they need; health checks need none.
 
-    def __init__(self, api_key: str) -> None:
-        self.expected = f"Bearer {api_key}".encode()
+    With an ``api_key``, every other call needs ``authorization: Bearer <api_key>`` or the admin key
+    (``UNAUTHENTICATED``). The :data:`ADMIN_METHODS` need the admin key (``PERMISSION_DENIED``) as soon as either key
+    is set: without an admin key, a server with an API key takes none of them.
+    """
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
+        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.admin_api_key = None if admin_api_key is None else f"Bearer {admin_api_key}".encode()
 
     async def intercept_service(
         self,
@@ -99,17 +111,60 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
             return handler
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self.expected):
-            return handler
-
-        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        admin = self.admin_api_key is not None and hmac.compare_digest(given.encode(), self.admin_api_key)
+        if not admin and self.api_key is not None and not hmac.compare_digest(given.encode(), self.api_key):
             reason = "wrong API key" if given else "missing API key"
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, f"{reason}: send the metadata 'authorization: Bearer <api key>'"
+            return _refusing(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{reason}: send the metadata 'authorization: Bearer <api key>'",
             )
+        if details.method in ADMIN_METHODS and not admin:
+            if self.admin_api_key is not None:
+                return _refusing(
+                    handler,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "loading and unloading adapters needs the admin key: send 'authorization: Bearer <admin api key>'",
+                )
+            return _refusing(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                "this server has an API key but no admin key (--admin-api-key): it loads and unloads no adapters",
+            )
+        return handler
 
-        factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
-        return factory(deny, handler.request_deserializer, handler.response_serializer)
+
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler in ``handler``'s shape that ends every call with ``code`` and ``message``."""
+
+    async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    return factory(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """The standard health service, whose ``Watch`` streams count against the server's watchers.
+
+    Args:
+        watchers: the limit ``WatchLoad`` streams count against too.
+
+    """
+
+    def __init__(self, watchers: CallLimit) -> None:
+        super().__init__()
+        self.watchers = watchers
+
+    async def Watch(  # noqa: N802 - gRPC method names are CamelCase
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Stream the service's health: now, and on each change; ``RESOURCE_EXHAUSTED`` past the watchers' limit."""
+        try:
+            with self.watchers.hold():
+                await super().Watch(request, context)
+        except OverLimitError as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
 
 class _Unparsable:
@@ -196,15 +251,20 @@ class GrpcServer:
         self.engine = engine
         self.config = config
         self.servicer = SpindleServicer(engine, config)
-        self.health = health.aio.HealthServicer()
+        self.health = _HealthServicer(self.servicer.watchers)
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection + CONTROL_STREAMS),
+            # gRPC's default SO_REUSEPORT lets another server bind the same port (port 0 may even pick a taken one)
+            # and take a share of this one's connections.
+            ("grpc.so_reuseport", 0),
         ]
-        # The API key is checked first, so a caller without it learns nothing, not even that its message is bad.
-        interceptors = [_ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        # The keys are checked first, so a caller without one learns nothing, not even that its message is bad.
+        keys = (config.api_key, config.admin_api_key)
+        interceptors = [_AuthInterceptor(*keys)] if keys != (None, None) else []
         interceptors.append(_UnparsableRequestInterceptor())
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self._watcher: asyncio.Task | None = None

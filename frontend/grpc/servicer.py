@@ -2,11 +2,19 @@
 
 Errors are status codes a caller can act on, chosen by the exception's type in :func:`status_for` and nowhere
 else: ``INVALID_ARGUMENT`` (with a ``google.rpc.BadRequest`` field violation per field at fault) for bad inputs and
-parameters, ``RESOURCE_EXHAUSTED`` when the waiting queue is full, ``UNAVAILABLE`` when the backend is down or the
+parameters, ``RESOURCE_EXHAUSTED`` when the waiting queue is full or a call would go over another of the server's
+limits (streams per connection, watchers, tokenizer calls), ``UNAVAILABLE`` when the backend is down or the
 server or engine drains, ``INTERNAL`` (logged) for a bug of ours. gRPC itself answers ``RESOURCE_EXHAUSTED`` for a
 message over the size limit, ``CANCELLED`` and ``DEADLINE_EXCEEDED`` (which abort the request in the backend: the
 handler's task is cancelled, which closes the engine stream); :mod:`spindle.frontend.grpc.server` adds
-``UNAUTHENTICATED`` without the API key and ``INVALID_ARGUMENT`` for a request message that does not parse.
+``UNAUTHENTICATED`` without the API key, ``PERMISSION_DENIED`` for an adapter call without the admin key and
+``INVALID_ARGUMENT`` for a request message that does not parse. A stream whose client leaves
+``max_unread_outputs`` outputs unread for ``unread_timeout`` seconds is aborted
+(:mod:`~spindle.frontend.grpc.read_ahead`).
+
+Request ids belong to the caller's connection: the engine knows a request under its id prefixed with a digest of the
+connection's peer address, so ``Abort`` reaches only the caller's own requests (another's id is as unknown as one
+never used), and two callers may use the same id.
 The LoRA adapter calls add ``NOT_FOUND`` (an unknown adapter, with a field violation naming the field that holds the
 name), ``ALREADY_EXISTS`` (a name taken) and ``FAILED_PRECONDITION`` (loading adapters at run time is off).
 
@@ -15,13 +23,17 @@ With ``--otlp-traces-endpoint``, each ``Generate`` and ``Chat`` call gets a trac
 :class:`~spindle.frontend.grpc.metrics.LoadTracker` follows.
 """
 
+import asyncio
+import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import inspect
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -31,7 +43,7 @@ from grpc_status import rpc_status
 
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import EngineDeadError
-from spindle.frontend.grpc.admission_control import AdmissionControl, QueueFullError
+from spindle.frontend.grpc.admission_control import AdmissionControl, CallLimit, OverLimitError
 from spindle.frontend.grpc.args import ServerConfig
 from spindle.frontend.grpc.mapping import (
     ResponseBuilder,
@@ -47,6 +59,7 @@ from spindle.frontend.grpc.mapping import (
     tools_from_proto,
 )
 from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
+from spindle.frontend.grpc.read_ahead import read_ahead
 from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
 from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, NotFoundError
@@ -79,8 +92,9 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         :class:`~spindle.shared.errors.AlreadyExistsError` (with the same violations); ``FAILED_PRECONDITION`` for a
         :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
-        :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
-        :class:`~spindle.frontend.grpc.admission_control.QueueFullError`; ``INTERNAL`` for anything else, a bug (the
+        :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for an
+        :class:`~spindle.frontend.grpc.admission_control.OverLimitError` (a full queue, or another limit);
+        ``INTERNAL`` for anything else, a bug (the
         caller logs it).
 
     """
@@ -98,7 +112,7 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
     if isinstance(error, EngineDeadError):
         message = f"the model backend is down ({error}): retry soon (one is being brought back) or use another replica"
         return grpc.StatusCode.UNAVAILABLE, message, []
-    if isinstance(error, QueueFullError):
+    if isinstance(error, OverLimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), []
     message = f"internal error ({type(error).__name__}: {error}): a bug in Spindle, please report it"
     return grpc.StatusCode.INTERNAL, message, []
@@ -169,6 +183,9 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
     Attributes:
         admission_control: which calls it takes in (none while the server drains), and those in flight.
+        connections: the ``Generate``, ``Chat`` and ``Embed`` calls open on each connection (by peer address).
+        watchers: the ``WatchLoad`` and health ``Watch`` streams open.
+        tokenizer_calls: the ``Tokenize`` and ``Detokenize`` calls that run or wait for a tokenizer thread.
         load: what ``WatchLoad`` and ``GetServerInfo`` report (and the metrics read); started with the server.
         tracer: makes each request's trace span; ``None`` without ``config.otlp_traces_endpoint``.
 
@@ -181,6 +198,14 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self.tracer = RequestTracer.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self.started = time.monotonic()
         self.admission_control = AdmissionControl(config.max_queued_requests)
+        self.connections = CallLimit(config.max_streams_per_connection, "streams on this connection")
+        self.watchers = CallLimit(config.max_watchers, "load and health watches")
+        # Tokenize and Detokenize run here, off the event loop; those beyond the threads wait, up to the queue's size.
+        self._tokenizer_threads = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="spindle-tokenize")
+        self._endings: set[asyncio.Task] = set()  # the statuses of calls ended for unread outputs, being sent
+        self.tokenizer_calls = CallLimit(
+            config.tokenizer_threads + config.max_queued_requests, "Tokenize and Detokenize calls"
+        )
 
     @_ends_with_status
     async def Generate(  # noqa: N802 - gRPC method names are CamelCase
@@ -232,11 +257,19 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self, request: spindle_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.EmbedResponse:
         """Embed every input, each an engine request queued with the others at once; embeddings in input order."""
+        limit = min(self.config.max_embed_inputs, self.config.max_queued_requests)
+        if len(request.inputs) > limit:
+            raise InvalidRequestError(
+                "inputs", f"the request has {len(request.inputs)} inputs, more than this server's limit of {limit}"
+            )
         inputs = embed_inputs_from_proto(request)
         pooling = pooling_params_from_proto(request.pooling_params)
         request_id = request.request_id or uuid.uuid4().hex
-        with self.admission_control.admit(len(inputs)):  # waiting until they end: an embedding ends with its prefill
-            outputs = await self.engine.embed(inputs, pooling, request_id, priority=request.priority)
+        # Each input waits in the queue until the call ends: an embedding ends with its prefill.
+        with self.connections.hold(context.peer()), self.admission_control.admit(len(inputs)):
+            outputs = await self.engine.embed(
+                inputs, pooling, _engine_id(context, request_id), priority=request.priority
+            )
         return embed_response(request_id, outputs)
 
     @_ends_with_status
@@ -245,9 +278,13 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     ) -> spindle_pb2.TokenizeResponse:
         """Tokenize text."""
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        token_ids = self.engine.tokenizer.encode(request.text, add_special_tokens=add_special)
-        tokens = self.engine.tokenizer.convert_ids_to_tokens(token_ids)
-        return spindle_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokens)
+        tokenizer = self.engine.tokenizer
+
+        def tokenize() -> spindle_pb2.TokenizeResponse:
+            token_ids = tokenizer.encode(request.text, add_special_tokens=add_special)
+            return spindle_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokenizer.convert_ids_to_tokens(token_ids))
+
+        return await self._off_loop(tokenize)
 
     @_ends_with_status
     async def Detokenize(  # noqa: N802
@@ -261,16 +298,21 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 "token_ids", f"token ids {outside} are outside the vocabulary: token ids must be in [0, {vocab_size})"
             )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return spindle_pb2.DetokenizeResponse(
-            text=self.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
-        )
+        tokenizer = self.engine.tokenizer
+
+        def detokenize() -> spindle_pb2.DetokenizeResponse:
+            return spindle_pb2.DetokenizeResponse(
+                text=tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+            )
+
+        return await self._off_loop(detokenize)
 
     @_ends_with_status
     async def Abort(  # noqa: N802
         self, request: spindle_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.AbortResponse:
-        """Abort a request in flight."""
-        return spindle_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+        """Abort a request in flight that this caller's connection made (any other is as unknown as one never made)."""
+        return spindle_pb2.AbortResponse(aborted=await self.engine.abort(_engine_id(context, request.request_id)))
 
     @_ends_with_status
     async def GetModelInfo(  # noqa: N802
@@ -320,18 +362,19 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         """Stream load reports: one at once, one on each change, and one at least every ``interval``."""
         interval = _watch_interval(request)
         reported, reported_at = None, 0.0
-        while True:
-            if self.admission_control.draining:
-                raise EngineUnavailableError("the server is shutting down: watch another replica")
-            if self.engine.is_dead:
-                raise EngineDeadError("it died, and no other has taken over yet")
-            load = self.load.load()
-            # Throughput and hit rate move with every step: on their own they wait for the interval.
-            figures = (load.num_requests_running, load.num_requests_waiting, int(load.kv_cache_usage * 100))
-            if figures != reported or time.monotonic() - reported_at >= interval:
-                reported, reported_at = figures, time.monotonic()
-                yield _load_report(load)
-            await self.load.wait(max(0.0, reported_at + interval - time.monotonic()))
+        with self.watchers.hold():
+            while True:
+                if self.admission_control.draining:
+                    raise EngineUnavailableError("the server is shutting down: watch another replica")
+                if self.engine.is_dead:
+                    raise EngineDeadError("it died, and no other has taken over yet")
+                load = self.load.load()
+                # Throughput and hit rate move with every step: on their own they wait for the interval.
+                figures = (load.num_requests_running, load.num_requests_waiting, int(load.kv_cache_usage * 100))
+                if figures != reported or time.monotonic() - reported_at >= interval:
+                    reported, reported_at = figures, time.monotonic()
+                    yield _load_report(load)
+                await self.load.wait(max(0.0, reported_at + interval - time.monotonic()))
 
     @_ends_with_status
     async def LoadLoraAdapter(  # noqa: N802
@@ -368,11 +411,39 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             )
 
     async def close(self) -> None:
-        """Stop following the engine's load and export the trace spans still buffered."""
+        """Stop following the engine's load and the tokenizer threads, and export the trace spans still buffered."""
         await self.load.close()
+        self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+        for ending in self._endings:
+            ending.cancel()
         tracer, self.tracer = self.tracer, None
         if tracer is not None:
             tracer.shutdown()
+
+    async def _off_loop(self, work: Callable[[], Any]) -> Any:
+        """``work()``'s result, run in a tokenizer thread (a long text would stall every stream on the loop).
+
+        Raises:
+            OverLimitError: the threads are busy and ``max_queued_requests`` calls wait for them already.
+
+        """
+        with self.tokenizer_calls.hold():
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, work)
+
+    def _end_unread(self, context: grpc.aio.ServicerContext, handler: asyncio.Task) -> None:
+        """End a call whose client left its outputs unread (its request is aborted already).
+
+        Its handler waits in a write that may never end, so it is cancelled, and the call's status (which gRPC sends
+        after the unread outputs) is sent from a task of its own.
+        """
+        message = (
+            f"the client left {self.config.max_unread_outputs} outputs unread for {self.config.unread_timeout:g} s "
+            "(the server's max_unread_outputs and unread_timeout): its request was aborted"
+        )
+        ending = asyncio.get_running_loop().create_task(_abort_quietly(context, message))
+        self._endings.add(ending)
+        ending.add_done_callback(self._endings.discard)
+        handler.cancel()
 
     def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:
         """The request's SamplingParams, within this server's ``max_n`` and ``max_tokens_limit``."""
@@ -395,20 +466,26 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         start: Callable[[SamplingParams, str], AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
+        config = self.config
         span = None
         if self.tracer is not None:
             span = self.tracer.start(
                 request_id, context.invocation_metadata() or (), self.engine.info.model_name, method
             )
         try:
-            with self.admission_control.admit() as admitted:
+            with self.connections.hold(context.peer()), self.admission_control.admit() as admitted:
                 builder = ResponseBuilder()
                 params = self._sampling_params(request.sampling_params)
                 if span is not None:
                     span.set_params(params)
-                async for output in start(params, request_id):
+                engine_id = _engine_id(context, request_id)
+                outputs = start(params, engine_id)
+                stalled = functools.partial(self._end_unread, context, asyncio.current_task())
+                size, timeout = config.max_unread_outputs, config.unread_timeout
+                async for output in read_ahead(outputs, size, timeout, engine_id, stalled):
                     admitted.started()
                     response = builder.build(output)
+                    response.request_id = request_id  # the caller's, not the engine's
                     if span is not None:
                         span.record(output, builder.completion_tokens)
                     yield response
@@ -424,6 +501,22 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         finally:
             if span is not None:
                 span.end()
+
+
+async def _abort_quietly(context: grpc.aio.ServicerContext, message: str) -> None:
+    """End the call with ``RESOURCE_EXHAUSTED`` and ``message``, once its client reads what comes before."""
+    with contextlib.suppress(grpc.aio.AbortError, grpc.aio.UsageError):  # ended: by this abort, or before it
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def _engine_id(context: grpc.aio.ServicerContext, request_id: str) -> str:
+    """The engine's id of the caller's ``request_id``: under a digest of the caller's connection (its peer address).
+
+    A connection is the one identity every caller has (one API key is shared by all of them), and a request lives
+    no longer than the connection its stream is on, over which its ``Abort`` comes too.
+    """
+    caller = hashlib.sha256(context.peer().encode()).hexdigest()[:16]
+    return f"{caller}-{request_id}"
 
 
 def _token_id(token_id: int | None) -> int:

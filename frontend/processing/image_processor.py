@@ -20,7 +20,8 @@ MAX_IMAGE_BYTES = 20 * 2**20
 """The most bytes an encoded image may have (20 MiB)."""
 
 MAX_IMAGE_PIXELS = 40_000_000
-"""The most pixels an image may have (40 megapixels), checked before its pixels are decoded."""
+"""The most pixels an image may have (40 megapixels), checked before its pixels are decoded, and again for the size
+it is resized to, before it is resized (a 1x6000 image resized to a shortest edge of 224 would have 300 megapixels)."""
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 """The formats encoded images may be in; PIL tries no other decoder (some run external programs)."""
@@ -180,11 +181,14 @@ class ImageProcessor:
             The ``[3, height, width]`` float32 pixels.
 
         Raises:
-            InvalidRequestError: ``image`` is of another type, too large, not decodable, or (without RGB conversion)
-                not RGB.
+            InvalidRequestError: ``image`` is of another type, too large (or too narrow: it would resize to more than
+                :data:`MAX_IMAGE_PIXELS`), not decodable, or (without RGB conversion) not RGB.
 
         """
-        pixels = np.asarray(self._resized(self._rgb(_open(image, field), field)))
+        image = _open(image, field)
+        size = self._resize_to(image, field)  # checked before the conversion and resize spend any memory
+        image = self._rgb(image, field)
+        pixels = np.asarray(image if size is None else image.resize(size, resample=self._resample))
         pixels = np.moveaxis(pixels, -1, 0)  # PIL gives [height, width, channels]
         if self._crop_size is not None:
             pixels = _center_crop(pixels, *self._crop_size)
@@ -211,17 +215,28 @@ class ImageProcessor:
             return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
         return image.convert("RGB")
 
-    def _resized(self, image: Image.Image) -> Image.Image:
-        """``image`` resized as transformers' PIL backend sizes it (a shortest edge truncates the long edge)."""
+    def _resize_to(self, image: Image.Image, field: str) -> tuple[int, int] | None:
+        """The ``(width, height)`` to resize ``image`` to (``None``: keep its size), at most :data:`MAX_IMAGE_PIXELS`.
+
+        As transformers' PIL backend sizes it: a shortest edge keeps the aspect ratio, truncating the long edge. A
+        size over the limit raises :class:`InvalidRequestError` naming ``field``.
+        """
         if self._resize is None:
-            return image
+            return None
         if isinstance(self._resize, tuple):
             height, width = self._resize
-        else:
-            short, long = sorted(image.size)
-            new_long = int(self._resize * long / short)
-            width, height = (self._resize, new_long) if image.width <= image.height else (new_long, self._resize)
-        return image.resize((width, height), resample=self._resample)
+            return width, height
+        short, long = sorted(image.size)
+        new_long = int(self._resize * long / short)
+        size = (self._resize, new_long) if image.width <= image.height else (new_long, self._resize)
+        if size[0] * size[1] > MAX_IMAGE_PIXELS:
+            raise InvalidRequestError(
+                field,
+                f"{field} is {image.width}x{image.height} pixels, which this model resizes to {size[0]}x{size[1]}, "
+                f"more than the {MAX_IMAGE_PIXELS} (40 megapixels) an image may have: crop it to a less extreme "
+                "aspect ratio",
+            )
+        return size
 
 
 def _open(image: object, field: str) -> Image.Image:
