@@ -246,7 +246,8 @@ def test_a_stream_fails_when_resumption_is_off_or_exhausted(make_server, recover
         for kill in range(kills):
             # The second kill waits for the resumed request to run on the new backend.
             wait_until(lambda kill=kill: engine.num_resumed_requests == kill, f"the request was resumed {kill} times")
-            wait_until(lambda: "doomed" in engine.client.requests, "the request runs in a backend")
+            # The server scopes the client's id to its connection: "<caller>-doomed".
+            wait_until(lambda: any(r.endswith("-doomed") for r in engine.client.requests), "the request runs there")
             os.kill(engine.client.connection.process.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as error:
             list(doomed)
