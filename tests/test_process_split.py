@@ -343,7 +343,12 @@ def test_ipc_directories_are_private_and_public_binds_are_opt_in(tmp_path, monke
     with pytest.raises(ValueError, match="every interface"):
         prepare_address("tcp://0.0.0.0:5555")
     monkeypatch.setenv("SPINDLE_ALLOW_PUBLIC_BIND", "1")
-    assert prepare_address("tcp://0.0.0.0:5555")
+    for reachable in ("tcp://0.0.0.0:5555", "tcp://10.1.2.3:5555", "tcp://backend:5555"):
+        with pytest.raises(ValueError, match="from other machines: set zmq_secret_file"):
+            prepare_address(reachable)
+        assert prepare_address(reachable, secured=True) == reachable
+    for loopback in ("tcp://localhost:5555", "tcp://127.0.0.2:5555", "tcp://[::1]:5555"):
+        assert prepare_address(loopback) == loopback
     with pytest.raises(ValueError, match="not a ZeroMQ address"):
         prepare_address("http://localhost:80")
 
