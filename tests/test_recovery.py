@@ -1,10 +1,13 @@
 """A backend that comes back: an owned backend restarted after SIGKILL or a hang, a remote one reconnected to, the
-backend probe (``spindle backend --check``), and JSON logs that name each request."""
+backend probe (``spindle backend --check``), a step loop stuck while the heartbeats go on, and JSON logs that name
+each request."""
 
+import asyncio
 import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +17,8 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from stuck_model import ARCHITECTURE as STUCK_ARCHITECTURE
+from stuck_model import STUCK_TOKEN
 from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
 from test_lora_api import save_adapter
 from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
@@ -21,6 +26,7 @@ from waiting import SLACK, wait_until
 
 from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
+from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import EngineDeadError, ping_backend
 from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 
@@ -115,9 +121,15 @@ def test_a_hung_backend_is_detected_killed_and_replaced(owned_server):
             os.kill(hung, signal.SIGKILL)
 
 
-def start_remote_backend(model_dir: Path, address: str) -> subprocess.Popen:
-    """``spindle backend`` on ``address``, as its own container would run it."""
-    return subprocess.Popen([SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS])
+def start_remote_backend(model_dir: Path, address: str, *flags: str) -> subprocess.Popen:
+    """``spindle backend`` on ``address`` with ``flags``, as its own container would run it.
+
+    It imports modules from here (:mod:`stuck_model`), as a container's image would have them installed.
+    """
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    return subprocess.Popen(
+        [SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS, *flags], env=env
+    )
 
 
 def answering(address: str) -> bool:
@@ -163,6 +175,54 @@ def test_a_remote_backend_that_comes_back_is_reconnected_to(tiny_llm_dir, privat
         for backend in backends:
             backend.kill()
             backend.wait()
+
+
+STEP_TIMEOUT = 3.0  # seconds: a tiny model's step takes milliseconds
+
+
+@pytest.fixture
+def stuck_llm_dir(tiny_llm_dir: Path, tmp_path: Path) -> Path:
+    """The tiny Llama served by :class:`stuck_model.StuckLlamaForCausalLM`."""
+    path = shutil.copytree(tiny_llm_dir, tmp_path / "stuck")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": [STUCK_ARCHITECTURE]}))
+    return path
+
+
+def test_a_stuck_step_is_detected_while_the_heartbeats_go_on(stuck_llm_dir, private_tmp):  # noqa: F811
+    address = f"ipc://{private_tmp}/run/engine.sock"
+    register = f"{STUCK_ARCHITECTURE}=stuck_model:{STUCK_ARCHITECTURE}"
+    backend = start_remote_backend(
+        stuck_llm_dir, address, "--step-timeout", str(STEP_TIMEOUT), "--register-model", register
+    )
+    engine = None
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def tokens(prompt: list[int]) -> list[int]:
+        async for output in engine.generate({"prompt_token_ids": prompt}, params):
+            last = output
+        return last.outputs[0].token_ids
+
+    async def scenario() -> None:
+        assert len(await tokens([3, 4, 5])) == 4
+        started = time.monotonic()
+        # Hung, as the heartbeats tell: not silent, which would say "has not answered".
+        with pytest.raises(EngineDeadError, match="is hung: its step loop has been in one step for"):
+            await asyncio.wait_for(tokens([STUCK_TOKEN, 4, 5]), STEP_TIMEOUT + SLACK)
+        assert time.monotonic() - started > STEP_TIMEOUT
+
+    try:
+        wait_until(lambda: answering(address), f"a backend answers at {address}", interval=0)
+        engine = AsyncLLMEngine.from_args(backend_address=address)
+        asyncio.run(scenario())
+        probe = check(address, 5)  # the container's health check fails: the platform replaces the backend
+        assert probe.returncode == 1 and "spindle: backend HUNG" in probe.stderr, probe
+        assert "over its step_timeout of 3 s" in probe.stderr
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        backend.kill()
+        backend.wait()
 
 
 PROBE_WITHOUT_TORCH = """
