@@ -272,7 +272,7 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if not 0 < self.step_timeout < math.inf:
             raise ValueError(f"step_timeout={self.step_timeout} must be a positive number of seconds")
-        _check_at_least(self, 2**16, "max_message_size")
+        _check_at_least(self, 2**10, "max_message_size")
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}

@@ -21,13 +21,17 @@ from stuck_model import ARCHITECTURE as STUCK_ARCHITECTURE
 from stuck_model import STUCK_TOKEN
 from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
 from test_lora_api import save_adapter
-from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
+from test_process_split import (
+    private_tmp,  # noqa: F401 - a fixture: short ipc paths, cleaned up
+    run_engine,
+)
 from waiting import SLACK, wait_until
 
 from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import EngineDeadError, ping_backend
+from spindle.shared.errors import InvalidRequestError
 from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 
 SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
@@ -127,9 +131,8 @@ def start_remote_backend(model_dir: Path, address: str, *flags: str) -> subproce
     It imports modules from here (:mod:`stuck_model`), as a container's image would have them installed.
     """
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    return subprocess.Popen(
-        [SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS, *flags], env=env
-    )
+    argv = [SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS, *flags]
+    return subprocess.Popen(argv, env=env)
 
 
 def answering(address: str) -> bool:
@@ -175,6 +178,27 @@ def test_a_remote_backend_that_comes_back_is_reconnected_to(tiny_llm_dir, privat
         for backend in backends:
             backend.kill()
             backend.wait()
+
+
+def test_a_standalone_backend_confines_lora_paths_whatever_the_frontend_asks(tiny_llm_dir, tmp_path, private_tmp):  # noqa: F811
+    lora_dir = tmp_path / "adapters"
+    save_adapter(tiny_llm_dir, lora_dir / "sql", seed=1)
+    save_adapter(tiny_llm_dir, tmp_path / "elsewhere", seed=2)
+    address = f"ipc://{private_tmp}/run/engine.sock"
+    backend = start_remote_backend(tiny_llm_dir, address, "--allow-runtime-lora", "--lora-dir", str(lora_dir))
+
+    async def scenario(engine):
+        # Unconfined, as the Python API asks; the backend, not started by this frontend, confines it anyway.
+        with pytest.raises(InvalidRequestError, match="outside the server's adapter directory"):
+            await engine.load_lora("elsewhere", str(tmp_path / "elsewhere"))
+        return await engine.load_lora("sql", "sql")
+
+    try:
+        wait_until(lambda: answering(address), f"a backend answers at {address}", interval=0)
+        assert run_engine(address, scenario).path == str(lora_dir / "sql")
+    finally:
+        backend.kill()
+        backend.wait()
 
 
 STEP_TIMEOUT = 3.0  # seconds: a tiny model's step takes milliseconds
