@@ -2,7 +2,6 @@
 backend probe (``spindle backend --check``), a step loop stuck while the heartbeats go on, and JSON logs that name
 each request."""
 
-import asyncio
 import contextlib
 import json
 import os
@@ -29,10 +28,9 @@ from waiting import SLACK, wait_until
 
 from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
-from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
-from spindle.frontend.engine.connection import EngineDeadError, ping_backend
+from spindle.frontend.engine.connection import BackendConnection, EngineDeadError, ping_backend
 from spindle.shared.errors import InvalidRequestError
-from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, EngineRequest
 
 SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
 TINY_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB"]
@@ -213,38 +211,39 @@ def stuck_llm_dir(tiny_llm_dir: Path, tmp_path: Path) -> Path:
     return path
 
 
+def hung(connection: BackendConnection) -> str | None:
+    """Why ``connection`` finds its backend dead once it has read what the backend sent; ``None`` while it lives."""
+    while connection.sync_socket.poll(0):
+        connection.decode(connection.sync_socket.recv())
+    try:
+        connection.check_alive()
+    except EngineDeadError as dead:
+        return str(dead)
+    return None
+
+
 def test_a_stuck_step_is_detected_while_the_heartbeats_go_on(stuck_llm_dir, private_tmp):  # noqa: F811
     address = f"ipc://{private_tmp}/run/engine.sock"
     register = f"{STUCK_ARCHITECTURE}=stuck_model:{STUCK_ARCHITECTURE}"
     backend = start_remote_backend(
         stuck_llm_dir, address, "--step-timeout", str(STEP_TIMEOUT), "--register-model", register
     )
-    engine = None
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    async def tokens(prompt: list[int]) -> list[int]:
-        async for output in engine.generate({"prompt_token_ids": prompt}, params):
-            last = output
-        return last.outputs[0].token_ids
-
-    async def scenario() -> None:
-        assert len(await tokens([3, 4, 5])) == 4
-        started = time.monotonic()
-        # Hung, as the heartbeats tell: not silent, which would say "has not answered".
-        with pytest.raises(EngineDeadError, match="is hung: its step loop has been in one step for"):
-            await asyncio.wait_for(tokens([STUCK_TOKEN, 4, 5]), STEP_TIMEOUT + SLACK)
-        assert time.monotonic() - started > STEP_TIMEOUT
-
+    connection = None
     try:
         wait_until(lambda: answering(address), f"a backend answers at {address}", interval=0)
-        engine = AsyncLLMEngine.from_args(backend_address=address)
-        asyncio.run(scenario())
+        connection = BackendConnection(address)
+        connection.add_request(EngineRequest("stuck", [STUCK_TOKEN, 4, 5], SamplingParams(max_tokens=4), time.time()))
+        sent = time.monotonic()
+        reason = wait_until(lambda: hung(connection), "the frontend declares the backend dead", STEP_TIMEOUT + SLACK)
+        # Hung, as the heartbeats tell: not silent, which would say "has not answered".
+        assert "is hung: its step loop has been in one step for" in reason
+        assert time.monotonic() - sent > STEP_TIMEOUT
         probe = check(address, 5)  # the container's health check fails: the platform replaces the backend
         assert probe.returncode == 1 and "spindle: backend HUNG" in probe.stderr, probe
         assert "over its step_timeout of 3 s" in probe.stderr
     finally:
-        if engine is not None:
-            engine.shutdown()
+        if connection is not None:
+            connection.close()
         backend.kill()
         backend.wait()
 
