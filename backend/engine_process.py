@@ -128,8 +128,8 @@ class EngineProcess:
     a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts
     and finishes only its own requests. The LoRA adapters a frontend loads come from ``lora_dir``
     (:class:`~spindle.shared.protocol.LoadLora` ``confined``), whatever the frontend asks, unless
-    ``trust_frontends``: a backend that a frontend started as its child, on a private socket, serves that frontend's
-    user, who may load any path.
+    ``trust_frontends``: a backend that a frontend started as its child, on a private ipc socket, serves that
+    frontend's user, who may load any path.
     """
 
     def __init__(
@@ -146,7 +146,8 @@ class EngineProcess:
         self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError | CallReply]] = queue.Queue()
         self.wake: zmq.Socket | None = None  # the busy loop's end of the wake-up pipe, once it runs
         self.owners: dict[str, bytes] = {}  # request id -> frontend identity
-        # The engine's state as of the last step, published by the busy loop: the I/O thread reads only this.
+        # The engine's state as of the last step, published by the busy loop: the I/O thread reads only this and
+        # busy_since.
         self.stats: EngineStats = self.core.stats()
         # When the busy loop's current turn began (monotonic), or None while it waits for work.
         self.busy_since: float | None = None
@@ -412,9 +413,10 @@ class EngineProcess:
 
 
 def _die(reason: str) -> None:
-    """End this process at once, as a crash would: a tensor-parallel worker died, so the engine cannot step.
+    """End this process at once, as a crash would: a tensor-parallel worker died or stopped answering.
 
-    The frontends then see a dead backend (its socket and heartbeats gone), and one that owns it restarts it.
+    The engine cannot step. The frontends then see a dead backend (its socket and heartbeats gone), and one that owns
+    it restarts it; its workers die with it (even stopped ones: see :func:`~spindle.backend.worker.die_with_parent`).
     """
     logger.critical("Engine dead: %s", reason)
     os._exit(1)
@@ -433,8 +435,9 @@ def run_backend(args: argparse.Namespace) -> int:
         model_dir = resolve_model(config.model.model)
         return serve_node(config, model_dir, context_length(config, CheckpointConfig.from_dir(model_dir)))
     try:
-        # A backend a frontend started (start_backend) serves that frontend's user, on a private socket.
-        process = EngineProcess(config, args.listen, args.grace_period, trust_frontends=args.parent_pid is not None)
+        # A backend a frontend started (start_backend) on a private ipc socket serves that frontend's user alone.
+        trusted = args.parent_pid is not None and args.listen.startswith("ipc://")
+        process = EngineProcess(config, args.listen, args.grace_period, trust_frontends=trusted)
         signal.signal(signal.SIGTERM, process.drain)
         signal.signal(signal.SIGINT, process.drain)
         process.run()
