@@ -15,6 +15,7 @@ from spindle.backend.model_runner import ModelRunner
 from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler import Scheduler
+from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.sequence import Sequence
 from spindle.backend.speculative import DraftProposer
 from spindle.backend.structured_output import StructuredOutputManager
@@ -97,12 +98,16 @@ class EngineCore:
     operations such as these are the control plane's commands (:meth:`call`).
 
     With ``tensor_parallel_size > 1`` this process is rank 0: it starts its node's worker processes
-    (:class:`~spindle.backend.worker.Workers`), and its runner sends them each step. :meth:`close` stops them; a
-    worker that dies before is reported to ``on_worker_death`` (by default logged: the next step's collective fails).
+    (:class:`~spindle.backend.worker.Workers`), and its runner sends them each step; while it is idle, a
+    :class:`~spindle.backend.parallel.KeepAlive` keeps their wait for the next step within ``collective_timeout``.
+    :meth:`close` stops them; a worker that dies before, or that fails a keep-alive or a step's collectives (wedged:
+    it does not answer within ``collective_timeout``), is reported to ``on_worker_death`` (by default logged: the
+    next step's collective fails).
 
     Args:
         config: the engine's settings.
-        on_worker_death: called with why, from a watcher thread, when a tensor-parallel worker dies.
+        on_worker_death: called with why when a tensor-parallel worker dies or stops answering (from a watcher
+            thread, or the thread that found it).
 
     """
 
@@ -114,6 +119,7 @@ class EngineCore:
         self.checkpoint = CheckpointConfig.from_dir(self.model_dir)
         self.max_model_len = context_length(config, self.checkpoint)
         self.workers: Workers | None = None
+        self.keep_alive: parallel.KeepAlive | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(
@@ -143,6 +149,8 @@ class EngineCore:
                 if (self.model_dir / name).is_file()
             },
             runtime_lora_dir=config.lora.lora_dir if config.lora.allow_runtime_lora else None,
+            step_timeout=config.backend.step_timeout,
+            max_message_size=config.backend.max_message_size,
         )
         for name, path in (config.lora.lora_modules or {}).items():
             self.add_lora(name, path)
@@ -172,6 +180,7 @@ class EngineCore:
             raise
         if self.workers is not None:
             self.workers.watch(on_worker_death)
+            self.keep_alive = parallel.KeepAlive(runner.device, config.parallel.collective_timeout, on_worker_death)
             atexit.register(self.close)  # an in-process engine nobody closed: stop the workers before exiting
         return runner, num_blocks
 
@@ -185,9 +194,14 @@ class EngineCore:
         atexit.unregister(self.close)
         workers, self.workers = self.workers, None
         workers.closing = True
-        with contextlib.suppress(RuntimeError):  # a worker already gone fails the broadcast: it needs no stop
-            self.runner.close()
-        workers.join(timeout=10)
+        self.keep_alive.stop()
+        if self.keep_alive.failed:  # out of step with this rank: they would not take the stop
+            workers.kill()
+        else:
+            # A worker already gone fails the exchange: it needs no stop.
+            with contextlib.suppress(RuntimeError), self.keep_alive.exclusive():
+                self.runner.close()
+            workers.join(timeout=10)
         parallel.destroy_group()
 
     def call(self, command: Command) -> object:
@@ -460,9 +474,25 @@ class EngineCore:
             # Nothing to run but compiles: wait for one instead of spinning (the compiler needs the core).
             self.structured_output.wait_for_compile(timeout=0.05)
             return []
-        self.runner.execute(scheduled)
+        self._execute(scheduled)
         output = self.runner.sample(self.structured_output.bitmask(scheduled))
         return self.scheduler.update_from_output(scheduled, output)
+
+    def _execute(self, scheduled: SchedulerOutput) -> None:
+        """Run the step's forward pass; under tensor parallelism, with the keep-alives held off meanwhile.
+
+        A step that fails there leaves the workers out of step with this rank: the failure goes to
+        ``on_worker_death`` (the backend process then exits) before it is raised.
+        """
+        if self.keep_alive is None:
+            self.runner.execute(scheduled)
+            return
+        try:
+            with self.keep_alive.exclusive():
+                self.runner.execute(scheduled)
+        except Exception as error:
+            self.keep_alive.fail(f"a step failed on tensor-parallel rank 0: {error}")
+            raise
 
     def _drop_refused(self) -> None:
         """Drop the requests whose structured-output spec did not compile, keeping why for :meth:`pop_refused`."""

@@ -6,15 +6,17 @@ hands it. A frontend may come back at any time with a new handshake (after it lo
 restarted): each handshake starts a session of its own. The
 loop never touches the socket, so it never waits on a slow frontend: it drains the queue, runs ``step()`` and
 passes one :class:`~spindle.shared.protocol.StepOutputs` per frontend to the I/O thread, and after each turn it
-publishes the engine's :class:`~spindle.shared.protocol.EngineStats`, the only state the I/O thread reads (for its
-heartbeats). Control-plane calls (:class:`~spindle.shared.protocol.Call`: loading LoRA adapters and the like) come
-through the same queue and run between two steps, so nothing changes under a running batch; their replies go to the
+publishes the engine's :class:`~spindle.shared.protocol.EngineStats`. Besides those, the I/O thread reads only when
+the loop's current turn began (``busy_since``), so that its heartbeats and pongs tell how long the loop has been in
+one turn: a loop stuck in a step (a collective that never completes, a kernel that never returns) shows there while
+the I/O thread still beats, and the frontends declare the backend hung after ``step_timeout`` seconds.
+Control-plane calls (:class:`~spindle.shared.protocol.Call`: loading LoRA adapters and the like) come through the
+same queue and run between two steps, so nothing changes under a running batch; their replies go to the
 frontend that asked.
 """
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -31,7 +33,7 @@ from spindle.backend.engine_core import EngineCore, context_length
 from spindle.backend.memory import bound_host_memory
 from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_model
-from spindle.backend.worker import serve_node
+from spindle.backend.worker import die_with_parent, serve_node
 from spindle.shared.config import (
     EngineConfig,
     add_backend_args,
@@ -56,6 +58,7 @@ from spindle.shared.protocol import (
     FrontendMessage,
     Heartbeat,
     Hello,
+    LoadLora,
     Ping,
     Pong,
     Ready,
@@ -64,6 +67,7 @@ from spindle.shared.protocol import (
     SequenceDelta,
     StepOutputs,
 )
+from spindle.shared.transport import CurveKeys, authenticate, is_loopback, load_keys, secure_server
 
 # Named, not __name__: run as `python -m`, this module is __main__, and its log lines would say so.
 logger = logging.getLogger("spindle.backend.engine_process")
@@ -75,11 +79,13 @@ class _FrontendGone(msgspec.Struct):
     """Internal: a frontend has been silent for ``FRONTEND_TIMEOUT`` seconds."""
 
 
-def prepare_address(address: str) -> str:
+def prepare_address(address: str, secured: bool = False) -> str:
     """Check a ZeroMQ address, creating an ipc socket's directory with mode 0700.
 
     Only ``ipc://`` and ``tcp://`` are accepted; ``tcp://0.0.0.0`` and ``tcp://*`` expose the engine to the network,
-    so they must be asked for by name with ``SPINDLE_ALLOW_PUBLIC_BIND=1``.
+    so they must be asked for by name with ``SPINDLE_ALLOW_PUBLIC_BIND=1``. A TCP address beyond loopback is
+    refused unless the socket is ``secured`` (``zmq_secret_file``): anyone who reaches it could submit and abort
+    requests.
     """
     if address.startswith("ipc://"):
         directory = Path(address.removeprefix("ipc://")).parent
@@ -93,6 +99,11 @@ def prepare_address(address: str) -> str:
         host = address.removeprefix("tcp://").rsplit(":", 1)[0]
         if host in ("0.0.0.0", "*", "[::]") and os.environ.get("SPINDLE_ALLOW_PUBLIC_BIND") != "1":
             raise ValueError(f"{address} listens on every interface; set SPINDLE_ALLOW_PUBLIC_BIND=1 if you mean it")
+        if not secured and not is_loopback(address):
+            raise ValueError(
+                f"{address} can be reached from other machines: set zmq_secret_file (--zmq-secret-file) so that "
+                "only the frontends that hold the secret may talk to this backend"
+            )
         return address
     raise ValueError(f"{address!r} is not a ZeroMQ address: use ipc:///path/engine.sock or tcp://127.0.0.1:PORT")
 
@@ -112,19 +123,34 @@ class EngineProcess:
 
     On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds,
     aborts what is left (the frontends see ``FinishReason.ABORT``) and returns.
+
+    The socket takes messages of up to ``max_message_size`` bytes (a peer that sends more is disconnected) and, with
+    a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts
+    and finishes only its own requests. The LoRA adapters a frontend loads come from ``lora_dir``
+    (:class:`~spindle.shared.protocol.LoadLora` ``confined``), whatever the frontend asks, unless
+    ``trust_frontends``: a backend that a frontend started as its child, on a private ipc socket, serves that
+    frontend's user, who may load any path.
     """
 
-    def __init__(self, config: EngineConfig, address: str, grace_period: float = 30.0) -> None:
+    def __init__(
+        self, config: EngineConfig, address: str, grace_period: float = 30.0, trust_frontends: bool = False
+    ) -> None:
+        self.keys: CurveKeys | None = load_keys(config.backend.zmq_secret_file)
+        self.address = prepare_address(address, secured=self.keys is not None)
+        self.max_message_size = config.backend.max_message_size
+        self.trust_frontends = trust_frontends
         self.core = EngineCore(config, on_worker_death=_die)
         self.info = self.core.info
-        self.address = prepare_address(address)
         self.grace_period = grace_period
         self.inputs: queue.Queue[tuple[bytes, object]] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError | CallReply]] = queue.Queue()
         self.wake: zmq.Socket | None = None  # the busy loop's end of the wake-up pipe, once it runs
         self.owners: dict[str, bytes] = {}  # request id -> frontend identity
-        # The engine's state as of the last step, published by the busy loop: the I/O thread reads only this.
+        # The engine's state as of the last step, published by the busy loop: the I/O thread reads only this and
+        # busy_since.
         self.stats: EngineStats = self.core.stats()
+        # When the busy loop's current turn began (monotonic), or None while it waits for work.
+        self.busy_since: float | None = None
         self.draining_since: float | None = None
         self.context = zmq.Context()
         self.stop_io = False
@@ -150,6 +176,7 @@ class EngineProcess:
                     idle or time.monotonic() - self.draining_since > self.grace_period
                 ):
                     break
+                self.busy_since = None if idle else time.monotonic()
                 self._drain_inputs(block=idle)
                 deltas = self.core.step() if self.core.has_unfinished_requests() else []
                 self.stats = self.core.stats()
@@ -184,6 +211,8 @@ class EngineProcess:
             identity, message = self.inputs.get(timeout=HEARTBEAT_INTERVAL) if block else self.inputs.get_nowait()
         except queue.Empty:
             return
+        if block:  # work came: the turn begins
+            self.busy_since = time.monotonic()
         while True:
             self._handle(identity, message)
             try:
@@ -204,10 +233,11 @@ class EngineProcess:
                     return
                 self.owners[request.request_id] = identity
             case Abort(request_ids=request_ids):
-                self.core.abort_requests(request_ids)
-                for request_id in request_ids:
-                    self.owners.pop(request_id, None)
-            case FinishSequence(request_id=request_id, index=index):
+                owned = [request_id for request_id in request_ids if self.owners.get(request_id) == identity]
+                self.core.abort_requests(owned)
+                for request_id in owned:
+                    del self.owners[request_id]
+            case FinishSequence(request_id=request_id, index=index) if self.owners.get(request_id) == identity:
                 self.core.finish_sequence(request_id, index)
                 if not self.core.has_request(request_id):
                     self.owners.pop(request_id, None)
@@ -225,6 +255,8 @@ class EngineProcess:
 
     def _answer(self, identity: bytes, call_id: str, command: Command) -> None:
         """Run one control-plane command and send its :class:`CallReply` (the result, or why it was refused) at once."""
+        if isinstance(command, LoadLora) and not self.trust_frontends:
+            command = msgspec.structs.replace(command, confined=True)  # this backend's policy, not the peer's word
         try:
             reply = CallReply(call_id, msgspec.msgpack.encode(self.core.call(command)))
         except RequestRefusedError as error:
@@ -274,9 +306,20 @@ class EngineProcess:
             self.io_ready.set()  # never leave run() waiting on a thread that failed to start
 
     def _serve_socket(self) -> None:
+        authenticator = None if self.keys is None else authenticate(self.context, self.keys)
+        try:
+            self._serve_router()
+        finally:
+            if authenticator is not None:
+                authenticator.stop()
+
+    def _serve_router(self) -> None:
         router = self.context.socket(zmq.ROUTER)
         router.setsockopt(zmq.SNDHWM, 0)  # never drop outputs for a slow frontend: zmq buffers them
         router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
+        if self.keys is not None:
+            secure_server(router, self.keys)
         router.bind(self.address)
         path = Path(self.address.removeprefix("ipc://"))
         if self.address.startswith("ipc://") and path.is_socket():  # not an abstract (ipc://@name) socket
@@ -313,7 +356,8 @@ class EngineProcess:
                         if message.frontend_id in frontends:
                             frontends[message.frontend_id] = time.monotonic()
                     elif isinstance(message, Ping):  # a probe: answered, and nothing else
-                        pong = Pong(PROTOCOL_VERSION, self.core.info.model_name, self.draining_since is not None)
+                        draining, busy_for = self.draining_since is not None, self._busy_for()
+                        pong = Pong(PROTOCOL_VERSION, self.info.model_name, draining, busy_for, self.info.step_timeout)
                         router.send_multipart([identity, encoder.encode(pong)])
                     elif isinstance(message, Hello):
                         if message.protocol_version != PROTOCOL_VERSION:
@@ -355,36 +399,33 @@ class EngineProcess:
                 del frontends[identity]
                 self.inputs.put((identity, _FrontendGone()))
             if now >= next_heartbeat:
-                heartbeat = encoder.encode(Heartbeat(self.stats))
+                heartbeat = encoder.encode(Heartbeat(self.stats, self._busy_for()))
                 for identity in frontends:
                     router.send_multipart([identity, heartbeat])
                 next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL
         router.close(linger=1000)
         wake.close(linger=0)
 
+    def _busy_for(self) -> float:
+        """Seconds the busy loop has been in its current turn; 0 while it waits for work."""
+        since = self.busy_since  # once: the busy loop may reset it meanwhile
+        return 0.0 if since is None else time.monotonic() - since
+
 
 def _die(reason: str) -> None:
-    """End this process at once, as a crash would: a tensor-parallel worker died, so the engine cannot step.
+    """End this process at once, as a crash would: a tensor-parallel worker died or stopped answering.
 
-    The frontends then see a dead backend (its socket and heartbeats gone), and one that owns it restarts it.
+    The engine cannot step. The frontends then see a dead backend (its socket and heartbeats gone), and one that owns
+    it restarts it; its workers die with it (even stopped ones: see :func:`~spindle.backend.worker.die_with_parent`).
     """
     logger.critical("Engine dead: %s", reason)
     os._exit(1)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel send us SIGTERM when the process that started us dies, so no backend is orphaned."""
-    if sys.platform == "linux":
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def run_backend(args: argparse.Namespace) -> int:
     """Run the backend process until SIGTERM (graceful) or SIGINT; returns the exit code."""
     if args.parent_pid is not None:
-        die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid, signal.SIGTERM)
     ModelRegistry.register_models(args.register_model)
     bound_host_memory()
     # A frontend that started this process passes its EngineConfig whole; run by hand, the flags give it.
@@ -394,7 +435,9 @@ def run_backend(args: argparse.Namespace) -> int:
         model_dir = resolve_model(config.model.model)
         return serve_node(config, model_dir, context_length(config, CheckpointConfig.from_dir(model_dir)))
     try:
-        process = EngineProcess(config, args.listen, args.grace_period)
+        # A backend a frontend started (start_backend) on a private ipc socket serves that frontend's user alone.
+        trusted = args.parent_pid is not None and args.listen.startswith("ipc://")
+        process = EngineProcess(config, args.listen, args.grace_period, trust_frontends=trusted)
         signal.signal(signal.SIGTERM, process.drain)
         signal.signal(signal.SIGINT, process.drain)
         process.run()

@@ -9,11 +9,21 @@ gathered on rank 0, the only rank that samples.
 Rank 0 runs the engine core and sends each step's :class:`~spindle.backend.scheduler_output.SchedulerOutput` to the
 workers, encoded by msgspec (no pickling), as a small int64 header and a byte tensor (:func:`send_step`); each worker
 runs the same model runner code on it (:func:`receive_step`), so the ranks keep the same state of each sequence.
+
+Every collective fails after ``collective_timeout`` seconds, so a rank that died or is wedged fails the engine in
+bounded time. The header is all-reduced, not broadcast, so that rank 0 waits for every worker to take it: a worker
+that stopped is found at the next header even when no other collective follows. An idle engine sends no step, and
+its workers would time out waiting for one: rank 0's :class:`KeepAlive` exchanges an empty header with them
+whenever none went for a quarter of the timeout.
 """
 
+import contextlib
 import datetime
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -23,7 +33,7 @@ import torch.distributed as dist
 from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.shared.config import EngineConfig
 
-_STOP, _STEP = 0, 1  # the header's kind; a step's header also holds its encoded length
+_STOP, _STEP, _KEEP_ALIVE = 0, 1, 2  # the header's kind; a step's header also holds its encoded length
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
@@ -95,7 +105,8 @@ def rendezvous(config: EngineConfig) -> EngineConfig:
 def init_group(config: EngineConfig, device: torch.device) -> None:
     """Join the process group of :func:`current`'s ranks at ``config``'s rendezvous: NCCL on CUDA, gloo on the CPU.
 
-    A lost rank fails a gloo collective at once (its connection closes); the timeout bounds the other waits.
+    A lost rank fails a gloo collective at once (its connection closes); ``collective_timeout`` bounds the other
+    waits (a wedged rank's).
     """
     place = current()
     dist.init_process_group(
@@ -103,7 +114,7 @@ def init_group(config: EngineConfig, device: torch.device) -> None:
         init_method=f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}",
         rank=place.rank,
         world_size=place.size,
-        timeout=datetime.timedelta(minutes=10),
+        timeout=datetime.timedelta(seconds=config.parallel.collective_timeout),
     )
 
 
@@ -144,25 +155,95 @@ def gather_columns(x: torch.Tensor) -> torch.Tensor | None:
     return None if parts is None else torch.cat(parts, dim=1)
 
 
+def _exchange_header(kind: int, length: int, device: torch.device) -> tuple[int, int]:
+    """Rank 0's header, on every rank: rank 0 gives it, the workers zeros, and the all-reduce sums them."""
+    header = torch.tensor([kind, length] if current().rank == 0 else [0, 0], dtype=torch.int64, device=device)
+    dist.all_reduce(header)
+    kind, length = header.tolist()
+    return kind, length
+
+
 def send_step(scheduled: SchedulerOutput, device: torch.device) -> None:
-    """Rank 0: broadcast a step's scheduler output, its length then its msgpack bytes."""
+    """Rank 0: send a step's scheduler output, its length (in the header) then its msgpack bytes."""
     data = _encoder.encode(scheduled)
-    dist.broadcast(torch.tensor([_STEP, len(data)], dtype=torch.int64, device=device), src=0)
+    _exchange_header(_STEP, len(data), device)
     dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src=0)
 
 
 def send_stop(device: torch.device) -> None:
     """Rank 0: tell the workers that the engine is closing."""
-    dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.int64, device=device), src=0)
+    _exchange_header(_STOP, 0, device)
 
 
 def receive_step(device: torch.device) -> SchedulerOutput | None:
-    """A worker: the next step's scheduler output, as rank 0 sent it; None when rank 0 stops."""
-    header = torch.zeros(2, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=0)
-    kind, length = header.tolist()
+    """A worker: the next step's scheduler output, as rank 0 sent it; None when rank 0 stops.
+
+    Rank 0's keep-alives, which come while the engine is idle, are taken on the way.
+    """
+    kind, length = _exchange_header(0, 0, device)
+    while kind == _KEEP_ALIVE:
+        kind, length = _exchange_header(0, 0, device)
     if kind == _STOP:
         return None
     data = torch.empty(length, dtype=torch.uint8, device=device)
     dist.broadcast(data, src=0)
     return _decoder.decode(data.cpu().numpy().tobytes())
+
+
+class KeepAlive:
+    """Rank 0: exchanges an empty header with the workers whenever no step went to them for a while.
+
+    A worker waits for each step in a collective that fails after ``timeout`` seconds (``collective_timeout``); an
+    idle engine sends no step, so a daemon thread sends a keep-alive once a quarter of the timeout passed without
+    one. Rank 0 runs each step's collectives inside :meth:`exclusive`, so the two never interleave. As the header is
+    all-reduced, a keep-alive also finds a worker that died or stopped while the engine was idle: the exchange fails
+    (after ``timeout`` at most), and :meth:`fail` tells ``on_failure`` why.
+
+    Args:
+        device: the device of rank 0's collectives.
+        timeout: the process group's collective timeout, in seconds.
+        on_failure: called with why the collectives with the workers failed (by a keep-alive, or a step).
+
+    Attributes:
+        failed: whether they did: the workers are then out of step with rank 0, and cannot be stopped in order.
+
+    """
+
+    def __init__(self, device: torch.device, timeout: float, on_failure: Callable[[str], None]) -> None:
+        self.device = device
+        self.interval = timeout / 4
+        self.on_failure = on_failure
+        self.failed = False
+        self._lock = threading.Lock()
+        self._last_exchange = time.monotonic()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="spindle-tp-keep-alive", daemon=True).start()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the keep-alives off while the caller runs collectives with the workers (a step, the stop)."""
+        with self._lock:
+            yield
+            self._last_exchange = time.monotonic()
+
+    def stop(self) -> None:
+        """Send no more keep-alives (rank 0 is about to stop the workers)."""
+        self._stop.set()
+
+    def fail(self, reason: str) -> None:
+        """Record that the collectives with the workers failed, stop the keep-alives, and tell ``on_failure``."""
+        self.failed = True
+        self._stop.set()
+        self.on_failure(reason)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            with self._lock:
+                if self._stop.is_set() or time.monotonic() - self._last_exchange < self.interval:
+                    continue
+                try:
+                    _exchange_header(_KEEP_ALIVE, 0, self.device)
+                except RuntimeError as error:  # a worker died, or did not answer within the timeout
+                    self.fail(f"the tensor-parallel workers did not take a keep-alive: {error}")
+                    return
+                self._last_exchange = time.monotonic()

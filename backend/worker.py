@@ -4,12 +4,15 @@ Rank 0 (the engine core's process) starts the workers of its node with :class:`W
 ``spindle backend --node-rank K`` starts that node's with :func:`serve_node`. A worker loads its shard, says so (or
 sends its error) over a pipe, joins the process group, sizes its KV cache with the others and then follows rank 0's
 steps (:meth:`~spindle.backend.model_runner.ModelRunner.follow`) until rank 0 stops it. It exits when rank 0 is gone:
-a collective fails, or the process that started it has died.
+a collective fails, or the process that started it has died (the kernel then kills it, even if it is stopped).
 """
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +33,9 @@ _PARENT_POLL = 0.5  # seconds between a worker's checks that the process that st
 
 class Workers:
     """The worker processes of some ranks of this node, started with the ``spawn`` method.
+
+    They are killed when the thread that starts them ends (Linux's parent-death signal; see :func:`die_with_parent`),
+    so start them from one that lives as long as they should (the main thread, as the backend process does).
 
     Args:
         config: the engine's config, ``master_addr`` and ``master_port`` filled in (every rank must agree on them).
@@ -128,7 +134,7 @@ def _run_worker(
     if log_format is not None:
         configure_logging(log_format)
     ModelRegistry.register_models(registrations)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="spindle-parent-watch", daemon=True).start()
+    die_with_parent(parent_pid, signal.SIGKILL)  # the one signal a stopped (wedged) worker acts on
     try:
         runner = ModelRunner(config, CheckpointConfig.from_dir(model_dir), model_dir, rank)
     except Exception as e:
@@ -143,11 +149,26 @@ def _run_worker(
         parallel.destroy_group()
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit at once when the process that started this worker is gone (rank 0 crashed, or was killed)."""
+def die_with_parent(parent_pid: int, signum: int) -> None:
+    """Have ``signum`` sent to this process once the process that started it, ``parent_pid``, is gone.
+
+    On Linux the kernel sends it (the parent-death signal, when the thread that started this process ends); elsewhere
+    a daemon thread watches for the parent. A backend takes SIGTERM (it drains), a worker SIGKILL.
+    """
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum)
+    else:
+        watch = threading.Thread(target=_watch_parent, args=(parent_pid, signum), name="spindle-parent", daemon=True)
+        watch.start()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signum)
+
+
+def _watch_parent(parent_pid: int, signum: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(_PARENT_POLL)
-    os._exit(1)
+    os.kill(os.getpid(), signum)
 
 
 def check_tensor_parallel(config: EngineConfig, checkpoint: CheckpointConfig) -> None:

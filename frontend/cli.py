@@ -68,28 +68,29 @@ def _positive_int(value: str) -> int:
 
 def _backend(args: argparse.Namespace) -> int:
     if args.check is not None:
-        return _check_backend(args.check or args.listen, args.check_timeout)
+        return _check_backend(args.check or args.listen, args.check_timeout, args.zmq_secret_file)
     from spindle.backend.engine_process import run_backend  # the model side: only this command imports torch
 
     configure_logging(args.log_format)
     return run_backend(args)
 
 
-def _check_backend(address: str, timeout: float) -> int:
+def _check_backend(address: str, timeout: float, secret_file: str | None) -> int:
     """``spindle backend --check``: 0 if a backend answers a ping at ``address`` within ``timeout`` s, else 1.
 
     Prints one line either way. A backend that answers but is draining (after SIGTERM) still passes: it is alive.
+    One whose step loop is stuck (:func:`~spindle.shared.protocol.hung_reason`) fails, though it answers.
     """
     import zmq
 
     from spindle.frontend.engine.connection import EngineDeadError, ping_backend
-    from spindle.shared.protocol import PROTOCOL_VERSION
+    from spindle.shared.protocol import PROTOCOL_VERSION, hung_reason
 
     host = address.removeprefix("tcp://").rsplit(":", 1)[0] if address.startswith("tcp://") else None
     if host in ("0.0.0.0", "*", "[::]"):  # a listen address: probe it over loopback
         address = address.replace(host, "127.0.0.1" if host != "[::]" else "[::1]", 1)
     try:
-        pong = ping_backend(address, timeout)
+        pong = ping_backend(address, timeout, secret_file)
     except (EngineDeadError, zmq.ZMQError) as error:
         print(f"spindle: backend DOWN: {error}", file=sys.stderr)
         return 1
@@ -99,6 +100,10 @@ def _check_backend(address: str, timeout: float) -> int:
             f"this frontend {PROTOCOL_VERSION}",
             file=sys.stderr,
         )
+        return 1
+    hung = hung_reason(pong.busy_for, pong.step_timeout)
+    if hung is not None:
+        print(f"spindle: backend HUNG: {pong.model_name} at {address}: {hung}", file=sys.stderr)
         return 1
     state = "draining" if pong.draining else "serving"
     print(f"spindle: backend UP: {pong.model_name} at {address}, {state}")

@@ -187,6 +187,10 @@ class ParallelConfig:
         cpu_threads: torch's threads in each process of the engine; unset: the machine's cores divided among the
             processes of this node (tensor parallel ranks). Data-parallel engines that one ``spindle serve`` starts
             get the cores divided among them: threads that outnumber the cores stall each other's steps.
+        collective_timeout: seconds a rank waits in one ``torch.distributed`` collective before it fails, and with it
+            the engine: a rank that died or is wedged (stopped, or stuck in a kernel) is found within this time.
+            Idle workers do not wait out this time for the next step: rank 0 exchanges a keep-alive with them at a
+            quarter of it. It must exceed the longest step's time between two collectives.
 
     """
 
@@ -196,6 +200,7 @@ class ParallelConfig:
     master_addr: str | None = None
     master_port: int | None = None
     cpu_threads: int | None = None
+    collective_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         _check_at_least(self, 1, "tensor_parallel_size", "nnodes")
@@ -208,6 +213,8 @@ class ParallelConfig:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if not 0 < self.collective_timeout < math.inf:
+            raise ValueError(f"collective_timeout={self.collective_timeout} must be a positive number of seconds")
 
 
 @dataclass(frozen=True)
@@ -261,9 +268,38 @@ class RecoveryConfig:
         _check_at_least(self, 1, "max_stream_resumes")
 
 
+@dataclass(frozen=True)
+class BackendConfig:
+    """How a backend process serves its frontends: when it counts as hung, who may talk to it, and how much at once.
+
+    Attributes:
+        step_timeout: seconds one turn of the backend's step loop (taking in what the frontends sent, then one
+            step) may last before the frontends declare the backend hung, as if it had stopped answering (the one
+            that started it replaces it; ``spindle backend --check`` fails). Generous, as one step may prefill
+            ``max_num_batched_tokens`` tokens: 2,048 tokens of an 8B model are ~33 TFLOP, minutes on a few CPU cores.
+        zmq_secret_file: a file holding a secret of at least 32 characters that the backend and its frontends
+            share: the backend then takes messages only from peers that hold it (CURVE keys derived from it), and
+            the traffic is encrypted. Required by a backend that listens on TCP beyond loopback; unset, any process
+            that reaches the socket may talk to the backend.
+        max_message_size: the largest message, in bytes, the backend takes: a peer that sends a larger one is
+            disconnected, and a frontend refuses to send one (a request with very many images, say).
+
+    """
+
+    step_timeout: float = 300.0
+    zmq_secret_file: str | None = None
+    max_message_size: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        if not 0 < self.step_timeout < math.inf:
+            raise ValueError(f"step_timeout={self.step_timeout} must be a positive number of seconds")
+        _check_at_least(self, 2**10, "max_message_size")
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 SECTIONS["lora"] = LoraConfig
 SECTIONS["recovery"] = RecoveryConfig
+SECTIONS["backend"] = BackendConfig
 """The parts of :class:`EngineConfig`, each one concern's settings, by attribute name."""
 
 
@@ -282,6 +318,7 @@ class EngineConfig:
         parallel: tensor parallelism and threads (:class:`ParallelConfig`).
         lora: LoRA adapters (:class:`LoraConfig`).
         recovery: the frontend's handling of a backend's death (:class:`RecoveryConfig`).
+        backend: the backend process's liveness limit, socket secret and message size (:class:`BackendConfig`).
 
     """
 
@@ -291,6 +328,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
 
     @classmethod
     def of(cls, **settings: object) -> "EngineConfig":

@@ -158,7 +158,9 @@ class EngineInfo(msgspec.Struct):
 
     ``runtime_lora_dir`` is the directory the backend loads adapters from at run time when a frontend asks for a
     confined :class:`LoadLora` (it runs with ``allow_runtime_lora``); ``None`` when it refuses them. The engine core
-    sets it from its configuration, as the policy belongs to the process that reads the files.
+    sets it from its configuration, as the policy belongs to the process that reads the files. ``step_timeout`` is
+    how long one turn of the backend's step loop may last before its frontends declare it hung (see
+    :func:`hung_reason`), ``max_message_size`` the largest message the backend takes (``None``: no limit said).
     """
 
     model_name: str
@@ -169,6 +171,8 @@ class EngineInfo(msgspec.Struct):
     block_size: int
     tokenizer_files: dict[str, bytes]
     runtime_lora_dir: str | None = None
+    step_timeout: float | None = None
+    max_message_size: int | None = None
 
 
 # Frontend -> backend.
@@ -357,17 +361,39 @@ def decode_result(command: Command, reply: CallReply) -> object:
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
-    """Sent by the backend every :data:`HEARTBEAT_INTERVAL` seconds, so a frontend can tell it is alive."""
+    """Sent by the backend every :data:`HEARTBEAT_INTERVAL` seconds, so a frontend can tell it is alive.
+
+    Its I/O thread sends it, whatever the step loop does; ``busy_for`` tells how that loop fares: the seconds its
+    current turn (taking in messages, one step) has lasted so far, 0 while it waits for work.
+    """
 
     stats: EngineStats
+    busy_for: float = 0.0
 
 
 class Pong(msgspec.Struct, tag="pong"):
-    """The answer to a :class:`Ping`: the backend's protocol, model, and whether it is draining (after SIGTERM)."""
+    """The answer to a :class:`Ping`: the backend's protocol, model, and whether it is draining (after SIGTERM).
+
+    ``busy_for`` and ``step_timeout`` are the step loop's, as in :class:`Heartbeat` and :class:`EngineInfo`: with
+    them a probe sees a backend whose step loop is stuck though its I/O thread answers (:func:`hung_reason`).
+    """
 
     protocol_version: int
     model_name: str
     draining: bool = False
+    busy_for: float = 0.0
+    step_timeout: float | None = None
+
+
+def hung_reason(busy_for: float, step_timeout: float | None) -> str | None:
+    """Why a backend whose step loop has been ``busy_for`` seconds in one turn counts as hung; ``None`` if it does not.
+
+    It does once that turn has lasted longer than the backend's ``step_timeout``: a step stuck in a collective that
+    never completes, or a kernel that never returns, while the I/O thread still answers.
+    """
+    if step_timeout is None or busy_for <= step_timeout:
+        return None
+    return f"its step loop has been in one step for {busy_for:.0f} s, over its step_timeout of {step_timeout:g} s"
 
 
 FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Call | Ping

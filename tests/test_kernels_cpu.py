@@ -1,5 +1,8 @@
 """The torch (CPU) kernels against plain dense references and transformers' own Llama pieces."""
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,6 +172,34 @@ def test_decode_attention_refuses_heads_past_its_stack_buffers() -> None:
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="head_size must be at most 256"):
         cpu.cpu_ops().decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
+
+
+def test_a_kernel_call_lets_other_threads_run() -> None:
+    """A kernel runs without the GIL: a Python thread (the backend's I/O thread, say) goes on meanwhile."""
+    tokens, block_size = 4096, 16  # one long prefill chunk: a call of a fraction of a second or more
+    query = torch.randn(tokens, 4 * NUM_KV_HEADS, HEAD_SIZE)
+    k_cache, v_cache = torch.randn(2, tokens // block_size, block_size, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
+    tables = torch.arange(tokens // block_size, dtype=torch.int32)[None]
+    starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.001):  # each tick needs the GIL back
+            ticks.append(time.monotonic())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        start = time.monotonic()
+        cpu.cpu_ops().prefill_attention(query, k_cache, v_cache, tables, starts, lens, HEAD_SIZE**-0.5)
+        end = time.monotonic()
+    finally:
+        stop.set()
+        ticker.join()
+    # Ticks in the middle half of the call, away from the moments it takes and gives back the GIL.
+    quarter = (end - start) / 4
+    assert any(start + quarter < t < end - quarter for t in ticks), (end - start, len(ticks))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

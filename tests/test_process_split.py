@@ -3,8 +3,10 @@
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,7 +14,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 from conftest import LLAVA_IMAGE_SIZE
 from waiting import DEADLINE, SLACK, wait_until, wait_until_async
 
@@ -28,7 +32,20 @@ from spindle.frontend.engine.connection import (
 )
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
-from spindle.shared.protocol import FRONTEND_TIMEOUT, HEARTBEAT_TIMEOUT, EngineStats
+from spindle.shared.protocol import (
+    FRONTEND_TIMEOUT,
+    HEARTBEAT_TIMEOUT,
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    BackendMessage,
+    EngineRequest,
+    EngineStats,
+    Hello,
+    Ready,
+    StepOutputs,
+)
+from spindle.shared.transport import load_keys, secure_client
 
 NUM_STREAMS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
@@ -344,9 +361,112 @@ def test_ipc_directories_are_private_and_public_binds_are_opt_in(tmp_path, monke
     with pytest.raises(ValueError, match="every interface"):
         prepare_address("tcp://0.0.0.0:5555")
     monkeypatch.setenv("SPINDLE_ALLOW_PUBLIC_BIND", "1")
-    assert prepare_address("tcp://0.0.0.0:5555")
+    for reachable in ("tcp://0.0.0.0:5555", "tcp://10.1.2.3:5555", "tcp://backend:5555"):
+        with pytest.raises(ValueError, match="from other machines: set zmq_secret_file"):
+            prepare_address(reachable)
+        assert prepare_address(reachable, secured=True) == reachable
+    for loopback in ("tcp://localhost:5555", "tcp://127.0.0.2:5555", "tcp://[::1]:5555"):
+        assert prepare_address(loopback) == loopback
     with pytest.raises(ValueError, match="not a ZeroMQ address"):
         prepare_address("http://localhost:80")
+
+
+def free_tcp_address() -> str:
+    """A loopback TCP address that nothing listens on (yet)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def write_secret(path: Path) -> str:
+    """A new random ZeroMQ secret in ``path``; its path."""
+    path.write_text(secrets.token_urlsafe(32) + "\n")
+    return str(path)
+
+
+def peer(address: str, secret_file: str | None) -> zmq.Socket:
+    """A bare DEALER socket to ``address``, a CURVE client with the keys of ``secret_file`` (if any)."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, load_keys(secret_file))
+    dealer.connect(address)
+    return dealer
+
+
+@pytest.fixture(scope="module")
+def secured_backend(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A backend on loopback TCP that requires a ZeroMQ secret: its address and the secret's file."""
+    secret_file = write_secret(tmp_path_factory.mktemp("secret") / "zmq.secret")
+    process, address = start_backend(tiny_config(tiny_llm_dir, zmq_secret_file=secret_file), free_tcp_address())
+    yield address, secret_file
+    process.terminate()
+    assert process.wait(30) == 0
+
+
+@pytest.mark.parametrize("secret", ["none", "another", "the backend's"])
+def test_a_peer_aborts_only_its_own_requests_and_one_without_the_secret_nothing(secured_backend, tmp_path, secret):
+    address, secret_file = secured_backend
+    peer_secret = {"none": None, "another": write_secret(tmp_path / "other.secret"), "the backend's": secret_file}
+    intruder = peer(address, peer_secret[secret])
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BackendMessage)
+    own = EngineRequest("intruder", [3, 4, 5], SamplingParams(max_tokens=2), time.time())
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    async def scenario(engine):
+        victim = engine.generate(prompts_for(1)[0], params, "victim")
+        first = await anext(victim)
+        for message in (Hello(PROTOCOL_VERSION), Abort(["victim"]), AddRequest(own)):
+            intruder.send(encoder.encode(message))
+        return [first] + [output async for output in victim]
+
+    engine = AsyncLLMEngine.from_args(backend_address=address, zmq_secret_file=secret_file)
+    try:
+        outputs = asyncio.run(scenario(engine))
+    finally:
+        engine.shutdown()
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == "length" and len(final.token_ids) == params.max_tokens  # not aborted
+    if secret == "the backend's":  # heard, and served its own request
+        answers = [decoder.decode(intruder.recv()) for _ in range(2)]
+        assert isinstance(answers[0], Ready) and isinstance(answers[1], StepOutputs)
+    else:  # in all the victim's steps, nothing came back: not even the handshake's answer
+        assert not intruder.poll(0)
+    intruder.close()
+
+
+def test_an_oversized_message_is_dropped_and_the_backend_serves_on(tiny_llm_dir):
+    process, address = start_backend(tiny_config(tiny_llm_dir, max_message_size=1024))
+    sender = peer(address, None)
+    decoder = msgspec.msgpack.Decoder(BackendMessage)
+    huge_prompt = [200] * 500  # two bytes a token in msgpack: over 1,024 bytes
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    async def scenario(engine):
+        with pytest.raises(InvalidRequestError, match="more than the backend's max_message_size of 1024") as refused:
+            await anext(engine.generate({"prompt_token_ids": huge_prompt}, SamplingParams(max_tokens=4)))
+        assert refused.value.fields == ("prompt",)  # refused here: sent, it would have cut this frontend off
+        stream = engine.generate(prompts_for(1)[0], params)
+        outputs = [await anext(stream)]
+        sender.send(msgspec.msgpack.encode(Hello(PROTOCOL_VERSION)))
+        assert isinstance(decoder.decode(sender.recv()), Ready)
+        oversized = AddRequest(EngineRequest("oversized", huge_prompt, SamplingParams(max_tokens=1), time.time()))
+        sender.send(msgspec.msgpack.encode(oversized))
+        return outputs + [output async for output in stream]
+
+    engine = AsyncLLMEngine.from_args(backend_address=address)
+    try:
+        outputs = asyncio.run(scenario(engine))
+        assert len(outputs[-1].outputs[0].token_ids) == params.max_tokens
+        assert not sender.poll(0)  # the oversized request was dropped: no output, no refusal
+        assert (
+            process.poll() is None
+            and len(run_engine(address, lambda e: collect(e, prompts_for(1)[0], GREEDY, "after"))) == GREEDY.max_tokens
+        )
+    finally:
+        engine.shutdown()
+        sender.close()
+        process.terminate()
+    assert process.wait(30) == 0
 
 
 def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):

@@ -1,10 +1,12 @@
 """A backend that comes back: an owned backend restarted after SIGKILL or a hang, a remote one reconnected to, the
-backend probe (``spindle backend --check``), and JSON logs that name each request."""
+backend probe (``spindle backend --check``), a step loop stuck while the heartbeats go on, and JSON logs that name
+each request."""
 
 import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,15 +16,21 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from stuck_model import ARCHITECTURE as STUCK_ARCHITECTURE
+from stuck_model import STUCK_TOKEN
 from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
 from test_lora_api import save_adapter
-from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
+from test_process_split import (
+    private_tmp,  # noqa: F401 - a fixture: short ipc paths, cleaned up
+    run_engine,
+)
 from waiting import SLACK, wait_until
 
 from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
-from spindle.frontend.engine.connection import EngineDeadError, ping_backend
-from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+from spindle.frontend.engine.connection import BackendConnection, EngineDeadError, ping_backend
+from spindle.shared.errors import InvalidRequestError
+from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, EngineRequest
 from spindle.v1 import spindle_pb2
 
 SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
@@ -116,9 +124,14 @@ def test_a_hung_backend_is_detected_killed_and_replaced(owned_server):
             os.kill(hung, signal.SIGKILL)
 
 
-def start_remote_backend(model_dir: Path, address: str) -> subprocess.Popen:
-    """``spindle backend`` on ``address``, as its own container would run it."""
-    return subprocess.Popen([SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS])
+def start_remote_backend(model_dir: Path, address: str, *flags: str) -> subprocess.Popen:
+    """``spindle backend`` on ``address`` with ``flags``, as its own container would run it.
+
+    It imports modules from here (:mod:`stuck_model`), as a container's image would have them installed.
+    """
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    argv = [SPINDLE, "backend", "--listen", address, "--model", str(model_dir), *TINY_FLAGS, *flags]
+    return subprocess.Popen(argv, env=env)
 
 
 def answering(address: str) -> bool:
@@ -164,6 +177,76 @@ def test_a_remote_backend_that_comes_back_is_reconnected_to(tiny_llm_dir, privat
         for backend in backends:
             backend.kill()
             backend.wait()
+
+
+def test_a_standalone_backend_confines_lora_paths_whatever_the_frontend_asks(tiny_llm_dir, tmp_path, private_tmp):  # noqa: F811
+    lora_dir = tmp_path / "adapters"
+    save_adapter(tiny_llm_dir, lora_dir / "sql", seed=1)
+    save_adapter(tiny_llm_dir, tmp_path / "elsewhere", seed=2)
+    address = f"ipc://{private_tmp}/run/engine.sock"
+    backend = start_remote_backend(tiny_llm_dir, address, "--allow-runtime-lora", "--lora-dir", str(lora_dir))
+
+    async def scenario(engine):
+        # Unconfined, as the Python API asks; the backend, not started by this frontend, confines it anyway.
+        with pytest.raises(InvalidRequestError, match="outside the server's adapter directory"):
+            await engine.load_lora("elsewhere", str(tmp_path / "elsewhere"))
+        return await engine.load_lora("sql", "sql")
+
+    try:
+        wait_until(lambda: answering(address), f"a backend answers at {address}", interval=0)
+        assert run_engine(address, scenario).path == str(lora_dir / "sql")
+    finally:
+        backend.kill()
+        backend.wait()
+
+
+STEP_TIMEOUT = 3.0  # seconds: a tiny model's step takes milliseconds
+
+
+@pytest.fixture
+def stuck_llm_dir(tiny_llm_dir: Path, tmp_path: Path) -> Path:
+    """The tiny Llama served by :class:`stuck_model.StuckLlamaForCausalLM`."""
+    path = shutil.copytree(tiny_llm_dir, tmp_path / "stuck")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": [STUCK_ARCHITECTURE]}))
+    return path
+
+
+def hung(connection: BackendConnection) -> str | None:
+    """Why ``connection`` finds its backend dead once it has read what the backend sent; ``None`` while it lives."""
+    while connection.sync_socket.poll(0):
+        connection.decode(connection.sync_socket.recv())
+    try:
+        connection.check_alive()
+    except EngineDeadError as dead:
+        return str(dead)
+    return None
+
+
+def test_a_stuck_step_is_detected_while_the_heartbeats_go_on(stuck_llm_dir, private_tmp):  # noqa: F811
+    address = f"ipc://{private_tmp}/run/engine.sock"
+    register = f"{STUCK_ARCHITECTURE}=stuck_model:{STUCK_ARCHITECTURE}"
+    backend = start_remote_backend(
+        stuck_llm_dir, address, "--step-timeout", str(STEP_TIMEOUT), "--register-model", register
+    )
+    connection = None
+    try:
+        wait_until(lambda: answering(address), f"a backend answers at {address}", interval=0)
+        connection = BackendConnection(address)
+        connection.add_request(EngineRequest("stuck", [STUCK_TOKEN, 4, 5], SamplingParams(max_tokens=4), time.time()))
+        sent = time.monotonic()
+        reason = wait_until(lambda: hung(connection), "the frontend declares the backend dead", STEP_TIMEOUT + SLACK)
+        # Hung, as the heartbeats tell: not silent, which would say "has not answered".
+        assert "is hung: its step loop has been in one step for" in reason
+        assert time.monotonic() - sent > STEP_TIMEOUT
+        probe = check(address, 5)  # the container's health check fails: the platform replaces the backend
+        assert probe.returncode == 1 and "spindle: backend HUNG" in probe.stderr, probe
+        assert "over its step_timeout of 3 s" in probe.stderr
+    finally:
+        if connection is not None:
+            connection.close()
+        backend.kill()
+        backend.wait()
 
 
 PROBE_WITHOUT_TORCH = """

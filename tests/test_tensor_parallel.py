@@ -20,7 +20,8 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from waiting import SLACK
+from test_process_split import settled_stats
+from waiting import SLACK, wait_until_async
 
 from spindle import LLM, ModelRegistry, SamplingParams
 from spindle.backend import parallel
@@ -258,5 +259,82 @@ def test_killing_a_worker_ends_every_stream(tiny_tp_llm_dir):
 
     try:
         asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
+COLLECTIVE_TIMEOUT = 3.0  # seconds: short, so that the tests below wait several of them
+
+
+async def restarted(engine: AsyncLLMEngine) -> bool:
+    """Whether a new backend serves ``engine`` now, in place of the first."""
+    return engine.num_backend_restarts == 1 and not engine.is_dead
+
+
+async def gone(process: psutil.Process) -> bool:
+    """Whether ``process`` has exited (a zombie too: whoever reaps it may not have yet)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_an_idle_engine_outlives_the_collective_timeout(tiny_tp_llm_dir):
+    """The workers wait for the next step longer than a collective may take: rank 0's keep-alives span the idle time.
+
+    A 15-minute idle engine with the default ``collective_timeout`` of 10 minutes, at a few seconds' scale.
+    """
+    llm = LLM(str(tiny_tp_llm_dir), **tiny_args(2), collective_timeout=COLLECTIVE_TIMEOUT)
+    try:
+        prompt = tiny_prompts()[:1]
+        before = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        time.sleep(4 * COLLECTIVE_TIMEOUT)  # the idle time is what is tested, not a wait for something
+        after = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.llm_engine.engine_core.close()
+    assert after == before and len(after) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["streaming", "idle"])
+def test_a_stopped_worker_fails_the_engine_which_is_replaced(tiny_tp_llm_dir, busy):
+    """A wedged rank (SIGSTOP: alive, silent) fails the engine within ``collective_timeout``, mid-step or idle."""
+    engine = AsyncLLMEngine.from_args(
+        model=str(tiny_tp_llm_dir),
+        dtype="float32",
+        kv_cache_memory="4MiB",
+        tensor_parallel_size=2,
+        collective_timeout=COLLECTIVE_TIMEOUT,
+    )
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def stream(i: int, first: asyncio.Event) -> None:
+        async for _ in engine.generate({"prompt_token_ids": [3 + i, 4, 5]}, long, f"tp{i}"):
+            first.set()
+
+    async def scenario() -> int:
+        first = asyncio.Event()
+        tasks = [asyncio.create_task(stream(i, first)) for i in range(4 if busy else 1)]
+        await first.wait()
+        if not busy:  # the engine idles once the one stream is cancelled
+            tasks[0].cancel()
+            await settled_stats(engine)
+        backend = psutil.Process(engine.client.connection.process.pid)
+        (worker,) = [p for p in backend.children() if "spawn_main" in " ".join(p.cmdline())]
+        os.kill(worker.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        await wait_until_async(lambda: gone(backend), "the backend exits", COLLECTIVE_TIMEOUT + SLACK)
+        # Within the timeout, and the keep-alives' interval when idle, of the stop.
+        assert time.monotonic() - stopped < COLLECTIVE_TIMEOUT + SLACK
+        # The kernel killed the stopped worker with its parent: nothing of the old engine is left.
+        await wait_until_async(lambda: gone(worker), "the stopped worker is killed")
+        await wait_until_async(lambda: restarted(engine), "a new backend serves")
+        for task in tasks:  # what became of the streams is not this test's business
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        tokens = [output async for output in engine.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, "after")]
+        return len(tokens[-1].outputs[0].token_ids)
+
+    try:
+        assert asyncio.run(scenario()) == GREEDY.max_tokens
     finally:
         engine.shutdown()

@@ -1,8 +1,10 @@
 """The frontend's link to a backend process: start it (or connect to it), handshake, send, receive, watch it live.
 
 A backend is alive while it answers: it sends a heartbeat every ``HEARTBEAT_INTERVAL`` seconds from its I/O thread,
-so silence for ``HEARTBEAT_TIMEOUT`` seconds, or the exit of a backend we started, means it is dead, and every
-call raises :class:`EngineDeadError` from then on (an asyncio client's
+so silence for ``HEARTBEAT_TIMEOUT`` seconds, or the exit of a backend we started, means it is dead. The heartbeats
+also tell how long the backend's step loop has been in its current turn: past the backend's ``step_timeout`` the
+loop is stuck (in a collective, or a kernel) though the I/O thread beats, and the backend counts as hung, which is as
+dead. From then on every call raises :class:`EngineDeadError` (an asyncio client's
 :class:`~spindle.frontend.engine.supervisor.ConnectionSupervisor` then brings a backend back on a new connection).
 :func:`ping_backend` asks whether a backend is up without joining it. This module imports no torch.
 """
@@ -24,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from spindle.shared.config import EngineConfig, config_to_json, configured_log_format
+from spindle.shared.errors import InvalidRequestError
 from spindle.shared.model_registry import ModelRegistry
 from spindle.shared.protocol import (
     HEARTBEAT_INTERVAL,
@@ -37,12 +40,15 @@ from spindle.shared.protocol import (
     EngineRequest,
     FinishSequence,
     FrontendHeartbeat,
+    Heartbeat,
     Hello,
     Ping,
     Pong,
     Ready,
     Refused,
+    hung_reason,
 )
+from spindle.shared.transport import CurveKeys, load_keys, secure_client
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +234,11 @@ class BackendConnection:
         self.address = address
         self._closed = False
         self._cancelled = cancelled or (lambda: False)
+        self.keys: CurveKeys | None = load_keys(self.config.backend.zmq_secret_file)
         self.context = zmq.asyncio.Context() if use_asyncio else zmq.Context()
         self.frontend_id = uuid.uuid4().hex.encode()
         self.socket = self.context.socket(zmq.DEALER)
+        secure_client(self.socket, self.keys)
         self.socket.setsockopt(zmq.IDENTITY, self.frontend_id)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
@@ -241,6 +249,7 @@ class BackendConnection:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(BackendMessage)
         self.last_heard = time.monotonic()
+        self.busy_for = 0.0  # how long the backend's step loop had been in its turn, by its latest heartbeat
         self.dead: EngineDeadError | None = None
         self._stop_heartbeats = threading.Event()
         self._heartbeats = threading.Thread(target=self._send_heartbeats, name="spindle-heartbeat", daemon=True)
@@ -250,6 +259,7 @@ class BackendConnection:
     def _send_heartbeats(self) -> None:
         # A socket of its own, so this thread never shares one with the caller's thread.
         socket = zmq.Context.instance().socket(zmq.DEALER)
+        secure_client(socket, self.keys)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self.address)
         heartbeat = self.encoder.encode(FrontendHeartbeat(self.frontend_id))
@@ -275,18 +285,36 @@ class BackendConnection:
                 self.close()
                 raise EngineDeadError(f"the backend process exited with code {self.process.returncode} while starting")
         self.close()
-        raise EngineDeadError(f"no answer from a backend at {self.address} within {timeout:.0f} s")
+        hint = "" if self.keys is not None else " (one that requires a ZeroMQ secret ignores a frontend without it)"
+        raise EngineDeadError(f"no answer from a backend at {self.address} within {timeout:.0f} s{hint}")
 
     def send(self, message: AddRequest | Abort | FinishSequence | Call) -> None:
         """Queue a message for the backend (never blocks)."""
+        self._send(self.encoder.encode(message))
+
+    def _send(self, data: bytes) -> None:
         self.check_alive()
         # Through the socket itself, not the blocking view: an asyncio socket must see its own sends, or it misses
         # the edge-triggered readiness of the replies.
-        self.socket.send(self.encoder.encode(message), zmq.NOBLOCK)
+        self.socket.send(data, zmq.NOBLOCK)
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request in the backend."""
-        self.send(AddRequest(request))
+        """Queue a request in the backend.
+
+        Raises:
+            InvalidRequestError: the request is larger than the backend takes (``max_message_size``: field
+                ``prompt``), which would disconnect this frontend and lose the request.
+
+        """
+        data = self.encoder.encode(AddRequest(request))
+        limit = self.info.max_message_size
+        if limit is not None and len(data) > limit:
+            raise InvalidRequestError(
+                "prompt",
+                f"the request takes {len(data)} bytes, more than the backend's max_message_size of {limit}: "
+                "send fewer or smaller images, or a shorter prompt",
+            )
+        self._send(data)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in the backend; their blocks are freed there."""
@@ -299,18 +327,23 @@ class BackendConnection:
             self.send(FinishSequence(request_id, index))
 
     def decode(self, payload: bytes) -> BackendMessage:
-        """Decode one message from the backend; any message proves it alive."""
+        """Decode one message from the backend; any message proves it alive, a heartbeat says how its step loop is."""
         self.last_heard = time.monotonic()
-        return self.decoder.decode(payload)
+        message = self.decoder.decode(payload)
+        if isinstance(message, Heartbeat):
+            self.busy_for = message.busy_for
+        return message
 
     def check_alive(self) -> None:
-        """Raise :class:`EngineDeadError` if the backend exited or has been silent too long."""
+        """Raise :class:`EngineDeadError` if the backend exited, has been silent too long, or its step loop is stuck."""
         if self.dead is None:
             if self.process is not None and self.process.poll() is not None:
                 self.dead = EngineDeadError(f"the backend process exited with code {self.process.returncode}")
             # Messages still waiting in the socket prove life too: the caller may just not have been reading.
             elif time.monotonic() - self.last_heard > HEARTBEAT_TIMEOUT and not self.sync_socket.poll(0):
                 self.dead = EngineDeadError(f"the backend at {self.address} has not answered for {HEARTBEAT_TIMEOUT} s")
+            elif (hung := hung_reason(self.busy_for, self.info.step_timeout)) is not None:
+                self.dead = EngineDeadError(f"the backend at {self.address} is hung: {hung}")
         if self.dead is not None:
             raise self.dead
 
@@ -336,11 +369,12 @@ class BackendConnection:
                 self.process.stop(timeout)
 
 
-def ping_backend(address: str, timeout: float = 5.0) -> Pong:
+def ping_backend(address: str, timeout: float = 5.0, secret_file: str | None = None) -> Pong:
     """Ask the backend at ``address`` whether it is up (a :class:`~spindle.shared.protocol.Ping`); its answer.
 
     The backend's I/O thread answers from outside any frontend session, so probing a backend that serves a frontend
-    changes nothing for it; it also answers while a long step runs.
+    changes nothing for it; it also answers while a long step runs (the answer says how long its step loop has been
+    in that step). ``secret_file`` is the backend's ``zmq_secret_file``, if it has one.
 
     Raises:
         EngineDeadError: no answer within ``timeout`` seconds.
@@ -350,6 +384,7 @@ def ping_backend(address: str, timeout: float = 5.0) -> Pong:
     context = zmq.Context()
     try:
         socket = context.socket(zmq.DEALER)
+        secure_client(socket, load_keys(secret_file))
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(address)
         encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BackendMessage)

@@ -28,10 +28,11 @@ class ConnectionSupervisor:
     """Owns one connection to a backend: serves it until the backend dies, then brings one back, again and again.
 
     :meth:`run` hands the connection to its owner's ``receive`` coroutine, which returns only by raising
-    :class:`EngineDeadError` once the backend is dead (it exited, or sent nothing for ``HEARTBEAT_TIMEOUT`` seconds:
-    hung). The owner hears of the death (``lost``: its requests in flight are gone), and the supervisor brings a
-    backend back: it kills a backend it started and starts a new one with the same settings and environment, or
-    reconnects to the backend at the address it was given, until one answers. It waits 1 s before the first attempt,
+    :class:`EngineDeadError` once the backend is dead (it exited, or sent nothing for ``HEARTBEAT_TIMEOUT`` seconds,
+    or its heartbeats say its step loop has been stuck in one step past its ``step_timeout``: hung). The owner hears
+    of the death (``lost``: its requests in flight are gone), and the supervisor brings a backend back: it kills a
+    backend it started and starts a new one with the same settings and environment, or reconnects to the backend at
+    the address it was given, until one answers. It waits 1 s before the first attempt,
     twice as long after each failure, up to 30 s; the wait starts again from 1 s once a backend has served for 60 s.
     The owner then hears of the new backend (``adopted``: its tokenizer and limits may have changed, and it has
     none of the old one's runtime state), and serving goes on.

@@ -34,22 +34,32 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_bt,
                const at::Tensor& segments, const std::vector<int64_t>& part_ends, const at::Tensor& ranks);
 
+// Every kernel runs without the GIL (its arguments are converted before and its result after): it touches no Python
+// object, and a long call (a big prefill's attention or projections) must not stall the process's other threads, such
+// as the backend's I/O thread, whose heartbeats tell the frontend that the backend lives.
+using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "One query token per sequence over its paged context.");
-  m.def("prefill_attention", &prefill_attention, "Causal attention of prefill chunks over their paged context.");
-  m.def("reshape_and_cache", &reshape_and_cache, "Copy each new token's K/V heads into its cache slot.");
-  m.def("argmax_rows", &argmax_rows, "Index of each float32 row's largest value, the first of equals or NaNs.");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, weighted.");
-  m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normalised, sum).");
-  m.def("rotary_embedding", &rotary_embedding, "Neox rotary embedding of query and key heads.");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up row.");
-  m.def("bf16_linear_supported", &bf16_linear_supported, "Whether bf16_linear runs here (AVX-512 bf16).");
-  m.def("bf16_pack", &bf16_pack, "A bf16 [out, in] weight in bf16_linear's tiles.");
-  m.def("bf16_linear", &bf16_linear, "x @ W.T + b of a bf16 weight in bf16_pack's tiles.");
-  m.def("int8_linear", &int8_linear, "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
-  m.def("int4_linear", &int4_linear, "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
-  m.def("w8a8_supported", &w8a8_supported, "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");
-  m.def("int8_pack", &int8_pack, "An int8 [out, in] weight in w8a8_linear's tiles, and its group sums.");
-  m.def("w8a8_linear", &w8a8_linear, "x @ W.T + b, W int8 per row, x quantized to int8 per group on the fly.");
-  m.def("lora_add_", &lora_add_, "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
+  m.def("decode_attention", &decode_attention, ReleaseGil(), "One query token per sequence over its paged context.");
+  m.def("prefill_attention", &prefill_attention, ReleaseGil(),
+        "Causal attention of prefill chunks over their paged context.");
+  m.def("reshape_and_cache", &reshape_and_cache, ReleaseGil(), "Copy each new token's K/V heads into its cache slot.");
+  m.def("argmax_rows", &argmax_rows, ReleaseGil(),
+        "Index of each float32 row's largest value, the first of equals or NaNs.");
+  m.def("rms_norm", &rms_norm, ReleaseGil(), "RMSNorm of each row, weighted.");
+  m.def("add_rms_norm", &add_rms_norm, ReleaseGil(), "RMSNorm of x + residual; returns (normalised, sum).");
+  m.def("rotary_embedding", &rotary_embedding, ReleaseGil(), "Neox rotary embedding of query and key heads.");
+  m.def("silu_and_mul", &silu_and_mul, ReleaseGil(), "silu(gate) * up of a fused gate/up row.");
+  m.def("bf16_linear_supported", &bf16_linear_supported, ReleaseGil(), "Whether bf16_linear runs here (AVX-512 bf16).");
+  m.def("bf16_pack", &bf16_pack, ReleaseGil(), "A bf16 [out, in] weight in bf16_linear's tiles.");
+  m.def("bf16_linear", &bf16_linear, ReleaseGil(), "x @ W.T + b of a bf16 weight in bf16_pack's tiles.");
+  m.def("int8_linear", &int8_linear, ReleaseGil(), "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
+  m.def("int4_linear", &int4_linear, ReleaseGil(),
+        "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
+  m.def("w8a8_supported", &w8a8_supported, ReleaseGil(), "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");
+  m.def("int8_pack", &int8_pack, ReleaseGil(), "An int8 [out, in] weight in w8a8_linear's tiles, and its group sums.");
+  m.def("w8a8_linear", &w8a8_linear, ReleaseGil(),
+        "x @ W.T + b, W int8 per row, x quantized to int8 per group on the fly.");
+  m.def("lora_add_", &lora_add_, ReleaseGil(),
+        "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
 }
