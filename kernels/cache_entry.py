@@ -1,7 +1,7 @@
 """Crash-safe entries of Spindle's disk cache: built aside, committed by one rename, checked before they are trusted.
 
 Two caches use it, both under ``$SPINDLE_CACHE_DIR`` (default ``~/.cache/spindle``), often on a volume that several
-machines or containers share: the CPU kernels' compiled library (:mod:`spindle.kernels.cpu`) and the checkpoints
+machines or containers share: the CPU kernels' compiled library (``spindle.kernels.cpu``) and the checkpoints
 converted from GGUF files (``spindle.backend.models.loader``; it lives here because ``kernels`` imports nothing of
 Spindle's other packages).
 
