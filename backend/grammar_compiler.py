@@ -99,14 +99,13 @@ class GrammarCompilePool:
 
     def _schedule(self, kind: str, text: str, result: "Future[CompiledGrammar]") -> None:
         try:
-            pool = self._running_pool()
+            # compile_in_worker is looked up at each compile, so that a test can have the workers run its own.
+            task = self._running_pool().schedule(compile_in_worker, args=(kind, text), timeout=self.timeout)
         except Exception as error:  # the request is fine; this backend cannot constrain (tried again next time)
-            logger.exception("Structured output is unavailable: xgrammar could not load the tokenizer")
+            logger.exception("Structured output is unavailable: no tokenizer table for xgrammar, or no workers")
             result.set_exception(EngineUnavailableError(f"structured output is unavailable on this backend: {error}"))
             return
         self.num_compiles += 1
-        # Looked up here, at each compile, so that a test can send its own worker function.
-        task = pool.schedule(compile_in_worker, args=(kind, text), timeout=self.timeout)
         task.add_done_callback(lambda task: self._receive(kind, task, result))
 
     def _running_pool(self) -> ProcessPool:
