@@ -123,7 +123,11 @@ class EngineCore:
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(
-            self.model_dir, self.checkpoint.vocab_size, self.checkpoint.eos_token_ids
+            self.model_dir,
+            self.checkpoint.vocab_size,
+            self.checkpoint.eos_token_ids,
+            compile_workers=config.structured_output.grammar_compile_workers,
+            compile_timeout=config.structured_output.grammar_compile_timeout,
         )
         self.drafter = DraftProposer(self.max_model_len, self.structured_output)
         self.scheduler = Scheduler(
@@ -185,10 +189,11 @@ class EngineCore:
         return runner, num_blocks
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group; nothing to do with one rank.
+        """Stop the grammar compile workers, and the tensor-parallel ones and leave their process group.
 
         The engine serves no step after it.
         """
+        self.structured_output.shutdown()
         if self.workers is None:
             return
         atexit.unregister(self.close)

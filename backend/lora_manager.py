@@ -17,8 +17,14 @@ most), so there always is one.
 An adapter unloaded by name (:meth:`LoraManager.remove`) keeps its weights while any unfinished sequence uses it,
 waiting or running: each step's :class:`~spindle.backend.scheduler_output.SchedulerOutput` says which adapters those
 are, and the others that were unloaded leave then (:meth:`LoraManager.release_unused`).
+
+Loads are deduplicated by content: a directory whose ``adapter_config.json`` and weights hash the same as a loaded
+adapter's is another name for it, sharing its host weights, its slot and its prefix-cache blocks (they are the same
+weights), rather than a copy of them; it leaves when its last name is unloaded. At most ``max_loaded`` names are
+loaded at once, so a client cannot fill the host's memory with adapters.
 """
 
+import hashlib
 import json
 import math
 import re
@@ -35,7 +41,7 @@ from torch import nn
 from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.kernels import add_lora
 from spindle.kernels.lora import LoraMapping, LoraSlots
-from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
+from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError
 from spindle.shared.lora import LoraAdapterInfo
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -68,7 +74,8 @@ class LoraAdapter:
     Attributes:
         adapter_id: unique for the engine's life (a name loaded again gets a new id: its prefix-cache blocks and its
             slot contents are those of the new weights).
-        info: name, path, rank and target modules.
+        info: name, path, rank and target modules, as first loaded.
+        content: the hash of its ``adapter_config.json`` and weights file (:func:`adapter_content`).
         weights: by projection name (``layers.3.self_attn.qkv_proj``), ``(A [K, in], B.T [K, out], part ranks)`` on
             the host in the model's dtype, in the slots' layout (module docstring); a part it does not adapt has
             rank 0. Projections it does not adapt are absent.
@@ -78,6 +85,7 @@ class LoraAdapter:
 
     adapter_id: int
     info: LoraAdapterInfo
+    content: str
     weights: dict[str, HostWeights]
     removed: bool = False
 
@@ -102,6 +110,7 @@ class LoraManager:
         max_rank: the largest rank an adapter may have; every slot is sized for it.
         device: where the slots live.
         dtype: the model's dtype.
+        max_loaded: the most adapter names loaded at once.
 
     Attributes:
         num_slot_loads: adapters copied into a slot since start-up (one per miss).
@@ -109,15 +118,26 @@ class LoraManager:
     """
 
     def __init__(
-        self, model: nn.Module, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_loaded: int = 64,
     ) -> None:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        self.max_loaded = max_loaded
         self.adapters: dict[int, LoraAdapter] = {}
         self.by_name: dict[str, int] = {}
+        # Each name's info (its own name and path; an alias shares the adapter, not the info).
+        self._infos: dict[str, LoraAdapterInfo] = {}
+        # Content hash -> the adapter loaded with it (not yet unloaded by its last name).
+        self._by_content: dict[str, int] = {}
         self.num_slot_loads = 0
         self._slots: _Slots | None = None
         self._ids = count(1)
@@ -172,8 +192,12 @@ class LoraManager:
     def add(self, name: str, path: str) -> LoraAdapterInfo:
         """Read a PEFT adapter directory and keep its weights on the host under ``name``.
 
+        A directory of the same content as a loaded adapter (:func:`adapter_content`) is not read again: ``name``
+        becomes another name for that adapter, sharing its weights.
+
         Raises:
             AlreadyExistsError: ``name`` is taken (field ``name``).
+            ResourceExhaustedError: ``max_loaded`` adapter names are loaded already (field ``name``).
             InvalidRequestError: the name is empty (field ``name``); the directory lacks ``adapter_config.json`` or
                 ``adapter_model.safetensors``, the adapter's rank exceeds ``max_lora_rank``, it targets a module other
                 than q/k/v/o/gate/up/down_proj, uses an unsupported PEFT feature, or a matrix does not fit the model
@@ -184,19 +208,35 @@ class LoraManager:
             raise InvalidRequestError("name", "a LoRA adapter needs a non-empty name")
         if name in self.by_name:
             raise AlreadyExistsError("name", f"a LoRA adapter named {name!r} is already loaded: unload it first")
+        if len(self.by_name) >= self.max_loaded:
+            raise ResourceExhaustedError(
+                "name",
+                f"{len(self.by_name)} LoRA adapters are loaded, the most this engine allows (max_loaded_loras): "
+                "unload one first",
+            )
         if not self.supported:
             raise InvalidRequestError(
                 "path", f"the model class {type(self.model).__name__} has no LoRA support (Llama-family models do)"
             )
-        info, weights = self._read(name, Path(path))
-        self.allocate()
-        adapter = LoraAdapter(next(self._ids), info, weights)
-        self.adapters[adapter.adapter_id] = adapter
-        self.by_name[name] = adapter.adapter_id
+        directory = Path(path)
+        content = adapter_content(directory)
+        adapter_id = self._by_content.get(content)
+        if adapter_id is None:
+            info, weights = self._read(name, directory)
+            self.allocate()
+            adapter = LoraAdapter(next(self._ids), info, content, weights)
+            self.adapters[adapter.adapter_id] = adapter
+            self._by_content[content] = adapter_id = adapter.adapter_id
+        shared = self.adapters[adapter_id].info
+        info = LoraAdapterInfo(name=name, path=str(directory), rank=shared.rank, target_modules=shared.target_modules)
+        self.by_name[name] = adapter_id
+        self._infos[name] = info
         return info
 
     def remove(self, name: str, in_use: Collection[int]) -> None:
         """Unload ``name``: new requests may no longer use it; the sequences using it (``in_use``) keep it.
+
+        The adapter itself leaves with its last name.
 
         Raises:
             NotFoundError: no adapter of that name is loaded (field ``name``).
@@ -205,7 +245,12 @@ class LoraManager:
         adapter_id = self.by_name.pop(name, None)
         if adapter_id is None:
             raise NotFoundError("name", f"no LoRA adapter named {name!r} is loaded; loaded: {self._loaded_names()}")
-        self.adapters[adapter_id].removed = True
+        del self._infos[name]
+        if adapter_id in self.by_name.values():
+            return  # another name still serves it
+        adapter = self.adapters[adapter_id]
+        adapter.removed = True
+        del self._by_content[adapter.content]
         self.release_unused(in_use)
 
     def release_unused(self, in_use: Collection[int]) -> None:
@@ -229,7 +274,7 @@ class LoraManager:
 
     def list_adapters(self) -> list[LoraAdapterInfo]:
         """The loaded adapters, in loading order (unloaded ones still finishing requests excluded)."""
-        return [self.adapters[adapter_id].info for adapter_id in self.by_name.values()]
+        return list(self._infos.values())
 
     def assign(self, adapter_ids: list[int | None], pinned: Collection[int] = ()) -> list[int]:
         """The slot of each entry's adapter (``-1`` for None, the base model), copying in those not resident.
@@ -289,15 +334,11 @@ class LoraManager:
         return ", ".join(sorted(self.by_name)) or "none"
 
     def _read(self, name: str, path: Path) -> tuple[LoraAdapterInfo, dict[str, HostWeights]]:
-        """Read and check a PEFT adapter directory; returns its info and its host weights in the slots' layout."""
-        if not path.is_dir():
-            raise InvalidRequestError("path", f"{path} is not a directory (a PEFT adapter directory is expected)")
-        config_file, weights_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
-        missing = [file.name for file in (config_file, weights_file) if not file.is_file()]
-        if missing:
-            raise InvalidRequestError(
-                "path", f"{path} is not a PEFT adapter directory: it lacks {' and '.join(missing)}"
-            )
+        """Read and check a PEFT adapter directory (:func:`adapter_content` checked that it holds both files).
+
+        Returns its info and its host weights in the slots' layout.
+        """
+        config_file, weights_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS  # both there: adapter_content
         try:
             config = json.loads(config_file.read_text())
         except (OSError, ValueError) as e:
@@ -388,6 +429,32 @@ class LoraManager:
         alpha = config.get("lora_alpha", rank)
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         return rank, scale, names if isinstance(names, list) else []
+
+
+def adapter_content(directory: Path) -> str:
+    """The hash of an adapter directory's ``adapter_config.json`` and weights file: what makes two loads the same.
+
+    Raises:
+        InvalidRequestError: ``directory`` is not a directory holding both files, or one cannot be read (field
+            ``path``).
+
+    """
+    if not directory.is_dir():
+        raise InvalidRequestError("path", f"{directory} is not a directory (a PEFT adapter directory is expected)")
+    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    missing = [file.name for file in (config_file, weights_file) if not file.is_file()]
+    if missing:
+        raise InvalidRequestError(
+            "path", f"{directory} is not a PEFT adapter directory: it lacks {' and '.join(missing)}"
+        )
+    digest = hashlib.sha256()
+    try:
+        for file in (config_file, weights_file):
+            with file.open("rb") as f:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
+    except OSError as e:
+        raise InvalidRequestError("path", f"{directory}: {e}") from e
+    return digest.hexdigest()
 
 
 def _projection_layout(config: CheckpointConfig, attr: str) -> tuple[int, int, list[int]]:

@@ -322,7 +322,14 @@ class ModelRunner:
                 ) from error
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
         self.sampler = Sampler(checkpoint.vocab_size, checkpoint.eos_token_ids)
-        self.lora = LoraManager(self.model, config.lora.max_loras, config.lora.max_lora_rank, self.device, self.dtype)
+        self.lora = LoraManager(
+            self.model,
+            config.lora.max_loras,
+            config.lora.max_lora_rank,
+            self.device,
+            self.dtype,
+            max_loaded=config.lora.max_loaded_loras,
+        )
         if config.lora.lora_modules or config.lora.allow_runtime_lora:
             # Now, so that the CUDA memory budget counts the slots; otherwise the first adapter loaded allocates them.
             self.lora.allocate()

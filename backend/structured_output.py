@@ -2,45 +2,56 @@
 
 :class:`StructuredOutputManager` owns all of structured output's state: the compiles under way, the refusals of
 specs that do not compile, and each constrained sequence's ``GrammarMatcher``. A constrained request's spec
-(:class:`~spindle.shared.sampling_params.StructuredOutput`) is compiled by a worker thread while the engine keeps
-stepping the other requests; its sequences wait (the scheduler passes them over) until the grammar is ready.
-Compiled grammars are cached by spec, so a schema that many requests share compiles once. Each step, while the
-device runs the forward pass, the manager fills the bitmask of the tokens each constrained sequence may sample next
-(one bit per token) and the sampler masks the others out of the logits; the scheduler then feeds it the tokens
-chosen, and ends the sequence when its grammar is complete.
+(:class:`~spindle.shared.sampling_params.StructuredOutput`) is compiled in a worker process
+(:class:`~spindle.backend.grammar_compiler.GrammarCompilePool`: bounded in time, a crash there refuses the request,
+not the engine) while the engine keeps stepping the other requests; its sequences wait (the scheduler passes them
+over) until the grammar is ready. Compiled grammars are cached by spec, so a schema that many requests share
+compiles once; so are refusals, those of a compile that ran out of time or crashed for :data:`REFUSAL_TTL` only.
+Each step, while the device runs the forward pass, the manager fills the bitmask of the tokens each constrained
+sequence may sample next (one bit per token) and the sampler masks the others out of the logits; the scheduler then
+feeds it the tokens chosen, and ends the sequence when its grammar is complete.
 
 xgrammar imports torch, and building its tokenizer table takes seconds, so nothing here is loaded before the first
-constrained request arrives (on the worker thread).
+constrained request arrives (on the compile pool's thread).
 """
 
 import json
 import logging
-import re
+import math
+import time
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from spindle.backend.grammar_compiler import CompileAbandonedError, GrammarCompilePool
 from spindle.backend.scheduler_output import SchedulerOutput
-from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
+from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
 from spindle.shared.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
-    from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+    from xgrammar import CompiledGrammar, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 512
 """Distinct specs whose compiled grammar (or compile error) is kept; the least recently used goes first."""
 
-CACHE_LIMIT_BYTES = 256 * 2**20
-"""What xgrammar's own cache of compiled grammars (shared by all specs) may hold."""
+REFUSAL_TTL = 600.0
+"""Seconds a spec whose compile ran out of time or crashed its worker stays refused at once, with no new compile:
+a client sending the same hostile spec again cannot keep the workers busy, and a spec that only met a busy machine
+is tried again ten minutes later."""
 
-# xgrammar's errors start with a timestamp and the C++ source line: "[22:52:48] /project/cpp/x.cc:820: ...".
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+@dataclass
+class _Cached:
+    """A spec's compile, under way or done, and until when (``time.monotonic()``) its outcome is trusted."""
+
+    future: "Future[CompiledGrammar]"
+    expires: float = math.inf
 
 
 @dataclass
@@ -60,23 +71,32 @@ class GrammarBitmask:
 
 
 class StructuredOutputManager:
-    """Compiles specs to grammars in a worker thread (with a cache), keeps each sequence's matcher, fills bitmasks.
+    """Compiles specs to grammars in worker processes (with a cache), keeps each sequence's matcher, fills bitmasks.
 
     Args:
         model_dir: the model directory, whose tokenizer files xgrammar reads to map grammar bytes to token ids.
         vocab_size: the model's vocabulary (rows of the lm head): the width of the bitmask.
         eos_token_ids: the tokens that end a sequence; a matcher accepts them once its grammar is complete.
+        compile_workers: worker processes that compile specs (started at the first constrained request).
+        compile_timeout: seconds one compile may take before its request is refused.
 
     """
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        compile_workers: int = 2,
+        compile_timeout: float = 10.0,
+    ) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
-        # One worker: compiles are CPU-bound, and a second would take a core from the forward passes.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spindle-grammar")
-        self._compiler: GrammarCompiler | None = None
-        self._grammars: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self.compiler = GrammarCompilePool(
+            model_dir, vocab_size, self.eos_token_ids, workers=compile_workers, timeout=compile_timeout
+        )
+        self._grammars: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
         # Request id -> (its grammar being compiled, its sequences' ids); then each sequence's matcher.
         self._compiling: dict[str, tuple[Future[CompiledGrammar], list[int]]] = {}
         self._matchers: dict[int, GrammarMatcher] = {}
@@ -206,21 +226,24 @@ class StructuredOutputManager:
 
         The future's exception, when the spec does not compile, is an
         :class:`~spindle.shared.errors.InvalidRequestError` for ``sampling_params.structured_output.<kind>`` with the
-        compiler's message; when xgrammar cannot load the model's tokenizer, an
-        :class:`~spindle.shared.errors.EngineUnavailableError` (that failure is not cached).
+        compiler's message (a :class:`~spindle.backend.grammar_compiler.CompileAbandonedError` when the compile ran
+        out of time or crashed its worker: cached for :data:`REFUSAL_TTL`); when xgrammar cannot load the model's
+        tokenizer or the workers cannot start, an :class:`~spindle.shared.errors.EngineUnavailableError` (not
+        cached).
         """
         key = (spec.kind, _spec_text(spec))
-        future = self._grammars.get(key)
-        if future is not None and future.done() and isinstance(future.exception(), EngineUnavailableError):
-            future = None
-        if future is None:
-            future = self._executor.submit(self._compile, *key)
-            self._grammars[key] = future
+        cached = self._grammars.get(key)
+        if cached is not None and cached.future.done() and time.monotonic() >= cached.expires:
+            cached = None
+        if cached is None:
+            cached = _Cached(self.compiler.submit(*key))
+            cached.future.add_done_callback(lambda future, cached=cached: _set_expiry(cached, future))
+            self._grammars[key] = cached
             if len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         else:
             self._grammars.move_to_end(key)
-        return future
+        return cached.future
 
     def matcher(self, grammar: "CompiledGrammar") -> "GrammarMatcher":
         """A fresh matcher of ``grammar`` for one sequence, at the start of its output."""
@@ -228,40 +251,22 @@ class StructuredOutputManager:
 
         return xgrammar.GrammarMatcher(grammar, override_stop_tokens=self.eos_token_ids)
 
-    def _compile(self, kind: str, text: str) -> "CompiledGrammar":
-        try:
-            compiler = self._compiler or self._load_compiler()
-        except Exception as error:  # the request is fine; this backend cannot constrain (tried again next time)
-            logger.exception("Structured output is unavailable: xgrammar could not load the tokenizer")
-            raise EngineUnavailableError(f"structured output is unavailable on this backend: {error}") from error
-        try:
-            match kind:
-                case "json_schema" | "json_object":
-                    # No free whitespace: a model could pad with it forever, and compact JSON is what it wants.
-                    return compiler.compile_json_schema(text, any_whitespace=False)
-                case "regex":
-                    return compiler.compile_regex(text)
-                case _:  # grammar, and choice (turned into one)
-                    return compiler.compile_grammar(text)
-        except Exception as error:
-            field = f"sampling_params.structured_output.{kind}"
-            message = _LOG_PREFIX.sub("", str(error)).strip()
-            raise InvalidRequestError(field, f"the {kind} does not compile: {message}") from None
-
-    def _load_compiler(self) -> "GrammarCompiler":
-        import xgrammar
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
-        )
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
-        return self._compiler
-
     def shutdown(self) -> None:
-        """Stop the worker thread (a compile under way finishes first)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile workers (a compile under way is killed); the engine constrains nothing after it."""
+        self.compiler.shutdown()
+
+
+def _set_expiry(cached: _Cached, future: "Future[CompiledGrammar]") -> None:
+    """Bound how long a finished compile's outcome is trusted.
+
+    A grammar or a compile error for good, an abandoned compile for :data:`REFUSAL_TTL`, an unavailable backend not
+    at all (the next request tries again).
+    """
+    error = future.exception()
+    if isinstance(error, CompileAbandonedError):
+        cached.expires = time.monotonic() + REFUSAL_TTL
+    elif isinstance(error, EngineUnavailableError):
+        cached.expires = -math.inf
 
 
 def _spec_text(spec: StructuredOutput) -> str:

@@ -64,3 +64,11 @@ class NotFoundError(InvalidRequestError, LookupError):
 
 class AlreadyExistsError(InvalidRequestError):
     """A request would create something under a name already taken (a LoRA adapter): gRPC ``ALREADY_EXISTS``."""
+
+
+class ResourceExhaustedError(InvalidRequestError):
+    """A request would take the engine past one of its limits (loaded LoRA adapters): gRPC ``RESOURCE_EXHAUSTED``.
+
+    An :class:`InvalidRequestError` too, naming the field of what would not fit (``name`` of an adapter to load), so
+    that code catching invalid requests catches it; the request may succeed once something is freed.
+    """

@@ -21,6 +21,7 @@ from spindle.shared.errors import (
     InvalidRequestError,
     NotFoundError,
     RequestRefusedError,
+    ResourceExhaustedError,
 )
 from spindle.shared.lora import LoraAdapterInfo
 from spindle.shared.outputs import FinishReason, TokenLogprobs
@@ -297,6 +298,8 @@ class RequestErrorKind(enum.StrEnum):
     """An :class:`~spindle.shared.errors.AlreadyExistsError`."""
     UNAVAILABLE = "unavailable"
     """An :class:`~spindle.shared.errors.EngineUnavailableError`."""
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    """A :class:`~spindle.shared.errors.ResourceExhaustedError`."""
 
 
 class RequestError(msgspec.Struct, tag="error"):
@@ -327,10 +330,11 @@ class RequestError(msgspec.Struct, tag="error"):
         return dict(_INVALID_KINDS)[self.kind](field, self.reason, also=also)
 
 
-# The most specific type first: NotFoundError and AlreadyExistsError are InvalidRequestErrors too.
+# The most specific type first: the other three are InvalidRequestErrors too.
 _INVALID_KINDS: list[tuple[RequestErrorKind, type[InvalidRequestError]]] = [
     (RequestErrorKind.NOT_FOUND, NotFoundError),
     (RequestErrorKind.ALREADY_EXISTS, AlreadyExistsError),
+    (RequestErrorKind.RESOURCE_EXHAUSTED, ResourceExhaustedError),
     (RequestErrorKind.INVALID, InvalidRequestError),
 ]
 

@@ -83,6 +83,7 @@ TIERS = {
     "test_recovery": "process",
     "test_resume": "process",
     "test_structured_output": "process",
+    "test_caches": "process",
     "test_tensor_parallel": "process",
     "test_tools": "process",  # the parser and schema checks are unit tests; the end-to-end ones start a backend
     "test_compose": "deploy",

@@ -209,12 +209,16 @@ def test_one_slot_serves_two_adapters_in_turn(tiny_llama_dir, adapters, prompts,
     assert core.runner.lora.num_slot_loads == 3
 
 
-def test_least_recently_used_slot_not_pinned_is_replaced(tiny_llama_dir, adapters):
+def test_least_recently_used_slot_not_pinned_is_replaced(tiny_llama_dir, adapters, tmp_path):
     core = tiny_core(tiny_llama_dir, max_loras=2)
     lora = core.runner.lora
-    # c is adapter a's directory under another name.
+    # c is adapter a's weights scaled otherwise: a third adapter (a's own directory would be another name for a).
+    c_dir = shutil.copytree(adapters["a"], tmp_path / "c")
+    config = json.loads((c_dir / "adapter_config.json").read_text())
+    (c_dir / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
     a, b, c = (
-        lora.lookup(core.add_lora(name, str(adapters[src])).name) for name, src in zip("abc", "aba", strict=True)
+        lora.lookup(core.add_lora(name, str(path)).name)
+        for name, path in zip("abc", [adapters["a"], adapters["b"], c_dir], strict=True)
     )
 
     assert lora.assign([a, None]) == [0, -1]

@@ -16,7 +16,7 @@ from waiting import wait_until
 from spindle import LLM, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.grpc.servicer import RuntimeLoraDisabledError, status_for
-from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
+from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError
 from spindle.shared.lora import confine_adapter_path
 from spindle.v1 import spindle_pb2
 
@@ -142,8 +142,9 @@ def test_a_lora_request_takes_vllms_positional_form_and_needs_a_name():
         (NotFoundError("lora_name", "no adapter 'x'"), "NOT_FOUND", ["lora_name"]),
         (AlreadyExistsError("name", "'x' is taken"), "ALREADY_EXISTS", ["name"]),
         (RuntimeLoraDisabledError("off"), "FAILED_PRECONDITION", []),
+        (ResourceExhaustedError("name", "64 adapters are loaded"), "RESOURCE_EXHAUSTED", ["name"]),
     ],
-    ids=["not-found", "already-exists", "runtime-off"],
+    ids=["not-found", "already-exists", "runtime-off", "too-many"],
 )
 def test_status_for_adapter_errors(error, code, fields):
     status, message, violations = status_for(error)
@@ -290,5 +291,55 @@ def test_llm_loads_a_lora_request_on_first_use(model_dir, adapters, multiprocess
         assert {adapter.name for adapter in engine.list_loras()} == {"sql", "sql-again"}
         with pytest.raises(NotFoundError):
             engine.unload_lora("chat")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "backend-process"])
+def test_loaded_adapters_are_capped(model_dir, adapters, multiprocess):
+    lora_dir = adapters / "adapters"
+    llm = LLM(str(model_dir), multiprocess=multiprocess, dtype="float32", kv_cache_memory="4MiB", max_loaded_loras=2)
+    try:
+        engine = llm.llm_engine
+        engine.load_lora("a", str(lora_dir / "sql"))
+        engine.load_lora("b", str(lora_dir / "chat"))
+        with pytest.raises(ResourceExhaustedError, match="2 LoRA adapters are loaded.*max_loaded_loras") as error:
+            engine.load_lora("c", str(lora_dir / "chat"))
+        assert error.value.fields == ("name",)
+        assert {adapter.name for adapter in engine.list_loras()} == {"a", "b"}
+        engine.unload_lora("a")
+        engine.load_lora("c", str(lora_dir / "chat"))
+        assert {adapter.name for adapter in engine.list_loras()} == {"b", "c"}
+    finally:
+        llm.shutdown()
+
+
+def test_a_second_name_for_the_same_adapter_shares_its_weights(model_dir, adapters, tmp_path):
+    lora_dir = adapters / "adapters"
+    copy = shutil.copytree(lora_dir / "chat", tmp_path / "chat-copy")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="4MiB")
+    try:
+        engine = llm.llm_engine
+        lora = engine.engine_core.runner.lora
+        engine.load_lora("first", str(lora_dir / "chat"))
+        engine.load_lora("copy", str(copy))  # other files, same content
+        engine.load_lora("other", str(lora_dir / "sql"))
+        listed = {adapter.name: Path(adapter.path) for adapter in engine.list_loras()}
+        assert listed == {"first": lora_dir / "chat", "copy": copy, "other": lora_dir / "sql"}
+        shared = lora.by_name["first"]
+        assert lora.by_name["copy"] == shared != lora.by_name["other"] and len(lora.adapters) == 2
+        first, same, other = (
+            llm.generate(PROMPT, params, use_tqdm=False, lora_request=LoRARequest(name))[0].outputs[0].token_ids
+            for name in ("first", "copy", "other")
+        )
+        assert first == same != other
+        engine.unload_lora("first")  # the adapter stays for its other name
+        again = llm.generate(PROMPT, params, use_tqdm=False, lora_request=LoRARequest("copy"))
+        assert again[0].outputs[0].token_ids == first and len(lora.adapters) == 2
+        engine.unload_lora("copy")
+        assert len(lora.adapters) == 1
+        engine.load_lora("fresh", str(copy))  # read anew, under a new id: its weights were dropped
+        assert lora.by_name["fresh"] != shared and len(lora.adapters) == 2
     finally:
         llm.shutdown()

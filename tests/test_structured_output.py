@@ -7,7 +7,10 @@ gRPC (a random model's strings need not end; a real one's do).
 """
 
 import json
+import os
 import re
+import time
+from types import SimpleNamespace
 
 import grpc
 import jsonschema
@@ -16,6 +19,8 @@ from test_grpc import ServerThread, assert_invalid, collect, refusal
 from waiting import wait_until
 
 from spindle import LLM
+from spindle.backend import grammar_compiler, structured_output
+from spindle.backend.grammar_compiler import CompileAbandonedError
 from spindle.backend.structured_output import StructuredOutputManager
 from spindle.frontend.engine.connection import ping_backend, start_backend
 from spindle.frontend.engine.llm_engine import LLMEngine
@@ -27,11 +32,31 @@ from spindle.v1 import spindle_pb2
 
 PHONE = r"\d{3}-\d{4}"
 CHOICES = ["yes", "no", 'a "quoted"\nline', "naïve"]
+# Minutes to compile (xgrammar expands the optional properties' orders), though its text is only 86 kB.
+SLOW_SCHEMA = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}})
+CRASH_GRAMMAR = 'root ::= "crash"'
+
+
+def compile_or_abort(kind: str, text: str) -> str:
+    """The compile workers' function, but the worker aborts (as a crash in native code would) on CRASH_GRAMMAR."""
+    if text == CRASH_GRAMMAR:
+        os.abort()
+    return grammar_compiler.compile_in_worker(kind, text)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llm_dir) -> LLM:
-    return LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_llm_dir) -> StructuredOutputManager:
+    """A manager whose compiles may take 2 s (the specs below that compile take milliseconds)."""
+    manager = StructuredOutputManager(tiny_llm_dir, 256, [2], compile_timeout=2)
+    yield manager
+    manager.shutdown()
 
 
 def answer(completion: CompletionOutput) -> str:
@@ -74,33 +99,55 @@ def test_a_dict_schema_becomes_json_text():
         (StructuredOutput(json_schema='{"type": "nonsense"}'), "json_schema", 'Unsupported type "nonsense"'),
     ],
 )
-def test_the_compiler_message_names_the_field(tiny_llm_dir, spec, field, message):
-    manager = StructuredOutputManager(tiny_llm_dir, 256, [2])
+def test_the_compiler_message_names_the_field(manager, spec, field, message):
     with pytest.raises(InvalidRequestError) as error:
         manager.compile(spec).result(60)
     assert error.value.fields == (f"sampling_params.structured_output.{field}",)
     assert message in str(error.value) and not str(error.value).startswith("[")  # xgrammar's log prefix is gone
 
 
-def test_a_spec_compiles_once(tiny_llm_dir):
-    manager = StructuredOutputManager(tiny_llm_dir, 256, [2])
-    first = manager.compile(StructuredOutput(regex=PHONE))
-    assert manager.compile(StructuredOutput(regex=PHONE)) is first
+def test_a_spec_compiles_once(manager):
+    first = manager.compile(StructuredOutput(regex=PHONE + "y"))
+    first.result(60)
+    compiles = manager.compiler.num_compiles
+    assert manager.compile(StructuredOutput(regex=PHONE + "y")) is first
+    assert manager.compiler.num_compiles == compiles  # a cache hit compiles nothing
     assert manager.compile(StructuredOutput(regex=PHONE + "x")) is not first
+    wait_until(lambda: manager.compiler.num_compiles == compiles + 1, "the other spec is sent to a worker")
+
+
+def test_a_spec_past_the_timeout_stays_refused_for_a_while(manager, monkeypatch):
+    spec = StructuredOutput(json_schema=SLOW_SCHEMA)
+    with pytest.raises(CompileAbandonedError, match="the json_schema did not compile within 2 s") as error:
+        manager.compile(spec).result(60)
+    assert error.value.fields == ("sampling_params.structured_output.json_schema",)
+    compiles = manager.compiler.num_compiles
+    with pytest.raises(CompileAbandonedError):
+        manager.compile(spec).result(0)  # refused at once: no worker spends another 2 s on it
+    assert manager.compiler.num_compiles == compiles
+    later = time.monotonic() + structured_output.REFUSAL_TTL
+    monkeypatch.setattr(structured_output, "time", SimpleNamespace(monotonic=lambda: later))
+    retried = manager.compile(spec)
+    wait_until(lambda: manager.compiler.num_compiles == compiles + 1, "the spec is compiled again once its TTL ends")
+    with pytest.raises(CompileAbandonedError):
+        retried.result(60)
 
 
 def test_a_tokenizer_xgrammar_cannot_load_makes_the_backend_unavailable_until_it_can(tiny_llm_dir, monkeypatch):
     manager = StructuredOutputManager(tiny_llm_dir, 256, [2])
-    load = manager._load_compiler
+    load = manager.compiler._load_tokenizer_info
 
     def broken_load() -> None:
         raise OSError("no tokenizer.json")
 
-    monkeypatch.setattr(manager, "_load_compiler", broken_load)
-    with pytest.raises(EngineUnavailableError, match="structured output is unavailable.*no tokenizer.json"):
-        manager.compile(StructuredOutput(regex=PHONE)).result(60)
-    monkeypatch.setattr(manager, "_load_compiler", load)
-    assert manager.compile(StructuredOutput(regex=PHONE)).result(60) is not None  # not cached: tried again
+    try:
+        monkeypatch.setattr(manager.compiler, "_load_tokenizer_info", broken_load)
+        with pytest.raises(EngineUnavailableError, match="structured output is unavailable.*no tokenizer.json"):
+            manager.compile(StructuredOutput(regex=PHONE)).result(60)
+        monkeypatch.setattr(manager.compiler, "_load_tokenizer_info", load)
+        assert manager.compile(StructuredOutput(regex=PHONE)).result(60) is not None  # not cached: tried again
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -142,8 +189,11 @@ def test_the_grammar_survives_preemption(tiny_llm_dir):
     llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="48KiB", max_model_len=64)
     spec = StructuredOutput(regex="(ab|cd)[0-9]{10,30}")
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=2, structured_output=spec)
-    outputs = llm.generate(["first prompt", "second prompt"], params, use_tqdm=False)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    try:
+        outputs = llm.generate(["first prompt", "second prompt"], params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
     assert all(re.fullmatch("(ab|cd)[0-9]{10,30}", answer(c)) for out in outputs for c in out.outputs)
 
 
@@ -153,26 +203,58 @@ def test_a_stop_string_still_cuts_a_constrained_output(llm):
     assert re.fullmatch(r"\d{3}", text)
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
-def test_a_spec_that_does_not_compile_fails_its_request_only(tiny_llm_dir, multiprocess):
-    engine = LLMEngine(EngineConfig.of(model=str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB"), multiprocess)
+def finish_all(engine: LLMEngine) -> tuple[dict[str, CompletionOutput], list[InvalidRequestError]]:
+    """Step ``engine`` until no request is left: each finished request's first completion, and the refusals."""
+    finished, refused = {}, []
+
+    def step() -> bool:
+        try:
+            finished.update((out.request_id, out.outputs[0]) for out in engine.step() if out.finished)
+        except InvalidRequestError as error:
+            refused.append(error)
+        return not engine.has_unfinished_requests()
+
+    wait_until(step, "every request ends", interval=0)
+    return finished, refused
+
+
+@pytest.mark.parametrize(
+    "spec,message,multiprocess",
+    [
+        (StructuredOutput(regex="("), "the regex does not compile", False),
+        (StructuredOutput(regex="("), "the regex does not compile", True),
+        (StructuredOutput(json_schema=SLOW_SCHEMA), "the json_schema did not compile within 2 s", False),
+        (StructuredOutput(json_schema=SLOW_SCHEMA), "the json_schema did not compile within 2 s", True),
+        # The worker's function is replaced in this process only: an in-process engine's workers run it.
+        (
+            StructuredOutput(grammar=CRASH_GRAMMAR),
+            "the grammar crashed the grammar compiler (killed by SIGABRT)",
+            False,
+        ),
+    ],
+)
+def test_a_spec_that_does_not_compile_fails_its_request_only(tiny_llm_dir, monkeypatch, spec, message, multiprocess):
+    monkeypatch.setattr(grammar_compiler, "compile_in_worker", compile_or_abort)
+    config = EngineConfig.of(
+        model=str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB", grammar_compile_timeout=2
+    )
+    engine = LLMEngine(config, multiprocess)
     try:
-        good = engine.add_request(None, "fine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        bad = engine.add_request(None, "bad", SamplingParams(structured_output=StructuredOutput(regex="(")))
-        finished, refused = {}, None
-
-        def step() -> bool:
-            nonlocal refused
-            try:
-                finished.update((out.request_id, out) for out in engine.step() if out.finished)
-            except InvalidRequestError as error:
-                refused = error
-            return not engine.has_unfinished_requests()
-
-        wait_until(step, "both requests end", interval=0)
-        assert refused is not None and refused.fields == ("sampling_params.structured_output.regex",)
-        assert repr(bad) in refused.__notes__[0]
-        assert list(finished) == [good] and len(finished[good].outputs[0].token_ids) == 8
+        bad = engine.add_request(None, "bad", SamplingParams(structured_output=spec))
+        phone = SamplingParams(temperature=0, max_tokens=20, structured_output=StructuredOutput(regex=PHONE))
+        constrained = engine.add_request(None, "call 555-0123", phone)
+        free = engine.add_request(None, "fine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        finished, [refused] = finish_all(engine)
+        assert refused.fields == (f"sampling_params.structured_output.{spec.kind}",)
+        assert message in str(refused) and repr(bad) in refused.__notes__[0]
+        assert set(finished) == {constrained, free} and len(finished[free].token_ids) == 8
+        assert re.fullmatch(PHONE, answer(finished[constrained]))
+        # The engine and its compile workers serve on.
+        again = engine.add_request(
+            None, "call", SamplingParams(max_tokens=20, structured_output=StructuredOutput(regex=PHONE + "!"))
+        )
+        finished, refused = finish_all(engine)
+        assert not refused and re.fullmatch(PHONE + "!", answer(finished[again]))
     finally:
         engine.shutdown()
 

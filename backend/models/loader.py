@@ -2,12 +2,11 @@
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from safetensors import safe_open
 from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import SUPPORTED_ARCHITECTURES, CheckpointConfig
 from spindle.backend.models.interface import CausalLM, model_class
+from spindle.kernels.cache_entry import build_entry, is_complete
 from spindle.kernels.quant import QuantizedWeight, cat_rows, pack_int4, quantize
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 QUANTIZATIONS = {"none": None, "int8": 8, "int4": 4}
 """``--quantization`` names (besides ``auto``) and the weight bits they stand for."""
+
+GGUF_HEADER_BYTES = 2**20
+"""How much of a GGUF file's start (its metadata and vocabulary) a converted entry's marker hashes."""
 
 CONVERSION_VERSION = 3
 """Part of a converted GGUF's cache key, bumped when a conversion gains files: 2 kept the file's 4-bit blocks, 3 its
@@ -85,7 +88,8 @@ def resolve_model(model: str | Path | None) -> Path:
 
     Args:
         model: None for the embedded SmolLM2; a ``.gguf`` file, converted on first use into the cache
-            (:func:`cache_root`, keyed by file name, size and mtime); or a directory holding ``config.json``.
+            (:func:`cache_root`, keyed by file name, size and mtime; a crash-safe entry of
+            :mod:`spindle.kernels.cache_entry`, rebuilt when incomplete); or a directory holding ``config.json``.
 
     Returns:
         A directory with ``config.json``, the safetensors weights, and for a converted GGUF also
@@ -106,27 +110,23 @@ def resolve_model(model: str | Path | None) -> Path:
     if path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf; pass a GGUF file or a Hugging Face model directory")
     stat = path.stat()
-    target = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
-    if not (target / "config.json").is_file():
-        _convert_gguf_atomically(path, target)
+    name = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
+    target = cache_root() / name
+    inputs = _gguf_inputs(path, name)
+    if not is_complete(target, inputs):
+        build_entry(target, inputs, functools.partial(_convert_gguf, path))
     return target
 
 
-def _convert_gguf_atomically(gguf_file: Path, target: Path) -> None:
-    """Convert into a temporary sibling of ``target``, then rename it: readers never see a half-written model."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        logger.info("converting %s once into %s", gguf_file, target)
-        _convert_gguf(gguf_file, scratch)
-        try:
-            scratch.rename(target)
-        except OSError:
-            # Another process finished the same conversion first; its copy is as good as ours.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+def _gguf_inputs(gguf_file: Path, name: str) -> str:
+    """What a conversion depends on, hashed: the cache entry's name and the file's header (metadata, vocabulary).
+
+    Content, not the path: a copy of the file (``cp -p`` keeps the mtime) shares the entry instead of taking it over.
+    """
+    digest = hashlib.sha256(name.encode() + b"\0")
+    with gguf_file.open("rb") as f:
+        digest.update(f.read(GGUF_HEADER_BYTES))
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -162,6 +162,7 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     Beside it go the file's own Q4_0/Q4_1/Q8_0 matrices (:data:`QUANTIZED_FILE`) and what ``--quantization auto``
     serves (:data:`QUANTIZATION_FILE`), see :func:`_save_gguf_quantization`.
     """
+    logger.info("converting %s once into the cache (%s)", gguf_file, cache_root())
     # transformers is only needed to convert, so a server starting from a directory never imports it.
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -62,7 +62,13 @@ from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
 from spindle.frontend.grpc.read_ahead import read_ahead
 from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
-from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, NotFoundError
+from spindle.shared.errors import (
+    AlreadyExistsError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,8 +94,9 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
     Returns:
         ``INVALID_ARGUMENT`` with one violation per :attr:`~spindle.shared.errors.InvalidRequestError.fields` entry
         for an :class:`~spindle.shared.errors.InvalidRequestError`, but ``NOT_FOUND`` for a
-        :class:`~spindle.shared.errors.NotFoundError` and ``ALREADY_EXISTS`` for an
-        :class:`~spindle.shared.errors.AlreadyExistsError` (with the same violations); ``FAILED_PRECONDITION`` for a
+        :class:`~spindle.shared.errors.NotFoundError`, ``ALREADY_EXISTS`` for an
+        :class:`~spindle.shared.errors.AlreadyExistsError` and ``RESOURCE_EXHAUSTED`` for a
+        :class:`~spindle.shared.errors.ResourceExhaustedError` (with the same violations); ``FAILED_PRECONDITION`` for a
         :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
         :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for an
@@ -104,6 +111,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
             code = grpc.StatusCode.NOT_FOUND
         elif isinstance(error, AlreadyExistsError):
             code = grpc.StatusCode.ALREADY_EXISTS
+        elif isinstance(error, ResourceExhaustedError):
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
         return code, str(error), [FieldViolation(field=field, description=error.reason) for field in error.fields]
     if isinstance(error, RuntimeLoraDisabledError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error), []

@@ -4,19 +4,23 @@ They build with torch's JIT extension builder on first use and are cached across
 The build takes about 45 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
 bindings all of torch's C++ API: each file now includes the headers it uses, and the kernels are instantiated for
 the three model dtypes only). The library is kept as
-``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>.so`` (default ``~/.cache/spindle``, the variable the model
-loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's versions: every
-checkout and virtualenv with the same build shares it, and a changed source builds anew. It is compiled for the
-machine it runs on (``-march=native``), so the cache is per machine.
+``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>/spindle_cpu_ops.so`` (default ``~/.cache/spindle``, the variable
+the model loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's
+versions and the instruction sets of the CPU (``torch.cpu.get_capabilities()``: AVX2, AVX-512 and its extensions,
+AMX, ...): every checkout and virtualenv with the same build on the same kind of CPU shares it, and a changed source
+builds anew. It is compiled for the machine it runs on (``-march=native``), so a cache on a volume that machines of
+other CPUs share holds one library per instruction-set mix, and none runs where its instructions do not exist.
 
-Each build runs in a private temporary directory and moves the library into place with one atomic rename, so
-processes that build at the same time do not wait on each other, and one killed mid-build leaves nothing behind
-that blocks the next (torch's own shared build directory keeps a lock file that does).
+Each build runs in a private temporary directory and is committed as a crash-safe cache entry
+(:mod:`spindle.kernels.cache_entry`): one process builds while another that needs the same library waits for it,
+and one killed mid-build leaves nothing that is trusted, nor anything that blocks the next (torch's own shared build
+directory keeps a lock file that does).
 """
 
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -26,6 +30,10 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from spindle.kernels.cache_entry import MARKER, build_entry, is_complete
+
+logger = logging.getLogger(__name__)
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 """Whether oneDNN runs bf16 natively on this CPU (AVX-512 bf16 or AVX-NE-CONVERT): where bf16 projections are
@@ -55,28 +63,47 @@ _LDFLAGS = ["-fopenmp"]
 @functools.cache
 def cpu_ops() -> ModuleType:
     """The compiled extension (the attention kernels and the ops below): loaded from the cache, or built first."""
+    key = cache_key()
+    cache_dir = Path(os.environ.get("SPINDLE_CACHE_DIR") or Path.home() / ".cache" / "spindle") / "kernels"
+    entry = cache_dir / f"{_NAME}-{key[:16]}"
+    if is_complete(entry, key):  # the lock is only taken to build: a read-only cache loads as well
+        try:
+            return _load(entry / f"{_NAME}.so")
+        except ImportError as error:  # damaged on disk since it was committed: rebuilt, not failed on at every start
+            logger.warning("The cached CPU kernels %s could not be loaded (%s): building them again", entry, error)
+            (entry / MARKER).unlink(missing_ok=True)
+    built: list[ModuleType] = []
+    build_entry(entry, key, lambda scratch: built.append(_build(scratch)))
+    # Built here, it is loaded already (the same extension must not be initialised twice); else by another process.
+    return built[0] if built else _load(entry / f"{_NAME}.so")
+
+
+def _load(library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cache_key() -> str:
+    """The hash of what the library depends on: sources, flags, torch, Python, and the CPU's instruction sets."""
+    # -march=native compiles for every instruction set the CPU has: a library built elsewhere may use one missing here.
+    instruction_sets = sorted(name for name, value in torch.cpu.get_capabilities().items() if value is True)
     key = hashlib.sha256()
-    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine()):
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine(), *instruction_sets):
         key.update(part.encode() + b"\0")
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
-    cache_dir = Path(os.environ.get("SPINDLE_CACHE_DIR") or Path.home() / ".cache" / "spindle") / "kernels"
-    library = cache_dir / f"{_NAME}-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        spec = importlib.util.spec_from_file_location(_NAME, library)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return _build(library)
+    return key.hexdigest()
 
 
-def _build(library: Path) -> ModuleType:
+def _build(out_dir: Path) -> ModuleType:
+    """Compile the extension, copy its library into ``out_dir``, and return it loaded."""
     import ninja
     from torch.utils.cpp_extension import load
 
     # torch looks for ninja on PATH; the ninja wheel's binary sits in the venv, which need not be on it.
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{_NAME}-") as build_dir:
         module = load(
             name=_NAME,
@@ -85,10 +112,7 @@ def _build(library: Path) -> ModuleType:
             extra_ldflags=_LDFLAGS,
             build_directory=build_dir,
         )
-        # Copied beside the target first: the rename into place must not cross file systems to stay atomic.
-        staged = library.with_name(f"{library.name}.{os.getpid()}")
-        shutil.copyfile(Path(build_dir) / f"{_NAME}.so", staged)
-        os.replace(staged, library)
+        shutil.copyfile(Path(build_dir) / f"{_NAME}.so", out_dir / f"{_NAME}.so")
     return module
 
 
