@@ -399,7 +399,7 @@ def test_each_completion_carries_its_calls_from_where_it_finishes(tool_tokenizer
     processor.add_request(
         RequestState("r", None, [1], SamplingParams(n=2), tool_tokenizer, 0.0, delta, tools=chat_tools("auto"))
     )
-    outputs = [processor.process(step)[0][0] for step in steps(tool_tokenizer)]
+    outputs = [processor.process(step).outputs[0] for step in steps(tool_tokenizer)]
     first, second, third = ([c.tool_calls for c in output.outputs] for output in outputs)
     assert first == [None, None]
     assert calls_of(second[0]) == [("now", {})] and second[1] is None
@@ -419,7 +419,7 @@ def test_requests_without_tools_carry_no_calls(tool_tokenizer):
     processor = OutputProcessor(tool_tokenizer)
     processor.add_request(RequestState("r", None, [1], SamplingParams(), tool_tokenizer, 0.0, False))
     ids = tool_tokenizer.encode(TEXTS[0], add_special_tokens=False)
-    [output], _ = processor.process([SequenceDelta("r", 0, ids, finish_reason=FinishReason.STOP)])
+    [output] = processor.process([SequenceDelta("r", 0, ids, finish_reason=FinishReason.STOP)]).outputs
     assert output.finished and output.outputs[0].tool_calls is None
 
 

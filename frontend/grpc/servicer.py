@@ -49,7 +49,13 @@ from spindle.frontend.grpc.mapping import (
 from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
 from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.shared import RequestOutput, SamplingParams
-from spindle.shared.errors import AlreadyExistsError, EngineUnavailableError, InvalidRequestError, NotFoundError
+from spindle.shared.errors import (
+    AlreadyExistsError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    OutputProcessingError,
+)
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -80,8 +86,9 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         :class:`RuntimeLoraDisabledError`; ``UNAVAILABLE`` for an
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
         :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for a
-        :class:`~spindle.frontend.grpc.admission_control.QueueFullError`; ``INTERNAL`` for anything else, a bug (the
-        caller logs it).
+        :class:`~spindle.frontend.grpc.admission_control.QueueFullError`; ``INTERNAL`` with its own message for an
+        :class:`~spindle.shared.errors.OutputProcessingError` (logged where it happened, with its request id);
+        ``INTERNAL`` for anything else, a bug (the caller logs it).
 
     """
     if isinstance(error, InvalidRequestError):
@@ -100,6 +107,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         return grpc.StatusCode.UNAVAILABLE, message, []
     if isinstance(error, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), []
+    if isinstance(error, OutputProcessingError):
+        return grpc.StatusCode.INTERNAL, str(error), []
     message = f"internal error ({type(error).__name__}: {error}): a bug in Spindle, please report it"
     return grpc.StatusCode.INTERNAL, message, []
 
@@ -121,7 +130,7 @@ def _ends_with_status(method: Callable) -> Callable:
 
     async def fail(context: grpc.aio.ServicerContext, error: Exception) -> None:
         code, message, violations = status_for(error)
-        if code == grpc.StatusCode.INTERNAL:
+        if code == grpc.StatusCode.INTERNAL and not isinstance(error, OutputProcessingError):  # logged already
             logger.error("Bug in %s", method.__name__, exc_info=error)
         await _abort_with(context, code, message, violations)
 
