@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import check_json_text, check_json_value
 
 MAX_LOGPROBS = 20
 """The most top log-probabilities a request may ask for, per generated or prompt token (vLLM's default limit)."""
@@ -22,7 +23,8 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     completion ends (finish reason ``stop``) once the language allows nothing more. The backend compiles the spec
     with xgrammar, once per distinct spec; one that does not compile refuses the request with an
     :class:`~spindle.shared.errors.InvalidRequestError` for ``sampling_params.structured_output.<field>`` carrying
-    the compiler's message. Only the shape is checked here: which field is set, and that a schema is JSON.
+    the compiler's message. Only the shape is checked here: which field is set, and that a schema is JSON nested at
+    most :data:`~spindle.shared.json_depth.MAX_JSON_DEPTH` levels deep.
 
     Attributes:
         json_schema: a JSON schema, as JSON text or a dict: the output is a JSON value valid against it.
@@ -48,18 +50,17 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
                 + (", ".join(given) if given else "none"),
             )
         if isinstance(self.json_schema, dict):
+            check_json_value(self.json_schema, _JSON_SCHEMA_FIELD)
             self.json_schema = json.dumps(self.json_schema)
         elif self.json_schema is not None:
+            check_json_text(self.json_schema, _JSON_SCHEMA_FIELD)
             try:
                 schema = json.loads(self.json_schema)
             except ValueError as error:
-                raise InvalidRequestError(
-                    "sampling_params.structured_output.json_schema", f"the JSON schema is not valid JSON: {error}"
-                ) from error
+                raise InvalidRequestError(_JSON_SCHEMA_FIELD, f"the JSON schema is not valid JSON: {error}") from error
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError(
-                    "sampling_params.structured_output.json_schema",
-                    f"a JSON schema is an object or a boolean, not {type(schema).__name__}",
+                    _JSON_SCHEMA_FIELD, f"a JSON schema is an object or a boolean, not {type(schema).__name__}"
                 )
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
@@ -76,6 +77,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
+_JSON_SCHEMA_FIELD = "sampling_params.structured_output.json_schema"
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -22,9 +22,15 @@ import msgspec
 
 from spindle.shared import SamplingParams, StructuredOutput, ToolCall
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import MAX_JSON_DEPTH, check_json_value
 
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 """The tool choices that are not a tool's name."""
+
+MAX_PARAMETERS_DEPTH = MAX_JSON_DEPTH - 5
+"""The deepest a tool's ``parameters`` schema may nest: ``"required"`` puts it 5 levels deep in the schema of the
+reply (``items.anyOf[i].properties.arguments``), which must stay within
+:data:`~spindle.shared.json_depth.MAX_JSON_DEPTH`."""
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -274,6 +280,7 @@ def _check_parameters(parameters: Any, field: str) -> dict[str, Any]:
             f"{field}'s parameters must be a JSON schema of type 'object' (the arguments are a JSON object), "
             f"got {got!r}",
         )
+    check_json_value(parameters, f"{field}.parameters", MAX_PARAMETERS_DEPTH)
     try:
         json.dumps(parameters)
     except (TypeError, ValueError) as error:
