@@ -74,6 +74,7 @@ TIERS = {
     "test_data_parallel": "process",
     "test_embeddings": "process",
     "test_grpc": "process",
+    "test_hostile_requests": "process",
     "test_lora_api": "process",
     "test_model_registry": "process",
     "test_multimodal": "process",

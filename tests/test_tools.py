@@ -573,10 +573,15 @@ def test_the_grpc_request_carries_what_the_python_api_takes(processor, tool_choi
     client.close()
 
 
-def test_grpc_tools_with_bad_json_or_an_unknown_mode_are_refused():
-    request = spindle_pb2.ChatRequest(tools=[spindle_pb2.Tool(name="a"), spindle_pb2.Tool(name="b", parameters="{")])
-    with pytest.raises(InvalidRequestError, match=re.escape("tools[1].parameters is not JSON")) as error:
-        tools_from_proto(request)
+@pytest.mark.parametrize(
+    "parameters,message",
+    [("{", "tools[1].parameters is not JSON"), ("[" * 100_000, "tools[1].parameters is nested deeper than")],
+    ids=["bad", "deep"],
+)
+def test_grpc_tools_with_bad_json_or_an_unknown_mode_are_refused(parameters, message):
+    tools = [spindle_pb2.Tool(name="a"), spindle_pb2.Tool(name="b", parameters=parameters)]
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
+        tools_from_proto(spindle_pb2.ChatRequest(tools=tools))
     assert error.value.fields == ("tools[1].parameters",)
     request = spindle_pb2.ChatRequest(tool_choice=spindle_pb2.ToolChoice(mode=9))
     with pytest.raises(InvalidRequestError, match="not a ToolChoiceMode") as error:
