@@ -140,6 +140,9 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
+        # The logit bias of each request in the latest batch, as arrays built once: id(params) -> (params, token ids,
+        # biases). Holding the params keeps their id from being reused while the entry lives.
+        self._biases: dict[int, tuple[SamplingParams, np.ndarray, np.ndarray]] = {}
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[SampleRow], allowed: tuple[torch.Tensor, list[int]] | None = None
@@ -208,18 +211,32 @@ class Sampler:
         return _gather_logprobs(raw_logprobs, chosen, [num] * len(target_ids))
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
-        rows: list[int] = []
-        token_ids: list[int] = []
-        biases: list[float] = []
-        for i, p in enumerate(params):
-            for token_id, bias in (p.logit_bias or {}).items():
-                if token_id < self.vocab_size:
-                    rows.append(i)
-                    token_ids.append(token_id)
-                    biases.append(bias)
-        if rows:
-            index = (_index(rows, logits), _index(token_ids, logits))
-            logits.index_put_(index, to_device(biases, torch.float32, logits.device), accumulate=True)
+        """Add every row's logit bias to its logits, in one ``index_add_`` over the flattened batch.
+
+        A request's biases become arrays the first time it is sampled, not at every step, so that a large bias map
+        costs a copy per step rather than a Python loop over it (per row: a request with ``n`` completions has ``n``).
+        """
+        rows = [i for i, p in enumerate(params) if p.logit_bias]
+        biases = {id(params[i]): self._biases.get(id(params[i])) or self._bias_arrays(params[i]) for i in rows}
+        self._biases = biases  # requests that left the batch drop out
+        if not rows:
+            return
+        token_ids, values = zip(*(biases[id(params[i])][1:] for i in rows), strict=True)
+        offsets = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[-1], [len(t) for t in token_ids])
+        positions = np.concatenate(token_ids) + offsets
+        flat = logits.view(-1)
+        flat.index_add_(
+            0,
+            to_device(positions, torch.int64, logits.device),
+            to_device(np.concatenate(values), torch.float32, logits.device),
+        )
+
+    def _bias_arrays(self, params: SamplingParams) -> tuple[SamplingParams, np.ndarray, np.ndarray]:
+        """A request's logit bias as arrays of token ids (those in the vocabulary) and their biases."""
+        kept = [(token_id, bias) for token_id, bias in params.logit_bias.items() if token_id < self.vocab_size]
+        token_ids = np.fromiter((token_id for token_id, _ in kept), dtype=np.int64, count=len(kept))
+        values = np.fromiter((bias for _, bias in kept), dtype=np.float32, count=len(kept))
+        return params, token_ids, values
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
         rows: list[int] = []

@@ -29,7 +29,7 @@ import torch
 
 from spindle.backend.grammar_compiler import CompileAbandonedError, GrammarCompilePool
 from spindle.backend.scheduler_output import SchedulerOutput
-from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
 from spindle.shared.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:

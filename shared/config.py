@@ -536,16 +536,41 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
-class _TextFormatter(logging.Formatter):
-    """The plain format, with `` [request_id=...]`` after the message of a line about a request."""
+# Line breaks and other control characters (C0, DEL, C1, the Unicode line and paragraph separators) that text from
+# users may carry into a log record (a request id, an error that quotes a request): written as escapes, that text
+# stays on its record's line and sends a terminal no commands.
+_CONTROL_CODES = (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)
+_TEXT_ESCAPES = {code: repr(chr(code))[1:-1] for code in _CONTROL_CODES}
+# A traceback keeps its own line breaks and tabs; its lines are indented instead (see _TextFormatter).
+_TRACEBACK_ESCAPES = {code: escape for code, escape in _TEXT_ESCAPES.items() if chr(code) not in "\n\t"}
+# JSON escapes the C0 controls itself; the others are valid raw in a JSON string but break lines for some readers.
+_JSON_ESCAPES = {code: f"\\u{code:04x}" for code in _CONTROL_CODES if code >= 0x7F}
+_TRACEBACK_INDENT = "    "
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+
+class _TextFormatter(logging.Formatter):
+    """The plain format, with `` [request_id=...]`` after the message of a line about a request.
+
+    Each record is one line that starts at column 0, its control characters escaped (newlines too), so that no
+    request id or quoted request can forge a line of the log; a traceback follows on lines of its own, each
+    indented.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        """The record's line: the format with its message, and the request id it is about."""
+        line = super().formatMessage(record).translate(_TEXT_ESCAPES)
         request_id = getattr(record, "request_id", None)
         if request_id is None:
             return line
-        first, newline, rest = line.partition("\n")  # on the first line, where grep finds it, not after a traceback
-        return f"{first} [request_id={request_id}]{newline}{rest}"
+        return f"{line} [request_id={str(request_id).translate(_TEXT_ESCAPES)}]"
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record's line, then its traceback or stack (if any) indented, so that none of its lines pass for one."""
+        line, _, traceback = super().format(record).partition("\n")
+        if not traceback:
+            return line
+        lines = traceback.translate(_TRACEBACK_ESCAPES).split("\n")
+        return "\n".join([line, *(_TRACEBACK_INDENT + part for part in lines)])
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -556,7 +581,7 @@ class JsonLogFormatter(logging.Formatter):
     """
 
     def format(self, record: logging.LogRecord) -> str:
-        """The record as one line of JSON (newlines in the message or traceback are escaped)."""
+        """The record as one line of JSON (line breaks and control characters in any value are escaped)."""
         timestamp = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
         entry = {
             "timestamp": timestamp.replace("+00:00", "Z"),
@@ -571,7 +596,7 @@ class JsonLogFormatter(logging.Formatter):
             entry["exception"] = self.formatException(record.exc_info)
         if record.stack_info:
             entry["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        return json.dumps(entry, ensure_ascii=False, default=str).translate(_JSON_ESCAPES)
 
 
 def configure_logging(log_format: str = "text", level: int = logging.INFO, stream: TextIO | None = None) -> None:

@@ -72,3 +72,28 @@ class ResourceExhaustedError(InvalidRequestError):
     An :class:`InvalidRequestError` too, naming the field of what would not fit (``name`` of an adapter to load), so
     that code catching invalid requests catches it; the request may succeed once something is freed.
     """
+
+
+class OutputProcessingError(RuntimeError):
+    """The frontend could not turn one request's model output into its outputs: a bug, which ends that request alone.
+
+    The request was aborted in the engine (its KV blocks freed) and the error logged with its id and traceback; the
+    other requests of the step went on. The gRPC server answers ``INTERNAL``.
+
+    Args:
+        request_id: the request that failed.
+        cause: what its processing raised.
+
+    Attributes:
+        request_id: the request that failed.
+
+    """
+
+    def __init__(self, request_id: str, cause: Exception) -> None:
+        super().__init__(
+            f"the output of request {request_id!r} could not be processed ({type(cause).__name__}: {cause}), so it "
+            "was aborted; other requests were not affected. This is a bug in Spindle: please report it with the "
+            "server's log, which has its traceback under the request's id"
+        )
+        self.request_id = request_id
+        self.__cause__ = cause

@@ -2,17 +2,34 @@
 
 import json
 import math
+from collections.abc import Sized
 from typing import Any
 
 import msgspec
 
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import check_json_text, check_json_value
 
 MAX_LOGPROBS = 20
 """The most top log-probabilities a request may ask for, per generated or prompt token (vLLM's default limit)."""
 
 MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens a request may ask to verify per step: past a few, a CPU step costs more than it saves."""
+
+MAX_STOP_STRINGS = 64
+"""The most stop strings a request may give. Each is searched for in every new piece of text (where it may end),
+so a request's cost per token grows with their number; OpenAI takes 4, and 64 leaves room for any real use."""
+
+MAX_STOP_STRING_LENGTH = 256
+"""The longest a stop string may be, in characters: as many characters less one are held back from a stream until
+they cannot begin a stop string any more, and each search spans them."""
+
+MAX_STOP_TOKEN_IDS = 1024
+"""The most ``stop_token_ids`` a request may give (kept as a set, so a token's check does not grow with them)."""
+
+MAX_LOGIT_BIAS = 1024
+"""The most ``logit_bias`` entries a request may give: each is added to its rows' logits at every step. OpenAI takes
+300; 1024 leaves room to ban or favour whole families of tokens."""
 
 
 class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -22,7 +39,8 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     completion ends (finish reason ``stop``) once the language allows nothing more. The backend compiles the spec
     with xgrammar, once per distinct spec; one that does not compile refuses the request with an
     :class:`~spindle.shared.errors.InvalidRequestError` for ``sampling_params.structured_output.<field>`` carrying
-    the compiler's message. Only the shape is checked here: which field is set, and that a schema is JSON.
+    the compiler's message. Only the shape is checked here: which field is set, and that a schema is JSON nested at
+    most :data:`~spindle.shared.json_depth.MAX_JSON_DEPTH` levels deep.
 
     Attributes:
         json_schema: a JSON schema, as JSON text or a dict: the output is a JSON value valid against it.
@@ -48,18 +66,17 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
                 + (", ".join(given) if given else "none"),
             )
         if isinstance(self.json_schema, dict):
+            check_json_value(self.json_schema, _JSON_SCHEMA_FIELD)
             self.json_schema = json.dumps(self.json_schema)
         elif self.json_schema is not None:
+            check_json_text(self.json_schema, _JSON_SCHEMA_FIELD)
             try:
                 schema = json.loads(self.json_schema)
             except ValueError as error:
-                raise InvalidRequestError(
-                    "sampling_params.structured_output.json_schema", f"the JSON schema is not valid JSON: {error}"
-                ) from error
+                raise InvalidRequestError(_JSON_SCHEMA_FIELD, f"the JSON schema is not valid JSON: {error}") from error
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError(
-                    "sampling_params.structured_output.json_schema",
-                    f"a JSON schema is an object or a boolean, not {type(schema).__name__}",
+                    _JSON_SCHEMA_FIELD, f"a JSON schema is an object or a boolean, not {type(schema).__name__}"
                 )
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
@@ -76,6 +93,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
+_JSON_SCHEMA_FIELD = "sampling_params.structured_output.json_schema"
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -97,15 +115,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         repetition_penalty: divides positive (multiplies negative) logits of tokens seen in the prompt
             or the output; ``1`` disables it.
         seed: seed of this request's own random generator, so its samples do not depend on the batch.
-        stop: strings that end the completion; the text ends before the stop string.
-        stop_token_ids: token ids that end the completion (kept in ``token_ids``).
+        stop: strings that end the completion; the text ends before the stop string. At most
+            :data:`~spindle.shared.sampling_params.MAX_STOP_STRINGS`, each of at most
+            :data:`~spindle.shared.sampling_params.MAX_STOP_STRING_LENGTH` characters.
+        stop_token_ids: token ids that end the completion (kept in ``token_ids``); a list or set of at most
+            :data:`~spindle.shared.sampling_params.MAX_STOP_TOKEN_IDS` ids, kept as a ``frozenset``.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         ignore_eos: keep generating after the end-of-sequence token.
         max_tokens: most tokens to generate; ``None`` means up to the model's context length.
         min_tokens: tokens to generate before eos or ``stop_token_ids`` may end the completion.
         logprobs: number of top log-probabilities returned per generated token (plus the sampled one).
         prompt_logprobs: number of top log-probabilities returned per prompt token.
-        logit_bias: token id to a bias added to its logit before sampling.
+        logit_bias: token id to a bias added to its logit before sampling; at most
+            :data:`~spindle.shared.sampling_params.MAX_LOGIT_BIAS` entries.
         skip_special_tokens: leave special tokens out of the text.
         spaces_between_special_tokens: put spaces around special tokens in the text.
         cache_salt: isolates the prefix cache: cached KV blocks are shared only between requests with the same
@@ -129,7 +151,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: frozenset[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -158,6 +180,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63, "None or an integer in [0, 2**63)")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         _check("stop", self.stop, all(s for s in stops or []), "None, a non-empty string or a list of them")
+        _check_size("stop", stops, MAX_STOP_STRINGS, "stop strings")
+        longest = max(stops or [""], key=len)
+        if len(longest) > MAX_STOP_STRING_LENGTH:
+            raise InvalidRequestError(
+                "sampling_params.stop",
+                f"SamplingParams.stop has a string of {len(longest)} characters ({longest[:20]!r}...), longer than "
+                f"the limit of {MAX_STOP_STRING_LENGTH}",
+            )
         self.stop = stops
         _check(
             "cache_salt",
@@ -165,7 +195,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.cache_salt is None or self.cache_salt != "",
             "None or a non-empty string",
         )
+        _check_size("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, "token ids")
         _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids or []), "token ids >= 0")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = frozenset(self.stop_token_ids)  # checked for every generated token
         _check(
             "max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, "None or an integer >= 1"
         )
@@ -193,6 +226,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
             f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
         )
+        _check_size("logit_bias", self.logit_bias, MAX_LOGIT_BIAS, "entries")
         _check(
             "logit_bias",
             self.logit_bias,
@@ -213,4 +247,13 @@ def _check(field: str, value: object, ok: bool, allowed: str) -> None:
     if not ok:
         raise InvalidRequestError(
             f"sampling_params.{field}", f"SamplingParams.{field}={value!r} is invalid: it must be {allowed}"
+        )
+
+
+def _check_size(field: str, value: Sized | None, limit: int, what: str) -> None:
+    """Refuse a collection of more than ``limit`` items (without writing them all into the message)."""
+    if value is not None and len(value) > limit:
+        raise InvalidRequestError(
+            f"sampling_params.{field}",
+            f"SamplingParams.{field} has {len(value)} {what}, more than the limit of {limit}",
         )

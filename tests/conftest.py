@@ -75,6 +75,7 @@ TIERS = {
     "test_embeddings": "process",
     "test_grpc": "process",
     "test_server_limits": "process",
+    "test_hostile_requests": "process",
     "test_lora_api": "process",
     "test_model_registry": "process",
     "test_multimodal": "process",

@@ -148,11 +148,19 @@ def test_stop_strings(tokenizer, hf_tokenizer, stops, include, matched, kept):
     assert run.detokenizer.output_text == "".join(run.deltas) == kept
 
 
-def test_all_stops_completed_by_one_update_the_earliest_wins(tokenizer, hf_tokenizer):
-    params = SamplingParams(stop=["Done", "forty", "answer"])
+@pytest.mark.parametrize(
+    "stops,matched",
+    [
+        (["Done", "forty", "answer"], "answer"),
+        (["answer is", "answer"], "answer is"),  # both start at the same place: the first given wins
+        (["answer", "answer is"], "answer"),
+    ],
+)
+def test_all_stops_completed_by_one_update_the_earliest_wins(tokenizer, hf_tokenizer, stops, matched):
+    params = SamplingParams(stop=stops, include_stop_str_in_output=True)
     output_ids = hf_tokenizer.encode(ANSWER, add_special_tokens=False)
     run = stream(tokenizer, params, hf_tokenizer.encode(PROMPT), output_ids, chunk=len(output_ids))
-    assert (run.stop, run.detokenizer.output_text) == ("answer", " The ")
+    assert (run.stop, run.detokenizer.output_text) == (matched, f" The {matched}")
 
 
 def test_stop_strings_are_not_searched_in_the_prompt(tokenizer, hf_tokenizer):

@@ -213,6 +213,19 @@ def test_logit_bias_forces_or_bans_a_token(
     assert got[target].item() == (1.0 if bias > 0 else 0.0)
 
 
+def test_logit_bias_follows_the_batch_from_step_to_step(sampler: Sampler, base_logits: torch.Tensor) -> None:
+    # The sampler keeps each request's bias between steps: rows come and go, and a request's n rows share it.
+    up, down = base_logits.argmin().item(), base_logits.argmax().item()
+    forced = SamplingParams(temperature=0.0, logit_bias={up: 100.0})
+    banned = SamplingParams(temperature=0.0, logit_bias={down: -100.0, up: -100.0})
+    plain = SamplingParams(temperature=0.0)
+    runner_up = base_logits.argsort(descending=True)[1].item()
+    expected = {id(forced): up, id(banned): runner_up, id(plain): down}
+    for batch in ([forced, banned, banned], [banned, plain], [plain, forced], [forced, forced]):
+        tokens = sampler(base_logits.expand(len(batch), -1).clone(), [make_seq(p, [1]) for p in batch]).to_host()[0]
+        assert tokens == [expected[id(p)] for p in batch]
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_min_tokens_blocks_eos_and_stop_ids_then_releases(
     sampler: Sampler, base_logits: torch.Tensor, ignore_eos: bool

@@ -3,6 +3,7 @@ the checks of tools and tool choices, the chat template's view of them, the gRPC
 SmolLM2) constrained calls end to end through ``LLM.chat`` and the gRPC ``Chat``."""
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -22,10 +23,11 @@ from spindle.frontend.grpc.mapping import (
 from spindle.frontend.processing.input_processor import InputProcessor
 from spindle.frontend.processing.output_processor import OutputProcessor, RequestState
 from spindle.frontend.processing.tokenizer import Tokenizer
-from spindle.frontend.processing.tools import ChatTools, parse_tool_calls
+from spindle.frontend.processing.tools import MAX_PARAMETERS_DEPTH, ChatTools, parse_tool_calls
 from spindle.shared import FinishReason, StructuredOutput, ToolCall
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import MAX_JSON_DEPTH
 from spindle.shared.protocol import SequenceDelta
 from spindle.v1 import spindle_pb2
 
@@ -119,6 +121,14 @@ def chat_tools(tool_choice: str | dict) -> ChatTools:
     return tools
 
 
+def nested(depth: int) -> dict:
+    """Tool parameters nested ``depth`` levels deep: object schemas, each holding the next under ``x``."""
+    value: dict = {"type": "object"}
+    for _ in range(depth - 1):
+        value = {"type": "object", "x": value}
+    return value
+
+
 def calls_of(calls: list[ToolCall]) -> list[tuple[str, dict]]:
     """The calls' names and decoded arguments, after checking their ids."""
     assert all(CALL_ID.fullmatch(call.id) for call in calls)
@@ -205,6 +215,11 @@ CALL_NOW = '{"name": "now", "arguments": {}}'
         ("<tool_call>{broken</tool_call>", []),
         ("The weather in Oslo is cold.", []),
         ("", []),
+        # Nested past the recursion limit, as logit_bias can push a reply: text, as any other JSON that does not parse.
+        ("[" * 5000, []),
+        ("[" * 5000 + "]" * 5000, []),
+        (f"<tool_call>{'[' * 5000}</tool_call>", []),
+        ('{"name": "now", "arguments": "' + "[" * 5000 + "]" * 5000 + '"}', []),
     ],
 )
 def test_the_auto_parser_reads_the_common_formats(text, expected):
@@ -219,6 +234,7 @@ def test_the_auto_parser_reads_the_common_formats(text, expected):
         ('  {"city":"Oslo","unit":"celsius"}\n', '{"city":"Oslo","unit":"celsius"}'),
         ('{"city": "Oslo", "unit"', None),  # cut by max_tokens
         ("[1, 2]", None),
+        ('{"city": ' + "[" * 5000, None),  # nested past the recursion limit
     ],
 )
 def test_a_named_choice_reads_the_reply_as_the_arguments(text, expected):
@@ -291,6 +307,20 @@ STRUCTURED = SamplingParams(structured_output=StructuredOutput(regex="[a-z]+"))
         ),
         ([{"name": "now", "parameters": "{}"}], "auto", None, ("tools[0].parameters",), "got 'str'"),
         ([{"name": "now", "parameters": {"x": {1, 2}}}], "auto", None, ("tools[0].parameters",), "are not JSON"),
+        (
+            [{"name": "now", "parameters": nested(MAX_PARAMETERS_DEPTH + 1)}],
+            "auto",
+            None,
+            ("tools[0].parameters",),
+            f"tools[0].parameters is nested deeper than {MAX_PARAMETERS_DEPTH} levels",
+        ),
+        (
+            [{"name": "now", "parameters": nested(100_000)}],  # json.dumps would raise RecursionError
+            "required",
+            None,
+            ("tools[0].parameters",),
+            "is nested deeper than",
+        ),
         (None, "required", None, ("tool_choice",), "tool_choice='required' needs tools to call"),
         (TOOLS, "sleep", None, ("tool_choice.function_name",), "nor the name of a given tool (the tools are ["),
         (None, "now", None, ("tool_choice.function_name",), "'now' is neither 'auto', 'none' nor 'required'"),
@@ -314,6 +344,15 @@ def test_bad_tools_and_choices_are_refused_naming_the_field(processor, tools, to
     assert error.value.fields == fields
 
 
+def test_tool_parameters_as_deep_as_allowed_fit_the_schema_of_required_calls():
+    deepest = [{"name": "deep", "parameters": nested(MAX_PARAMETERS_DEPTH)}]
+    tools = ChatTools.from_request(deepest, "required", SamplingParams())
+    schema = tools.constrain(
+        SamplingParams()
+    ).structured_output.json_schema  # within MAX_JSON_DEPTH, or this would raise
+    assert json.loads(schema) == tools.output_schema()
+
+
 def with_call(**changes) -> list[dict]:
     """CONVERSATION[:2] with the first tool call's function changed (``None`` drops a key)."""
     call = CONVERSATION[1]["tool_calls"][0]
@@ -326,6 +365,16 @@ def with_call(**changes) -> list[dict]:
     [
         (with_call(arguments='{"city": '), "messages[1].tool_calls[0].arguments", "arguments are not JSON"),
         (with_call(arguments="[1]"), "messages[1].tool_calls[0].arguments", "must be a JSON object, got [1]"),
+        (
+            with_call(arguments='{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+            "messages[1].tool_calls[0].arguments",
+            f"is nested deeper than {MAX_JSON_DEPTH} levels",
+        ),
+        (
+            with_call(arguments=nested(MAX_JSON_DEPTH + 1)),
+            "messages[1].tool_calls[0].arguments",
+            f"is nested deeper than {MAX_JSON_DEPTH} levels",
+        ),
         (with_call(name=None), "messages[1].tool_calls[0].name", "needs a non-empty str name, got None"),
         (
             [CONVERSATION[0], {**CONVERSATION[1], "tool_calls": ["call"]}],
@@ -382,14 +431,14 @@ def test_a_conversation_without_tools_renders_as_before(processor):
 TEXTS = [f"<tool_call>{CALL_NOW}</tool_call>", "It is late."]
 
 
-def steps(tokenizer: Tokenizer) -> list[list[SequenceDelta]]:
+def steps(tokenizer: Tokenizer, request_id: str = "r") -> list[list[SequenceDelta]]:
     """Three steps of a request with n=2: completion 0 (a call) ends in the second, completion 1 in the third."""
     zero, one = (tokenizer.encode(text, add_special_tokens=False) for text in TEXTS)
     stop = FinishReason.STOP
     return [
-        [SequenceDelta("r", 0, zero[:3]), SequenceDelta("r", 1, one[:2])],
-        [SequenceDelta("r", 0, zero[3:], finish_reason=stop), SequenceDelta("r", 1, one[2:4])],
-        [SequenceDelta("r", 1, one[4:], finish_reason=stop)],
+        [SequenceDelta(request_id, 0, zero[:3]), SequenceDelta(request_id, 1, one[:2])],
+        [SequenceDelta(request_id, 0, zero[3:], finish_reason=stop), SequenceDelta(request_id, 1, one[2:4])],
+        [SequenceDelta(request_id, 1, one[4:], finish_reason=stop)],
     ]
 
 
@@ -399,7 +448,7 @@ def test_each_completion_carries_its_calls_from_where_it_finishes(tool_tokenizer
     processor.add_request(
         RequestState("r", None, [1], SamplingParams(n=2), tool_tokenizer, 0.0, delta, tools=chat_tools("auto"))
     )
-    outputs = [processor.process(step)[0][0] for step in steps(tool_tokenizer)]
+    outputs = [processor.process(step).outputs[0] for step in steps(tool_tokenizer)]
     first, second, third = ([c.tool_calls for c in output.outputs] for output in outputs)
     assert first == [None, None]
     assert calls_of(second[0]) == [("now", {})] and second[1] is None
@@ -419,8 +468,69 @@ def test_requests_without_tools_carry_no_calls(tool_tokenizer):
     processor = OutputProcessor(tool_tokenizer)
     processor.add_request(RequestState("r", None, [1], SamplingParams(), tool_tokenizer, 0.0, False))
     ids = tool_tokenizer.encode(TEXTS[0], add_special_tokens=False)
-    [output], _ = processor.process([SequenceDelta("r", 0, ids, finish_reason=FinishReason.STOP)])
+    [output] = processor.process([SequenceDelta("r", 0, ids, finish_reason=FinishReason.STOP)]).outputs
     assert output.finished and output.outputs[0].tool_calls is None
+
+
+class BrokenTools(ChatTools):
+    """Tools whose parser has a bug: it raises on any reply."""
+
+    def parse(self, text: str) -> list[ToolCall]:
+        raise KeyError("a parser bug")
+
+
+class FinishedRequests:
+    """A step listener that keeps the ids of the requests that ended."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
+        pass
+
+    def on_finished(self, state: RequestState, now: float) -> None:
+        self.ids.append(state.request_id)
+
+
+@pytest.mark.parametrize(
+    "tools,extra_delta,failing_step,cause",
+    [
+        (BrokenTools(TOOLS, "auto"), None, 1, KeyError),  # parsing the finished completion 0 raises
+        (None, SequenceDelta("bad", 7, [5]), 0, IndexError),  # a delta for a completion the request does not have
+    ],
+    ids=["parser", "delta"],
+)
+def test_a_request_whose_output_cannot_be_processed_fails_alone(
+    tool_tokenizer, caplog, tools, extra_delta, failing_step, cause
+):
+    def state(request_id: str, tools: ChatTools | None = None) -> RequestState:
+        return RequestState(request_id, None, [1], SamplingParams(n=2), tool_tokenizer, 0.0, True, tools=tools)
+
+    alone = OutputProcessor(tool_tokenizer)
+    alone.add_request(state("good"))
+    expected = [alone.process(step).outputs[0].outputs for step in steps(tool_tokenizer, "good")]
+
+    processor, listener = OutputProcessor(tool_tokenizer), FinishedRequests()
+    processor.listeners.append(listener)
+    processor.add_request(state("bad", tools))
+    processor.add_request(state("good"))
+    bad_steps = steps(tool_tokenizer, "bad")
+    if extra_delta is not None:
+        bad_steps[0].append(extra_delta)
+    for number, (bad, good) in enumerate(zip(bad_steps, steps(tool_tokenizer, "good"), strict=True)):
+        with caplog.at_level(logging.ERROR):
+            outputs, _, failed = processor.process(bad + good)
+        assert [output.outputs for output in outputs if output.request_id == "good"] == [expected[number]]
+        if number < failing_step:
+            assert failed == [] and "bad" in processor.requests
+        elif number == failing_step:
+            assert [(error.request_id, type(error.__cause__)) for error in failed] == [("bad", cause)]
+            assert "bad" not in processor.requests and "could not be processed" in str(failed[0])
+        else:  # its late deltas are dropped, as an aborted request's
+            assert failed == [] and all(output.request_id == "good" for output in outputs)
+    logged = [record for record in caplog.records if record.levelno == logging.ERROR]
+    assert [(record.request_id, record.exc_info[0]) for record in logged] == [("bad", cause)]
+    assert listener.ids == ["bad", "good"]
 
 
 class CapturingStub:
@@ -463,10 +573,15 @@ def test_the_grpc_request_carries_what_the_python_api_takes(processor, tool_choi
     client.close()
 
 
-def test_grpc_tools_with_bad_json_or_an_unknown_mode_are_refused():
-    request = spindle_pb2.ChatRequest(tools=[spindle_pb2.Tool(name="a"), spindle_pb2.Tool(name="b", parameters="{")])
-    with pytest.raises(InvalidRequestError, match=re.escape("tools[1].parameters is not JSON")) as error:
-        tools_from_proto(request)
+@pytest.mark.parametrize(
+    "parameters,message",
+    [("{", "tools[1].parameters is not JSON"), ("[" * 100_000, "tools[1].parameters is nested deeper than")],
+    ids=["bad", "deep"],
+)
+def test_grpc_tools_with_bad_json_or_an_unknown_mode_are_refused(parameters, message):
+    tools = [spindle_pb2.Tool(name="a"), spindle_pb2.Tool(name="b", parameters=parameters)]
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
+        tools_from_proto(spindle_pb2.ChatRequest(tools=tools))
     assert error.value.fields == ("tools[1].parameters",)
     request = spindle_pb2.ChatRequest(tool_choice=spindle_pb2.ToolChoice(mode=9))
     with pytest.raises(InvalidRequestError, match="not a ToolChoiceMode") as error:

@@ -25,6 +25,17 @@ from spindle.shared.protocol import Command, EngineInfo, EngineRequest, ListLora
 
 logger = logging.getLogger(__name__)
 
+MAX_REQUEST_ID_LENGTH = 256
+"""The longest request id a caller may give, in characters (a fresh id is 32 hex digits)."""
+
+PRIORITY_RANGE = (-100, 100)
+"""The priorities a request may have (lower runs first under the priority policy).
+
+Aging bounds starvation by ``(p - p_min) * priority_aging`` seconds (:doc:`architecture`, "Priority scheduling"), so
+the range bounds it for everyone: with the default aging of 10 s, no request waits for ones that arrive more than
+2,000 s (33 min) after it, however the others set their priority. 201 levels is room for any tiering.
+"""
+
 
 class Admission:
     """Turns checked prompts into engine requests: ids, LoRA adapters, tool constraints, request and state.
@@ -103,8 +114,14 @@ class Admission:
         )
 
     def request_id(self, request_id: str | None, in_use: Container[str]) -> str:
-        """``request_id``, or a fresh one for ``None``; :class:`InvalidRequestError` if a request in flight has it."""
+        """``request_id``, or a fresh one for ``None``.
+
+        Raises:
+            InvalidRequestError: a request in flight has it, or it is not an id (see :func:`check_request_id`).
+
+        """
         request_id = request_id or uuid.uuid4().hex
+        check_request_id(request_id)
         if request_id in in_use:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         return request_id
@@ -112,6 +129,7 @@ class Admission:
     def batch_ids(self, request_id: str | None, size: int, in_use: Container[str]) -> list[str]:
         """One id per prompt of an embedding batch, ``{request_id}-{i}`` (from a fresh id for ``None``), all free."""
         request_id = request_id or uuid.uuid4().hex
+        check_request_id(request_id)
         request_ids = [f"{request_id}-{index}" for index in range(size)]
         busy = [rid for rid in request_ids if rid in in_use]
         if busy:
@@ -178,7 +196,14 @@ class Admission:
 
         A chat prompt with tools constrains ``params`` to its tool calls; with
         :class:`~spindle.shared.PoolingParams` it is an embedding request, which generates nothing.
+
+        Raises:
+            InvalidRequestError: ``priority`` is outside :data:`PRIORITY_RANGE`.
+
         """
+        low, high = PRIORITY_RANGE
+        if not low <= priority <= high:
+            raise InvalidRequestError("priority", f"priority={priority} is outside [{low}, {high}] (lower runs first)")
         arrival_time = arrival_time or time.time()
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None and prompt.tools is not None:
@@ -209,6 +234,24 @@ class Admission:
         files = self.info.tokenizer_files
         return InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, ImageProcessor.from_files(files)
+        )
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuse a caller's request id that is not at most :data:`MAX_REQUEST_ID_LENGTH` printable characters.
+
+    An id goes into every log line about its request: one with a newline or another control character could forge
+    lines of the log.
+
+    Raises:
+        InvalidRequestError: for the field ``request_id``.
+
+    """
+    if len(request_id) > MAX_REQUEST_ID_LENGTH or not request_id.isprintable():
+        raise InvalidRequestError(
+            "request_id",
+            f"request id {request_id[:MAX_REQUEST_ID_LENGTH]!r} is not an id: give at most {MAX_REQUEST_ID_LENGTH} "
+            f"printable characters (no newlines or other control characters), or none for a fresh one",
         )
 
 

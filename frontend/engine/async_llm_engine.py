@@ -323,10 +323,20 @@ class AsyncLLMEngine:
         self.client.close()
 
     def on_step(self, deltas: list[SequenceDelta]) -> None:
-        """Turn a step's deltas into outputs for the streams; end in the backend what a stop string ended here."""
-        outputs, stopped = self.output_processor.process(deltas)
+        """Turn a step's deltas into outputs for the streams; end in the backend what a stop string ended here.
+
+        A request whose output could not be processed is aborted in the backend, and its stream raises the
+        :class:`~spindle.shared.errors.OutputProcessingError`; the other streams get their outputs as ever.
+        """
+        outputs, stopped, failed = self.output_processor.process(deltas)
         for request_id, index in stopped:
             self.client.finish_sequence(request_id, index)
+        if failed:
+            self.client.abort_requests([error.request_id for error in failed])
+        for error in failed:
+            queue = self.queues.get(error.request_id)
+            if queue is not None:
+                queue.put_nowait(error)
         for output in outputs:
             queue = self.queues.get(output.request_id)
             if queue is not None:

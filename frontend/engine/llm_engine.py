@@ -10,6 +10,7 @@ from spindle.frontend.processing.output_processor import OutputProcessor
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import OutputProcessingError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
 from spindle.shared.protocol import Command, ListLoras, LoadLora, UnloadLora
 
@@ -40,6 +41,8 @@ class LLMEngine:
         self.client: SyncEngineClient = make_sync_client(config, multiprocess, backend_address)
         self.admission = Admission(self.client.info, self._call)
         self.output_processor = OutputProcessor(self.admission.tokenizer)
+        # Requests whose output could not be processed, aborted already: step() raises their errors one a call.
+        self._failed: list[OutputProcessingError] = []
 
     @classmethod
     def from_args(cls, multiprocess: bool = False, backend_address: str | None = None, **kwargs: object) -> "LLMEngine":
@@ -215,6 +218,8 @@ class LLMEngine:
                 did not compile (compiling happens off the step loop); a note names the request, which is gone.
                 Nothing else is lost: the error comes before this call's step runs.
             EngineUnavailableError: a backend process refused a request because it is shutting down.
+            OutputProcessingError: an earlier step's output of a request could not be processed (a bug); that
+                request was aborted then, and nothing else is lost.
 
         """
         refused = self.client.pop_refused()
@@ -224,9 +229,14 @@ class LLMEngine:
             request_id, error = refused[0]
             error.add_note(f"(the refused request is {request_id!r})")
             raise error
-        outputs, stopped = self.output_processor.process(self.client.step())
+        if self._failed:
+            raise self._failed.pop(0)
+        outputs, stopped, failed = self.output_processor.process(self.client.step())
         for request_id, index in stopped:
             self.client.finish_sequence(request_id, index)
+        if failed:
+            self.client.abort_requests([error.request_id for error in failed])
+            self._failed += failed  # raised by the next calls, as refusals are: this step's outputs are not lost
         return outputs
 
     def shutdown(self) -> None:
@@ -234,8 +244,8 @@ class LLMEngine:
         self.client.close()
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is still in flight."""
-        return bool(self.output_processor.requests)
+        """Whether any request is still in flight (or failed with an error the next :meth:`step` raises)."""
+        return bool(self.output_processor.requests or self._failed)
 
     def get_num_unfinished_requests(self) -> int:
         """How many requests are still in flight."""

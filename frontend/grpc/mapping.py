@@ -10,6 +10,7 @@ from typing import Any
 from google.protobuf.descriptor import FieldDescriptor
 
 from spindle.frontend.processing.input_processor import refer_to_input
+from spindle.frontend.processing.tools import MAX_PARAMETERS_DEPTH
 from spindle.shared import (
     CompletionOutput,
     EmbeddingRequestOutput,
@@ -21,6 +22,7 @@ from spindle.shared import (
     SamplingParams,
 )
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import check_json_text
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest
 from spindle.shared.sampling_params import StructuredOutput
 from spindle.v1 import spindle_pb2
@@ -178,7 +180,8 @@ def tools_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]] |
     """A ``ChatRequest``'s tools in OpenAI's form, their parameters decoded; ``None`` when it has none.
 
     Raises:
-        InvalidRequestError: a tool's parameters are not JSON (``tools[i].parameters``).
+        InvalidRequestError: a tool's parameters are not JSON, or nest deeper than
+            :data:`~spindle.frontend.processing.tools.MAX_PARAMETERS_DEPTH` levels (``tools[i].parameters``).
 
     """
     tools = []
@@ -187,6 +190,7 @@ def tools_from_proto(request: spindle_pb2.ChatRequest) -> list[dict[str, Any]] |
         if tool.description:
             function["description"] = tool.description
         if tool.parameters.strip():
+            check_json_text(tool.parameters, f"tools[{index}].parameters", MAX_PARAMETERS_DEPTH)
             try:
                 function["parameters"] = json.loads(tool.parameters)
             except ValueError as error:

@@ -67,6 +67,7 @@ from spindle.shared.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     NotFoundError,
+    OutputProcessingError,
     ResourceExhaustedError,
 )
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
@@ -101,8 +102,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         :class:`~spindle.shared.errors.EngineUnavailableError` or an
         :class:`~spindle.frontend.engine.connection.EngineDeadError`; ``RESOURCE_EXHAUSTED`` for an
         :class:`~spindle.frontend.grpc.admission_control.OverLimitError` (a full queue, or another limit);
-        ``INTERNAL`` for anything else, a bug (the
-        caller logs it).
+        ``INTERNAL`` with its own message for an :class:`~spindle.shared.errors.OutputProcessingError` (logged where
+        it happened, with its request id); ``INTERNAL`` for anything else, a bug (the caller logs it).
 
     """
     if isinstance(error, InvalidRequestError):
@@ -123,6 +124,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str, list[FieldViolat
         return grpc.StatusCode.UNAVAILABLE, message, []
     if isinstance(error, OverLimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), []
+    if isinstance(error, OutputProcessingError):
+        return grpc.StatusCode.INTERNAL, str(error), []
     message = f"internal error ({type(error).__name__}: {error}): a bug in Spindle, please report it"
     return grpc.StatusCode.INTERNAL, message, []
 
@@ -144,7 +147,7 @@ def _ends_with_status(method: Callable) -> Callable:
 
     async def fail(context: grpc.aio.ServicerContext, error: Exception) -> None:
         code, message, violations = status_for(error)
-        if code == grpc.StatusCode.INTERNAL:
+        if code == grpc.StatusCode.INTERNAL and not isinstance(error, OutputProcessingError):  # logged already
             logger.error("Bug in %s", method.__name__, exc_info=error)
         await _abort_with(context, code, message, violations)
 

@@ -40,6 +40,10 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend
         self._skip_special_tokens = params.skip_special_tokens
         self._stops: list[str] = list(params.stop or [])
+        # A stop string that new text completes ends in one of its characters: only those ending in one are searched.
+        self._stops_by_last_char: dict[str, list[tuple[int, str]]] = {}
+        for order, stop in enumerate(self._stops):
+            self._stops_by_last_char.setdefault(stop[-1], []).append((order, stop))
         self._include_stop = params.include_stop_str_in_output
         # Text that could still turn out to be the start of a stop string is not streamed yet; with
         # include_stop_str_in_output the text is only ever cut after a stop string, so nothing is held.
@@ -73,17 +77,31 @@ class IncrementalDetokenizer:
         self.output_text += "".join(self._decode(token_id) for token_id in new_token_ids)
         if len(self.output_text) == previous_length:
             return None
-        match = None
-        for stop in self._stops:
-            # Only a match that ends in the new text is new: older text has been searched already.
-            start = self.output_text.find(stop, max(0, previous_length - len(stop) + 1))
-            if start != -1 and (match is None or start < match[0]):
-                match = (start, stop)
+        match = self._find_stop(previous_length)
         if match is None:
             return None
-        start, stop = match
+        start, _, stop = match
         self.output_text = self.output_text[: start + len(stop) if self._include_stop else start]
         return stop
+
+    def _find_stop(self, previous_length: int) -> tuple[int, int, str] | None:
+        """The earliest stop string (the first given, of those that start there) that ends after ``previous_length``.
+
+        Only a match that ends in the new text is new: older text has been searched already. So each stop string
+        that ends in a new character is searched for in the text's tail alone, from where it would start if it ended
+        at the first new character: the work per token does not grow with the text.
+
+        Returns:
+            Where it starts, its place in the request's stop strings, and the string; ``None`` when none matches.
+
+        """
+        match = None
+        for char in set(self.output_text[previous_length:]):
+            for order, stop in self._stops_by_last_char.get(char, ()):
+                start = self.output_text.find(stop, max(0, previous_length - len(stop) + 1))
+                if start != -1 and (match is None or (start, order) < match[:2]):
+                    match = (start, order, stop)
+        return match
 
     def get_delta(self, finished: bool = False) -> str:
         """Return the text not returned yet.

@@ -22,6 +22,7 @@ from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.frontend.processing.tools import ChatTools
 from spindle.shared import PromptInputs, SamplingParams, ToolCall
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import check_json_text, check_json_value
 from spindle.shared.protocol import ImageInput
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -489,12 +490,15 @@ def _check_tool_call(field: str, call: object) -> dict[str, Any]:
     if not isinstance(call_id, str):
         raise InvalidRequestError(f"{field}.id", f"{field}'s id must be a str, got {call_id!r}")
     if isinstance(arguments, str):
+        check_json_text(arguments, f"{field}.arguments")
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as error:
             raise InvalidRequestError(
                 f"{field}.arguments", f"{field}'s arguments are not JSON ({error}): {arguments!r}"
             ) from error
+    else:
+        check_json_value(arguments, f"{field}.arguments")
     if not isinstance(arguments, dict):
         raise InvalidRequestError(f"{field}.arguments", f"{field}'s arguments must be a JSON object, got {arguments!r}")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

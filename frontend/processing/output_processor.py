@@ -6,7 +6,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -26,6 +26,7 @@ from spindle.shared import (
     TokenLogprobs,
     ToolCall,
 )
+from spindle.shared.errors import OutputProcessingError
 from spindle.shared.protocol import EngineRequest, ResumedCompletion, SequenceDelta
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,24 @@ class RequestState:
         )
 
 
+class ProcessedStep(NamedTuple):
+    """What :meth:`OutputProcessor.process` made of one step.
+
+    Attributes:
+        outputs: the outputs of the requests that changed, in the order they first appear in the step's deltas (an
+            embedding request's once, when it ends).
+        stopped: the ``(request_id, index)`` of completions that a stop string ended, which the engine core must
+            still end.
+        failed: the requests whose output could not be processed, dropped here: the caller aborts each in the engine
+            core and ends its stream with the error.
+
+    """
+
+    outputs: list[RequestOutput | EmbeddingRequestOutput]
+    stopped: list[tuple[str, int]]
+    failed: list[OutputProcessingError]
+
+
 class StepListener(Protocol):
     """Something that follows requests as the :class:`OutputProcessor` applies each step (the server's metrics)."""
 
@@ -216,58 +235,95 @@ class OutputProcessor:
             if state is not None:
                 self._tell(lambda listener, state=state: listener.on_finished(state, now))
 
-    def process(
-        self, deltas: list[SequenceDelta]
-    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[tuple[str, int]]]:
+    def process(self, deltas: list[SequenceDelta]) -> ProcessedStep:
         """Apply one step's deltas.
 
-        Returns the outputs of the requests that changed, in the order they first appear in ``deltas`` (an embedding
-        request's once, when it ends), and the ``(request_id, index)`` of completions that a stop string ended,
-        which the engine core must still end.
+        A request whose deltas cannot be processed (a bug: its processing raised) fails alone: it is dropped here,
+        as an aborted request is, the error is logged with its id, and it comes back in
+        :attr:`ProcessedStep.failed` so that the caller ends its stream and aborts it in the engine core. The
+        other requests of the step go on untouched.
         """
         now = time.time()
         changed: dict[str, RequestState] = {}
         num_new_tokens: dict[str, int] = {}
         stopped: list[tuple[str, int]] = []
+        failed: dict[str, OutputProcessingError] = {}
         for delta in deltas:
             state = self.requests.get(delta.request_id)
             if state is None:
+                continue  # unknown, aborted, or failed earlier in this step
+            try:
+                ended_here = self._apply(state, delta, now)
+            except Exception as error:
+                failed[delta.request_id] = self._fail(state, error)
+                changed.pop(delta.request_id, None)
                 continue
-            c = state.completions[delta.index]
-            if c.finish_reason is not None:
-                continue  # a stop string already ended it; the core's late tokens are dropped
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-                state.metrics.first_scheduled_time = delta.first_scheduled_time
-            if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = [None, *(self._logprob_dict(lp) for lp in delta.prompt_logprobs)]
-            state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
-            if delta.embedding is not None:
-                state.embedding = _floats(delta.embedding)
-            c.token_ids.extend(delta.new_token_ids)
-            for lp in delta.new_logprobs or []:
-                c.logprobs.append(self._logprob_dict(lp))
-                c.cumulative_logprob += lp.logprobs[0]
-            stop_str = c.detokenizer.update(delta.new_token_ids)
-            if stop_str is not None:
-                c.finish_reason, c.stop_reason = FinishReason.STOP, stop_str
-                if delta.finish_reason is None:
-                    stopped.append((delta.request_id, delta.index))
-            elif delta.finish_reason is not None:
-                c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+            if ended_here is None:
+                continue
+            if ended_here:
+                stopped.append((delta.request_id, delta.index))
             changed[delta.request_id] = state
             num_new_tokens[delta.request_id] = num_new_tokens.get(delta.request_id, 0) + len(delta.new_token_ids)
         outputs = []
         for request_id, state in changed.items():
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+            try:
+                output = state.output()
+            except Exception as error:
+                failed[request_id] = self._fail(state, error)
+                continue
             if new := num_new_tokens[request_id]:
                 self._tell(lambda listener, state=state, new=new: listener.on_tokens(state, new, now))
                 state.last_token_time = now
-            if state.finished:
-                state.metrics.finished_time = now
+            if finished:
                 del self.requests[request_id]
                 self._tell(lambda listener, state=state: listener.on_finished(state, now))
-            outputs.append(state.output())
-        return outputs, stopped
+            outputs.append(output)
+        stopped = [(request_id, index) for request_id, index in stopped if request_id not in failed]
+        return ProcessedStep(outputs, stopped, list(failed.values()))
+
+    def _apply(self, state: RequestState, delta: SequenceDelta, now: float) -> bool | None:
+        """Apply one delta to its request's state.
+
+        Returns ``None`` when the completion had ended already (a stop string ended it: the core's late tokens are
+        dropped), else whether a stop string ended it now, which the engine core must still be told.
+        """
+        c = state.completions[delta.index]
+        if c.finish_reason is not None:
+            return None
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            state.metrics.first_scheduled_time = delta.first_scheduled_time
+        if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None, *(self._logprob_dict(lp) for lp in delta.prompt_logprobs)]
+        state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+        if delta.embedding is not None:
+            state.embedding = _floats(delta.embedding)
+        c.token_ids.extend(delta.new_token_ids)
+        for lp in delta.new_logprobs or []:
+            c.logprobs.append(self._logprob_dict(lp))
+            c.cumulative_logprob += lp.logprobs[0]
+        stop_str = c.detokenizer.update(delta.new_token_ids)
+        if stop_str is not None:
+            c.finish_reason, c.stop_reason = FinishReason.STOP, stop_str
+            return delta.finish_reason is None
+        if delta.finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        return False
+
+    def _fail(self, state: RequestState, error: Exception) -> OutputProcessingError:
+        """Drop a request whose processing raised ``error``, log it once, and return the error its stream ends with."""
+        logger.error(
+            "The output of the request could not be processed (%s: %s): it is aborted",
+            type(error).__name__,
+            error,
+            exc_info=error,
+            extra={"request_id": state.request_id},
+        )
+        self.abort_requests([state.request_id])
+        return OutputProcessingError(state.request_id, error)
 
     def _tell(self, call: Callable[[StepListener], None]) -> None:
         """Make ``call`` (one :class:`StepListener` method's call) on every listener."""

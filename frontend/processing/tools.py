@@ -22,9 +22,15 @@ import msgspec
 
 from spindle.shared import SamplingParams, StructuredOutput, ToolCall
 from spindle.shared.errors import InvalidRequestError
+from spindle.shared.json_depth import MAX_JSON_DEPTH, check_json_value
 
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 """The tool choices that are not a tool's name."""
+
+MAX_PARAMETERS_DEPTH = MAX_JSON_DEPTH - 5
+"""The deepest a tool's ``parameters`` schema may nest: ``"required"`` puts it 5 levels deep in the schema of the
+reply (``items.anyOf[i].properties.arguments``), which must stay within
+:data:`~spindle.shared.json_depth.MAX_JSON_DEPTH`."""
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -33,6 +39,8 @@ _CODE_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 _CALL_PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")
 _JSON_SEPARATORS = " \t\r\n;,"
 _DECODER = json.JSONDecoder()
+# What decoding (and encoding again) a model's JSON can raise: bad JSON, or JSON nested past the recursion limit.
+_UNPARSEABLE = (ValueError, RecursionError)
 
 
 def new_tool_call_id() -> str:
@@ -147,7 +155,7 @@ class ChatTools:
         arguments = text.strip()
         try:
             is_object = isinstance(json.loads(arguments), dict)
-        except ValueError:
+        except _UNPARSEABLE:
             is_object = False
         return [ToolCall(new_tool_call_id(), self.name, arguments)] if is_object else []
 
@@ -163,7 +171,7 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
 
     A call is ``{"name", "arguments"}``, also wrapped as OpenAI's ``{"function": {...}}``; arguments that are JSON
     text of an object are decoded, missing ones are ``{}``. Only calls of the given tools count, and a reply that
-    does not parse has no calls (its text stays as it is).
+    does not parse (bad JSON, or JSON nested too deep for Python to decode) has no calls: its text stays as it is.
 
     Args:
         text: the reply.
@@ -201,7 +209,7 @@ def _json_values(text: str) -> list[Any]:
             return values
         try:
             value, position = _DECODER.raw_decode(text, position)
-        except ValueError:
+        except _UNPARSEABLE:
             return []
         values.append(value)
 
@@ -212,14 +220,14 @@ def _tool_call(value: Any, tool_names: Collection[str]) -> ToolCall | None:
     if not isinstance(value, dict) or value.get("name") not in tool_names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
+    try:
+        if isinstance(arguments, str):
             arguments = json.loads(arguments)
-        except ValueError:
+        if not isinstance(arguments, dict):
             return None
-    if not isinstance(arguments, dict):
+        return ToolCall(new_tool_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    except _UNPARSEABLE:
         return None
-    return ToolCall(new_tool_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _check_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -272,6 +280,7 @@ def _check_parameters(parameters: Any, field: str) -> dict[str, Any]:
             f"{field}'s parameters must be a JSON schema of type 'object' (the arguments are a JSON object), "
             f"got {got!r}",
         )
+    check_json_value(parameters, f"{field}.parameters", MAX_PARAMETERS_DEPTH)
     try:
         json.dumps(parameters)
     except (TypeError, ValueError) as error:
