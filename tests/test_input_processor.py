@@ -1,5 +1,7 @@
+import asyncio
 import base64
 import re
+import threading
 
 import pytest
 from conftest import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS
@@ -8,7 +10,7 @@ from transformers import AutoTokenizer
 
 from spindle import SamplingParams
 from spindle.frontend.processing.image_processor import ImageProcessor
-from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt
+from spindle.frontend.processing.input_processor import OFF_LOOP_CHARACTERS, InputProcessor, ProcessedPrompt
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared.errors import InvalidRequestError
 
@@ -33,6 +35,32 @@ def test_token_prompts_pass_through_unchanged(processor):
     ids = [0, 17, 49151]
     processed = processor.process({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     assert processed == ProcessedPrompt(None, ids)
+
+
+@pytest.mark.parametrize(
+    ("length", "off_loop"), [(OFF_LOOP_CHARACTERS, False), (OFF_LOOP_CHARACTERS + 1, True)], ids=["short", "long"]
+)
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
+def test_long_texts_are_tokenized_off_the_event_loop(processor, monkeypatch, length, off_loop, chat):
+    threads = []
+    encode = processor.tokenizer.encode
+    monkeypatch.setattr(
+        processor.tokenizer, "encode", lambda *a, **k: threads.append(threading.get_ident()) or encode(*a, **k)
+    )
+    text, params = "a" * length, SamplingParams(max_tokens=1)
+
+    async def process() -> int:
+        call = (
+            processor.process_chat_async([{"role": "user", "content": text}], params)
+            if chat
+            else processor.process_async(text, params)
+        )
+        with pytest.raises(InvalidRequestError, match="more than max_model_len"):  # tokenized, then refused
+            await call
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(process())
+    assert len(threads) == 1 and (threads[0] != loop_thread) == off_loop
 
 
 def refused(call, fields: tuple[str, ...], message: str) -> InvalidRequestError:
