@@ -78,7 +78,8 @@ class OutputProcessingError(RuntimeError):
     """The frontend could not turn one request's model output into its outputs: a bug, which ends that request alone.
 
     The request was aborted in the engine (its KV blocks freed) and the error logged with its id and traceback; the
-    other requests of the step went on. The gRPC server answers ``INTERNAL``.
+    other requests of the step went on. The gRPC server answers ``INTERNAL``. The message leaves the id out, as the
+    caller knows its request by its own id (the gRPC server scopes ids to the caller's connection).
 
     Args:
         request_id: the request that failed.
@@ -91,7 +92,7 @@ class OutputProcessingError(RuntimeError):
 
     def __init__(self, request_id: str, cause: Exception) -> None:
         super().__init__(
-            f"the output of request {request_id!r} could not be processed ({type(cause).__name__}: {cause}), so it "
+            f"the output of this request could not be processed ({type(cause).__name__}: {cause}), so it "
             "was aborted; other requests were not affected. This is a bug in Spindle: please report it with the "
             "server's log, which has its traceback under the request's id"
         )

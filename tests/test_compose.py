@@ -216,10 +216,12 @@ NOT_IN_THE_FRONTEND = {
     "tqdm",
     "ninja",
     "xgrammar",
+    "pebble",
+    "filelock",
 }
 """The server's dependencies that the frontend image leaves out: the client comes from ./client, the rest is the
-model's (tqdm only for ``LLM``'s progress bars, which run in-process). A new dependency goes in one list or the
-other."""
+model's (tqdm only for ``LLM``'s progress bars, which run in-process; pebble for the grammar compile workers,
+filelock for the kernel and model caches). A new dependency goes in one list or the other."""
 
 
 def test_the_frontend_image_installs_the_frontend_dependencies():

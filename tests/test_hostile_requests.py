@@ -109,14 +109,15 @@ def test_a_request_whose_output_cannot_be_processed_fails_alone(client, server, 
         error = refusal(lambda: doomed)
         assert texts(beside) == alone
     assert error.code() == grpc.StatusCode.INTERNAL
-    assert "the output of request 'doomed' could not be processed (RuntimeError: a bug in the tokenizer)" in (
+    assert "the output of this request could not be processed (RuntimeError: a bug in the tokenizer)" in (
         error.details()
     )
     logged = [record for record in caplog.records if record.levelno >= logging.ERROR]
-    assert [(record.getMessage().split(" (")[0], getattr(record, "request_id", None)) for record in logged] == [
+    # The server scopes the caller's id to its connection: "<caller>-doomed".
+    assert [(record.getMessage().split(" (")[0], record.request_id.split("-", 1)[1]) for record in logged] == [
         ("The output of the request could not be processed", "doomed")
     ]
-    assert "doomed" in aborted  # in the backend, where it would have generated 1000 tokens
+    assert "doomed" in [rid.split("-", 1)[1] for rid in aborted]  # in the backend, where it would run on
     settled_info(client)
 
 
@@ -142,8 +143,9 @@ def test_the_sync_engine_fails_that_request_alone_too(chat_model_dir, monkeypatc
         monkeypatch.setattr(Tokenizer, "id_to_text", lambda self, token_id: {}[token_id])
         engine.add_request("doomed", "doomed", SamplingParams(max_tokens=500, ignore_eos=True, logprobs=1))
         engine.add_request("ordinary", "hello world", params)
-        with pytest.raises(OutputProcessingError, match="the output of request 'doomed' could not be processed"):
+        with pytest.raises(OutputProcessingError, match="the output of this request could not be processed") as error:
             run_to_end(engine)
+        assert error.value.request_id == "doomed"
         core = engine.engine_core
         assert not core.has_request("doomed") and core.has_request("ordinary")  # aborted where it would run on
         assert run_to_end(engine)["ordinary"] == expected["alone"]
@@ -322,4 +324,5 @@ def test_a_request_id_cannot_forge_a_line_of_the_server_log(chat_model_dir, tmp_
     record = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
     assert all(record.match(line) or line.startswith(" ") for line in lines), lines
     assert not any(line.startswith(forged) for line in lines)
-    assert any(line.endswith("[request_id=ünïcode id ok]") and "Request finished" in line for line in lines)
+    # The server scopes a caller's id to its connection: "<caller>-<id>".
+    assert any(line.endswith("-ünïcode id ok]") and "Request finished" in line for line in lines)

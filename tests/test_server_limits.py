@@ -156,10 +156,12 @@ def test_watchers_are_capped_over_all_connections(make_server, connect, watch):
 
 def test_streams_are_capped_per_connection(make_server, connect):
     server = make_server(max_streams_per_connection=2)
-    channel = connect(server)
-    streams = [generate(channel, f"stream {i}", **LONG) for i in range(2)]
+    # Unread, big outputs fill the connection's window (BDP probing off keeps it at 64 KiB): both calls stay open.
+    channel = connect(server, ("grpc.http2.bdp_probe", 0))
+    streams = [generate(channel, f"stream {i}", n=4, logprobs=20, **LONG) for i in range(2)]
     next(streams[0])
-    wait_until(lambda: server.server.servicer.admission_control.num_queued == 1, "the second stream is queued")
+    connections = server.server.servicer.connections
+    wait_until(lambda: list(connections.counts.values()) == [2], "both streams are open on the connection")
     error = refusal(lambda: generate(channel, "one too many", max_tokens=4))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "streams on this connection" in error.details()
     # Another connection has its own streams.
