@@ -8,18 +8,15 @@ record whatever a request carries.
 
 import json
 import logging
-import os
 import re
 import shutil
-import signal
-import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 from test_grpc import ServerThread, assert_invalid, collect, refusal, settled_info, tiny_config
 from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
-from test_recovery import SPINDLE
+from test_recovery import serve_logging_to
 
 from spindle import LLMEngine, SamplingParams, StructuredOutput
 from spindle.client import SpindleClient
@@ -297,29 +294,13 @@ def test_a_hostile_field_is_invalid_argument_naming_it_and_costs_nothing_else(cl
 
 
 def test_a_request_id_cannot_forge_a_line_of_the_server_log(chat_model_dir, tmp_path, private_tmp):  # noqa: F811
-    env = {**os.environ, "SPINDLE_MODEL": str(chat_model_dir), "SPINDLE_KV_CACHE_MEMORY": "4MiB", "SPINDLE_PORT": "0"}
     log = tmp_path / "serve.log"
     forged = "2099-01-01 00:00:00,000 INFO spindle.frontend: forged"
-    with log.open("w") as stderr:
-        process = subprocess.Popen(
-            [SPINDLE, "serve", "--dtype", "float32", "--log-format", "text"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
-    try:
-        port = int(process.stdout.readline().rsplit(":", 1)[1])
-        with SpindleClient(f"127.0.0.1:{port}", timeout=60) as client:
-            for request_id in (f"a\n{forged}", f"b\r\n{forged}", f"c\u2028{forged}", f"d\x85{forged}"):
-                error = refusal(lambda request_id=request_id: client.generate("hi", request_id, max_tokens=2))
-                assert_invalid(error, ["request_id"], "printable characters")
-            collect(client.generate("hi", "ünïcode id ok", max_tokens=2))
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
+    with serve_logging_to(log, chat_model_dir, "text") as client:
+        for request_id in (f"a\n{forged}", f"b\r\n{forged}", f"c\u2028{forged}", f"d\x85{forged}"):
+            error = refusal(lambda request_id=request_id: client.generate("hi", request_id, max_tokens=2))
+            assert_invalid(error, ["request_id"], "printable characters")
+        collect(client.generate("hi", "ünïcode id ok", max_tokens=2))
     lines = log.read_text().splitlines()
     record = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
     assert all(record.match(line) or line.startswith(" ") for line in lines), lines

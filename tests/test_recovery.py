@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,12 +268,16 @@ def test_the_backend_probe_fails_on_a_dead_address_without_loading_torch(private
     assert probe.stderr == f"spindle: backend DOWN: no backend answered at {address} within 0.5 s\n"
 
 
-def test_json_logs_parse_line_by_line_and_name_the_request(tiny_llm_dir, tmp_path, private_tmp):  # noqa: F811
-    env = {**os.environ, "SPINDLE_MODEL": str(tiny_llm_dir), "SPINDLE_KV_CACHE_MEMORY": "4MiB", "SPINDLE_PORT": "0"}
-    log = tmp_path / "serve.log"
+@contextlib.contextmanager
+def serve_logging_to(log: Path, model_dir: Path, log_format: str) -> Iterator[SpindleClient]:
+    """``spindle serve`` on ``model_dir``, its log (and its backend's) written to ``log``: a client of it.
+
+    On exit the server gets SIGTERM and must stop cleanly, so that every line is in ``log``.
+    """
+    env = {**os.environ, "SPINDLE_MODEL": str(model_dir), "SPINDLE_KV_CACHE_MEMORY": "4MiB", "SPINDLE_PORT": "0"}
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [SPINDLE, "serve", "--dtype", "float32", "--log-format", "json"],
+            [SPINDLE, "serve", "--dtype", "float32", "--log-format", log_format],
             env=env,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -281,17 +286,23 @@ def test_json_logs_parse_line_by_line_and_name_the_request(tiny_llm_dir, tmp_pat
     try:
         port = int(process.stdout.readline().rsplit(":", 1)[1])
         with SpindleClient(f"127.0.0.1:{port}", timeout=60) as client:
-            assert generated_text(client, request_id="json-1")
-            cancelled = client.generate("cancel me", request_id="json-2", **LONG)
-            next(cancelled)
-            cancelled.cancel()
-            with pytest.raises(grpc.RpcError):
-                list(cancelled)
+            yield client
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_json_logs_parse_line_by_line_and_name_the_request(tiny_llm_dir, tmp_path, private_tmp):  # noqa: F811
+    log = tmp_path / "serve.log"
+    with serve_logging_to(log, tiny_llm_dir, "json") as client:
+        assert generated_text(client, request_id="json-1")
+        cancelled = client.generate("cancel me", request_id="json-2", **LONG)
+        next(cancelled)
+        cancelled.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(cancelled)
     entries = [json.loads(line) for line in log.read_text().splitlines()]  # every line, of both processes
     assert all({"timestamp", "level", "logger", "message"} <= entry.keys() for entry in entries)
     about_requests = [
