@@ -64,6 +64,7 @@ from spindle.shared.protocol import (
     Ready,
     Refused,
     RequestError,
+    RequestErrorKind,
     SequenceDelta,
     StepOutputs,
 )
@@ -336,7 +337,7 @@ class EngineProcess:
         ready = encoder.encode(Ready(PROTOCOL_VERSION, self.info))
         # A request from a frontend without a session here (this backend restarted, or forgot it after its silence)
         # would be lost: refuse it, so that the frontend hears of it at once instead of waiting for its timeout.
-        no_session = EngineUnavailableError("this backend has no session with this frontend: it must handshake again")
+        no_session = "this backend has no session with this frontend: it must handshake again"
         self.io_ready.set()
         next_heartbeat = time.monotonic()
         while not self.stop_io:
@@ -375,10 +376,10 @@ class EngineProcess:
                         frontends[identity] = time.monotonic()
                         self.inputs.put((identity, message))
                     elif isinstance(message, AddRequest):
-                        refusal = RequestError.from_exception(message.request.request_id, no_session)
+                        refusal = RequestError(message.request.request_id, RequestErrorKind.NO_SESSION, no_session)
                         router.send_multipart([identity, encoder.encode(refusal)])
                     elif isinstance(message, Call):
-                        refusal = RequestError.from_exception(message.call_id, no_session)
+                        refusal = RequestError(message.call_id, RequestErrorKind.NO_SESSION, no_session)
                         router.send_multipart([identity, encoder.encode(CallReply(message.call_id, error=refusal))])
             if wake in events:
                 while True:

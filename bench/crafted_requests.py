@@ -19,9 +19,11 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -30,6 +32,7 @@ from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 ORDINARY_PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "List three prime numbers:"]
 DEEP = 5000  # nesting levels of the deep-JSON cases: past Python's recursion limit
+FORGED = "2026-01-01 00:00:00,000 INFO spindle: forged line"
 
 
 @dataclass
@@ -101,9 +104,12 @@ WEATHER_TOOL = spindle_pb2.Tool(
 
 
 def cases(
-    stub: spindle_pb2_grpc.SpindleServiceStub, peer: spindle_pb2_grpc.SpindleServiceStub, bias: dict[int, float]
+    stub: spindle_pb2_grpc.SpindleServiceStub,
+    peer: spindle_pb2_grpc.SpindleServiceStub,
+    bias: dict[int, float],
+    log: Path,
 ) -> dict[str, Callable[[], Awaitable[str]]]:
-    """Each crafted case: a coroutine factory returning the status its request got."""
+    """Each crafted case: a coroutine factory returning what its request got (``peer`` is another connection)."""
 
     def chat(**fields: object) -> spindle_pb2.ChatRequest:
         return spindle_pb2.ChatRequest(messages=[spindle_pb2.ChatMessage(role="user", content="Hi")], **fields)
@@ -120,6 +126,16 @@ def cases(
         stream.cancel()
         return "ok"
 
+    async def forge_a_log_line() -> str:
+        request = spindle_pb2.GenerateRequest(
+            request_id=f"x\n{FORGED}",
+            prompt=spindle_pb2.Prompt(text="Hi"),
+            sampling_params=sampling_params(max_tokens=4),
+        )
+        status = await status_of(drain(stub.Generate(request)))
+        forged = any(line.startswith(FORGED) for line in log.read_text().splitlines())
+        return "FORGED a log line" if forged else status
+
     async def other_tenants_abort() -> str:
         victim = stub.Generate(
             spindle_pb2.GenerateRequest(
@@ -129,9 +145,14 @@ def cases(
             )
         )
         await victim.initial_metadata()
-        aborted = await status_of(peer.Abort(spindle_pb2.AbortRequest(request_id="victim-1")))
-        victim_status = await status_of(drain(victim))
-        return f"abort:{aborted} victim:{victim_status}"
+        try:
+            answer = await peer.Abort(spindle_pb2.AbortRequest(request_id="victim-1"))
+        except grpc.aio.AioRpcError as error:
+            aborted = error.code().name
+        else:
+            aborted = "ABORTED" if answer.aborted else "refused"
+        finish = [c.finish_reason for r in [r async for r in victim] for c in r.choices if c.finish_reason]
+        return f"{aborted}, the victim {spindle_pb2.FinishReason.Name(finish[-1])}"
 
     return {
         "tools_nested_brackets": lambda: status_of(
@@ -197,17 +218,7 @@ def cases(
                 )
             )
         ),
-        "newline_request_id": lambda: status_of(
-            drain(
-                stub.Generate(
-                    spindle_pb2.GenerateRequest(
-                        request_id="x\n2026-01-01 00:00:00,000 INFO spindle: forged line",
-                        prompt=spindle_pb2.Prompt(text="Hi"),
-                        sampling_params=sampling_params(max_tokens=4),
-                    )
-                )
-            )
-        ),
+        "newline_request_id": forge_a_log_line,
         "lowest_priority_value": lambda: status_of(
             drain(stub.Generate(spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text="Hi"), priority=-(2**31))))
         ),
@@ -237,7 +248,16 @@ async def watchers(stub: spindle_pb2_grpc.SpindleServiceStub, count: int = 2000)
     return " ".join(f"{o}x{outcomes.count(o)}" for o in sorted(set(outcomes)))
 
 
-async def run(args: argparse.Namespace, port: int) -> list[tuple[str, str, str, float]]:
+async def serving_again(stub: spindle_pb2_grpc.SpindleServiceStub, max_tokens: int, timeout: float = 300.0) -> None:
+    """Wait until the ordinary streams succeed again (a backend restart takes ~20 s)."""
+    deadline = time.monotonic() + timeout
+    while (await ordinary_streams(stub, max_tokens)).error is not None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the server did not serve again within {timeout:g} s")
+        await asyncio.sleep(1)
+
+
+async def run(args: argparse.Namespace, port: int, log: Path) -> list[tuple[str, str, str, float]]:
     """Every chosen case beside the ordinary streams: (case, its status, ordinary texts kept, ordinary time ratio)."""
     options = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.max_send_message_length", 64 * 2**20)]
     async with (
@@ -251,9 +271,10 @@ async def run(args: argparse.Namespace, port: int) -> list[tuple[str, str, str, 
         reference, solo_seconds = solo[0].texts, statistics.median(s.seconds for s in solo)
         print(f"ordinary streams alone: {solo_seconds:.2f} s (median of 3)")
         rows = []
-        for name, crafted in cases(stub, peer, await bracket_bias(stub)).items():
+        for name, crafted in cases(stub, peer, await bracket_bias(stub), log).items():
             if args.case and name not in args.case:
                 continue
+            await serving_again(stub, args.max_tokens)  # an earlier case may have cost the server its backend
             task = asyncio.ensure_future(asyncio.wait_for(crafted(), args.deadline))
             await asyncio.sleep(0.2)  # the crafted request first, as an attacker would
             beside = await ordinary_streams(stub, args.max_tokens)
@@ -273,26 +294,37 @@ def main() -> None:
     parser.add_argument("--case", action="append", help="run only this case (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per ordinary stream")
     parser.add_argument("--deadline", type=float, default=180.0, help="seconds before a crafted request is HUNG")
+    parser.add_argument("--log", help="keep the server's log in this file (default: a temporary one)")
     parser.add_argument("--slow", type=float, default=2.0, help="ordinary time ratio above which a case fails")
     args = parser.parse_args()
     env = {**os.environ, "SPINDLE_PORT": "0"}
     if args.model:
         env["SPINDLE_MODEL"] = args.model
-    server = subprocess.Popen(
-        [sys.executable, "-m", "spindle.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
-        if not banner:
-            raise SystemExit(f"spindle serve exited with code {server.wait()} before it listened")
-        rows = asyncio.run(run(args, int(banner.rsplit(":", 1)[1])))
-    finally:
-        server.terminate()
-        server.wait(60)
+    with tempfile.TemporaryDirectory() as scratch:
+        log = Path(args.log or Path(scratch) / "serve.log")
+        with log.open("w") as stderr:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "spindle.cli", "serve", "--log-format", "text"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        try:
+            banner = server.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
+            if not banner:
+                raise SystemExit(f"spindle serve exited with code {server.wait()} before it listened")
+            rows = asyncio.run(run(args, int(banner.rsplit(":", 1)[1]), log))
+        finally:
+            server.terminate()
+            server.wait(60)
+        restarts = log.read_text().count("Engine ready on") - 1  # the first start, then each restart
+    print(f"backend restarts during the run: {restarts}")
+    unclear = ("HUNG", "INTERNAL", "UNAVAILABLE", "FORGED", "ABORTED")
     held = [
         name
         for name, status, kept, ratio in rows
-        if status not in ("HUNG", "INTERNAL", "UNAVAILABLE") and kept == "same" and ratio <= args.slow
+        if not status.startswith(unclear) and kept == "same" and ratio <= args.slow
     ]
     print(f"held: {len(held)} of {len(rows)}; not held: {', '.join(r[0] for r in rows if r[0] not in held) or '-'}")
 

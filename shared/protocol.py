@@ -28,7 +28,7 @@ from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -300,6 +300,10 @@ class RequestErrorKind(enum.StrEnum):
     """An :class:`~spindle.shared.errors.EngineUnavailableError`."""
     RESOURCE_EXHAUSTED = "resource_exhausted"
     """A :class:`~spindle.shared.errors.ResourceExhaustedError`."""
+    NO_SESSION = "no_session"
+    """An :class:`~spindle.shared.errors.EngineUnavailableError` because the backend has no session with the frontend
+    (it restarted, or dropped the frontend after ``FRONTEND_TIMEOUT`` seconds of silence): the frontend must
+    handshake again, and its requests there are gone."""
 
 
 class RequestError(msgspec.Struct, tag="error"):
@@ -324,7 +328,7 @@ class RequestError(msgspec.Struct, tag="error"):
 
     def to_exception(self) -> RequestRefusedError:
         """The exception the engine core raised, of the same type, fields and message."""
-        if self.kind is RequestErrorKind.UNAVAILABLE:
+        if self.kind in (RequestErrorKind.UNAVAILABLE, RequestErrorKind.NO_SESSION):
             return EngineUnavailableError(self.reason)
         field, *also = self.fields or [""]
         return dict(_INVALID_KINDS)[self.kind](field, self.reason, also=also)

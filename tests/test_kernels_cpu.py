@@ -1,11 +1,9 @@
 """The torch (CPU) kernels against plain dense references and transformers' own Llama pieces."""
 
-import threading
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
+from gil_probe import lets_other_threads_run
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -181,25 +179,8 @@ def test_a_kernel_call_lets_other_threads_run() -> None:
     k_cache, v_cache = torch.randn(2, tokens // block_size, block_size, NUM_KV_HEADS, HEAD_SIZE).unbind(0)
     tables = torch.arange(tokens // block_size, dtype=torch.int32)[None]
     starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
-    ticks: list[float] = []
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.wait(0.001):  # each tick needs the GIL back
-            ticks.append(time.monotonic())
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    try:
-        start = time.monotonic()
-        cpu.cpu_ops().prefill_attention(query, k_cache, v_cache, tables, starts, lens, HEAD_SIZE**-0.5)
-        end = time.monotonic()
-    finally:
-        stop.set()
-        ticker.join()
-    # Ticks in the middle half of the call, away from the moments it takes and gives back the GIL.
-    quarter = (end - start) / 4
-    assert any(start + quarter < t < end - quarter for t in ticks), (end - start, len(ticks))
+    ops, scale = cpu.cpu_ops(), HEAD_SIZE**-0.5
+    assert lets_other_threads_run(lambda: ops.prefill_attention(query, k_cache, v_cache, tables, starts, lens, scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

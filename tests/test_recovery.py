@@ -16,12 +16,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import msgspec
 import pytest
 from stuck_model import ARCHITECTURE as STUCK_ARCHITECTURE
 from stuck_model import STUCK_TOKEN
 from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
 from test_lora_api import save_adapter
 from test_process_split import (
+    peer,
     private_tmp,  # noqa: F401 - a fixture: short ipc paths, cleaned up
     run_engine,
 )
@@ -31,7 +33,18 @@ from spindle import LoRARequest, SamplingParams
 from spindle.client import SpindleClient
 from spindle.frontend.engine.connection import BackendConnection, EngineDeadError, ping_backend
 from spindle.shared.errors import InvalidRequestError
-from spindle.shared.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, EngineRequest
+from spindle.shared.protocol import (
+    FRONTEND_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    PROTOCOL_VERSION,
+    BackendMessage,
+    Call,
+    EngineRequest,
+    Hello,
+    ListLoras,
+    RequestErrorKind,
+)
 from spindle.v1 import spindle_pb2
 
 SPINDLE = str(REPO / ".venv" / "bin" / "spindle")
@@ -246,6 +259,47 @@ def test_a_stuck_step_is_detected_while_the_heartbeats_go_on(stuck_llm_dir, priv
     finally:
         if connection is not None:
             connection.close()
+        backend.kill()
+        backend.wait()
+
+
+def test_a_frontend_the_backend_forgot_is_dead_at_the_first_refusal(tiny_llm_dir, private_tmp):  # noqa: F811
+    """A frontend stalled past ``FRONTEND_TIMEOUT`` (a long call holding the GIL) lost its session and its requests.
+
+    The backend's refusals of what it sends next say so, and must not pass for signs of life: the frontend's
+    connection is dead at the first one, so that its supervisor reconnects and its streams are resumed.
+    """
+    address = f"ipc://{private_tmp}/run/engine.sock"
+    backend = start_remote_backend(tiny_llm_dir, address)
+    silent = None
+    try:
+        wait_until(lambda: answering(address), f"a backend answers at {address}", interval=0)
+        silent = peer(address, None)  # a frontend that handshakes, then sends no heartbeat
+        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BackendMessage)
+        silent.send(encoder.encode(Hello(PROTOCOL_VERSION)))
+        assert silent.poll(SLACK * 1000)
+        silent.recv()  # Ready
+
+        # Heartbeats come every HEARTBEAT_INTERVAL while the backend knows this frontend, and stop once it forgot it.
+        deadline = time.monotonic() + FRONTEND_TIMEOUT + SLACK
+        while silent.poll(4 * HEARTBEAT_INTERVAL * 1000):
+            silent.recv()
+            assert time.monotonic() < deadline, "the backend did not forget a frontend that sends nothing"
+        silent.send(encoder.encode(Call("c", ListLoras())))
+        assert silent.poll(SLACK * 1000)
+        payload = silent.recv()
+        assert decoder.decode(payload).error.kind is RequestErrorKind.NO_SESSION
+        connection = BackendConnection(address)
+        try:
+            assert connection.dead is None
+            connection.decode(payload)
+            with pytest.raises(EngineDeadError, match="no longer has a session with this frontend"):
+                connection.check_alive()
+        finally:
+            connection.close()
+    finally:
+        if silent is not None:
+            silent.close()
         backend.kill()
         backend.wait()
 

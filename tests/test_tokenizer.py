@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+from gil_probe import lets_other_threads_run
 from transformers import AutoTokenizer, GenerationConfig
 
 from spindle.frontend.processing.tokenizer import Tokenizer
@@ -74,6 +75,13 @@ def variant_dir(tmp_path: Path, tokenizer_dir: Path) -> Callable[..., Path]:
 def test_encode_matches_transformers(tokenizer_pair, text, add_special_tokens):
     ours, hf = tokenizer_pair
     assert ours.encode(text, add_special_tokens) == hf.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_long_encode_lets_other_threads_run(tokenizer):
+    """Encoding releases the GIL: a megabyte prompt tokenized off the event loop leaves the loop (and the heartbeat
+    thread, whose silence would cost the frontend its session with the backend) running."""
+    text = "lorem ipsum dolor " * 60_000
+    assert lets_other_threads_run(lambda: tokenizer.encode(text))
 
 
 def test_post_processor_adds_the_bos(llama_style_tokenizer):

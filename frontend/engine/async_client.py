@@ -206,9 +206,10 @@ class AsyncBackendClient:
             if isinstance(message, StepOutputs):
                 self._handler.on_step(message.deltas)
                 self._note_finished(message.deltas)
-            elif isinstance(message, RequestError):
+            elif isinstance(message, RequestError) and connection.dead is None:
                 self.requests.pop(message.request_id, None)
                 self._handler.on_refused(message.request_id, message.to_exception())
+            # (One refused for want of a session killed the connection: it is lost, and resumed, with the others.)
             elif isinstance(message, CallReply):
                 reply = self._calls.get(message.call_id)
                 if reply is not None and not reply.done():  # else its caller gave up waiting

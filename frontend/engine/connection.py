@@ -29,6 +29,7 @@ from spindle.shared.config import EngineConfig, config_to_json, configured_log_f
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.model_registry import ModelRegistry
 from spindle.shared.protocol import (
+    FRONTEND_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     PROTOCOL_VERSION,
@@ -36,6 +37,7 @@ from spindle.shared.protocol import (
     AddRequest,
     BackendMessage,
     Call,
+    CallReply,
     EngineInfo,
     EngineRequest,
     FinishSequence,
@@ -46,6 +48,8 @@ from spindle.shared.protocol import (
     Pong,
     Ready,
     Refused,
+    RequestError,
+    RequestErrorKind,
     hung_reason,
 )
 from spindle.shared.transport import CurveKeys, load_keys, secure_client
@@ -332,6 +336,13 @@ class BackendConnection:
         message = self.decoder.decode(payload)
         if isinstance(message, Heartbeat):
             self.busy_for = message.busy_for
+        error = message.error if isinstance(message, CallReply) else message
+        if isinstance(error, RequestError) and error.kind is RequestErrorKind.NO_SESSION and self.dead is None:
+            # Its refusals would otherwise keep the connection looking alive while every request fails.
+            self.dead = EngineDeadError(
+                f"the backend at {self.address} no longer has a session with this frontend (this process was silent "
+                f"for more than {FRONTEND_TIMEOUT:g} s, or the backend restarted): its requests there are gone"
+            )
         return message
 
     def check_alive(self) -> None:
