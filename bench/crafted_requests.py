@@ -4,7 +4,8 @@ Starts ``spindle serve`` (its own backend, the embedded model unless ``--model``
 streams alone, then runs each crafted case beside them: a hostile or careless tenant's request (deep JSON in request
 fields, huge inputs, unbounded per-token work, forged log lines, a stream nobody reads, other tenants' request ids,
 ...). Each row says what the crafted request got (a gRPC status, ``ok`` or ``HUNG`` past ``--deadline``), whether
-the ordinary streams beside it kept their solo text, and their time as a multiple of their solo median. A case
+the ordinary streams beside it kept their solo text, and their time as a multiple of their time alone, run just
+before the case (the machine's pace drifts). A case
 *holds* when its request gets a clear status (or finishes, bounded) and the ordinary streams are unchanged within
 ``--slow`` times their solo time::
 
@@ -89,7 +90,7 @@ async def drain(stream: grpc.aio.UnaryStreamCall) -> None:
 
 async def bracket_bias(stub: spindle_pb2_grpc.SpindleServiceStub) -> dict[int, float]:
     """+100 on the tokens of runs of opening brackets: the model's reply becomes ever deeper JSON."""
-    runs = ["[" * 64, "{" * 64, "[{" * 32, '{"a":[' * 16]
+    runs = ["[" * 64, "{" * 64, "[{" * 32]
     tokenized = await asyncio.gather(
         *(stub.Tokenize(spindle_pb2.TokenizeRequest(text=run, add_special_tokens=False)) for run in runs)
     )
@@ -248,13 +249,15 @@ async def watchers(stub: spindle_pb2_grpc.SpindleServiceStub, count: int = 2000)
     return " ".join(f"{o}x{outcomes.count(o)}" for o in sorted(set(outcomes)))
 
 
-async def serving_again(stub: spindle_pb2_grpc.SpindleServiceStub, max_tokens: int, timeout: float = 300.0) -> None:
-    """Wait until the ordinary streams succeed again (a backend restart takes ~20 s)."""
+async def alone(stub: spindle_pb2_grpc.SpindleServiceStub, max_tokens: int, timeout: float = 300.0) -> Ordinary:
+    """The ordinary streams alone, once they succeed (an earlier case may have cost the server its backend: a
+    restart takes ~20 s)."""
     deadline = time.monotonic() + timeout
-    while (await ordinary_streams(stub, max_tokens)).error is not None:
+    while (ordinary := await ordinary_streams(stub, max_tokens)).error is not None:
         if time.monotonic() > deadline:
             raise SystemExit(f"the server did not serve again within {timeout:g} s")
         await asyncio.sleep(1)
+    return ordinary
 
 
 async def run(args: argparse.Namespace, port: int, log: Path) -> list[tuple[str, str, str, float]]:
@@ -268,13 +271,14 @@ async def run(args: argparse.Namespace, port: int, log: Path) -> list[tuple[str,
     ):
         stub, peer = spindle_pb2_grpc.SpindleServiceStub(channel), spindle_pb2_grpc.SpindleServiceStub(other)
         solo = [await ordinary_streams(stub, args.max_tokens) for _ in range(3)]
-        reference, solo_seconds = solo[0].texts, statistics.median(s.seconds for s in solo)
-        print(f"ordinary streams alone: {solo_seconds:.2f} s (median of 3)")
+        reference = solo[0].texts
+        print(f"ordinary streams alone: {statistics.median(s.seconds for s in solo):.2f} s (median of 3)")
         rows = []
         for name, crafted in cases(stub, peer, await bracket_bias(stub), log).items():
             if args.case and name not in args.case:
                 continue
-            await serving_again(stub, args.max_tokens)  # an earlier case may have cost the server its backend
+            # Alone just before, as the machine's pace drifts: the ratio compares neighbours.
+            solo_seconds = (await alone(stub, args.max_tokens)).seconds
             task = asyncio.ensure_future(asyncio.wait_for(crafted(), args.deadline))
             await asyncio.sleep(0.2)  # the crafted request first, as an attacker would
             beside = await ordinary_streams(stub, args.max_tokens)
