@@ -59,6 +59,7 @@ from spindle.shared.protocol import (
     Heartbeat,
     Hello,
     LoadLora,
+    Pause,
     Ping,
     Pong,
     Ready,
@@ -125,8 +126,8 @@ class EngineProcess:
     aborts what is left (the frontends see ``FinishReason.ABORT``) and returns.
 
     The socket takes messages of up to ``max_message_size`` bytes (a peer that sends more is disconnected) and, with
-    a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts
-    and finishes only its own requests. The LoRA adapters a frontend loads come from ``lora_dir``
+    a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts,
+    finishes and pauses only its own requests. The LoRA adapters a frontend loads come from ``lora_dir``
     (:class:`~spindle.shared.protocol.LoadLora` ``confined``), whatever the frontend asks, unless
     ``trust_frontends``: a backend that a frontend started as its child, on a private ipc socket, serves that
     frontend's user, who may load any path.
@@ -176,8 +177,10 @@ class EngineProcess:
                     idle or time.monotonic() - self.draining_since > self.grace_period
                 ):
                     break
-                self.busy_since = None if idle else time.monotonic()
-                self._drain_inputs(block=idle)
+                # Paused requests alone give a step nothing to do: wait for messages as when idle.
+                waiting = not self.core.has_unpaused_requests()
+                self.busy_since = None if waiting else time.monotonic()
+                self._drain_inputs(block=waiting)
                 deltas = self.core.step() if self.core.has_unfinished_requests() else []
                 self.stats = self.core.stats()
                 self._send_by_owner(deltas, wake)
@@ -241,6 +244,9 @@ class EngineProcess:
                 self.core.finish_sequence(request_id, index)
                 if not self.core.has_request(request_id):
                     self.owners.pop(request_id, None)
+            case Pause(request_ids=request_ids, resume=resume):
+                owned = [request_id for request_id in request_ids if self.owners.get(request_id) == identity]
+                self.core.pause_requests(owned, resume)
             case Call(call_id=call_id, command=command):
                 self._answer(identity, call_id, command)
             case _FrontendGone():
