@@ -122,8 +122,9 @@ def remove_socket_dir(address: str) -> None:
 class EngineProcess:
     """Runs :class:`EngineCore` for the frontends connected to ``address`` until SIGTERM or SIGINT.
 
-    On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds,
-    aborts what is left (the frontends see ``FinishReason.ABORT``) and returns.
+    On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds (paused
+    ones too: it resumes them, and pauses none while it drains), aborts what is left (the frontends see
+    ``FinishReason.ABORT``) and returns.
 
     The socket takes messages of up to ``max_message_size`` bytes (a peer that sends more is disconnected) and, with
     a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts,
@@ -177,6 +178,9 @@ class EngineProcess:
                     idle or time.monotonic() - self.draining_since > self.grace_period
                 ):
                     break
+                if self.draining_since is not None:
+                    # The grace period is all a request has left to finish in: a paused one must run too.
+                    self.core.pause_requests(list(self.owners), resume=True)
                 # Paused requests alone give a step nothing to do: wait for messages as when idle.
                 waiting = not self.core.has_unpaused_requests()
                 self.busy_since = None if waiting else time.monotonic()
@@ -244,7 +248,7 @@ class EngineProcess:
                 self.core.finish_sequence(request_id, index)
                 if not self.core.has_request(request_id):
                     self.owners.pop(request_id, None)
-            case Pause(request_ids=request_ids, resume=resume):
+            case Pause(request_ids=request_ids, resume=resume) if self.draining_since is None:
                 owned = [request_id for request_id in request_ids if self.owners.get(request_id) == identity]
                 self.core.pause_requests(owned, resume)
             case Call(call_id=call_id, command=command):
