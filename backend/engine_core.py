@@ -425,6 +425,16 @@ class EngineCore:
         """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
         self.scheduler.abort_requests(request_ids)
 
+    def pause_requests(self, request_ids: list[str], resume: bool = False) -> None:
+        """Schedule no tokens for requests until resumed (``resume``: schedule them again); unknown ids are ignored.
+
+        Their sequences keep their blocks meanwhile (see :class:`~spindle.backend.scheduler.Scheduler`).
+        """
+        if resume:
+            self.scheduler.resume_requests(request_ids)
+        else:
+            self.scheduler.pause_requests(request_ids)
+
     def pop_refused(self) -> list[tuple[str, RequestRefusedError]]:
         """The requests dropped since the last call because their structured-output spec did not compile, with why.
 
@@ -450,6 +460,7 @@ class EngineCore:
             num_accepted_draft_tokens=self.drafter.num_accepted_draft_tokens,
             num_prefix_cache_queries=self.block_manager.num_prefix_queries,
             num_prefix_cache_hits=self.block_manager.num_prefix_hits,
+            num_paused_requests=len(self.scheduler.paused),
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -470,6 +481,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
         return self.scheduler.has_unfinished()
+
+    def has_unpaused_requests(self) -> bool:
+        """Whether any unfinished request is not paused: with none, a step has nothing to do."""
+        return self.scheduler.has_unpaused()
 
     def step(self) -> list[SequenceDelta]:
         """Schedule, run, apply the results; what changed for each sequence that got a token or its embedding."""

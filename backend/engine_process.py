@@ -59,6 +59,7 @@ from spindle.shared.protocol import (
     Heartbeat,
     Hello,
     LoadLora,
+    Pause,
     Ping,
     Pong,
     Ready,
@@ -122,12 +123,13 @@ def remove_socket_dir(address: str) -> None:
 class EngineProcess:
     """Runs :class:`EngineCore` for the frontends connected to ``address`` until SIGTERM or SIGINT.
 
-    On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds,
-    aborts what is left (the frontends see ``FinishReason.ABORT``) and returns.
+    On SIGTERM it stops accepting requests, lets the in-flight ones finish for up to ``grace_period`` seconds (paused
+    ones too: it resumes them, and pauses none while it drains), aborts what is left (the frontends see
+    ``FinishReason.ABORT``) and returns.
 
     The socket takes messages of up to ``max_message_size`` bytes (a peer that sends more is disconnected) and, with
-    a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts
-    and finishes only its own requests. The LoRA adapters a frontend loads come from ``lora_dir``
+    a ``zmq_secret_file``, only from peers that hold the secret (:mod:`spindle.shared.transport`). A frontend aborts,
+    finishes and pauses only its own requests. The LoRA adapters a frontend loads come from ``lora_dir``
     (:class:`~spindle.shared.protocol.LoadLora` ``confined``), whatever the frontend asks, unless
     ``trust_frontends``: a backend that a frontend started as its child, on a private ipc socket, serves that
     frontend's user, who may load any path.
@@ -177,8 +179,13 @@ class EngineProcess:
                     idle or time.monotonic() - self.draining_since > self.grace_period
                 ):
                     break
-                self.busy_since = None if idle else time.monotonic()
-                self._drain_inputs(block=idle)
+                if self.draining_since is not None:
+                    # The grace period is all a request has left to finish in: a paused one must run too.
+                    self.core.pause_requests(list(self.owners), resume=True)
+                # Paused requests alone give a step nothing to do: wait for messages as when idle.
+                waiting = not self.core.has_unpaused_requests()
+                self.busy_since = None if waiting else time.monotonic()
+                self._drain_inputs(block=waiting)
                 deltas = self.core.step() if self.core.has_unfinished_requests() else []
                 self.stats = self.core.stats()
                 self._send_by_owner(deltas, wake)
@@ -242,6 +249,9 @@ class EngineProcess:
                 self.core.finish_sequence(request_id, index)
                 if not self.core.has_request(request_id):
                     self.owners.pop(request_id, None)
+            case Pause(request_ids=request_ids, resume=resume) if self.draining_since is None:
+                owned = [request_id for request_id in request_ids if self.owners.get(request_id) == identity]
+                self.core.pause_requests(owned, resume)
             case Call(call_id=call_id, command=command):
                 self._answer(identity, call_id, command)
             case _FrontendGone():

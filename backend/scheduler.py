@@ -96,6 +96,14 @@ class Scheduler:
     to a few streams' credit would starve them, as each finished prompt adds a stream that earns a little more
     (serving 128 requests of ~15 tokens 64 at a time: TTFT p50 9-17 s, against 1.4-2.0 s prefilled whole). 0 turns
     the bound off: prefill chunks fill the token budget (best throughput).
+
+    A request is *paused* (:meth:`pause_requests`) while the consumer of its stream lags behind (back-pressure from
+    the frontend): its sequences keep their blocks, their place in the queues and their slots under
+    ``max_num_seqs``, but get no tokens (no decodes, no prefill chunks, no drafts; a grammar has nothing to do)
+    until it is resumed, so a stream nobody reads burns no compute. The scheduler never ends a paused request: the
+    frontend aborts it after its own timeout. A paused sequence gives way: when a running sequence lacks blocks, or a
+    waiting one blocks or a slot, paused running sequences are preempted first (the last first), as they use
+    neither now; one preempted, or still waiting, is passed over until its request is resumed.
     """
 
     def __init__(
@@ -124,6 +132,8 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # The requests paused by their frontend: unfinished ones only (a request is forgotten here with its last).
+        self.paused: set[str] = set()
         self.num_preemptions = 0
         self.max_loras = max_loras
         # LoRA adapter id -> its running sequences; and its unfinished (waiting or running) ones.
@@ -156,6 +166,18 @@ class Scheduler:
         """Whether any sequence is waiting or running."""
         return bool(self.requests)
 
+    def has_unpaused(self) -> bool:
+        """Whether any unfinished request is not paused: whether a step may have work (else none can)."""
+        return len(self.requests) > len(self.paused)
+
+    def pause_requests(self, request_ids: Collection[str]) -> None:
+        """Schedule no tokens for these requests until they are resumed; unknown or finished ids are ignored."""
+        self.paused.update(request_id for request_id in request_ids if request_id in self.requests)
+
+    def resume_requests(self, request_ids: Collection[str]) -> None:
+        """Schedule these paused requests again, from where they were; others are ignored."""
+        self.paused.difference_update(request_ids)
+
     def abort_requests(self, request_ids: Collection[str]) -> None:
         """Drop requests wherever they are and free all their blocks; unknown ids are ignored."""
         for request_id in request_ids:
@@ -172,7 +194,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts, allocating their blocks; the drafts of those that speculate."""
-        drafts = self.drafter.propose(self.running)
+        drafts = self.drafter.propose(s for s in self.running if s.request_id not in self.paused)
         # Preemptions that make room for a waiting sequence are there to admit it: unlike those below, they do not
         # close this step to admissions.
         made_room = self._make_room() if self.by_priority else 0
@@ -183,6 +205,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.request_id in self.paused:
+                i += 1
+                continue
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
             seq_drafts = drafts.get(seq.seq_id, [])
             if num_new == 1 and seq_drafts:
@@ -198,7 +223,11 @@ class Scheduler:
                     i += 1
                     continue
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running.pop()
+                paused = self._last_paused()
+                victim = self.running[-1] if paused is None else paused
+                if self.running.index(victim) < i:  # a paused one passed over: seq moves up
+                    i -= 1
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
@@ -209,20 +238,25 @@ class Scheduler:
                 i += 1
         out_of_blocks = out.num_preempted > made_room
         i = 0
-        while not out_of_blocks and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out_of_blocks and i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
-            if self.structured_output.is_compiling(seq.request_id) or not self._lora_fits(seq):
+            if not self._admissible(seq):
                 i += 1
                 continue
+            if len(self.running) >= self.max_num_seqs and not self._preempt_paused(out):
+                break
             if not seq.skips_prefix_cache:
                 # Prompt logprobs need logits, and mean/cls pooling hidden states, at every prompt position.
                 self.block_manager.match_prefix(seq)
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
             num_new = self._prefill_chunk(seq, num_new, out)
+            while num_new and not self.block_manager.can_allocate(seq, num_new) and self._preempt_paused(out):
+                pass
             if not num_new or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free_blocks(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
+            i = self.waiting.index(seq)  # a preempted paused sequence may have gone back before it
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self._count_lora(seq, 1)
@@ -393,10 +427,7 @@ class Scheduler:
         blocks may make it need fewer). Only sequences of a strictly worse effective priority are preempted, worst
         first; returns how many.
         """
-        seq = next(
-            (s for s in self.waiting if not self.structured_output.is_compiling(s.request_id) and self._lora_fits(s)),
-            None,
-        )
+        seq = next((s for s in self.waiting if self._admissible(s)), None)
         if seq is None:
             return 0
         rank = self._key(seq)[0]
@@ -420,7 +451,9 @@ class Scheduler:
         self.force_token = False
         if self.max_decode_slowdown <= 1:
             return
-        decode_contexts = [len(s) for s in self.running if len(s) - s.num_computed_tokens == 1]
+        decode_contexts = [
+            len(s) for s in self.running if len(s) - s.num_computed_tokens == 1 and s.request_id not in self.paused
+        ]
         if not decode_contexts:
             self.prefill_credit = 0.0
             return
@@ -488,6 +521,7 @@ class Scheduler:
         seqs = self.requests[seq.request_id]
         if all(s.is_finished for s in seqs):
             del self.requests[seq.request_id]
+            self.paused.discard(seq.request_id)
             self.structured_output.remove_request(seq.request_id, [s.seq_id for s in seqs])
 
     def _leave_runner(self, seq: Sequence) -> None:
@@ -495,6 +529,28 @@ class Scheduler:
         if seq.num_runner_tokens:
             self.gone_seq_ids.append(seq.seq_id)
             seq.num_runner_tokens = 0
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Whether waiting ``seq`` may be admitted now: not paused, its grammar compiled, its adapter has a slot."""
+        if seq.request_id in self.paused or self.structured_output.is_compiling(seq.request_id):
+            return False
+        return self._lora_fits(seq)
+
+    def _last_paused(self) -> Sequence | None:
+        """The last running sequence of a paused request, the first to give way; ``None`` if none is paused."""
+        if not self.paused:
+            return None
+        return next((s for s in reversed(self.running) if s.request_id in self.paused), None)
+
+    def _preempt_paused(self, out: SchedulerOutput) -> bool:
+        """Preempt the last paused running sequence to make room for a waiting one; whether there was one."""
+        victim = self._last_paused()
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.num_preempted += 1
+        return True
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq``'s adapter can have a slot if it runs: the base model, or one of at most ``max_loras``."""

@@ -140,6 +140,10 @@ class SchedulerConfig:
             ``arrival + priority * priority_aging``, which bounds starvation, as a request is never overtaken by one
             ``d`` levels better that arrived more than ``d * priority_aging`` seconds after it. ``0`` is strict
             priority (vLLM's), where a stream of better requests can starve a worse one.
+        stream_buffer_outputs: outputs an ``AsyncLLMEngine`` stream holds unread (64; a gRPC stream reads up to
+            ``max_unread_outputs`` ahead of these) before its request is paused in the backend: no tokens are
+            scheduled for it, though it keeps its KV blocks, until its reader has taken half of them. So a stream
+            nobody reads costs no compute; its frontend still aborts it after ``unread_timeout`` (gRPC).
 
     """
 
@@ -160,9 +164,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 256
     scheduling_policy: SchedulingPolicy = "fcfs"
     priority_aging: float = 10.0
+    stream_buffer_outputs: int = 64
 
     def __post_init__(self) -> None:
         check_choices(self)
+        _check_at_least(self, 1, "stream_buffer_outputs")
         _check_at_least(self, 1, "max_num_seqs", "max_num_batched_tokens")
         _check_at_least(self, 0, "long_prefill_token_threshold")
         if self.max_decode_slowdown != 0 and self.max_decode_slowdown < 1:

@@ -139,8 +139,10 @@ class EngineStats(msgspec.Struct, array_like=True):
 
     ``num_accepted_draft_tokens / num_draft_tokens`` is the acceptance rate of the draft tokens (speculative decoding)
     verified so far; ``num_prefix_cache_hits / num_prefix_cache_queries`` the prefix cache's hit rate, in tokens: the
-    tokens of the sequences admitted to the batch, and those of them whose K/V was found cached. New fields go at the
-    end with a default, so that a frontend and a backend one field apart still decode each other's stats.
+    tokens of the sequences admitted to the batch, and those of them whose K/V was found cached;
+    ``num_paused_requests`` the requests their frontends paused (:class:`Pause`), whose sequences ``num_running`` and
+    ``num_waiting`` count too. New fields go at the end with a default, so that a frontend and a backend one field
+    apart still decode each other's stats.
     """
 
     num_running: int
@@ -152,6 +154,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_accepted_draft_tokens: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    num_paused_requests: int = 0
 
 
 class EngineInfo(msgspec.Struct):
@@ -211,6 +214,17 @@ class FinishSequence(msgspec.Struct, tag="finish"):
 
     request_id: str
     index: int
+
+
+class Pause(msgspec.Struct, tag="pause"):
+    """Schedule no tokens for requests until resumed (their streams' readers lag behind); with ``resume``, again.
+
+    A paused request keeps its KV blocks (unless another sequence needs them: it is preempted then) and is never
+    ended for being paused: its frontend aborts it if its reader does not come back.
+    """
+
+    request_ids: list[str]
+    resume: bool = False
 
 
 class LoadLora(msgspec.Struct, tag="load_lora"):
@@ -404,5 +418,5 @@ def hung_reason(busy_for: float, step_timeout: float | None) -> str | None:
     return f"its step loop has been in one step for {busy_for:.0f} s, over its step_timeout of {step_timeout:g} s"
 
 
-FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Call | Ping
+FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Call | Ping | Pause
 BackendMessage = Ready | Refused | StepOutputs | RequestError | CallReply | Heartbeat | Pong

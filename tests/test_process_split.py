@@ -69,9 +69,9 @@ def backend(tiny_llm_dir: Path):
     assert process.wait(30) == 0
 
 
-def run_engine(address: str, coroutine_fn) -> object:
-    """Connect an AsyncLLMEngine to ``address``, run ``coroutine_fn(engine)`` and disconnect."""
-    engine = AsyncLLMEngine.from_args(backend_address=address)
+def run_engine(address: str, coroutine_fn, **engine_args) -> object:
+    """Connect an AsyncLLMEngine to ``address`` (with ``engine_args``), run ``coroutine_fn(engine)`` and disconnect."""
+    engine = AsyncLLMEngine.from_args(backend_address=address, **engine_args)
     try:
         return asyncio.run(coroutine_fn(engine))
     finally:
@@ -160,6 +160,35 @@ def test_closing_a_stream_or_matching_a_stop_string_frees_the_backend(backend):
 
     stats = run_engine(backend, scenario)
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_a_stream_its_reader_leaves_is_paused_keeping_its_blocks_and_resumes_where_it_was(backend):
+    prompt = prompts_for(2)[1]
+
+    async def scenario(engine):
+        undisturbed = await collect(engine, prompt, LONG, "undisturbed")
+        lagging = engine.generate(prompt, LONG, "lagging")
+        for _ in range(3):
+            await anext(lagging)
+
+        async def paused() -> EngineStats | None:
+            stats = await engine.get_stats()
+            return stats if stats.num_paused_requests == 1 else None
+
+        # The reader stops: once 4 outputs wait, the request is paused (stats come after the steps before it).
+        stats = await wait_until_async(paused, "the unread stream's request is paused", interval=0)
+        assert stats.num_free_blocks < stats.num_total_blocks  # it keeps its blocks
+        generated = engine.output_processor.requests["lagging"].completions[0].token_ids
+        stalled_at = len(generated)
+        assert await collect(engine, prompts_for(1)[0], GREEDY, "other") and len(generated) == stalled_at
+        assert stalled_at < LONG.max_tokens // 2
+        # Reading again resumes it, and it goes on as it would have.
+        final = [output async for output in lagging][-1]
+        assert final.outputs[0].token_ids == undisturbed
+        return await settled_stats(engine)
+
+    stats = run_engine(backend, scenario, stream_buffer_outputs=4)
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_paused_requests == 0
 
 
 def test_bad_requests_fail_alone(backend):

@@ -314,3 +314,63 @@ def test_the_runner_hears_once_of_each_sequence_gone_and_sees_a_preempted_one_co
     late = add(sched, 3, first_token=90)
     out = fake_step(sched).out
     assert out.finished_seq_ids == [new.seq_id] and [s.seq_id for s in out.new_seqs] == [late.seq_id]
+
+
+@pytest.mark.parametrize("pause_after", [0, 1, 3], ids=["waiting", "mid-prefill", "decoding"])
+def test_a_paused_request_gets_no_tokens_and_keeps_its_blocks_until_resumed(pause_after):
+    def run(pause: bool) -> list[int]:
+        sched = make_scheduler(budget=8)
+        paused = add(sched, 12, max_tokens=10)  # its prompt takes two steps: 8 tokens, then 4 beside other's
+        other = add(sched, 4, max_tokens=10, first_token=50)
+        for _ in range(pause_after):
+            fake_step(sched)
+        if pause:
+            sched.pause_requests([paused.request_id, "unknown"])
+            held = (paused.status, list(paused.block_table), paused.num_computed_tokens, len(paused))
+            while not other.is_finished:
+                assert paused not in fake_step(sched).seqs
+            assert (paused.status, paused.block_table, paused.num_computed_tokens, len(paused)) == held
+            assert not sched.has_unpaused() and not fake_step(sched).seqs
+            sched.resume_requests([paused.request_id])
+        run_to_completion(sched)
+        assert sched.block_manager.num_free_blocks == 64
+        return paused.token_ids
+
+    assert run(pause=True) == run(pause=False)
+
+
+@pytest.mark.parametrize("short_of", ["slots", "blocks", "decode blocks"])
+def test_a_paused_sequence_is_preempted_first_and_waits_until_resumed(short_of):
+    # slots: max_num_seqs is 1. blocks: the newcomer's prompt needs 2 of the 3, the paused one holds 2. decode
+    # blocks: the 4 hold both prompts, and the newcomer's first decode needs a fifth.
+    num_blocks, max_num_seqs = {"slots": (64, 1), "blocks": (3, 8), "decode blocks": (4, 8)}[short_of]
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=4, budget=64)
+    paused = add(sched, 8, max_tokens=4)
+    fake_step(sched)
+    sched.pause_requests([paused.request_id])
+    newcomer = add(sched, 8, max_tokens=4, first_token=50)  # the newest: fcfs would preempt it first
+    steps = []
+    while not newcomer.is_finished:
+        steps.append(fake_step(sched))
+    assert sum(step.out.num_preempted for step in steps) == 1 and newcomer.num_output_tokens == 4
+    assert paused.status is SequenceStatus.WAITING and paused.block_table == [] and paused.num_output_tokens == 1
+    assert not fake_step(sched).seqs  # room enough now, but it waits for its resume
+    sched.resume_requests([paused.request_id])
+    run_to_completion(sched)
+    alone = make_scheduler(num_blocks=num_blocks, block_size=4, budget=64)
+    undisturbed = add(alone, 8, max_tokens=4)
+    run_to_completion(alone)
+    assert paused.token_ids == undisturbed.token_ids
+    assert sched.block_manager.num_free_blocks == num_blocks
+
+
+def test_an_aborted_paused_request_is_forgotten():
+    sched = make_scheduler(num_blocks=16)
+    seq = add(sched, 9)
+    fake_step(sched)
+    sched.pause_requests([seq.request_id])
+    sched.abort_requests([seq.request_id])
+    assert sched.block_manager.num_free_blocks == 16
+    later = add(sched, 9, first_token=30)
+    assert sched.has_unpaused()  # the aborted request no longer counts as paused
+    assert fake_step(sched).seqs == [later]

@@ -18,6 +18,7 @@ from waiting import wait_until
 from spindle.client import sampling_params
 from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.grpc.args import ServerConfig
+from spindle.shared.protocol import EngineStats
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 SPINDLE = REPO / ".venv" / "bin" / "spindle"
@@ -183,6 +184,28 @@ def test_a_stream_its_client_does_not_read_is_aborted_and_frees_its_blocks(make_
     with pytest.raises(grpc.RpcError) as error:
         list(unread)  # what came before the abort, then the end
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "outputs unread" in error.value.details()
+
+
+def test_a_stream_its_client_does_not_read_is_paused_and_gives_way_to_another(make_server, connect):
+    server = make_server(engine_args={"stream_buffer_outputs": 4}, max_unread_outputs=4)
+    unread = generate(connect(server, ("grpc.http2.bdp_probe", 0)), "never read", n=4, logprobs=20, **LONG)
+
+    async def generated() -> int:
+        (state,) = server.engine.output_processor.requests.values()  # the unread request's, alone in flight
+        return sum(len(completion.token_ids) for completion in state.completions)
+
+    def paused() -> EngineStats | None:
+        stats = server.run(server.engine.get_stats())
+        return stats if stats.num_paused_requests == 1 else None
+
+    stats = wait_until(paused, "the unread stream's request is paused")
+    assert stats.num_free_blocks < stats.num_total_blocks  # it keeps its blocks while nothing else needs them
+    stalled_at = server.run(generated())
+    # The backend runs one sequence at a time: another stream runs because the paused one gives way.
+    choices, _ = collect(generate(connect(server), "other", temperature=0, max_tokens=4))
+    assert len(choices[0]["token_ids"]) == 4
+    assert server.run(generated()) == stalled_at < 4 * LONG["max_tokens"] // 2
+    unread.cancel()
 
 
 ADMIN_CALLS = {

@@ -121,6 +121,11 @@ class AsyncBackendClient:
         with contextlib.suppress(EngineDeadError):
             self.connection.abort_requests(list(request_ids))
 
+    def pause_requests(self, request_ids: Sequence[str], resume: bool = False) -> None:
+        """Stop scheduling requests in the backend, or with ``resume`` schedule them again; a dead one runs none."""
+        with contextlib.suppress(EngineDeadError):
+            self.connection.pause_requests(list(request_ids), resume)
+
     def finish_sequence(self, request_id: str, index: int) -> None:
         """End one completion in the backend (a stop string matched)."""
         self._finished(request_id, index)

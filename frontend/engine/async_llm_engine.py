@@ -22,7 +22,7 @@ from spindle.shared import (
     RequestOutput,
     SamplingParams,
 )
-from spindle.shared.config import EngineConfig, RecoveryConfig, request_id_var
+from spindle.shared.config import EngineConfig, RecoveryConfig, SchedulerConfig, request_id_var
 from spindle.shared.errors import RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
 from spindle.shared.protocol import Command, EngineInfo, EngineStats, ListLoras, LoadLora, SequenceDelta, UnloadLora
@@ -37,6 +37,12 @@ class AsyncLLMEngine:
     imports torch; the backend sees token ids only. The engine client's task receives each step's deltas for all
     requests; the engine detokenizes them and feeds each request's queue. A stream that is cancelled or closed aborts
     its request in the backend, which frees its KV blocks at once.
+
+    A stream whose reader falls behind holds its request back: once ``stream_buffer_outputs`` outputs wait unread in
+    its queue, the request is paused in the backend (:class:`~spindle.shared.protocol.Pause`), where it keeps its KV
+    blocks but gets no tokens, so the queue stops growing and a stream nobody reads costs no compute; once the
+    reader has taken half of them, it is resumed and goes on as it would have. Pausing never ends a request: its
+    reader does (the gRPC server aborts a stream left unread for ``unread_timeout``).
 
     If the backend dies (it exits, or sends nothing for ``HEARTBEAT_TIMEOUT`` seconds: hung), every call raises
     :class:`EngineDeadError` until a backend is back. The client brings one back
@@ -69,6 +75,7 @@ class AsyncLLMEngine:
     Args:
         client: the engine client, connected to its backend (or backends).
         recovery: what to do with the requests of a backend that dies (by default: resume them).
+        stream_buffer_outputs: the unread outputs a stream holds before its request is paused (see above).
 
     Attributes:
         num_resumed_requests: how many times a request was sent again after its backend died.
@@ -77,9 +84,15 @@ class AsyncLLMEngine:
 
     """
 
-    def __init__(self, client: AsyncEngineClient, recovery: RecoveryConfig | None = None) -> None:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        recovery: RecoveryConfig | None = None,
+        stream_buffer_outputs: int = SchedulerConfig.stream_buffer_outputs,
+    ) -> None:
         self.client = client
         self.recovery = recovery or RecoveryConfig()
+        self.stream_buffer_outputs = stream_buffer_outputs
         self.admission = Admission(client.info, client.call)
         self.output_processor = OutputProcessor(self.admission.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
@@ -89,6 +102,8 @@ class AsyncLLMEngine:
         # The requests whose backend died, in the order they are to be sent again, and the task that sends them.
         self._paused: dict[str, RequestState] = {}
         self._resuming: asyncio.Task | None = None
+        # The requests paused in their backend because their streams' readers fell behind.
+        self._held_back: set[str] = set()
         client.attach(self)
 
     @classmethod
@@ -109,7 +124,8 @@ class AsyncLLMEngine:
         (:func:`~spindle.frontend.engine.client.make_async_client`).
         """
         config = EngineConfig.of(**engine_args)
-        return cls(make_async_client(config, backend_address, data_parallel_size, startup_timeout), config.recovery)
+        client = make_async_client(config, backend_address, data_parallel_size, startup_timeout)
+        return cls(client, config.recovery, config.scheduler.stream_buffer_outputs)
 
     @property
     def info(self) -> EngineInfo:
@@ -337,10 +353,28 @@ class AsyncLLMEngine:
             queue = self.queues.get(error.request_id)
             if queue is not None:
                 queue.put_nowait(error)
+        lagging = []
         for output in outputs:
             queue = self.queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+                if self._lags(output, queue):
+                    lagging.append(output.request_id)
+        if lagging:
+            self._held_back.update(lagging)
+            self.client.pause_requests(lagging)
+
+    def _lags(self, output: RequestOutput | EmbeddingRequestOutput, queue: asyncio.Queue) -> bool:
+        """Whether an unfinished request's stream, not held back yet, holds ``stream_buffer_outputs`` unread."""
+        if output.finished or output.request_id in self._held_back:
+            return False
+        return queue.qsize() >= self.stream_buffer_outputs
+
+    def _catch_up(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Resume a held-back request once its reader has taken half of what its stream held."""
+        if request_id in self._held_back and queue.qsize() <= self.stream_buffer_outputs // 2:
+            self._held_back.discard(request_id)
+            self.client.pause_requests([request_id], resume=True)
 
     def on_refused(self, request_id: str, error: RequestRefusedError) -> None:
         """A backend refused a request: its stream raises ``error``."""
@@ -357,6 +391,7 @@ class AsyncLLMEngine:
         """
         limit = self.recovery.max_stream_resumes
         exhausted = EngineDeadError(f"{error}; not resumed again (max_stream_resumes={limit})")
+        self._held_back.difference_update(request_ids)  # a backend that takes them over runs them: held back anew
         for request_id in request_ids:
             state = self.output_processor.requests.get(request_id)
             if not self.recovery.resume_streams or state is None:
@@ -441,6 +476,7 @@ class AsyncLLMEngine:
             logger.debug("Request added: %d prompt tokens", len(prompt.prompt_token_ids), extra=about)
             while not finished:
                 item = await queue.get()
+                self._catch_up(request_id, queue)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -459,6 +495,7 @@ class AsyncLLMEngine:
             raise
         finally:
             del self.queues[request_id]
+            self._held_back.discard(request_id)
             if not finished:
                 self._abort(request_id)
             with contextlib.suppress(ValueError):  # closed from another context (an event loop's finalizer)

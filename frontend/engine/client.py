@@ -126,6 +126,12 @@ class AsyncEngineClient(EngineClient, Protocol):
 
         """
 
+    def pause_requests(self, request_ids: Sequence[str], resume: bool = False) -> None:
+        """Schedule no tokens for requests until resumed, their blocks kept (``resume``: schedule them again).
+
+        Unknown or ended ids are ignored, and so is a backend that is down (it holds no request).
+        """
+
     async def call(self, command: Command) -> Any:
         """Run a control-plane command in the backends; its result (the command's ``Result`` type).
 

@@ -44,6 +44,7 @@ from spindle.shared.protocol import (
     FrontendHeartbeat,
     Heartbeat,
     Hello,
+    Pause,
     Ping,
     Pong,
     Ready,
@@ -292,7 +293,7 @@ class BackendConnection:
         hint = "" if self.keys is not None else " (one that requires a ZeroMQ secret ignores a frontend without it)"
         raise EngineDeadError(f"no answer from a backend at {self.address} within {timeout:.0f} s{hint}")
 
-    def send(self, message: AddRequest | Abort | FinishSequence | Call) -> None:
+    def send(self, message: AddRequest | Abort | FinishSequence | Pause | Call) -> None:
         """Queue a message for the backend (never blocks)."""
         self._send(self.encoder.encode(message))
 
@@ -329,6 +330,11 @@ class BackendConnection:
         """End one completion in the backend (a stop string matched)."""
         if self.dead is None:
             self.send(FinishSequence(request_id, index))
+
+    def pause_requests(self, request_ids: list[str], resume: bool = False) -> None:
+        """Stop scheduling requests in the backend (their blocks stay), or with ``resume`` schedule them again."""
+        if request_ids and self.dead is None:
+            self.send(Pause(request_ids, resume))
 
     def decode(self, payload: bytes) -> BackendMessage:
         """Decode one message from the backend; any message proves it alive, a heartbeat says how its step loop is."""

@@ -273,7 +273,7 @@ class DataParallelClient:
     So requests that share a long prefix land on one backend and hit its prefix cache, until it is clearly busier
     than the others. An embedding batch goes whole to the least loaded backend.
 
-    A request's aborts and ended completions go to the backend that runs it (:meth:`client_of`). LoRA adapters
+    A request's aborts, pauses and ended completions go to the backend that runs it (:meth:`client_of`). LoRA adapters
     (:class:`~spindle.shared.protocol.LoadLora`, whether a caller or a request's ``lora_path`` asks) are loaded into
     every live backend or into none, and again into a backend that restarted or was reconnected to, before it gets
     another request.
@@ -329,10 +329,13 @@ class DataParallelClient:
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Abort requests in the backends that run them."""
-        for client in self.clients:
-            owned = [request_id for request_id in request_ids if request_id in client.requests]
-            if owned:
-                client.abort_requests(owned)
+        for client, owned in self._by_client(request_ids):
+            client.abort_requests(owned)
+
+    def pause_requests(self, request_ids: Sequence[str], resume: bool = False) -> None:
+        """Stop scheduling requests in the backends that run them, or with ``resume`` schedule them again."""
+        for client, owned in self._by_client(request_ids):
+            client.pause_requests(owned, resume)
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         """End one completion in the backend that runs its request."""
@@ -428,6 +431,11 @@ class DataParallelClient:
                 chosen = affine
         chosen.remember(hashes)
         return chosen
+
+    def _by_client(self, request_ids: Sequence[str]) -> list[tuple[AsyncBackendClient, list[str]]]:
+        """The requests among ``request_ids`` that each backend runs, for those that run any."""
+        groups = [(client, [rid for rid in request_ids if rid in client.requests]) for client in self.clients]
+        return [(client, owned) for client, owned in groups if owned]
 
     def _live(self) -> list[_Rank]:
         """The backends that serve now; :class:`EngineDeadError` if none does."""

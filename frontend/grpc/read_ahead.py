@@ -1,9 +1,10 @@
 """``read_ahead``: a stream's outputs taken from the engine into a bounded buffer, for clients that may stop reading.
 
-gRPC's write of a streamed response waits while the client does not read (HTTP/2 flow control), but the engine
-keeps producing the request's outputs into memory meanwhile. So a stream's outputs are read ahead by a task of its
-own into a buffer of ``size``; once the buffer has stayed full for ``timeout`` seconds, the request is aborted in
-the engine (its KV cache freed), and the caller hears of it to end the call, whatever write it waits in.
+gRPC's write of a streamed response waits while the client does not read (HTTP/2 flow control). So a stream's
+outputs are read ahead by a task of its own into a buffer of ``size``; while the buffer is full, the engine's
+stream fills in turn, and the engine pauses the request in the backend (``stream_buffer_outputs``: no tokens are
+computed for it meanwhile). Once the buffer has stayed full for ``timeout`` seconds, the request is aborted in the
+engine (its KV cache freed), and the caller hears of it to end the call, whatever write it waits in.
 """
 
 import asyncio
