@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_grpc import LONG, REPO, ServerThread, collect, settled_info, tiny_config
+from test_grpc import LONG, REPO, ServerThread, assert_invalid, collect, settled_info, tiny_config
 from waiting import wait_until
 
 from spindle.client import sampling_params
@@ -246,6 +246,35 @@ def test_the_server_refuses_to_start_with_an_empty_key(argv, env, tiny_llm_dir):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
     assert result.returncode == 2
     assert "is set but empty: give the key, or unset it" in result.stderr
+
+
+LOWERED = {"max_stop_strings": 2, "max_stop_string_length": 4, "max_stop_token_ids": 2, "max_logit_bias": 2}
+"""Per-request limits a server lowers below SamplingParams' own."""
+
+PAST_LOWERED = {
+    "max_stop_strings": ({"stop": ["a", "b", "c"]}, {"stop": ["a", "b"]}, "stop", "has 3 stop strings"),
+    "max_stop_string_length": ({"stop": ["abcde"]}, {"stop": ["abcd"]}, "stop", "has a string of 5 characters"),
+    "max_stop_token_ids": ({"stop_token_ids": [1, 2, 3]}, {"stop_token_ids": [1, 2]}, "stop_token_ids", "has 3"),
+    "max_logit_bias": ({"logit_bias": dict.fromkeys([1, 2, 3], 1.0)}, {"logit_bias": {1: 1.0}}, "logit_bias", "has 3"),
+}
+"""For each lowered limit: a request just past it, one within it, the field and the start of the refusal."""
+
+
+@pytest.mark.parametrize("setting", PAST_LOWERED)
+def test_a_server_lowers_the_per_request_limits(make_server, connect, setting):
+    channel = connect(make_server(**LOWERED))
+    past, within, field, message = PAST_LOWERED[setting]
+    error = refusal(lambda: generate(channel, "past", max_tokens=2, **past))
+    flag = "--" + setting.replace("_", "-")
+    assert_invalid(error, [f"sampling_params.{field}"], message)
+    assert f"this server's limit of {LOWERED[setting]} ({flag})" in error.details()
+    assert collect(generate(channel, "within", max_tokens=2, **within))
+
+
+@pytest.mark.parametrize("setting", PAST_LOWERED)
+def test_a_per_request_limit_cannot_exceed_sampling_params_own(setting):
+    with pytest.raises(ValueError, match=f"{setting}=100000 must be in"):
+        ServerConfig(**{setting: 100_000})
 
 
 def test_a_key_equal_to_the_admin_key_is_refused():

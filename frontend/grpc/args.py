@@ -4,6 +4,15 @@ import argparse
 import dataclasses
 
 from spindle.shared.config import add_settings_args
+from spindle.shared.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+CEILINGS = {
+    "max_stop_strings": MAX_STOP_STRINGS,
+    "max_stop_string_length": MAX_STOP_STRING_LENGTH,
+    "max_stop_token_ids": MAX_STOP_TOKEN_IDS,
+    "max_logit_bias": MAX_LOGIT_BIAS,
+}
+"""The per-request limits a server may lower, each with the ceiling ``SamplingParams`` sets for every caller."""
 
 
 @dataclasses.dataclass
@@ -39,6 +48,14 @@ class ServerConfig:
             aborted in the backend, freeing its KV cache (60).
         max_n: largest ``n`` (completions per request).
         max_tokens_limit: largest ``max_tokens``; ``0`` allows up to the model's context length.
+        max_stop_strings: most stop strings per request; at most
+            :data:`~spindle.shared.sampling_params.MAX_STOP_STRINGS`, which ``SamplingParams`` allows anyone.
+        max_stop_string_length: longest stop string, in characters; at most
+            :data:`~spindle.shared.sampling_params.MAX_STOP_STRING_LENGTH`.
+        max_stop_token_ids: most stop token ids per request; at most
+            :data:`~spindle.shared.sampling_params.MAX_STOP_TOKEN_IDS`.
+        max_logit_bias: most ``logit_bias`` entries per request; at most
+            :data:`~spindle.shared.sampling_params.MAX_LOGIT_BIAS`.
         grace_period: seconds that streams in flight may take to finish after SIGTERM.
         metrics_port: serve Prometheus metrics over HTTP at ``/metrics`` on this port; unset serves none, ``0``
             picks a free port (see :doc:`observability`).
@@ -64,6 +81,10 @@ class ServerConfig:
     unread_timeout: float = 60.0
     max_n: int = 16
     max_tokens_limit: int = 0
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_length: int = MAX_STOP_STRING_LENGTH
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = MAX_LOGIT_BIAS
     grace_period: float = 30.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -90,6 +111,9 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name, ceiling in CEILINGS.items():
+            if not 1 <= getattr(self, name) <= ceiling:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [1, {ceiling}] (SamplingParams' own limit)")
         if self.unread_timeout <= 0:
             raise ValueError(f"unread_timeout={self.unread_timeout} must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

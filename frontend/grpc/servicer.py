@@ -44,7 +44,7 @@ from grpc_status import rpc_status
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import EngineDeadError
 from spindle.frontend.grpc.admission_control import AdmissionControl, CallLimit, OverLimitError
-from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.args import CEILINGS, ServerConfig
 from spindle.frontend.grpc.mapping import (
     ResponseBuilder,
     embed_inputs_from_proto,
@@ -458,7 +458,21 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         handler.cancel()
 
     def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:
-        """The request's SamplingParams, within this server's ``max_n`` and ``max_tokens_limit``."""
+        """The request's SamplingParams, within this server's ``max_n``, ``max_tokens_limit`` and per-token limits."""
+        longest_stop = max(map(len, message.stop), default=0)
+        for field, size, setting, what in (
+            ("stop", len(message.stop), "max_stop_strings", "has {} stop strings, more than"),
+            ("stop", longest_stop, "max_stop_string_length", "has a string of {} characters, longer than"),
+            ("stop_token_ids", len(message.stop_token_ids), "max_stop_token_ids", "has {} token ids, more than"),
+            ("logit_bias", len(message.logit_bias), "max_logit_bias", "has {} entries, more than"),
+        ):
+            # Past the ceiling, SamplingParams refuses it as it would for any caller.
+            limit, flag = getattr(self.config, setting), "--" + setting.replace("_", "-")
+            if limit < size <= CEILINGS[setting]:
+                raise InvalidRequestError(
+                    f"sampling_params.{field}",
+                    f"SamplingParams.{field} {what.format(size)} this server's limit of {limit} ({flag})",
+                )
         if message.HasField("n") and message.n > self.config.max_n:
             raise InvalidRequestError(
                 "sampling_params.n", f"n={message.n} is above this server's limit of {self.config.max_n}"
