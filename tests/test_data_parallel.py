@@ -203,10 +203,13 @@ def engine_id(engine: AsyncLLMEngine, request_id: str) -> str:
 @pytest.mark.parametrize("how", ["abort", "cancel"])
 def test_abort_and_cancel_reach_the_engine_that_runs_the_request(remote_server, how):
     engine = remote_server.engine
+    # Routing goes by load: what an earlier test left running (its stream cancelled as its channel closed) must end.
+    wait_until(lambda: not any(c.load() for c in engine.client.clients), "both engines are idle")
     with remote_server.client(timeout=30) as client:
-        streams = [client.generate(f"run {name}", request_id=f"{how}-{name}", **LONG) for name in ("a", "b")]
-        for stream in streams:
-            next(stream)
+        streams = []
+        for name in ("a", "b"):  # one after the other: the second is routed once the first counts as load
+            streams.append(client.generate(f"run {name}", request_id=f"{how}-{name}", **LONG))
+            next(streams[-1])
         clients = engine.client.clients
         ending, going_on = (
             clients.index(engine.client.client_of(engine_id(engine, f"{how}-{name}"))) for name in ("a", "b")
