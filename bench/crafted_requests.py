@@ -224,7 +224,7 @@ def cases(
             drain(stub.Generate(spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text="Hi"), priority=-(2**31))))
         ),
         "huge_tokenize": lambda: status_of(stub.Tokenize(spindle_pb2.TokenizeRequest(text="lorem ipsum " * 300_000))),
-        "watch_load_subscribers": lambda: watchers(stub),
+        "watch_load_subscribers": lambda: watchers(peer),  # a tenant of its own connection
         "never_read_stream": never_read,
         "abort_other_tenants_request": other_tenants_abort,
     }

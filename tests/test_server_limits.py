@@ -18,6 +18,7 @@ from waiting import wait_until
 from spindle.client import sampling_params
 from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.grpc.args import ServerConfig
+from spindle.frontend.grpc.servicer import TOKENIZER_NICENESS
 from spindle.shared.protocol import EngineStats
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
@@ -102,6 +103,12 @@ def test_an_embed_over_the_free_queue_is_refused_and_the_stream_beside_it_keeps_
         # More inputs than the queue could ever hold are a bad argument, not a reason to retry.
         error = refusal(lambda: client.embed(["x"] * 4))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 3" in error.details()
+
+
+def test_the_tokenizer_threads_yield_the_cpu_to_serving(make_server):
+    threads = make_server().server.servicer._tokenizer_threads
+    niceness = threads.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(30)
+    assert niceness == TOKENIZER_NICENESS > os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_a_long_tokenize_runs_off_the_loop_and_the_excess_is_refused(make_server, monkeypatch):

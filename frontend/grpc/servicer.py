@@ -30,6 +30,8 @@ import hashlib
 import importlib.metadata
 import inspect
 import logging
+import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -213,7 +215,9 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self.connections = CallLimit(config.max_streams_per_connection, "streams on this connection")
         self.watchers = CallLimit(config.max_watchers, "load and health watches")
         # Tokenize and Detokenize run here, off the event loop; those beyond the threads wait, up to the queue's size.
-        self._tokenizer_threads = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="spindle-tokenize")
+        self._tokenizer_threads = ThreadPoolExecutor(
+            config.tokenizer_threads, thread_name_prefix="spindle-tokenize", initializer=_yield_to_serving
+        )
         self._endings: set[asyncio.Task] = set()  # the statuses of calls ended for unread outputs, being sent
         self.tokenizer_calls = CallLimit(
             config.tokenizer_threads + config.max_queued_requests, "Tokenize and Detokenize calls"
@@ -574,3 +578,14 @@ def _load_report(load: Load) -> spindle_pb2.LoadReport:
         generation_tokens_per_second=load.generation_tokens_per_second,
         timestamp=timestamp,
     )
+
+
+TOKENIZER_NICENESS = 10
+"""How much the tokenizer threads yield the CPU (Linux niceness, per thread): a megabyte Tokenize call takes seconds
+of a core, which on a small machine the backend's step threads and the event loop need more."""
+
+
+def _yield_to_serving() -> None:
+    """Lower the calling thread's CPU priority by :data:`TOKENIZER_NICENESS` (where the platform allows it)."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: run at the usual priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICENESS)
