@@ -162,6 +162,9 @@ def start_backend(
         address = f"ipc://{socket_dir}/engine.sock"
     argv = [
         sys.executable,
+        # -P: no working directory on sys.path. From a checkout its ``kernels/`` would shadow Hugging Face's
+        # ``kernels`` (which transformers imports) in the backend and in every process it spawns.
+        "-P",
         "-m",
         "spindle.backend.engine_process",
         "--listen",
