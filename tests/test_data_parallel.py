@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from test_grpc import LONG, ServerThread, collect, tiny_config
+from test_grpc import LONG, ServerThread, callers_id, collect, tiny_config
 from test_lora_api import save_adapter
 from test_observability import counted_all, scrape, watch
 from waiting import wait_until
@@ -196,7 +196,7 @@ def test_requests_sharing_a_long_prefix_land_on_one_engine(remote_server):
 
 def engine_id(engine: AsyncLLMEngine, request_id: str) -> str:
     """The engine's id of the request in flight a client named ``request_id`` (scoped to the client's connection)."""
-    [scoped] = [rid for rid in engine.queues if rid.endswith(f"-{request_id}")]
+    [scoped] = [rid for rid in engine.queues if callers_id(rid) == request_id]
     return scoped
 
 

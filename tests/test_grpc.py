@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import runpy
 import shutil
 import signal
@@ -91,6 +92,11 @@ def server(backend):
 def client(server):
     with server.client(timeout=30) as client:
         yield client
+
+
+def callers_id(engine_id: str) -> str:
+    """The id a caller gave its request, from the engine's id of it (the server scopes it: ``<caller digest>-<id>``)."""
+    return re.sub(r"^[0-9a-f]{16}-", "", engine_id)
 
 
 def collect(responses) -> tuple[dict[int, dict], list]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_grpc import ServerThread, assert_invalid, collect, refusal, settled_info, tiny_config
+from test_grpc import ServerThread, assert_invalid, callers_id, collect, refusal, settled_info, tiny_config
 from test_process_split import private_tmp  # noqa: F401 - a fixture: short ipc paths, cleaned up
 from test_recovery import serve_logging_to
 
@@ -111,10 +111,10 @@ def test_a_request_whose_output_cannot_be_processed_fails_alone(client, server, 
     )
     logged = [record for record in caplog.records if record.levelno >= logging.ERROR]
     # The server scopes the caller's id to its connection: "<caller>-doomed".
-    assert [(record.getMessage().split(" (")[0], record.request_id.split("-", 1)[1]) for record in logged] == [
+    assert [(record.getMessage().split(" (")[0], callers_id(record.request_id)) for record in logged] == [
         ("The output of the request could not be processed", "doomed")
     ]
-    assert "doomed" in [rid.split("-", 1)[1] for rid in aborted]  # in the backend, where it would run on
+    assert "doomed" in map(callers_id, aborted)  # in the backend, where it would run on
     settled_info(client)
 
 

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 from stuck_model import ARCHITECTURE as STUCK_ARCHITECTURE
 from stuck_model import STUCK_TOKEN
-from test_grpc import LONG, REPO, ServerThread, collect, refusal, tiny_config
+from test_grpc import LONG, REPO, ServerThread, callers_id, collect, refusal, tiny_config
 from test_lora_api import save_adapter
 from test_process_split import (
     peer,
@@ -361,7 +361,7 @@ def test_json_logs_parse_line_by_line_and_name_the_request(tiny_llm_dir, tmp_pat
     assert all({"timestamp", "level", "logger", "message"} <= entry.keys() for entry in entries)
     about_requests = [
         # The server names a request by the caller's id under its connection's digest.
-        (re.match(r"Request \w+", e["message"])[0], re.sub(r"^[0-9a-f]{16}-", "", e.get("request_id", "")))
+        (re.match(r"Request \w+", e["message"])[0], callers_id(e.get("request_id", "")))
         for e in entries
         if e["message"].startswith("Request ")
     ]
