@@ -33,7 +33,8 @@ from spindle.backend.engine_core import EngineCore, context_length
 from spindle.backend.memory import bound_host_memory
 from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_model
-from spindle.backend.worker import die_with_parent, serve_node
+from spindle.backend.parent_death import die_with_parent
+from spindle.backend.worker import serve_node
 from spindle.shared.config import (
     EngineConfig,
     add_backend_args,
@@ -427,7 +428,8 @@ def _die(reason: str) -> None:
     """End this process at once, as a crash would: a tensor-parallel worker died or stopped answering.
 
     The engine cannot step. The frontends then see a dead backend (its socket and heartbeats gone), and one that owns
-    it restarts it; its workers die with it (even stopped ones: see :func:`~spindle.backend.worker.die_with_parent`).
+    it restarts it; its workers die with it (even stopped ones: see
+    :func:`~spindle.backend.parent_death.die_with_parent`).
     """
     logger.critical("Engine dead: %s", reason)
     os._exit(1)

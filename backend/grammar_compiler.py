@@ -13,19 +13,18 @@ xgrammar imports torch, and building its tokenizer table takes seconds, so nothi
 """
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import re
 import signal
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pebble import ProcessExpired, ProcessPool
 
+from spindle.backend.parent_death import die_with_parent
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -35,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 # xgrammar's errors start with a timestamp and the C++ source line: "[22:52:48] /project/cpp/x.cc:820: ...".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-_PR_SET_PDEATHSIG = 1
 
 
 class CompileAbandonedError(InvalidRequestError):
@@ -165,11 +162,8 @@ def start_worker(tokenizer_info: str, parent_pid: int) -> None:
     import xgrammar
 
     global _compiler
-    if sys.platform == "linux":
-        # SIGKILL, not SIGTERM: a worker in the middle of a compile runs no Python signal handler until it is done.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the engine died before prctl took effect
-        os._exit(1)
+    # SIGKILL, not SIGTERM: a worker in the middle of a compile runs no Python signal handler until it is done.
+    die_with_parent(parent_pid, signal.SIGKILL)
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
     _compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 

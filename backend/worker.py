@@ -7,12 +7,10 @@ steps (:meth:`~spindle.backend.model_runner.ModelRunner.follow`) until rank 0 st
 a collective fails, or the process that started it has died (the kernel then kills it, even if it is stopped).
 """
 
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,19 +21,19 @@ from spindle.backend import parallel
 from spindle.backend.model_runner import ModelRunner
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.interface import model_class
+from spindle.backend.parent_death import die_with_parent
 from spindle.shared.config import EngineConfig, configure_logging, configured_log_format
 from spindle.shared.model_registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
-_PARENT_POLL = 0.5  # seconds between a worker's checks that the process that started it still lives
-
 
 class Workers:
     """The worker processes of some ranks of this node, started with the ``spawn`` method.
 
-    They are killed when the thread that starts them ends (Linux's parent-death signal; see :func:`die_with_parent`),
-    so start them from one that lives as long as they should (the main thread, as the backend process does).
+    They are killed when the thread that starts them ends (Linux's parent-death signal; see
+    :func:`~spindle.backend.parent_death.die_with_parent`), so start them from one that lives as long as they should
+    (the main thread, as the backend process does).
 
     Args:
         config: the engine's config, ``master_addr`` and ``master_port`` filled in (every rank must agree on them).
@@ -147,28 +145,6 @@ def _run_worker(
         runner.follow()
     finally:
         parallel.destroy_group()
-
-
-def die_with_parent(parent_pid: int, signum: int) -> None:
-    """Have ``signum`` sent to this process once the process that started it, ``parent_pid``, is gone.
-
-    On Linux the kernel sends it (the parent-death signal, when the thread that started this process ends); elsewhere
-    a daemon thread watches for the parent. A backend takes SIGTERM (it drains), a worker SIGKILL.
-    """
-    if sys.platform == "linux":
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum)
-    else:
-        watch = threading.Thread(target=_watch_parent, args=(parent_pid, signum), name="spindle-parent", daemon=True)
-        watch.start()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signum)
-
-
-def _watch_parent(parent_pid: int, signum: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL)
-    os.kill(os.getpid(), signum)
 
 
 def check_tensor_parallel(config: EngineConfig, checkpoint: CheckpointConfig) -> None:
