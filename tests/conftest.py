@@ -37,7 +37,10 @@ from spindle.kernels import quant
 # Triton decides once, when it is first imported (transformers imports it early), whether its kernels run compiled
 # or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors. torch asks the driver
 # (importing torch does not import Triton); a binary on PATH, such as nvidia-smi, may be missing where CUDA works.
-if not torch.cuda.is_available():
+TEST_DEVICE = os.environ.get("SPINDLE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+"""The device of the device-side tests (tests/gpu, test_kernels_triton.py): ``SPINDLE_TEST_DEVICE``, else ``cuda``
+where there is one. ``cpu`` runs their device side on CPU tensors through Triton's interpreter, even beside a GPU."""
+if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tests import Spindle as installed, as users do (see `make test`). With the repository root on sys.path, as

@@ -1,7 +1,9 @@
 """The Triton kernels against their torch references (the CPU serving path), on the GPU or under the interpreter.
 
-Without CUDA, ``TRITON_INTERPRET=1`` is set before Triton is first imported and the kernels run on CPU tensors
-through :func:`spindle.kernels.force_triton`; with CUDA they run compiled, on CUDA tensors, against the same references.
+Without CUDA (or with ``SPINDLE_TEST_DEVICE=cpu``), ``TRITON_INTERPRET=1`` is set before Triton is first imported and
+the kernels run on CPU tensors through :func:`spindle.kernels.force_triton`; with CUDA they run compiled, on CUDA
+tensors. The references always run on CPU copies of the inputs (:func:`on_cpu`; attention's has no CUDA kernel) and
+the results are compared on the CPU (:func:`assert_close`).
 
 Tolerances, against the reference on the same inputs: float32 ``1e-5`` (summation order and fused multiply-adds
 differ); bfloat16 and float16 two units in the last place (``2 * 2**-7`` and ``2 * 2**-10`` relative). Those cover
@@ -10,6 +12,7 @@ the reference keeps them in float32), the rotary kernel rounding once where the 
 Triton's interpreter truncating when it narrows float32 to bfloat16 (GPUs round to nearest).
 """
 
+import dataclasses
 import mmap
 import os
 import re
@@ -17,11 +20,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
+from conftest import TEST_DEVICE as DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("without CUDA these tests need TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
 
@@ -57,6 +61,35 @@ BATCHES = {
 }
 
 
+T = TypeVar("T")
+
+
+def to_cpu(value: T) -> T:
+    """``value`` with every tensor in it (in tuples, lists and dataclasses such as the metadata) on the CPU.
+
+    A tensor already there is passed as it is, not copied, so a reference that writes into one writes there.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.cpu()  # type: ignore[return-value]
+    if isinstance(value, tuple | list):
+        return type(value)(to_cpu(item) for item in value)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)  # type: ignore[return-value]
+    return value
+
+
+def on_cpu(reference: Callable[..., T], *args: Any) -> T:
+    """``reference(*args)`` run on CPU copies of the arguments: the references are the CPU serving path's torch code,
+    and attention's runs aten's flash attention for the CPU, which has no CUDA kernel."""
+    return reference(*to_cpu(args))
+
+
+def assert_close(actual: object, expected: object, **tolerances: float) -> None:
+    """``torch.testing.assert_close`` on the CPU: a kernel's result (on ``DEVICE``) against :func:`on_cpu`'s."""
+    torch.testing.assert_close(to_cpu(actual), to_cpu(expected), **tolerances)
+
+
 @pytest.fixture(autouse=True)
 def _triton_on_cpu() -> Iterator[None]:
     """Send the dispatched kernels to Triton even on CPU tensors (CUDA tensors go there anyway)."""
@@ -90,7 +123,8 @@ def make_batch(
 def reference_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
-    return attention.paged_attention(query, k_cache, v_cache, meta, query.shape[-1] ** -0.5)
+    """The torch reference's attention, on the CPU."""
+    return on_cpu(attention.paged_attention, query, k_cache, v_cache, meta, query.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -103,7 +137,7 @@ def test_paged_attention(batch: str, block_size: int, group: int, dtype: torch.d
     out = spindle.kernels.paged_attention(query, k_cache, v_cache, meta, 64**-0.5)
 
     assert out.dtype == dtype and out.shape == query.shape
-    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+    assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
 
 
 # (batch, GQA group, head size): every head size, and the big heads' tiles (128 rows, 64 keys in 16-bit; 32 rows,
@@ -119,7 +153,7 @@ def test_paged_attention_head_sizes(batch: str, group: int, head_size: int, dtyp
 
     out = spindle.kernels.paged_attention(query, k_cache, v_cache, meta, head_size**-0.5)
 
-    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+    assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -132,7 +166,7 @@ def test_decode_attention_split_context(block_size: int, num_splits: int, dtype:
 
     decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 64**-0.5, out, num_splits)
 
-    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+    assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -144,7 +178,7 @@ def test_prefill_kernel_takes_a_whole_mixed_batch(dtype: torch.dtype) -> None:
         query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 30, 64**-0.5, out
     )
 
-    torch.testing.assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
+    assert_close(out, reference_attention(query, k_cache, v_cache, meta), **TOLERANCES[dtype])
 
 
 def test_reshape_and_cache_matches_reference_and_skips_negative_slots() -> None:
@@ -155,13 +189,13 @@ def test_reshape_and_cache_matches_reference_and_skips_negative_slots() -> None:
     key, value = (t.view(6, NUM_KV_HEADS, head_size) for t in qkv.split(NUM_KV_HEADS * head_size, dim=-1)[1:])
     slots = torch.tensor([5, 0, -1, 13, 22, -1], device=DEVICE)
     caches = torch.randn(2, 4, 8, NUM_KV_HEADS, head_size, generator=generator).to(DEVICE)
-    expected = caches.clone()
+    expected = caches.to("cpu", copy=True)
     valid = slots >= 0
 
     spindle.kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
 
-    attention.reshape_and_cache(key[valid], value[valid], expected[0], expected[1], slots[valid])
-    assert torch.equal(caches, expected)
+    on_cpu(attention.reshape_and_cache, key[valid], value[valid], expected[0], expected[1], slots[valid])
+    assert torch.equal(caches.cpu(), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -172,13 +206,13 @@ def test_rms_norm(with_residual: bool, dtype: torch.dtype) -> None:
     weight = (torch.rand(96, generator=generator) + 0.5).to(dtype).to(DEVICE)
     args = (x, weight, 1e-5, residual if with_residual else None)
 
-    out, expected = spindle.kernels.rms_norm(*args), norm.rms_norm(*args)
+    out, expected = spindle.kernels.rms_norm(*args), on_cpu(norm.rms_norm, *args)
 
     if with_residual:
-        torch.testing.assert_close(out[1], expected[1], **TOLERANCES[dtype])
+        assert_close(out[1], expected[1], **TOLERANCES[dtype])
         out, expected = out[0], expected[0]
     assert out.dtype == dtype and out.shape == x.shape
-    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    assert_close(out, expected, **TOLERANCES[dtype])
 
 
 ROPE_SCALINGS = {
@@ -208,9 +242,9 @@ def test_rotary_embedding(scaling: str, dtype: torch.dtype) -> None:
 
     ours = spindle.kernels.rotary_embedding(positions, query, key, cache)
 
-    for got, expected in zip(ours, rotary.rotary_embedding(positions, query, key, cache), strict=True):
+    for got, expected in zip(ours, on_cpu(rotary.rotary_embedding, positions, query, key, cache), strict=True):
         assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+        assert_close(got, expected, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -220,7 +254,7 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     out = spindle.kernels.silu_and_mul(x)
 
     assert out.shape == (5, 3, 1000) and out.dtype == dtype
-    torch.testing.assert_close(out, activation.silu_and_mul(x), **TOLERANCES[dtype])
+    assert_close(out, on_cpu(activation.silu_and_mul, x), **TOLERANCES[dtype])
 
 
 def test_dispatch_sends_cpu_tensors_to_torch_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -375,12 +409,12 @@ def test_quantized_linear(weight_case: str, dtype: torch.dtype, num_rows: int, w
 
     out = spindle.kernels.triton.quantized_linear(x, weight, bias)
 
-    expected = spindle.kernels.quant.quantized_linear(x, weight, bias)
+    expected = on_cpu(spindle.kernels.quant.quantized_linear, x, weight, bias)
     assert out.dtype == dtype and out.shape == (*shape[:-1], out_features)
     # The kernel rounds dequantized int4 weights to the activation dtype for the dot (the reference keeps them in
     # float32), and near-zero outputs are sums of large terms: the absolute tolerance scales with the output.
     unit = 1e-5 if dtype == torch.float32 else 2 * 2**-7
-    torch.testing.assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
+    assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
 
 
 FAR_ROW_STRIDE = 2**30 + 2**20
@@ -436,7 +470,7 @@ def _far_rotary(take: Callable[[int], torch.Tensor]) -> tuple[tuple[torch.Tensor
     positions = torch.tensor([3, 70, 511], device=DEVICE)
     cache = build_cos_sin_cache(64, 512, 10000.0, None, torch.bfloat16).to(DEVICE)
     args = (positions, query, key, cache)
-    return spindle.kernels.rotary_embedding(*args), rotary.rotary_embedding(*args)
+    return spindle.kernels.rotary_embedding(*args), on_cpu(rotary.rotary_embedding, *args)
 
 
 def _far_reshape_and_cache(take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,25 +478,26 @@ def _far_reshape_and_cache(take: Callable[[int], torch.Tensor]) -> tuple[torch.T
     slots = torch.tensor([5, 17, 30], device=DEVICE)
     ours, expected = torch.zeros(2, 2, 2, 16, NUM_KV_HEADS, 64, dtype=torch.bfloat16, device=DEVICE).unbind(0)
     spindle.kernels.reshape_and_cache(key, value, ours[0], ours[1], slots)
-    attention.reshape_and_cache(key, value, expected[0], expected[1], slots)
+    expected = expected.cpu()
+    on_cpu(attention.reshape_and_cache, key, value, expected[0], expected[1], slots)
     return ours, expected
 
 
 def _far_quantized_linear(take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     dense = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
     weight, x = spindle.kernels.quant.quantize(dense, 8, 64).to(DEVICE), take(64)
-    return spindle.kernels.triton.quantized_linear(x, weight), spindle.kernels.quant.quantized_linear(x, weight)
+    return spindle.kernels.triton.quantized_linear(x, weight), on_cpu(spindle.kernels.quant.quantized_linear, x, weight)
 
 
 def _far_silu_and_mul(take: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     x = take(2 * 96)
-    return spindle.kernels.silu_and_mul(x), activation.silu_and_mul(x)
+    return spindle.kernels.silu_and_mul(x), on_cpu(activation.silu_and_mul, x)
 
 
 def _far_rms_norm(take: Callable[[int], torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
     x, residual = take(96), take(96)
     weight = torch.linspace(0.5, 1.5, 96, device=DEVICE).to(torch.bfloat16)
-    return spindle.kernels.rms_norm(x, weight, 1e-5, residual), norm.rms_norm(x, weight, 1e-5, residual)
+    return spindle.kernels.rms_norm(x, weight, 1e-5, residual), on_cpu(norm.rms_norm, x, weight, 1e-5, residual)
 
 
 # Each takes its inputs (and, for attention, its output) from far rows and returns (Triton's, the reference's). Split
@@ -484,7 +519,7 @@ def test_rows_past_2_31_elements(kernel: str, far_rows: Callable[[int], torch.Te
     """Row offsets (row x stride) are int64: a row that starts past 2**31 elements is read and written there."""
     ours, expected = FAR_ROW_CASES[kernel](far_rows)
 
-    torch.testing.assert_close(ours, expected, **TOLERANCES[torch.bfloat16])
+    assert_close(ours, expected, **TOLERANCES[torch.bfloat16])
 
 
 JIT_STALL_CHECK = """
