@@ -34,6 +34,7 @@ __all__ = [
     "eager",
     "force_triton",
     "is_eager",
+    "is_forced_triton",
     "paged_attention",
     "quantized_linear",
     "reshape_and_cache",
@@ -78,6 +79,11 @@ def eager(enabled: bool = True) -> Iterator[None]:
 def is_eager() -> bool:
     """Whether the code runs within :func:`eager`."""
     return _eager
+
+
+def is_forced_triton() -> bool:
+    """Whether the code runs within :func:`force_triton`."""
+    return _force_triton
 
 
 @functools.cache

@@ -7,14 +7,18 @@ projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs a weight-only 
 ``spindle.kernels.cpu.int8_linear``; int4 torch's) for small batches only, and keeps the dense copy for the rest: see
 :data:`MAX_QUANTIZED_TOKENS` for what was measured. An int8 weight with one scale per row runs W8A8 instead
 (``spindle.kernels.cpu.w8a8_linear``: the activations quantized per group of inputs on the fly) at every batch size
-where the CPU has AVX-512 VNNI, and keeps no dense copy: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. On CUDA
-a quantized projection keeps no dense copy: the Triton kernel dequantizes in registers at every batch size.
+where the CPU has AVX-512 VNNI (outside :func:`weight_only`), and keeps no dense copy: it beats the bf16 kernel 1.3-1.9x
+from 1 to 512 rows. On CUDA a quantized projection keeps no dense copy: the Triton kernel dequantizes in registers at
+every batch size; one built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from spindle.kernels import cpu, is_eager, quantized_linear
+from spindle.kernels import cpu, is_eager, is_forced_triton, quantized_linear
 from spindle.kernels.quant import ACTIVATION_GROUP_SIZE, QuantizedWeight
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
@@ -55,6 +59,23 @@ A float32 model on the AVX-512 bf16 EPYC (its dense copy oneDNN-packed float32):
 23.3 / 26.8 / 19.6; AVX-512 CPUs without bf16 get the same limits for float32 (the same oneDNN kernel), unmeasured.
 Other CPUs (no AVX2) are unmeasured: their projections run dense.
 """
+
+
+_weight_only = False
+
+
+@contextmanager
+def weight_only(enabled: bool = True) -> Iterator[None]:
+    """Within the block, int8 projections built on the CPU run weight-only, never W8A8.
+
+    Their activations then stay unquantized, as in the Triton kernel, which the GPU tests compare them with.
+    """
+    global _weight_only
+    previous, _weight_only = _weight_only, enabled
+    try:
+        yield
+    finally:
+        _weight_only = previous
 
 
 def can_tile(weight: torch.Tensor) -> bool:
@@ -101,6 +122,9 @@ class Projection:
     One built within ``spindle.kernels.eager`` (``--enforce-eager``) runs torch's ops alone on the CPU: no tiles
     for our bf16 kernel (a weight oneDNN runs is still packed for it), and a quantized projection with a dense copy
     runs that copy at every size (the quantized kernels there are ours, or need a layout repacked by one of ours).
+    One built within ``spindle.kernels.force_triton`` runs its quantized form through the dispatched
+    ``quantized_linear`` at every size, as on CUDA (the tests' device under Triton's interpreter); one built within
+    :func:`weight_only` never runs W8A8.
 
     Args:
         weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
@@ -124,8 +148,9 @@ class Projection:
         self.bias = bias
         self.out_features, self.in_features = quantized.shape if weight is None else weight.shape
         self.eager = is_eager()
+        as_on_cuda = is_forced_triton()
         self.dtype = torch.float32 if weight is None else weight.dtype  # of the activations, on the CPU
-        self.w8a8 = None if self.eager else _w8a8_form(quantized, self.dtype)
+        self.w8a8 = None if self.eager or as_on_cuda or _weight_only else _w8a8_form(quantized, self.dtype)
         if self.w8a8 is not None:
             weight = None  # the W8A8 kernel beats the dense copy at every batch size: none is kept
         self.dense = weight
@@ -138,7 +163,8 @@ class Projection:
         self.bits = 0 if quantized is None else quantized.bits
         self.torch_int4 = TORCH_INT4 and self.dtype == torch.bfloat16
         self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
-        if quantized is not None and quantized.qweight.device.type == "cpu" and not self.eager and self.w8a8 is None:
+        on_cpu = quantized is not None and quantized.qweight.device.type == "cpu" and not as_on_cuda
+        if on_cpu and not self.eager and self.w8a8 is None:
             self._cpu_quantized = _repack_for_cpu(quantized, self.torch_int4)
 
     def uses_quantized(self, num_tokens: int) -> bool:
