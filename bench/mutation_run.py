@@ -99,8 +99,9 @@ def stale_replay() -> None:
     DecodeGraphs.replay = replay
 
 
-def padding_writes_the_cache() -> None:
-    """A padded decode-graph replay gives its padding rows cache slot 0 instead of -1: they overwrite a real token."""
+def _padded_replay(pad_slot: int, last_rows: bool) -> None:
+    """DecodeGraphs.replay as it is, but with ``pad_slot`` for the padding rows' cache slot (-1 skips the write) and,
+    with ``last_rows``, the last rows of the graph's output returned (padding included) instead of the first."""
     from spindle.backend.model_runner import DecodeGraphs
 
     def replay(self: DecodeGraphs, step) -> torch.Tensor:  # noqa: ANN001
@@ -109,13 +110,24 @@ def padding_writes_the_cache() -> None:
         self.input_ids[:num].copy_(step.input_ids)
         self.positions[:num].copy_(step.positions)
         self.slot_mapping[:num].copy_(meta.slot_mapping)
-        self.slot_mapping[num:size].fill_(0)
+        self.slot_mapping[num:size].fill_(pad_slot)
         self.seq_lens[:num].copy_(meta.seq_lens)
         self.seq_lens[num:size].fill_(1)
         self.block_tables[:num, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        return self._steps[size]()[:num]
+        out = self._steps[size]()
+        return out[size - num :] if last_rows else out[:num]
 
     DecodeGraphs.replay = replay
+
+
+def padding_writes_the_cache() -> None:
+    """A padded decode-graph replay gives its padding rows cache slot 0 instead of -1: they overwrite a real token."""
+    _padded_replay(0, last_rows=False)
+
+
+def padding_rows_returned() -> None:
+    """A padded decode-graph replay returns the last rows of the graph's output, padding included, not the first."""
+    _padded_replay(-1, last_rows=True)
 
 
 MUTATIONS: dict[str, Callable[[], None]] = {
@@ -129,6 +141,7 @@ MUTATIONS: dict[str, Callable[[], None]] = {
         quant_zeros_ignored,
         stale_replay,
         padding_writes_the_cache,
+        padding_rows_returned,
     )
 }
 
@@ -137,6 +150,7 @@ PLAN: dict[str, list[str]] = {
         "attention_scale_off",
         "stale_replay",
         "padding_writes_the_cache",
+        "padding_rows_returned",
     ],
     "test_tiny_llama_device_matches_cpu[eager]": ["attention_scale_off", "block_tables_shifted"],
     "test_tiny_llama_quantized_and_speculating_device_matches_cpu[int8]": ["quant_scales_off"],

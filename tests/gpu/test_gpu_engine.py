@@ -123,10 +123,12 @@ def tiny_prompts() -> list[list[int]]:
 
 
 def tiny_params(i: int, num_speculative_tokens: int = 0) -> SamplingParams:
-    # Different lengths shrink the decode batch through sizes that are not captured (7, 6, 5, 3): padding.
+    # Different lengths shrink the decode batch through sizes that are not captured (7, 6, 5, 3): padding. The first
+    # request, whose blocks come first in the cache, decodes longest: a padding row that wrote a cache slot instead of
+    # skipping it would overwrite one of its tokens.
     return SamplingParams(
         temperature=0,
-        max_tokens=6 + 3 * i,
+        max_tokens=24 - 3 * i,
         ignore_eos=True,
         logprobs=3,
         num_speculative_tokens=num_speculative_tokens,
@@ -267,14 +269,17 @@ def test_bf16_decode_graphs_match_eager_step_by_step(tiny_llama_dir: Path, tiny_
     within 0.05 nats (the graphs split the context by max_model_len, eager by the step's longest context: the sums'
     order differs), after which the two sequences may part ways. A replay that reads stale, shifted or padded rows is
     off by whole nats at its first step."""
-    num_steps = 8 if ON_CPU else 200  # bf16 under the interpreter: ~300 s for 24 steps on 2 busy cores
-    common = dict(model=str(tiny_llama_dir), dtype="bfloat16", max_num_seqs=8)
+    num_steps = 8 if ON_CPU else 200
+    # A 64-token step budget: the start-up's profile step is then short, which the interpreter needs.
+    common = dict(model=str(tiny_llama_dir), dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64)
 
     def params(_: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True, logprobs=5)
 
-    graphs = run_on(DeviceEngine(device_config(**common)), tiny_prompts, params)
-    eager = run_on(DeviceEngine(device_config(enforce_eager=True, **common)), tiny_prompts, params)
+    # The interpreter's bf16 prefill is slow: on the CPU the prompts are cut to 40 tokens (7 still pad to 8).
+    prompts = [prompt[:40] for prompt in tiny_prompts] if ON_CPU else tiny_prompts
+    graphs = run_on(DeviceEngine(device_config(**common)), prompts, params)
+    eager = run_on(DeviceEngine(device_config(enforce_eager=True, **common)), prompts, params)
 
     compared = 0
     for (replayed, _), (plain, _) in zip(graphs.values(), eager.values(), strict=True):
@@ -288,7 +293,7 @@ def test_bf16_decode_graphs_match_eager_step_by_step(tiny_llama_dir: Path, tiny_
                 torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=BF16_LOGPROB_ATOL, rtol=0
             )
             compared += 1
-    assert compared >= 0.5 * num_steps * len(tiny_prompts), f"only {compared} steps before the runs parted"
+    assert compared >= 0.5 * num_steps * len(prompts), f"only {compared} steps before the runs parted"
 
 
 BF16_LOGPROB_ATOL = 0.15
