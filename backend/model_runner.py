@@ -418,34 +418,64 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self._warm_up_kernels()
-            # Captured collectives would need NCCL graph support: TP decodes run eagerly.
-            if self.parallel.size == 1 and not self.config.model.enforce_eager:
+            if self._captures_graphs:
                 self._capture_decode_graphs(max_model_len)
         return num_blocks
 
+    @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Compile the decode kernel for every split count (seconds each), so that no request's step waits on one.
+        """Compile every Triton kernel variant a step can launch (seconds each), so that no request's step waits on one.
 
-        The profile pass compiled the rest: the prefill kernel and the per-token ops have no step-dependent
-        compile-time constants, and their step-varying integers are not specialised on.
+        The decode kernel at every split count; then a step and the LM head at every row count of
+        :func:`~spindle.kernels.triton.compile_check.warm_up_row_counts`, as the quantized projections and the LoRA
+        kernels choose their tiles from a step's rows (tokens, sampled rows, an adapter's tokens): the quantized LM
+        head's small-batch tiles too, which a decode graph does not hold. With LoRA slots each count runs twice, on
+        the base model and on one adapter slot. The other kernels have no step-dependent compile-time constants, and
+        their step-varying integers are not specialised on.
         """
+        from spindle.kernels.triton.compile_check import warm_up_row_counts
         from spindle.kernels.triton.decode_attention import SPLIT_COUNTS, warm_up
 
         mc = self.checkpoint
         query = torch.zeros(1, self.shard.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         for count in tqdm(SPLIT_COUNTS, desc="Compiling the decode kernels", unit="variant"):
             warm_up(query, *self.kv_caches[0], count)
+        slots = [-1, 0] if self.lora.allocated else [-1]
+        counts = warm_up_row_counts(self.config.scheduler.max_num_batched_tokens)
+        for num_tokens in tqdm(counts, desc="Compiling the step kernels", unit="step size"):
+            # Decodes and a 2-token prefill chunk (both attention kernels), all over the cache's first block.
+            lens = [1] * (num_tokens - 2) + [2] if num_tokens > 1 else [1]
+            meta = AttentionMetadata.from_lists(lens, lens, [[0]] * len(lens), self.block_size, self.device)
+            zeros = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # token ids and positions
+            for slot in slots:
+                with lora_mapping(LoraMapping.build([slot] * len(lens), lens, self.device)):
+                    hidden = self.model(zeros, zeros, meta, self.kv_caches)
+                self.model.compute_logits(hidden)
+
+    @property
+    def _captures_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (captured collectives would need NCCL graph support)."""
+        return self.device.type == "cuda" and self.parallel.size == 1 and not self.config.model.enforce_eager
+
+    def _new_decode_graphs(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_model_len: int
+    ) -> DecodeGraphs:
+        # A decode step never has more sequences than either limit.
+        max_batch = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+        return DecodeGraphs(self.model, kv_caches, max_batch, max_model_len, self.block_size)
+
+    def _trial_decode_graphs(self, max_model_len: int) -> DecodeGraphs:
+        # Over a one-block scratch cache: they are never replayed, only their memory pool is measured.
+        return self._new_decode_graphs(self._allocate_kv_caches(1), max_model_len)
 
     def _capture_decode_graphs(self, max_model_len: int) -> None:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        # A decode step never has more sequences than either limit.
-        max_batch = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_model_len, self.block_size)
+        self.decode_graphs = self._new_decode_graphs(self.kv_caches, max_model_len)
         torch.cuda.empty_cache()  # the eager warm-up runs' blocks; the graphs keep their own pool
         logger.info(
             "Captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, using %.2f GiB",
             len(self.decode_graphs.sizes),
-            max_batch,
+            self.decode_graphs.max_batch,
             time.perf_counter() - start,
             (torch.cuda.memory_reserved() - reserved) / 2**30,
         )

@@ -71,6 +71,7 @@ TIERS = {
     "test_smollm2": "engine",
     "test_speculative": "engine",
     "test_transfers": "engine",
+    "test_warm_up": "engine",
     "test_data_parallel": "process",
     "test_embeddings": "process",
     "test_grpc": "process",
