@@ -24,7 +24,7 @@ from spindle.backend import parallel
 from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.lora_manager import LoraManager
-from spindle.backend.memory import MemorySnapshot, kv_cache_budget
+from spindle.backend.memory import KVBudget, MemoryMeter, kv_cache_budget
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
 from spindle.backend.parallel import TensorParallel
@@ -286,10 +286,10 @@ class ModelRunner:
                 config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // self.parallel.local_size)
             )
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_budget: KVBudget | None = None
         if self.device.type == "cuda":
             # Before the weights: the KV budget counts what this process takes from here on (spindle.backend.memory).
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.memory_at_start = MemorySnapshot.take(self.device)
+            self.memory = MemoryMeter(self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
         self.is_pooling_model = self.model.is_pooling_model
@@ -374,23 +374,26 @@ class ModelRunner:
 
         On CUDA the budget is this engine's share of the device, ``gpu_memory_utilization``, minus what this process
         uses: its weights, the profiled step's reserved peak and what the device lost outside torch since start-up
-        (:func:`~spindle.backend.memory.kv_cache_budget`); other processes' memory is not counted against it. On the
-        CPU it is ``kv_cache_memory``. On CUDA the decode graphs are captured next; their memory pool comes out of the
-        profiled peak's reserve, since a decode step never has more tokens than the profiled pass. Returns the number
-        of blocks. Under tensor parallelism every rank calls it (the profiled forward has collectives), and the cache
+        (:func:`~spindle.backend.memory.kv_cache_budget`) and the decode CUDA graphs' private pool, measured on
+        trial graphs captured over a scratch cache; other processes' memory is not counted against it. The inputs and
+        the result are kept in :attr:`kv_budget`. On the CPU it is ``kv_cache_memory``. On CUDA every Triton kernel
+        variant is then compiled (:meth:`_warm_up_kernels`) and the decode graphs are captured. Returns the number of
+        blocks. Under tensor parallelism every rank calls it (the profiled forward has collectives), and the cache
         has the blocks that fit on every rank.
         """
         self._profile_run(max_model_len, sample=self.device.type == "cuda" and not self.is_pooling_model)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            now = MemorySnapshot.take(self.device)
-            peak = torch.cuda.max_memory_reserved(self.device)
-            budget = kv_cache_budget(self.config.cache.gpu_memory_utilization, self.memory_at_start, now, peak)
-            knob = f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization}"
+            utilization = self.config.cache.gpu_memory_utilization
+            trial = partial(self._trial_decode_graphs, max_model_len)
+            measured = self.memory.after_profile(trial if self._captures_graphs else None)
+            budget = kv_cache_budget(utilization, *measured)
+            knob = f"gpu_memory_utilization={utilization}"
         else:
             budget = self.config.cache.kv_cache_memory
             knob = f"kv_cache_memory={budget / 2**20:.1f} MiB"
         num_blocks = parallel.min_over_ranks(max(0, budget // self.block_bytes), self.device)
+        if self.device.type == "cuda":
+            self.kv_budget = KVBudget.of(utilization, measured, budget, self.block_bytes, num_blocks)
         blocks_per_seq = -(-max_model_len // self.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
