@@ -577,15 +577,15 @@ class ModelRunner:
         ]
         spans = _prompt_spans(states, query_start_loc)
         prompt_rows = [row for _, start, end, first in spans for row in range(first, first + end - start)]
-        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows)
+        lora_slots = None if slots is None else [slots[i] for i in order]
+        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows, lora_slots)
 
-        mapping = None if slots is None else LoraMapping.build([slots[i] for i in order], query_lens, self.device)
         images = self._image_rows(states, query_start_loc, scheduled.scheduled_images)
         graphs = self.decode_graphs
         decode_only = len(input_ids) == len(states)  # a prompt's last token may be an image's: not a graph's step
         if (
             graphs is not None
-            and mapping is None
+            and step.lora is None
             and images is None
             and decode_only
             and len(states) <= graphs.max_batch
@@ -594,7 +594,7 @@ class ModelRunner:
         else:
             # Only a vision-language model takes image rows: a text model keeps the four-argument contract.
             merge = {} if images is None else {"image_rows": images[0], "image_embeds": images[1]}
-            with lora_mapping(mapping):
+            with lora_mapping(step.lora):
                 hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, **merge)
         logits = self.model.compute_logits(hidden[step.sample_rows]) if rows or prompt_rows else None
         self._executed = _ExecutedStep(start, states, query_start_loc, sampling, spans, hidden, logits)

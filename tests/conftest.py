@@ -65,6 +65,7 @@ TIERS = {
     "test_kernels_triton": "engine",  # one test steps an EngineCore through the decode graphs
     "test_llava_model": "engine",
     "test_lora": "engine",
+    "test_lora_staging": "engine",
     "test_memory": "engine",
     "test_model_parity": "engine",
     "test_priority": "engine",
