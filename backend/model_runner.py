@@ -453,7 +453,8 @@ class ModelRunner:
             for slot in slots:
                 with lora_mapping(LoraMapping.build([slot] * len(lens), lens, self.device)):
                     hidden = self.model(zeros, zeros, meta, self.kv_caches)
-                self.model.compute_logits(hidden)
+                if not self.is_pooling_model:
+                    self.model.compute_logits(hidden)
 
     @property
     def _captures_graphs(self) -> bool:

@@ -21,7 +21,7 @@ from spindle.backend.engine_core import EngineCore
 from spindle.kernels import eager, force_triton
 from spindle.kernels.linear import Projection
 from spindle.kernels.triton import compile_check
-from spindle.shared import SamplingParams
+from spindle.shared import PoolingParams, SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.protocol import EngineRequest
 
@@ -32,6 +32,7 @@ config = EngineConfig.of(
     max_num_seqs=48, max_num_batched_tokens=256, kv_cache_memory="16MiB", lora_modules=adapters or None,
 )
 core = EngineCore(config)
+embedding = core.runner.is_pooling_model
 # The projections as CUDA prepares them: the quantized form alone, which the Triton kernel runs at every size.
 with eager():
     for module in core.runner.model.modules():
@@ -43,18 +44,21 @@ with eager():
 warmed, served = set(), set()
 compile_check.record_only(warmed)  # what the runner's start-up on CUDA runs: the profile pass, then the warm-up
 with force_triton():
-    core.runner._profile_run(core.max_model_len, sample=True)
+    core.runner._profile_run(core.max_model_len, sample=not embedding)
     core.runner._warm_up_kernels()
 compile_check.record_only(served)
 rng = random.Random(0)
 names = [None, *adapters]
 with force_triton():  # arrivals between steps: batches of 1-48 sequences, decodes beside prefill chunks
     for i in range(80):
+        prompt_logprobs = 1 if i % 9 == 0 and not embedding else None
         params = SamplingParams(
-            temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True, prompt_logprobs=1 if i % 9 == 0 else None
+            temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True, prompt_logprobs=prompt_logprobs
         )
         prompt = [rng.randrange(3, 256) for _ in range(rng.randint(1, 300))]
-        core.add_request(EngineRequest(str(i), prompt, params, arrival_time=0.0, lora_name=rng.choice(names)))
+        pooling = PoolingParams() if embedding else None
+        name = rng.choice(names)
+        core.add_request(EngineRequest(str(i), prompt, params, arrival_time=0.0, lora_name=name, pooling=pooling))
         for _ in range(rng.randint(0, 3)):
             core.step()
     while core.has_unfinished_requests():
@@ -74,19 +78,34 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
 
 
+@pytest.fixture(scope="module")
+def embedding_model_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama saved as transformers' ``LlamaModel``: an embedding model, without an LM head."""
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("warm-up-embedding")
+    transformers.LlamaModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize(
-    ("quantization", "lora"), [("int8", False), ("int4", False), ("none", True)], ids=["int8", "int4", "lora"]
+    ("model", "quantization"),
+    [("llama", "int8"), ("llama", "int4"), ("lora", "none"), ("embedding", "int8")],
+    ids=["int8", "int4", "lora", "embedding_int8"],
 )
 def test_serving_compiles_nothing_after_warm_up(
-    quantization: str, lora: bool, tiny_llama_dir: Path, adapters: dict[str, str]
+    model: str, quantization: str, request: pytest.FixtureRequest, adapters: dict[str, str]
 ) -> None:
-    """int8 and int4 projections (the LM head int8 in both) and a LoRA model's adapter kernels, at every step size.
+    """int8 and int4 projections (the LM head int8 in both), a LoRA model's adapter kernels, an embedding model.
 
     Before the warm-up ran the model at every row count, the quantized GEMM's 16- and 32-row tiles (the LM head's
     at every small decode, the layers' wherever decodes run eagerly) and the LoRA kernels' were compiled by the
-    first steps that launched them.
+    first steps that launched them. An embedding model has no LM head to warm up.
     """
+    model_dir = request.getfixturevalue("embedding_model_dir" if model == "embedding" else "tiny_llama_dir")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-c", SERVE, str(tiny_llama_dir), quantization, json.dumps(adapters if lora else {})]
+    loras = json.dumps(adapters if model == "lora" else {})
+    command = [sys.executable, "-c", SERVE, str(model_dir), quantization, loras]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
