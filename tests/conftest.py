@@ -62,6 +62,7 @@ TIERS = {
     "test_tokenizer": "unit",
     "test_engine": "engine",
     "test_gpu_engine": "engine",
+    "test_gpu_memory": "engine",
     "test_kernels_triton": "engine",  # one test steps an EngineCore through the decode graphs
     "test_llava_model": "engine",
     "test_lora": "engine",
