@@ -120,6 +120,18 @@ def record_only(variants: set[tuple[str, str]]) -> None:
     triton.knobs.runtime.jit_cache_hook = record_and_skip
 
 
+def warm_up_row_counts(max_rows: int) -> list[int]:
+    """The step sizes the model runner's start-up runs a forward and the LM head at (``_warm_up_kernels``).
+
+    Every power of two up to ``max_rows``, and ``max_rows``: the kernels whose compile-time constants depend on a
+    step choose them from its row count at powers of two (the quantized GEMM's row tiles, the LoRA kernels' tiles
+    by an adapter's tokens), so one count on each side of every threshold is compiled. A kernel that chooses at
+    another row count must add it here, or a step of that size compiles mid-request.
+    """
+    counts = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
+    return counts if counts[-1] == max_rows else [*counts, max_rows]
+
+
 def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> None:
     """Call every Triton kernel once per variant that compiles differently (dtype, head size, GQA group, splits).
 
