@@ -624,3 +624,61 @@ def test_split_k_gives_an_h200_two_waves_of_decode_programs(projection: str) -> 
     assert inputs_per_split % ql.DECODE_BLOCK_K == 0
     assert (splits - 1) * inputs_per_split < in_features <= splits * inputs_per_split
     assert inputs_per_split >= ql.MIN_STEPS_PER_SPLIT * ql.DECODE_BLOCK_K
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_rotary_embedding_and_cache_matches_rotary_then_cache_write(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    head_size, num_heads, tokens = 80, 3 * NUM_KV_HEADS, 6
+    # Q, K and V as the model has them: strided views of one fused qkv row per token.
+    qkv = torch.randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * head_size, generator=generator).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_size, NUM_KV_HEADS * head_size, NUM_KV_HEADS * head_size], dim=-1)
+    query, key, value = q.view(tokens, num_heads, head_size), *(t.view(tokens, NUM_KV_HEADS, head_size) for t in (k, v))
+    positions = torch.tensor([3, 0, 7, 40, 41, 2], device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 13, 22, -1], device=DEVICE)
+    cos_sin = build_cos_sin_cache(head_size, 64, 10000.0, dtype=dtype).to(DEVICE)
+    caches = torch.randn(2, 4, 8, NUM_KV_HEADS, head_size, generator=generator).to(dtype).to(DEVICE)
+    expected = caches.clone()
+    valid = slots >= 0
+
+    got = spindle.kernels.rotary_embedding_and_cache(positions, query, key, value, cos_sin, *caches, slots)
+
+    rotated = rotary.rotary_embedding(positions, query, key, cos_sin)
+    attention.reshape_and_cache(rotated[1][valid], value[valid], *expected, slots[valid])
+    torch.testing.assert_close(got, rotated[0], **TOLERANCES[dtype])
+    torch.testing.assert_close(caches, expected, **TOLERANCES[dtype])
+    assert torch.equal(caches[1], expected[1]), "values are copied, not rounded"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts launches of the CPU engine under the interpreter")
+def test_a_mixed_step_launches_six_triton_kernels_per_layer(tiny_llama_dir: Path, launches: list[Launch]) -> None:
+    """A step with a decode and a prefill chunk: the norms, rotary with the cache write, attention (decode and prefill
+    kernels), SiLU-and-mul. The projections of this unquantized model are the CPU's (cuBLAS' on a GPU)."""
+    # A small token budget keeps the start-up's profiling step short under the interpreter.
+    config = EngineConfig.of(
+        model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_memory="1MiB"
+    )
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add_request(EngineRequest("decode", list(range(3, 10)), params, arrival_time=0.0))
+    core.step()  # its prefill: the next step decodes it
+    core.add_request(EngineRequest("prefill", list(range(3, 30)), params, arrival_time=0.0))
+    steps: list[AttentionMetadata] = []
+    bounds: list[int] = []  # the launches before and after the first layer
+    model = core.runner.model
+    model.register_forward_pre_hook(lambda _, args: steps.append(args[2]))
+    model.layers[0].register_forward_pre_hook(lambda *_: bounds.append(len(launches)))
+    model.layers[0].register_forward_hook(lambda *_: bounds.append(len(launches)))
+
+    core.step()
+
+    assert [(meta.num_decodes, len(meta.query_lens_list)) for meta in steps] == [(1, 2)]
+    start, end = bounds
+    assert [name for name, *_ in launches[start:end]] == [
+        "_rms_norm_kernel",
+        "_rotary_kernel",
+        "_decode_kernel",
+        "_prefill_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+    ]
