@@ -139,6 +139,9 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
             tk.rotary_embedding(
                 torch.arange(7), query, query[:, :num_kv_heads], torch.zeros(64, head_size, dtype=dtype)
             )
+            key = query[:, :num_kv_heads]
+            cos_sin = torch.zeros(64, head_size, dtype=dtype)
+            tk.rotary_embedding_and_cache(torch.arange(7), query, key, key, cos_sin, *cache, meta.slot_mapping)
     x = torch.zeros(3, 576, dtype=dtype)
     tk.rms_norm(x, x[0], 1e-5)
     tk.rms_norm(x, x[0], 1e-5, x)

@@ -44,9 +44,9 @@ DECODE_BLOCK_N = 64
 bytes, int4's equal, so the activations re-read from L2 by every column tile stay below the weight stream."""
 
 DECODE_BLOCK_K = 128
-"""Inputs per decode K step (64 in float32): 8 KiB of int8 weights per step, 4 KiB of int4, so that a few programs
-per SM keep enough loads in flight to stream from HBM. Group-wise weights take it when it holds whole groups or lies
-inside one."""
+"""Inputs per decode K step: 8 KiB of int8 weights per step, 4 KiB of int4, so that a few programs per SM keep
+enough loads in flight to stream from HBM. Group-wise weights take it when it holds whole groups or lies inside one.
+float32 takes a quarter: its exact dots hold both operands in registers (at 64 inputs they spill)."""
 
 PROGRAMS_PER_SM = 4
 """Decode programs wanted per SM: split K until the column tiles times the splits reach this many per SM."""
@@ -320,8 +320,8 @@ def split_k(column_tiles: int, in_features: int, block_k: int, processors: int) 
 
 
 def _decode_block_k(dtype: torch.dtype, row_scale: bool, group_size: int) -> int:
-    """The decode K step: :data:`DECODE_BLOCK_K` (half in float32) unless groups fit it neither way."""
-    block_k = DECODE_BLOCK_K // 2 if dtype == torch.float32 else DECODE_BLOCK_K
+    """The decode K step: :data:`DECODE_BLOCK_K` (a quarter in float32) unless groups fit it neither way."""
+    block_k = DECODE_BLOCK_K // 4 if dtype == torch.float32 else DECODE_BLOCK_K
     if row_scale or block_k % group_size == 0 or group_size % block_k == 0:
         return block_k
     return next((b for b in BLOCK_K_CHOICES if group_size % b == 0), 32)
