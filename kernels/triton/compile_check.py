@@ -151,13 +151,17 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
             tk.rotary_embedding(
                 torch.arange(7), query, query[:, :num_kv_heads], torch.zeros(64, head_size, dtype=dtype)
             )
+            key = query[:, :num_kv_heads]
+            cos_sin = torch.zeros(64, head_size, dtype=dtype)
+            tk.rotary_embedding_and_cache(torch.arange(7), query, key, key, cos_sin, *cache, meta.slot_mapping)
     x = torch.zeros(3, 576, dtype=dtype)
     tk.rms_norm(x, x[0], 1e-5)
     tk.rms_norm(x, x[0], 1e-5, x)
     tk.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
     # int8 with a K that is no multiple of the K step (masked loads), int4 with the smallest and a large group; one
-    # decode-sized and one prefill-sized batch each (the tile shapes differ).
-    for bits, group_size, in_features in ((8, 208, 208), (4, 32, 256), (4, 128, 256)):
+    # decode-sized and one prefill-sized batch each (the tile shapes differ). K = 1040 and 1024 are long enough for
+    # the decode batch to split K (and so to launch the split-K reduction).
+    for bits, group_size, in_features in ((8, 1040, 1040), (4, 32, 1024), (4, 128, 1024)):
         weight = quantize(torch.zeros(96, in_features), bits, group_size)
         for num_rows in (1, 100):
             bias = torch.zeros(96, dtype=dtype) if num_rows > 1 else None
