@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.flops import Shapes, matmul_rate, median_seconds
-from bench.kernels import BLOCK_SIZE, SHAPES, Shape, scattered_tables
+from bench.kernels import BLOCK_SIZE, SHAPES, Shape, bench, scattered_tables
 from bench.random_llama import write
 
 LLAMA3_8B = next(shape for shape in SHAPES if shape.name == "Llama-3-8B")
@@ -67,21 +67,15 @@ SIZES = {
 }
 
 
-def synced(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    """``fn`` followed by a wait for the device, so that a wall-clock timer sees its work end."""
-
-    def run() -> None:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    return run
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """The median time of ``fn``: on CUDA by Triton's ``do_bench`` (L2 flushed, CUDA events), else one timed call."""
+    return bench(fn) if device.type == "cuda" else median_seconds(fn, repeats=1)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes read and written per second by a device-to-device copy of ``nbytes``."""
     src, dst = torch.empty(2, nbytes, dtype=torch.uint8, device=device).unbind(0)
-    return 2 * nbytes / median_seconds(synced(lambda: dst.copy_(src), device), repeats=10)
+    return 2 * nbytes / seconds(lambda: dst.copy_(src), device)
 
 
 def decode_attention_rate(device: torch.device, heads: Shape, batch: int, context: int) -> float:
@@ -104,8 +98,8 @@ def decode_attention_rate(device: torch.device, heads: Shape, batch: int, contex
     def attend() -> None:
         tk.decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits)
 
-    seconds = median_seconds(synced(attend, device), repeats=10 if device.type == "cuda" else 1)
-    return 2 * batch * context * heads.num_kv_heads * heads.head_size * query.element_size() / seconds
+    kv_bytes = 2 * batch * context * heads.num_kv_heads * heads.head_size * query.element_size()
+    return kv_bytes / seconds(attend, device)
 
 
 class Engine:

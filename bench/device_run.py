@@ -36,12 +36,12 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL_SECONDS = 480
-LIMITS = {"install": 40, "preflight": 20, "kernel-tests": 120, "gpu-tests": 160, "kernels": 50, "report": 90}
+LIMITS = {"install": 40, "preflight": 20, "kernel-tests": 110, "gpu-tests": 140, "kernels": 40, "report": 130}
 """Seconds per step; together :data:`TOTAL_SECONDS`, inside the machine's 10-minute call with room to spare."""
 
 FAST_TESTS = {
@@ -50,7 +50,7 @@ FAST_TESTS = {
 }
 """``--fast``: a few kernel tests, and tests/gpu collected only (an engine test takes minutes under the interpreter)."""
 
-PYTEST = ["-P", "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "--timeout", "150", "-rfE"]
+PYTEST = ["-P", "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "--timeout", "100", "-rfE"]
 """No ``-x``: every failure is found in the one run. ``-P``: imports go through the installed spindle."""
 
 PREFLIGHT = """
@@ -77,7 +77,6 @@ class Step:
 
     name: str
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
     rc: int | None = None
     seconds: float = 0.0
     key: str = ""
@@ -103,14 +102,15 @@ def installable_wheels(wheel_dir: Path) -> tuple[list[Path], list[Path]]:
     return usable, other
 
 
-def run_step(step: Step, limit: int, out: Path) -> None:
-    """Run ``step`` within ``limit`` seconds (its whole process group killed then, rc 124), output to ``out``."""
+def run_step(step: Step, limit: int, env: dict[str, str], out: Path) -> None:
+    """Run ``step`` with ``env`` added within ``limit`` seconds (its process group killed then, rc 124), output
+    to ``out``."""
     start = time.monotonic()
     with (out / f"{step.name}.txt").open("w") as log:
         log.write("$ " + " ".join("'<script>'" if "\n" in arg else arg for arg in step.argv) + "\n")
         log.flush()
         process = subprocess.Popen(
-            step.argv, cwd=REPO, env=os.environ | step.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            step.argv, cwd=REPO, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             step.rc = process.wait(timeout=limit)
@@ -146,6 +146,9 @@ def main() -> int:
     parser.add_argument("--fast", action="store_true", help="a few tests of each file")
     parser.add_argument("--work", type=Path, default=Path("/tmp/spindle-device-run"), help="caches, model, site")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/spindle-device-run/out"))
+    parser.add_argument(
+        "--steps", type=lambda text: text.split(","), default=list(LIMITS), help="a rerun's steps, comma-separated"
+    )
     args = parser.parse_args()
     assert sum(LIMITS.values()) <= TOTAL_SECONDS
     work, out, py = args.work.resolve(), args.out.resolve(), sys.executable
@@ -186,12 +189,13 @@ def main() -> int:
         for step in steps[2:4]:
             step.argv += FAST_TESTS[step.name]
     for step in steps:
-        step.env = env
-        if step.name == "kernels" and args.device == "cpu":
+        if step.name not in args.steps:
+            step.key = "not asked for (--steps)"
+        elif step.name == "kernels" and args.device == "cpu":
             step.key = "skipped: bench.kernels needs CUDA"
-            continue
-        run_step(step, LIMITS[step.name], out)
-        print(f"{step.name}: rc={step.rc} in {step.seconds:.0f} s", flush=True)
+        else:
+            run_step(step, LIMITS[step.name], env, out)
+            print(f"{step.name}: rc={step.rc} in {step.seconds:.0f} s", flush=True)
     notes = [f"wheels installed: {' '.join(w.name.split('-')[0] for w in wheels) or 'none (make device-wheels)'}"]
     if other_python:
         notes.append(f"wheels for another Python, left out: {' '.join(w.name.split('-')[0] for w in other_python)}")
