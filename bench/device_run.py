@@ -164,6 +164,7 @@ def main() -> int:
         "TRITON_CACHE_DIR": str(work / "triton-cache"),
         "SPINDLE_CACHE_DIR": os.environ.get("SPINDLE_CACHE_DIR") or str(work / "spindle-cache"),
         "HF_HOME": str(work / "hf"),
+        "HF_HUB_OFFLINE": "1",  # nothing can be reached there: a lookup would wait for its timeout
         "SPINDLE_TEST_DEVICE": args.device,
     }
     if args.device == "cpu":
