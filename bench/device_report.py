@@ -39,22 +39,38 @@ import torch
 from bench.flops import Shapes, matmul_rate, median_seconds
 from bench.kernels import BLOCK_SIZE, SHAPES, Shape, bench, scattered_tables
 from bench.random_llama import write
+from spindle.backend.engine_core import EngineCore
+from spindle.shared import SamplingParams
+from spindle.shared.config import EngineConfig
+from spindle.shared.protocol import EngineRequest
 
 LLAMA3_8B = next(shape for shape in SHAPES if shape.name == "Llama-3-8B")
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each measurement is."""
+    """How big each measurement is.
 
-    config: str  # bench.random_llama's
-    heads: Shape  # the decode attention kernel's heads
+    Attributes:
+        config: the random model, one of :data:`bench.random_llama.CONFIGS`.
+        heads: the decode attention kernel's heads.
+        copy_bytes: the device-to-device copy's size.
+        attention_batch, attention_context: the decode attention kernel's contexts, and their length.
+        matmul_size: the side of the square bf16 matmul.
+        prompt_len: the prompt timed to its first token.
+        batches: the offline runs' batch sizes.
+        batch_prompt_len, batch_output_len: each request's prompt and output in those runs.
+        sync_batch, sync_steps: the decode batch and steps whose host syncs are counted.
+    """
+
+    config: str
+    heads: Shape
     copy_bytes: int
     attention_batch: int
     attention_context: int
     matmul_size: int
-    prompt_len: int  # the time-to-first-token prompt
-    batches: tuple[int, ...]  # the offline throughput runs
+    prompt_len: int
+    batches: tuple[int, ...]
     batch_prompt_len: int
     batch_output_len: int
     sync_batch: int
@@ -62,9 +78,36 @@ class Sizes:
 
 
 SIZES = {
-    "cuda": Sizes("llama3-8b", LLAMA3_8B, 2**30, 64, 4096, 8192, 4096, (1, 256), 128, 128, 8, 32),
-    "cpu": Sizes("tiny", Shape("tiny", 4, 2, 16), 2**22, 2, 48, 256, 96, (1, 4), 8, 4, 2, 4),
+    "cuda": Sizes(
+        config="llama3-8b",
+        heads=LLAMA3_8B,
+        copy_bytes=2**30,
+        attention_batch=64,
+        attention_context=4096,
+        matmul_size=8192,
+        prompt_len=4096,
+        batches=(1, 256),
+        batch_prompt_len=128,
+        batch_output_len=128,
+        sync_batch=8,
+        sync_steps=32,
+    ),
+    "cpu": Sizes(
+        config="tiny",
+        heads=Shape("tiny", 4, 2, 16),
+        copy_bytes=2**22,
+        attention_batch=2,
+        attention_context=48,
+        matmul_size=256,
+        prompt_len=96,
+        batches=(1, 4),
+        batch_prompt_len=8,
+        batch_output_len=4,
+        sync_batch=2,
+        sync_steps=4,
+    ),
 }
+"""The GPU run's sizes (Llama-3-8B's), and the CPU rehearsal's, tiny so that it takes seconds."""
 
 
 def seconds(fn: Callable[[], object], device: torch.device) -> float:
@@ -106,9 +149,6 @@ class Engine:
     """An :class:`~spindle.backend.engine_core.EngineCore` on the random model, fed token ids directly."""
 
     def __init__(self, model_dir: Path, device: torch.device, sizes: Sizes) -> None:
-        from spindle.backend.engine_core import EngineCore
-        from spindle.shared.config import EngineConfig
-
         memory = {"gpu_memory_utilization": 0.9} if device.type == "cuda" else {"kv_cache_memory": "64MiB"}
         self.core = EngineCore(
             EngineConfig.of(
@@ -116,7 +156,7 @@ class Engine:
                 device=device.type,
                 max_model_len=sizes.prompt_len + sizes.batch_output_len + 1,
                 max_num_seqs=max(sizes.batches),
-                max_num_batched_tokens=max(sizes.prompt_len, max(sizes.batches) * sizes.batch_prompt_len // 4),
+                max_num_batched_tokens=sizes.prompt_len,  # the timed prompt prefills in one step
                 **memory,
             )
         )
@@ -126,9 +166,6 @@ class Engine:
 
     def add(self, num: int, prompt_len: int, output_len: int) -> None:
         """Queue ``num`` requests of random prompts (never sharing a cached prefix), greedy, eos ignored."""
-        from spindle.shared import SamplingParams
-        from spindle.shared.protocol import EngineRequest
-
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         for _ in range(num):
             prompt = torch.randint(3, self.vocab, (prompt_len,), generator=self.generator).tolist()
