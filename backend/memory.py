@@ -109,20 +109,12 @@ class MemorySnapshot:
 
 
 class Measured(NamedTuple):
-    """What :func:`kv_cache_budget` takes, as :meth:`MemoryMeter.after_profile` measured it (bytes).
+    """What :func:`kv_cache_budget` takes, as :meth:`MemoryMeter.after_profile` measured it (bytes)."""
 
-    Attributes:
-        start: the snapshot taken before the weights were loaded.
-        now: the snapshot after the profile pass, its blocks returned to the device.
-        peak_reserved: torch's reserved peak over the weights and the profile pass.
-        graph_pool: the decode CUDA graphs' private pool, 0 without graphs.
-
-    """
-
-    start: MemorySnapshot
-    now: MemorySnapshot
-    peak_reserved: int
-    graph_pool: int = 0
+    start: MemorySnapshot  # taken before the weights were loaded
+    now: MemorySnapshot  # after the profile pass, its blocks returned to the device
+    peak_reserved: int  # torch's reserved peak over the weights and the profile pass
+    graph_pool: int = 0  # the decode CUDA graphs' private pool, 0 without graphs
 
 
 def _torch_peak(start: MemorySnapshot, peak_reserved: int) -> int:

@@ -264,6 +264,8 @@ class ModelRunner:
         encoder_cache: the image embeddings of a vision-language model, by image content.
         is_pooling_model: the model has no LM head: it serves embedding requests only.
         image_input: what a vision-language model takes as an image, or None for a text model.
+        kv_budget: how :meth:`init_cache` sized the KV cache on CUDA, its inputs and result (None on the CPU and
+            before it).
 
     """
 
@@ -377,7 +379,7 @@ class ModelRunner:
         (:func:`~spindle.backend.memory.kv_cache_budget`) and the decode CUDA graphs' private pool, measured on
         trial graphs captured over a scratch cache; other processes' memory is not counted against it. The inputs and
         the result are kept in :attr:`kv_budget`. On the CPU it is ``kv_cache_memory``. On CUDA every Triton kernel
-        variant is then compiled (:meth:`_warm_up_kernels`) and the decode graphs are captured. Returns the number of
+        variant is then compiled (``_warm_up_kernels``) and the decode graphs are captured. Returns the number of
         blocks. Under tensor parallelism every rank calls it (the profiled forward has collectives), and the cache
         has the blocks that fit on every rank.
         """
