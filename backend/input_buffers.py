@@ -1,12 +1,14 @@
 """A step's model inputs, written into persistent host buffers and sent to the device in two copies.
 
 A step's integers (token ids, positions, cache slots, the rows to sample; context lengths, query offsets, block
-tables) are computed with numpy into one pinned int64 and one pinned int32 buffer, allocated once, and copied to
-their device twins with ``non_blocking``: two copies per step, none of which waits for the device. Block tables are
-kept row by row across steps and only their new entries are written, rather than rebuilt from Python lists.
+tables; which LoRA adapter slot each token uses) are computed with numpy into one pinned int64 and one pinned int32
+buffer, allocated once, and copied to their device twins with ``non_blocking``: two copies per step, none of which
+waits for the device. Block tables are kept row by row across steps and only their new entries are written, rather
+than rebuilt from Python lists.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 
 from spindle.backend.runner_state import SequenceState
 from spindle.kernels import AttentionMetadata
+from spindle.kernels.lora import LoraMapping
 
 # Every segment starts at a multiple of 16 elements: Triton specialises on whether a pointer is 16-byte aligned, so a
 # segment at a step-dependent odd offset would compile a kernel variant mid-request.
@@ -33,6 +36,7 @@ class StepInputs:
         positions: ``[num_tokens]`` int64.
         meta: the attention layout (its host lists too).
         sample_rows: ``[num_rows]`` int64, the rows of the step's hidden states to sample from.
+        lora: the adapter slot of each token, or None when no sequence uses an adapter.
 
     """
 
@@ -40,6 +44,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor
+    lora: LoraMapping | None = None
 
 
 class StepLayout(NamedTuple):
@@ -51,6 +56,7 @@ class StepLayout(NamedTuple):
     width: int  # block-table columns
     num_decodes: int
     max_seq_len: int
+    lora_size: int = 0  # int32 elements the LoRA mapping may take, after the block tables (0 without one)
 
 
 @dataclass
@@ -78,8 +84,12 @@ class InputBuffers:
         self.layout = StepLayout(0, 0, 0, 0, 0, 0)  # the last built step's
         pinned = device.type == "cuda"
         self._longs = torch.zeros(4 * _aligned(max_tokens), dtype=torch.int64, pin_memory=pinned)
+        # The LoRA mapping holds at most every token, and a group start and a slot per sequence.
+        lora = _aligned(max_tokens) + _aligned(max_seqs + 1) + _aligned(max_seqs)
         self._ints = torch.zeros(
-            _aligned(max_seqs) + _aligned(max_seqs + 1) + max_seqs * max_blocks, dtype=torch.int32, pin_memory=pinned
+            _aligned(max_seqs) + _aligned(max_seqs + 1) + _aligned(max_seqs * max_blocks) + lora,
+            dtype=torch.int32,
+            pin_memory=pinned,
         )
         # On the CPU the model reads the host buffers themselves.
         self._device_longs = self._longs.to(device) if pinned else self._longs
@@ -91,7 +101,12 @@ class InputBuffers:
         self._free_slots = list(range(max_seqs))
 
     def build(
-        self, seqs: list[SequenceState], query_lens: list[int], input_ids: list[int], sample_rows: list[int]
+        self,
+        seqs: list[SequenceState],
+        query_lens: list[int],
+        input_ids: list[int],
+        sample_rows: list[int],
+        lora_slots: list[int] | None = None,
     ) -> StepInputs:
         """Write a step's inputs and start their copy to the device.
 
@@ -100,6 +115,9 @@ class InputBuffers:
             query_lens: the new tokens of each; they start at its ``num_computed_tokens``.
             input_ids: the new tokens, sequence after sequence.
             sample_rows: the rows of the flat batch whose hidden states are sampled from.
+            lora_slots: each sequence's LoRA adapter slot (``-1``: the base model), or None without adapters. The
+                mapping's device tensors (:class:`~spindle.kernels.lora.LoraMapping`) are staged after the block
+                tables and travel in the same copy.
 
         """
         if self._copied is not None:
@@ -129,21 +147,32 @@ class InputBuffers:
         longs[2 * t : 3 * t][:num_tokens] = block * self.block_size + positions % self.block_size
         longs[3 * t : 3 * t + num_rows] = sample_rows
 
+        stage = partial(self._stage_lora, _aligned(b + num_seqs * width))
+        lora = None if lora_slots is None else LoraMapping.build(lora_slots, query_lens, stage=stage)
+        # The mapping's most elements (every token adapted, every sequence its own slot): what the copy takes.
+        lora_size = 0 if lora is None else _aligned(num_tokens) + _aligned(num_seqs + 1) + _aligned(num_seqs)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
-        self.layout = StepLayout(num_tokens, num_seqs, num_rows, width, num_decodes, int(seq_lens.max()))
+        self.layout = StepLayout(num_tokens, num_seqs, num_rows, width, num_decodes, int(seq_lens.max()), lora_size)
         if self._copied is not None:
             longs_end, ints_end = self._ends(self.layout)
             self._device_longs[:longs_end].copy_(self._longs[:longs_end], non_blocking=True)
             self._device_ints[:ints_end].copy_(self._ints[:ints_end], non_blocking=True)
             self._copied.record()
-        return self.views(self.layout, query_lens, seq_lens.tolist())
+        step = self.views(self.layout, query_lens, seq_lens.tolist())
+        step.lora = lora
+        return step
+
+    def _stage_lora(self, start: int, packed: np.ndarray) -> torch.Tensor:
+        """Write the LoRA mapping's packed int32 array from ``start`` of the host buffer; return its device place."""
+        self._host_ints[start : start + len(packed)] = packed
+        return self._device_ints[start : start + len(packed)]
 
     def views(self, layout: StepLayout, query_lens: list[int], seq_lens: list[int]) -> StepInputs:
         """The step of ``layout`` held in the device buffers, as :class:`StepInputs`.
 
         ``query_lens`` and ``seq_lens`` are the host lists of the attention metadata.
         """
-        num_tokens, num_seqs, num_rows, width, num_decodes, max_seq_len = layout
+        num_tokens, num_seqs, num_rows, width, num_decodes, max_seq_len, _ = layout
         t, s = _aligned(num_tokens), _aligned(num_seqs)
         b = s + _aligned(num_seqs + 1)
         device_longs, device_ints = self._device_longs, self._device_ints
@@ -170,7 +199,9 @@ class InputBuffers:
         """Where a step of ``layout`` ends in the int64 and in the int32 buffer."""
         s = _aligned(layout.num_seqs)
         b = s + _aligned(layout.num_seqs + 1)
-        return 3 * _aligned(layout.num_tokens) + layout.num_rows, b + layout.num_seqs * layout.width
+        tables_end = b + layout.num_seqs * layout.width
+        ints_end = _aligned(tables_end) + layout.lora_size if layout.lora_size else tables_end
+        return 3 * _aligned(layout.num_tokens) + layout.num_rows, ints_end
 
     def _table_slots(self, seqs: list[SequenceState]) -> np.ndarray:
         """The rows of :attr:`tables` holding each sequence's block table, brought up to date.

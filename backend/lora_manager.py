@@ -39,8 +39,7 @@ from safetensors import safe_open
 from torch import nn
 
 from spindle.backend.models.checkpoint_config import CheckpointConfig
-from spindle.kernels import add_lora
-from spindle.kernels.lora import LoraMapping, LoraSlots
+from spindle.kernels.lora import LoraSlots
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError
 from spindle.shared.lora import LoraAdapterInfo
 
@@ -170,24 +169,11 @@ class LoraManager:
                 ranks=torch.zeros(self.max_loras, NUM_PARTS[attr], dtype=torch.int64),
             )
         self._slots = _Slots(weights, [None] * self.max_loras)
-        if self.device.type == "cuda":
-            self._warm_up()
 
-    def _warm_up(self) -> None:
-        """Compile the Triton LoRA kernels for each projection shape and both group tiles (16 and 64 rows).
-
-        That is every variant a step launches (see ``spindle.kernels.triton.lora``), compiled now rather than in the
-        first steps that use adapters, where each compile would stall the whole batch for seconds.
-        """
-        assert self._slots is not None
-        shapes = {(slots.lora_a.shape, slots.lora_b.shape): slots for slots in self._slots.weights.values()}
-        for num_tokens in (1, 17):
-            mapping = LoraMapping.build([0], [num_tokens], self.device)
-            assert mapping is not None
-            for slots in shapes.values():
-                x = torch.zeros(num_tokens, slots.lora_a.shape[2], dtype=self.dtype, device=self.device)
-                y = torch.zeros(num_tokens, slots.lora_b.shape[2], dtype=self.dtype, device=self.device)
-                add_lora(y, x, slots, mapping)
+    @property
+    def allocated(self) -> bool:
+        """Whether the device slots are (the model runner's start-up compiles the LoRA kernels for them)."""
+        return self._slots is not None
 
     def add(self, name: str, path: str) -> LoraAdapterInfo:
         """Read a PEFT adapter directory and keep its weights on the host under ``name``.

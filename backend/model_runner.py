@@ -24,7 +24,7 @@ from spindle.backend import parallel
 from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.lora_manager import LoraManager
-from spindle.backend.memory import MemorySnapshot, kv_cache_budget
+from spindle.backend.memory import KVBudget, MemoryMeter, kv_cache_budget
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
 from spindle.backend.parallel import TensorParallel
@@ -264,6 +264,8 @@ class ModelRunner:
         encoder_cache: the image embeddings of a vision-language model, by image content.
         is_pooling_model: the model has no LM head: it serves embedding requests only.
         image_input: what a vision-language model takes as an image, or None for a text model.
+        kv_budget: how :meth:`init_cache` sized the KV cache on CUDA, its inputs and result (None on the CPU and
+            before it).
 
     """
 
@@ -286,10 +288,10 @@ class ModelRunner:
                 config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // self.parallel.local_size)
             )
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_budget: KVBudget | None = None
         if self.device.type == "cuda":
             # Before the weights: the KV budget counts what this process takes from here on (spindle.backend.memory).
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.memory_at_start = MemorySnapshot.take(self.device)
+            self.memory = MemoryMeter(self.device)
         start = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
         self.is_pooling_model = self.model.is_pooling_model
@@ -374,23 +376,26 @@ class ModelRunner:
 
         On CUDA the budget is this engine's share of the device, ``gpu_memory_utilization``, minus what this process
         uses: its weights, the profiled step's reserved peak and what the device lost outside torch since start-up
-        (:func:`~spindle.backend.memory.kv_cache_budget`); other processes' memory is not counted against it. On the
-        CPU it is ``kv_cache_memory``. On CUDA the decode graphs are captured next; their memory pool comes out of the
-        profiled peak's reserve, since a decode step never has more tokens than the profiled pass. Returns the number
-        of blocks. Under tensor parallelism every rank calls it (the profiled forward has collectives), and the cache
+        (:func:`~spindle.backend.memory.kv_cache_budget`) and the decode CUDA graphs' private pool, measured on
+        trial graphs captured over a scratch cache; other processes' memory is not counted against it. The inputs and
+        the result are kept in :attr:`kv_budget`. On the CPU it is ``kv_cache_memory``. On CUDA every Triton kernel
+        variant is then compiled (``_warm_up_kernels``) and the decode graphs are captured. Returns the number of
+        blocks. Under tensor parallelism every rank calls it (the profiled forward has collectives), and the cache
         has the blocks that fit on every rank.
         """
         self._profile_run(max_model_len, sample=self.device.type == "cuda" and not self.is_pooling_model)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            now = MemorySnapshot.take(self.device)
-            peak = torch.cuda.max_memory_reserved(self.device)
-            budget = kv_cache_budget(self.config.cache.gpu_memory_utilization, self.memory_at_start, now, peak)
-            knob = f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization}"
+            utilization = self.config.cache.gpu_memory_utilization
+            trial = partial(self._trial_decode_graphs, max_model_len)
+            measured = self.memory.after_profile(trial if self._captures_graphs else None)
+            budget = kv_cache_budget(utilization, *measured)
+            knob = f"gpu_memory_utilization={utilization}"
         else:
             budget = self.config.cache.kv_cache_memory
             knob = f"kv_cache_memory={budget / 2**20:.1f} MiB"
         num_blocks = parallel.min_over_ranks(max(0, budget // self.block_bytes), self.device)
+        if self.device.type == "cuda":
+            self.kv_budget = KVBudget.of(utilization, measured, budget, self.block_bytes, num_blocks)
         blocks_per_seq = -(-max_model_len // self.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -418,34 +423,65 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self._warm_up_kernels()
-            # Captured collectives would need NCCL graph support: TP decodes run eagerly.
-            if self.parallel.size == 1 and not self.config.model.enforce_eager:
+            if self._captures_graphs:
                 self._capture_decode_graphs(max_model_len)
         return num_blocks
 
+    @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Compile the decode kernel for every split count (seconds each), so that no request's step waits on one.
+        """Compile every Triton kernel variant a step can launch (seconds each), so that no request's step waits on one.
 
-        The profile pass compiled the rest: the prefill kernel and the per-token ops have no step-dependent
-        compile-time constants, and their step-varying integers are not specialised on.
+        The decode kernel at every split count; then a step and the LM head at every row count of
+        :func:`~spindle.kernels.triton.compile_check.warm_up_row_counts`, as the quantized projections and the LoRA
+        kernels choose their tiles from a step's rows (tokens, sampled rows, an adapter's tokens): the quantized LM
+        head's small-batch tiles too, which a decode graph does not hold. With LoRA slots each count runs twice, on
+        the base model and on one adapter slot. The other kernels have no step-dependent compile-time constants, and
+        their step-varying integers are not specialised on.
         """
+        from spindle.kernels.triton.compile_check import warm_up_row_counts
         from spindle.kernels.triton.decode_attention import SPLIT_COUNTS, warm_up
 
         mc = self.checkpoint
         query = torch.zeros(1, self.shard.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         for count in tqdm(SPLIT_COUNTS, desc="Compiling the decode kernels", unit="variant"):
             warm_up(query, *self.kv_caches[0], count)
+        slots = [-1, 0] if self.lora.allocated else [-1]
+        counts = warm_up_row_counts(self.config.scheduler.max_num_batched_tokens)
+        for num_tokens in tqdm(counts, desc="Compiling the step kernels", unit="step size"):
+            # Decodes and a 2-token prefill chunk (both attention kernels), all over the cache's first block.
+            lens = [1] * (num_tokens - 2) + [2] if num_tokens > 1 else [1]
+            meta = AttentionMetadata.from_lists(lens, lens, [[0]] * len(lens), self.block_size, self.device)
+            zeros = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # token ids and positions
+            for slot in slots:
+                with lora_mapping(LoraMapping.build([slot] * len(lens), lens, self.device)):
+                    hidden = self.model(zeros, zeros, meta, self.kv_caches)
+                if not self.is_pooling_model:
+                    self.model.compute_logits(hidden)
+
+    @property
+    def _captures_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (captured collectives would need NCCL graph support)."""
+        return self.device.type == "cuda" and self.parallel.size == 1 and not self.config.model.enforce_eager
+
+    def _new_decode_graphs(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_model_len: int
+    ) -> DecodeGraphs:
+        # A decode step never has more sequences than either limit.
+        max_batch = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+        return DecodeGraphs(self.model, kv_caches, max_batch, max_model_len, self.block_size)
+
+    def _trial_decode_graphs(self, max_model_len: int) -> DecodeGraphs:
+        # Over a one-block scratch cache: they are never replayed, only their memory pool is measured.
+        return self._new_decode_graphs(self._allocate_kv_caches(1), max_model_len)
 
     def _capture_decode_graphs(self, max_model_len: int) -> None:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        # A decode step never has more sequences than either limit.
-        max_batch = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_model_len, self.block_size)
+        self.decode_graphs = self._new_decode_graphs(self.kv_caches, max_model_len)
         torch.cuda.empty_cache()  # the eager warm-up runs' blocks; the graphs keep their own pool
         logger.info(
             "Captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, using %.2f GiB",
             len(self.decode_graphs.sizes),
-            max_batch,
+            self.decode_graphs.max_batch,
             time.perf_counter() - start,
             (torch.cuda.memory_reserved() - reserved) / 2**30,
         )
@@ -544,15 +580,15 @@ class ModelRunner:
         ]
         spans = _prompt_spans(states, query_start_loc)
         prompt_rows = [row for _, start, end, first in spans for row in range(first, first + end - start)]
-        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows)
+        lora_slots = None if slots is None else [slots[i] for i in order]
+        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows, lora_slots)
 
-        mapping = None if slots is None else LoraMapping.build([slots[i] for i in order], query_lens, self.device)
         images = self._image_rows(states, query_start_loc, scheduled.scheduled_images)
         graphs = self.decode_graphs
         decode_only = len(input_ids) == len(states)  # a prompt's last token may be an image's: not a graph's step
         if (
             graphs is not None
-            and mapping is None
+            and step.lora is None
             and images is None
             and decode_only
             and len(states) <= graphs.max_batch
@@ -561,7 +597,7 @@ class ModelRunner:
         else:
             # Only a vision-language model takes image rows: a text model keeps the four-argument contract.
             merge = {} if images is None else {"image_rows": images[0], "image_embeds": images[1]}
-            with lora_mapping(mapping):
+            with lora_mapping(step.lora):
                 hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, **merge)
         logits = self.model.compute_logits(hidden[step.sample_rows]) if rows or prompt_rows else None
         self._executed = _ExecutedStep(start, states, query_start_loc, sampling, spans, hidden, logits)

@@ -3,11 +3,15 @@ their runs against.
 
 A Llama-family decoder's work is its projections (two FLOPs per weight per token), its attention (each position's
 dot products with its context, and the weighted sum of the values) and the LM head rows that are sampled.
-:func:`matmul_rate` measures the machine's matmul rate in a dtype with one large ``torch.mm``, in the benchmark's own
-run, so that the fraction printed beside a throughput is of this machine at this moment (these machines are shared).
-:func:`median_seconds` times one call, as the kernel and projection benchmarks do.
+:func:`matmul_rate` measures the matmul rate of the device the run computes on (the CUDA GPU when there is one, else
+the CPU) in a dtype with one large ``torch.mm``, in the benchmark's own run, so that the fraction printed beside a
+throughput is of this device at this moment (these machines are shared). :func:`median_seconds` times one call, as
+the kernel and projection benchmarks do. As a script it prints the rate::
+
+    python -m bench.flops --device cuda --dtype bfloat16 --size 8192
 """
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -72,13 +76,39 @@ def median_seconds(fn: Callable[[], object], repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
-    """This machine's matmul rate in ``dtype``, FLOP/s: the best of ``repeats`` ``size``-cubed ``torch.mm``."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def default_device() -> str:
+    """The device a run computes on: ``cuda`` when there is one, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def matmul_rate(dtype: torch.dtype, size: int = 2048, repeats: int = 10, device: str | None = None) -> float:
+    """``device``'s matmul rate in ``dtype``, FLOP/s: the best of ``repeats`` ``size``-cubed ``torch.mm``.
+
+    ``device`` defaults to :func:`default_device`; on CUDA each product is timed to its end (a synchronize).
+    """
+    device = device or default_device()
+    a, b = torch.randn(2, size, size, dtype=dtype, device=device).unbind(0)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     torch.mm(a, b)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Print a device's matmul rate (the best of N size-cubed products).")
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--size", type=int, default=2048)
+    args = parser.parse_args()
+    rate = matmul_rate(getattr(torch, args.dtype), args.size, device=args.device)
+    print(f"{args.device} {args.dtype} {args.size}^3 matmul: {rate / 1e12:.2f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

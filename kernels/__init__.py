@@ -40,6 +40,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
 ]
 
@@ -120,6 +121,26 @@ reshape_and_cache = _dispatch(attention.reshape_and_cache, cpu.reshape_and_cache
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
 rotary_embedding = _dispatch(rotary.rotary_embedding, cpu.rotary_embedding)
 silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)
+
+
+def _rotary_embedding_and_cache_cpu(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The C++ rotary op, then the C++ cache write (on the CPU a launch costs nothing to save)."""
+    query, key = cpu.rotary_embedding(positions, query, key, cos_sin_cache)
+    cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    return query
+
+
+# On Triton one launch rotates and writes the cache: one launch fewer per layer in the steps that run eagerly.
+rotary_embedding_and_cache = _dispatch(rotary.rotary_embedding_and_cache, _rotary_embedding_and_cache_cpu)
 # On the CPU, spindle.kernels.linear.Projection runs the int8/int4 kernels (ours, torch's); this CPU fallback is the
 # torch reference.
 quantized_linear = _dispatch(quant.quantized_linear)
@@ -173,16 +194,23 @@ def _attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if _metadata is None:
         raise RuntimeError("attend() runs inside `with attention_metadata(meta):` only")
-    reshape_and_cache(key, value, k_cache, v_cache, _metadata.slot_mapping)
+    if positions is None or cos_sin_cache is None:
+        reshape_and_cache(key, value, k_cache, v_cache, _metadata.slot_mapping)
+    else:
+        query = rotary_embedding_and_cache(
+            positions, query, key, value, cos_sin_cache, k_cache, v_cache, _metadata.slot_mapping
+        )
     return paged_attention(query, k_cache, v_cache, _metadata, scale)
 
 
 _attend_op = torch.library.custom_op("spindle::attend", _attend, mutates_args=("k_cache", "v_cache"))
 # What the compiler needs to know of the op's output: the query's shape and dtype.
-_attend_op.register_fake(lambda query, *_: torch.empty_like(query))
+_attend_op.register_fake(lambda query, *_, **__: torch.empty_like(query))
 
 
 def attend(
@@ -192,12 +220,16 @@ def attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the new tokens' K/V into the cache, then attend every query over its context (the step's whole attention).
 
-    The batch layout is the one set by :func:`attention_metadata`. Under ``torch.compile`` this is one opaque
-    custom op (``spindle::attend``), which the compiler neither traces nor specialises; run eagerly it is a plain
-    call, since a custom op's dispatch costs tens of microseconds per layer.
+    With ``positions`` and ``cos_sin_cache`` the query and key heads are first rotated
+    (:func:`rotary_embedding_and_cache`: on Triton the rotation and the cache write are one launch). The batch
+    layout is the one set by :func:`attention_metadata`. Under ``torch.compile`` this is one opaque custom op
+    (``spindle::attend``), which the compiler neither traces nor specialises; run eagerly it is a plain call, since
+    a custom op's dispatch costs tens of microseconds per layer.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``.
@@ -206,11 +238,14 @@ def attend(
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
         v_cache: same shape as ``k_cache``.
         scale: the softmax scale.
+        positions: ``[num_tokens]`` int64, each token's absolute position, to rotate the query and key heads by; or
+            None when they are rotated already.
+        cos_sin_cache: from :func:`build_cos_sin_cache`, with ``positions``.
 
     Returns:
         ``[num_tokens, num_heads, head_size]``.
 
     """
     if torch.compiler.is_compiling():
-        return _attend_op(query, key, value, k_cache, v_cache, scale)
-    return _attend(query, key, value, k_cache, v_cache, scale)
+        return _attend_op(query, key, value, k_cache, v_cache, scale, positions, cos_sin_cache)
+    return _attend(query, key, value, k_cache, v_cache, scale, positions, cos_sin_cache)

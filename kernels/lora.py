@@ -23,7 +23,7 @@ Three implementations with one signature, ``add_lora(y, x, slots, mapping)``, di
   grouped by slot (``token_indices``, ``group_starts``), as punica's SGMV.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -82,7 +82,11 @@ class LoraMapping:
 
     @classmethod
     def build(
-        cls, seq_slots: Sequence[int], query_lens: Sequence[int], device: torch.device | str = "cpu"
+        cls,
+        seq_slots: Sequence[int],
+        query_lens: Sequence[int],
+        device: torch.device | str = "cpu",
+        stage: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> "LoraMapping | None":
         """The mapping of a step's flat batch, from each sequence's slot and its number of new tokens.
 
@@ -90,6 +94,8 @@ class LoraMapping:
             seq_slots: the slot of each sequence, in batch order; ``-1`` for the base model.
             query_lens: the new tokens of each sequence, in batch order.
             device: where the tensors go.
+            stage: in place of a copy to ``device``, puts the int32 array that packs the device tensors there and
+                returns it on the device (the model runner's pinned input buffers, copied without waiting).
 
         Returns:
             The mapping, or None when no sequence uses an adapter (the step then skips LoRA entirely).
@@ -121,7 +127,7 @@ class LoraMapping:
         packed = np.zeros(offsets[-1], dtype=np.int32)
         for part, offset in zip(parts, offsets, strict=False):
             packed[offset : offset + len(part)] = part
-        tensors = torch.from_numpy(packed).to(device)
+        tensors = torch.from_numpy(packed).to(device) if stage is None else stage(packed)
         token_indices_t, group_starts_t, slot_ids_t = (
             tensors[offset : offset + len(part)] for part, offset in zip(parts, offsets, strict=False)
         )

@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from spindle.kernels.attention import reshape_and_cache
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -79,6 +81,40 @@ def rotary_embedding(
     """
     cos, sin = cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate the query and key heads, then write the rotated keys and the values into their cache slots.
+
+    :func:`rotary_embedding` followed by :func:`~spindle.kernels.attention.reshape_and_cache`, which the Triton
+    path fuses into one launch.
+
+    Args:
+        positions: ``[num_tokens]`` int64, the absolute position of each token.
+        query: ``[num_tokens, num_heads, head_size]``.
+        key: ``[num_tokens, num_kv_heads, head_size]``.
+        value: same shape as ``key``.
+        cos_sin_cache: from :func:`build_cos_sin_cache`, in the query's dtype.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
+        v_cache: same shape as ``k_cache``, written in place.
+        slot_mapping: ``[num_tokens]`` int64, the slot of each token; every slot must be valid.
+
+    Returns:
+        The rotated query, a new tensor of its shape.
+
+    """
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    return query
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

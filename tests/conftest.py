@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,15 +65,18 @@ TIERS = {
     "test_tokenizer": "unit",
     "test_engine": "engine",
     "test_gpu_engine": "engine",
+    "test_gpu_memory": "engine",
     "test_kernels_triton": "engine",  # one test steps an EngineCore through the decode graphs
     "test_llava_model": "engine",
     "test_lora": "engine",
+    "test_lora_staging": "engine",
     "test_memory": "engine",
     "test_model_parity": "engine",
     "test_priority": "engine",
     "test_smollm2": "engine",
     "test_speculative": "engine",
     "test_transfers": "engine",
+    "test_warm_up": "engine",
     "test_data_parallel": "process",
     "test_embeddings": "process",
     "test_grpc": "process",
@@ -90,6 +93,7 @@ TIERS = {
     "test_caches": "process",
     "test_tensor_parallel": "process",
     "test_tools": "process",  # the parser and schema checks are unit tests; the end-to-end ones start a backend
+    "test_device_run": "process",  # runs bench/device_run.py's CPU rehearsal, which starts pytest and an engine
     "test_compose": "deploy",
     "test_deploy": "deploy",
     "test_docs": "deploy",
@@ -111,6 +115,30 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     seed = config.getoption("randomly_seed", None)
     if seed is not None:
         terminalreporter.write_line(f"Shuffled with --randomly-seed={seed}; -p no:randomly runs the file order.")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cpu_side_without_cpp_kernels() -> Iterator[None]:
+    """With ``SPINDLE_TEST_CPU_EAGER=1``, run the CPU side of every test on torch's own ops (``enforce_eager``).
+
+    bench/device_run.py sets it on a machine without ``g++`` or Python's headers, where our C++ kernels cannot
+    build: the CPU engines and references then run as ``--enforce-eager`` serves, and the device side is unchanged.
+    """
+    if os.environ.get("SPINDLE_TEST_CPU_EAGER") != "1":
+        yield
+        return
+    from unittest import mock
+
+    from spindle.kernels import eager
+    from spindle.shared.config import EngineConfig
+
+    of = EngineConfig.of.__func__
+
+    def eager_on_cpu(cls: type[EngineConfig], **settings: object) -> EngineConfig:
+        return of(cls, **(settings | {"enforce_eager": True} if settings.get("device") == "cpu" else settings))
+
+    with eager(), mock.patch.object(EngineConfig, "of", classmethod(eager_on_cpu)):
+        yield
 
 
 def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:

@@ -331,7 +331,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
 
 
 KERNEL_NAMES = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
-KERNEL_NAMES += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel"]
+KERNEL_NAMES += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel", "_split_k_reduce_kernel"]
 KERNEL_NAMES += ["_lora_shrink_kernel", "_lora_expand_kernel"]
 
 # compile_check runs, side by side (about a minute on two cores): every dtype with head sizes 64 and 128 x GQA groups
@@ -572,3 +572,148 @@ def test_a_varied_workload_compiles_nothing_after_warm_up() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", JIT_STALL_CHECK], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+Launch = tuple[str, tuple[int, ...], dict[str, object]]
+"""A recorded Triton launch: the kernel's name, its grid and its compile-time constants."""
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    """Every Triton kernel launch from here to the test's end, appended as it happens (compiled or interpreted)."""
+    recorded: list[Launch] = []
+    launcher = type(spindle.kernels.triton.rotary._rotary_kernel)  # JITFunction, or the interpreter's stand-in
+    run = launcher.run
+
+    def recording_run(self: object, *args: object, grid: tuple[int, ...], **kwargs: object) -> object:
+        constants = {name: value for name, value in kwargs.items() if name.isupper()}
+        recorded.append((self.fn.__name__, grid, constants))  # type: ignore[attr-defined]
+        return run(self, *args, grid=grid, **kwargs)
+
+    monkeypatch.setattr(launcher, "run", recording_run)
+    return recorded
+
+
+# (bits, out_features, in_features, group_size, bias): decode-sized shapes that split K on any device (the CPU counts
+# as one SM). int8 per row with K = 1000: splits of 512 inputs, the last one short and ending in a masked K step;
+# int4 with 4 groups per K step (32) and with 2 K steps per group (256, 4 splits in float32); int8 by groups of 32
+# (GGUF's Q8_0: scales per group, no zero points).
+SPLIT_K_WEIGHTS = {
+    "int8-72x1000-bias": (8, 72, 1000, 1000, True),
+    "int4-g32-96x1024-bias": (4, 96, 1024, 32, True),
+    "int4-g256-40x1024": (4, 40, 1024, 256, False),
+    "int8-g32-64x1024": (8, 64, 1024, 32, False),
+}
+
+
+def _quantized_weight(
+    bits: int, out_features: int, in_features: int, group_size: int
+) -> spindle.kernels.quant.QuantizedWeight:
+    """A random weight in the layout given; int8 by groups is quantized row by row over each group's inputs."""
+    dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
+    if bits == 4 or group_size == in_features:
+        return spindle.kernels.quant.quantize(dense, bits, group_size)
+    per_group = spindle.kernels.quant.quantize(dense.view(-1, group_size), 8)
+    qweight, scales = per_group.qweight.view(out_features, in_features), per_group.scales.view(out_features, -1)
+    return spindle.kernels.quant.QuantizedWeight(qweight, scales, None, group_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("weight_case", SPLIT_K_WEIGHTS)
+def test_decode_sized_quantized_linear_splits_k_in_one_variant(
+    weight_case: str, dtype: torch.dtype, launches: list[Launch]
+) -> None:
+    """1 to 16 tokens: K split over programs, summed by the reduction in a fixed order; one compile for all of them."""
+    bits, out_features, in_features, group_size, with_bias = SPLIT_K_WEIGHTS[weight_case]
+    weight = _quantized_weight(bits, out_features, in_features, group_size).to(DEVICE)
+    generator = torch.Generator().manual_seed(1)
+    bias = torch.randn(out_features, generator=generator).to(DEVICE) if with_bias else None
+    unit = 1e-5 if dtype == torch.float32 else 2 * 2**-7
+
+    for num_rows in range(1, 17):
+        x = torch.randn(num_rows, in_features, generator=generator).to(dtype).to(DEVICE)
+        out = spindle.kernels.triton.quantized_linear(x, weight, bias)
+        expected = spindle.kernels.quant.quantized_linear(x, weight, bias)
+        torch.testing.assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
+    assert torch.equal(spindle.kernels.triton.quantized_linear(x, weight, bias), out), "not deterministic"
+
+    products = [(grid, constants) for name, grid, constants in launches if name == "_quant_linear_kernel"]
+    assert all(len(grid) == 3 and grid[2] > 1 and constants["SPLIT_K"] for grid, constants in products)
+    assert len({repr(constants) for _, constants in products}) == 1
+    assert [name for name, *_ in launches].count("_split_k_reduce_kernel") == len(products)
+
+
+LLAMA_3_8B_PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.mark.parametrize("projection", LLAMA_3_8B_PROJECTIONS)
+def test_split_k_gives_an_h200_two_waves_of_decode_programs(projection: str) -> None:
+    """Llama-3-8B's decode projections launch at least 2 programs per SM of an H200 (132), splits tiling K exactly."""
+    ql = spindle.kernels.triton.quant_linear
+    out_features, in_features = LLAMA_3_8B_PROJECTIONS[projection]
+    column_tiles = -(-out_features // ql.DECODE_BLOCK_N)
+
+    splits, inputs_per_split = ql.split_k(column_tiles, in_features, ql.DECODE_BLOCK_K, 132)
+
+    assert column_tiles * splits >= 2 * 132
+    assert inputs_per_split % ql.DECODE_BLOCK_K == 0
+    assert (splits - 1) * inputs_per_split < in_features <= splits * inputs_per_split
+    assert inputs_per_split >= ql.MIN_STEPS_PER_SPLIT * ql.DECODE_BLOCK_K
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_rotary_embedding_and_cache_matches_rotary_then_cache_write(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    head_size, num_heads, tokens = 80, 3 * NUM_KV_HEADS, 6
+    # Q, K and V as the model has them: strided views of one fused qkv row per token.
+    qkv = torch.randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * head_size, generator=generator).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_size, NUM_KV_HEADS * head_size, NUM_KV_HEADS * head_size], dim=-1)
+    query, key, value = q.view(tokens, num_heads, head_size), *(t.view(tokens, NUM_KV_HEADS, head_size) for t in (k, v))
+    positions = torch.tensor([3, 0, 7, 40, 41, 2], device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 13, 22, -1], device=DEVICE)
+    cos_sin = build_cos_sin_cache(head_size, 64, 10000.0, dtype=dtype).to(DEVICE)
+    caches = torch.randn(2, 4, 8, NUM_KV_HEADS, head_size, generator=generator).to(dtype).to(DEVICE)
+    expected = caches.clone()
+    valid = slots >= 0
+
+    got = spindle.kernels.rotary_embedding_and_cache(positions, query, key, value, cos_sin, *caches, slots)
+
+    rotated = rotary.rotary_embedding(positions, query, key, cos_sin)
+    attention.reshape_and_cache(rotated[1][valid], value[valid], *expected, slots[valid])
+    torch.testing.assert_close(got, rotated[0], **TOLERANCES[dtype])
+    torch.testing.assert_close(caches, expected, **TOLERANCES[dtype])
+    assert torch.equal(caches[1], expected[1]), "values are copied, not rounded"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts launches of the CPU engine under the interpreter")
+def test_a_mixed_step_launches_six_triton_kernels_per_layer(tiny_llama_dir: Path, launches: list[Launch]) -> None:
+    """A step with a decode and a prefill chunk: the norms, rotary with the cache write, attention (decode and prefill
+    kernels), SiLU-and-mul. The projections of this unquantized model are the CPU's (cuBLAS' on a GPU)."""
+    # A small token budget keeps the start-up's profiling step short under the interpreter.
+    config = EngineConfig.of(
+        model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_memory="1MiB"
+    )
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add_request(EngineRequest("decode", list(range(3, 10)), params, arrival_time=0.0))
+    core.step()  # its prefill: the next step decodes it
+    core.add_request(EngineRequest("prefill", list(range(3, 30)), params, arrival_time=0.0))
+    steps: list[AttentionMetadata] = []
+    bounds: list[int] = []  # the launches before and after the first layer
+    model = core.runner.model
+    model.register_forward_pre_hook(lambda _, args: steps.append(args[2]))
+    model.layers[0].register_forward_pre_hook(lambda *_: bounds.append(len(launches)))
+    model.layers[0].register_forward_hook(lambda *_: bounds.append(len(launches)))
+
+    core.step()
+
+    assert [(meta.num_decodes, len(meta.query_lens_list)) for meta in steps] == [(1, 2)]
+    start, end = bounds
+    assert [name for name, *_ in launches[start:end]] == [
+        "_rms_norm_kernel",
+        "_rotary_kernel",
+        "_decode_kernel",
+        "_prefill_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+    ]

@@ -16,7 +16,6 @@ from spindle.kernels import (
     attention_metadata,
     build_cos_sin_cache,
     rms_norm,
-    rotary_embedding,
     silu_and_mul,
 )
 from spindle.kernels.linear import Projection, linear
@@ -75,14 +74,15 @@ class LlamaAttention(nn.Module):
         qkv = linear(hidden, self.qkv_proj, self.qkv_bias, self.prepared.get("qkv_proj"))
         qkv = _with_lora(qkv, hidden, self.lora.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotary_embedding(
-            positions,
+        out = attend(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            *kv_cache,
+            self.scale,
+            positions,
             cos_sin_cache,
         )
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attend(q, k, v, *kv_cache, self.scale)
         out = out.view(num_tokens, self.q_size)
         out = _with_lora(linear(out, self.o_proj, prepared=self.prepared.get("o_proj")), out, self.lora.get("o_proj"))
         return parallel.all_reduce(out)

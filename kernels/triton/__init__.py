@@ -12,7 +12,7 @@ from spindle.kernels.triton.norm import rms_norm
 from spindle.kernels.triton.paged_attention import paged_attention
 from spindle.kernels.triton.prefill_attention import prefill_attention
 from spindle.kernels.triton.quant_linear import quantized_linear
-from spindle.kernels.triton.rotary import rotary_embedding
+from spindle.kernels.triton.rotary import rotary_embedding, rotary_embedding_and_cache
 
 __all__ = [
     "add_lora",
@@ -23,5 +23,6 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
 ]

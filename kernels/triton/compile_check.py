@@ -120,6 +120,18 @@ def record_only(variants: set[tuple[str, str]]) -> None:
     triton.knobs.runtime.jit_cache_hook = record_and_skip
 
 
+def warm_up_row_counts(max_rows: int) -> list[int]:
+    """The step sizes the model runner's start-up runs a forward and the LM head at (``_warm_up_kernels``).
+
+    Every power of two up to ``max_rows``, and ``max_rows``: the kernels whose compile-time constants depend on a
+    step choose them from its row count at powers of two (the quantized GEMM's row tiles, the LoRA kernels' tiles
+    by an adapter's tokens), so one count on each side of every threshold is compiled. A kernel that chooses at
+    another row count must add it here, or a step of that size compiles mid-request.
+    """
+    counts = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
+    return counts if counts[-1] == max_rows else [*counts, max_rows]
+
+
 def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> None:
     """Call every Triton kernel once per variant that compiles differently (dtype, head size, GQA group, splits).
 
@@ -139,13 +151,17 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
             tk.rotary_embedding(
                 torch.arange(7), query, query[:, :num_kv_heads], torch.zeros(64, head_size, dtype=dtype)
             )
+            key = query[:, :num_kv_heads]
+            cos_sin = torch.zeros(64, head_size, dtype=dtype)
+            tk.rotary_embedding_and_cache(torch.arange(7), query, key, key, cos_sin, *cache, meta.slot_mapping)
     x = torch.zeros(3, 576, dtype=dtype)
     tk.rms_norm(x, x[0], 1e-5)
     tk.rms_norm(x, x[0], 1e-5, x)
     tk.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
     # int8 with a K that is no multiple of the K step (masked loads), int4 with the smallest and a large group; one
-    # decode-sized and one prefill-sized batch each (the tile shapes differ).
-    for bits, group_size, in_features in ((8, 208, 208), (4, 32, 256), (4, 128, 256)):
+    # decode-sized and one prefill-sized batch each (the tile shapes differ). K = 1040 and 1024 are long enough for
+    # the decode batch to split K (and so to launch the split-K reduction).
+    for bits, group_size, in_features in ((8, 1040, 1040), (4, 32, 1024), (4, 128, 1024)):
         weight = quantize(torch.zeros(96, in_features), bits, group_size)
         for num_rows in (1, 100):
             bias = torch.zeros(96, dtype=dtype) if num_rows > 1 else None

@@ -10,9 +10,18 @@ int8 with one scale per row takes a shortcut: the integers are exact in bf16/fp1
 are and the row scale multiplies the float32 sum once at the end: cheaper than scaling every element, and no
 weight is rounded to the activation dtype.
 
+Decode-sized batches (``M <= 16``) split K across programs (split-K): a 4096x4096 projection has only 64-128
+column tiles, too few programs to keep an H200's 132 SMs streaming weights. Each program then sums a slice of K and
+stores float32 partial sums; a second, small kernel adds them in split order and applies the row scale and the bias.
+Two passes rather than atomics: the result does not depend on the order programs finish in (atomic float adds
+would make a decode step's logits vary from run to run), and atomics would need a zeroed float32 buffer and a cast
+pass, one launch more. The split count follows the shape and the SM count only, never ``M``.
+
 Tile sizes come from a small fixed set, so a model compiles a handful of variants per layer shape, and the number
 of tokens ``M`` is not specialised on: a new batch size does not recompile.
 """
+
+import math
 
 import torch
 import triton
@@ -20,11 +29,33 @@ import triton.language as tl
 
 from spindle.kernels.quant import QuantizedWeight
 from spindle.kernels.triton.attention_tile import dot_in_fp32
+from spindle.kernels.triton.decode_attention import _multiprocessors
 
 BLOCK_K_CHOICES = (64, 32, 16)
 """Inputs per K step, largest first. A group-wise weight (int4) takes the largest that divides its group size, so
 that a step stays inside one group and needs one scale per row (32 and a scale per element if none does); int8 with
 one scale per row takes 64, or 32 for float32, whose tiles are twice the bytes."""
+
+DECODE_ROWS = 16
+"""Batches of up to this many tokens take the decode tiles (one 16-row tensor-core tile) and split K."""
+
+DECODE_BLOCK_N = 64
+"""Weight rows per decode program: with 16 activation rows, an int8 tile's weight bytes are twice its activation
+bytes, int4's equal, so the activations re-read from L2 by every column tile stay below the weight stream."""
+
+DECODE_BLOCK_K = 128
+"""Inputs per decode K step: 8 KiB of int8 weights per step, 4 KiB of int4, so that a few programs per SM keep
+enough loads in flight to stream from HBM. Group-wise weights take it when it holds whole groups or lies inside one.
+float32 takes a quarter: its exact dots hold both operands in registers (at 64 inputs they spill)."""
+
+PROGRAMS_PER_SM = 4
+"""Decode programs wanted per SM: split K until the column tiles times the splits reach this many per SM."""
+
+MIN_STEPS_PER_SPLIT = 4
+"""A split covers at least this many K steps, so that its loads still pipeline and the partial sums stay few."""
+
+REDUCE_BLOCK_N = 256
+"""Columns per program of the split-K reduction."""
 
 
 # Only M changes from step to step; the strides are per-layer constants (x's rows are K apart whatever M is), so they
@@ -40,16 +71,20 @@ def _quant_linear_kernel(
     M,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_qn,
     stride_sn,
     stride_om,
+    stride_os,
     GROUP_SIZE: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -69,8 +104,10 @@ def _quant_linear_kernel(
     # int4 stores inputs 2i and 2i+1 in one byte: a K step reads half as many bytes as it has inputs.
     b_range = tl.arange(0, BLOCK_K // 2) if PACKED else k_range
 
+    # Program (.., .., s) sums inputs [s * k_per_split, (s + 1) * k_per_split): all of K without split-K.
+    k_start = tl.program_id(2) * k_per_split
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k = k0 + k_range
         if PACKED:
             b = k0 // 2 + b_range
@@ -99,6 +136,15 @@ def _quant_linear_kernel(
                 s = tl.load(s_rows + g)[:, None]
                 if HAS_ZEROS:
                     z = tl.load(z_rows + g)[:, None]
+            elif GROUPS_PER_TILE > 1:
+                # The step holds whole groups: one scale per row and group, broadcast over the group in registers
+                # (a scale load per weight would cost more load instructions than the weights themselves).
+                g = k0 // GROUP_SIZE + tl.arange(0, GROUPS_PER_TILE)[None, :]
+                g_mask = g < K // GROUP_SIZE
+                s = tl.load(s_rows[:, None] + g, mask=g_mask, other=0.0)[:, :, None]
+                if HAS_ZEROS:
+                    z = tl.load(z_rows[:, None] + g, mask=g_mask, other=0.0)[:, :, None]
+                q = tl.reshape(q, [BLOCK_N, GROUPS_PER_TILE, GROUP_SIZE])
             else:
                 g = tl.minimum(k, K - 1)[None, :] // GROUP_SIZE
                 s = tl.load(s_rows[:, None] + g)
@@ -109,18 +155,56 @@ def _quant_linear_kernel(
                 w = ((q.to(tl.float32) - 8.0) * s + z).to(x.dtype)
             else:
                 w = (q.to(tl.float32) * s).to(x.dtype)
+            if GROUPS_PER_TILE > 1:
+                w = tl.reshape(w, [BLOCK_N, BLOCK_K])
         if DOT_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         # "ieee" keeps fp32 products exact on GPUs that would round them to TF32 (bf16/fp16 are unaffected).
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
 
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLIT_K:
+        # The partial sum as it is: _split_k_reduce_kernel scales, adds the bias and rounds once.
+        out = out_ptr + tl.program_id(2) * stride_os + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc, mask=mask)
+    else:
+        if ROW_SCALE:
+            acc *= tl.load(s_rows)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    partials_ptr,
+    scales_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    num_splits,
+    stride_ps,
+    stride_sn,
+    stride_om,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    partials = partials_ptr + row * N + cols
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Always in split order: the same inputs give the same bits, whichever program finished first.
+    for split in range(num_splits):
+        acc += tl.load(partials + split * stride_ps, mask=mask, other=0.0)
     if ROW_SCALE:
-        acc *= tl.load(s_rows)[None, :]
+        acc *= tl.load(scales_ptr + cols * stride_sn, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,52 +243,98 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if in_features == 0:
         # Nothing to multiply: the bias alone, as the reference gives.
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
-    packed = weight.bits == 4
     row_scale = weight.zeros is None and weight.group_size == in_features
-    block_m, block_n, block_k = _block_sizes(num_rows, x.dtype, row_scale, weight.group_size)
+    if num_rows <= DECODE_ROWS:
+        block_m, block_n, block_k = DECODE_ROWS, DECODE_BLOCK_N, _decode_block_k(x.dtype, row_scale, weight.group_size)
+        processors = _multiprocessors(x.device) if x.device.type == "cuda" else 1
+        num_splits, k_per_split = split_k(triton.cdiv(out_features, block_n), in_features, block_k, processors)
+    else:
+        block_m, block_n, block_k = _prefill_block_sizes(num_rows, x.dtype, row_scale, weight.group_size)
+        num_splits, k_per_split = 1, triton.cdiv(in_features, block_k) * block_k
     out_rows = out.view(num_rows, out_features)
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
-    _quant_linear_kernel[grid](
+    target = out_rows
+    if num_splits > 1:
+        # DECODE_ROWS rows per split whatever M is, so that no stride follows the batch size.
+        target = torch.empty((num_splits, DECODE_ROWS, out_features), dtype=torch.float32, device=x.device)
+    _quant_linear_kernel[(triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n), num_splits)](
         rows,
         qweight,
         scales,
         scales if zeros is None else zeros,
         out if bias is None else bias,
-        out_rows,
+        target,
         num_rows,
         out_features,
         in_features,
+        k_per_split,
         # One row's stride is never used; K keeps it from being specialised on as 1 or a new value.
         rows.stride(0) if num_rows > 1 else in_features,
         qweight.stride(0),
         scales.stride(0),
-        out_rows.stride(0),
+        out_features if num_splits > 1 else out_rows.stride(0),
+        DECODE_ROWS * out_features,
         GROUP_SIZE=weight.group_size,
-        PACKED=packed,
+        PACKED=weight.bits == 4,
         HAS_ZEROS=zeros is not None,
         ROW_SCALE=row_scale,
         SCALE_PER_TILE=weight.group_size % block_k == 0,
+        GROUPS_PER_TILE=block_k // weight.group_size if block_k % weight.group_size == 0 else 1,
         HAS_BIAS=bias is not None,
+        SPLIT_K=num_splits > 1,
         EVEN_K=in_features % block_k == 0,
         DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
+    if num_splits > 1:
+        _split_k_reduce_kernel[(num_rows, triton.cdiv(out_features, REDUCE_BLOCK_N))](
+            target,
+            scales,
+            out if bias is None else bias,
+            out_rows,
+            out_features,
+            num_splits,
+            DECODE_ROWS * out_features,
+            scales.stride(0),
+            out_rows.stride(0),
+            ROW_SCALE=row_scale,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=REDUCE_BLOCK_N,
+        )
     return out
 
 
-def _block_sizes(num_rows: int, dtype: torch.dtype, row_scale: bool, group_size: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` from a fixed set: 16..64 rows, 32 or 64 columns, 16..64 inputs."""
-    # 16 rows is the smallest tensor-core tile; decode batches fit in one and take narrower column tiles, so that
-    # more programs share the weight stream.
-    block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 32 if block_m == 16 else 64
+def split_k(column_tiles: int, in_features: int, block_k: int, processors: int) -> tuple[int, int]:
+    """``(splits, inputs per split)`` of a decode-sized product: enough programs for the SMs, never an empty split.
+
+    Splits until ``column_tiles * splits`` reaches :data:`PROGRAMS_PER_SM` programs per SM, with at least
+    :data:`MIN_STEPS_PER_SPLIT` K steps per split; the inputs per split are a whole number of K steps, and the last
+    split takes what is left. A function of the shape and the GPU only, so every batch size of a layer launches
+    the same programs (and a CUDA graph captured at one size holds for all).
+    """
+    k_steps = triton.cdiv(in_features, block_k)
+    wanted = math.ceil(PROGRAMS_PER_SM * processors / column_tiles)
+    steps_per_split = triton.cdiv(k_steps, max(1, min(wanted, k_steps // MIN_STEPS_PER_SPLIT)))
+    return triton.cdiv(k_steps, steps_per_split), steps_per_split * block_k
+
+
+def _decode_block_k(dtype: torch.dtype, row_scale: bool, group_size: int) -> int:
+    """The decode K step: :data:`DECODE_BLOCK_K` (a quarter in float32) unless groups fit it neither way."""
+    block_k = DECODE_BLOCK_K // 4 if dtype == torch.float32 else DECODE_BLOCK_K
+    if row_scale or block_k % group_size == 0 or group_size % block_k == 0:
+        return block_k
+    return next((b for b in BLOCK_K_CHOICES if group_size % b == 0), 32)
+
+
+def _prefill_block_sizes(num_rows: int, dtype: torch.dtype, row_scale: bool, group_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of a batch of more than :data:`DECODE_ROWS` tokens: 32 or 64 rows, 64 columns."""
+    block_m = min(64, triton.next_power_of_2(num_rows))
     if row_scale:
         block_k = 32 if dtype == torch.float32 else 64
     else:
         block_k = next((b for b in BLOCK_K_CHOICES if group_size % b == 0), 32)
-    return block_m, block_n, block_k
+    return block_m, 64, block_k
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
