@@ -633,8 +633,8 @@ def test_decode_sized_quantized_linear_splits_k_in_one_variant(
     for num_rows in range(1, 17):
         x = torch.randn(num_rows, in_features, generator=generator).to(dtype).to(DEVICE)
         out = spindle.kernels.triton.quantized_linear(x, weight, bias)
-        expected = spindle.kernels.quant.quantized_linear(x, weight, bias)
-        torch.testing.assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
+        expected = on_cpu(spindle.kernels.quant.quantized_linear, x, weight, bias)
+        assert_close(out, expected, atol=unit * expected.float().abs().max().item(), rtol=unit)
     assert torch.equal(spindle.kernels.triton.quantized_linear(x, weight, bias), out), "not deterministic"
 
     products = [(grid, constants) for name, grid, constants in launches if name == "_quant_linear_kernel"]
@@ -673,16 +673,16 @@ def test_rotary_embedding_and_cache_matches_rotary_then_cache_write(dtype: torch
     slots = torch.tensor([5, 0, -1, 13, 22, -1], device=DEVICE)
     cos_sin = build_cos_sin_cache(head_size, 64, 10000.0, dtype=dtype).to(DEVICE)
     caches = torch.randn(2, 4, 8, NUM_KV_HEADS, head_size, generator=generator).to(dtype).to(DEVICE)
-    expected = caches.clone()
-    valid = slots >= 0
+    expected = caches.to("cpu", copy=True)
+    valid = (slots >= 0).cpu()
 
     got = spindle.kernels.rotary_embedding_and_cache(positions, query, key, value, cos_sin, *caches, slots)
 
-    rotated = rotary.rotary_embedding(positions, query, key, cos_sin)
-    attention.reshape_and_cache(rotated[1][valid], value[valid], *expected, slots[valid])
-    torch.testing.assert_close(got, rotated[0], **TOLERANCES[dtype])
-    torch.testing.assert_close(caches, expected, **TOLERANCES[dtype])
-    assert torch.equal(caches[1], expected[1]), "values are copied, not rounded"
+    rotated = on_cpu(rotary.rotary_embedding, positions, query, key, cos_sin)
+    on_cpu(attention.reshape_and_cache, rotated[1][valid], value.cpu()[valid], *expected, slots.cpu()[valid])
+    assert_close(got, rotated[0], **TOLERANCES[dtype])
+    assert_close(caches, expected, **TOLERANCES[dtype])
+    assert torch.equal(caches[1].cpu(), expected[1]), "values are copied, not rounded"
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts launches of the CPU engine under the interpreter")
