@@ -20,12 +20,17 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "device_run.py"
 
 
-def device_run() -> ModuleType:
-    """bench/device_run.py as a module (bench/ is not installed; the script needs only the standard library)."""
-    spec = importlib.util.spec_from_file_location("device_run", SCRIPT)
+def bench_module(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module (bench/ is not installed)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def device_run() -> ModuleType:
+    """bench/device_run.py, which needs only the standard library."""
+    return bench_module("device_run")
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +140,7 @@ def test_random_llama_needs_no_embedded_model(monkeypatch: pytest.MonkeyPatch, t
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", no_distribution)
-    spec = importlib.util.spec_from_file_location("random_llama", REPO / "bench" / "random_llama.py")
-    random_llama = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(random_llama)
-    random_llama.write(tmp_path, "tiny")
+    bench_module("random_llama").write(tmp_path, "tiny")
 
     config = json.loads((tmp_path / "config.json").read_text())
     tokenizer = Tokenizer.from_dir(tmp_path)
@@ -154,3 +156,24 @@ def test_random_llama_needs_no_embedded_model(monkeypatch: pytest.MonkeyPatch, t
         assert weights.get_tensor("lm_head.weight").shape == (config["vocab_size"], config["hidden_size"])
         assert weights.get_tensor("model.norm.weight").eq(1).all()
         assert 0.015 < weights.get_tensor("model.layers.1.mlp.down_proj.weight").float().std() < 0.025
+
+
+def test_flops_measures_the_device_it_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CUDA is, bench.flops multiplies on it and waits for each product; it measured the CPU's rate there."""
+    import torch
+
+    flops = bench_module("flops")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert flops.default_device() == "cuda"
+    events: list[str] = []
+    randn = torch.randn
+
+    def recorded_randn(*shape: int, device: str, **kwargs: object) -> torch.Tensor:
+        events.append(f"randn on {device}")
+        return randn(*shape, **kwargs)  # on the CPU: this machine has no CUDA
+
+    monkeypatch.setattr(torch, "randn", recorded_randn)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("synchronize"))
+
+    assert flops.matmul_rate(torch.float32, size=16, repeats=3) > 0
+    assert events == ["randn on cuda"] + ["synchronize"] * 4  # the warm-up product and each timed one
