@@ -42,7 +42,8 @@ class MetricSpec:
         name: its name; a counter's samples are scraped as ``<name>_total``.
         kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
         help: what it measures (its ``# HELP`` text).
-        source: ``"engine"``: read from the engine at each scrape (its backend's latest stats, its restarts);
+        source: ``"engine"``: read from the engine at each scrape (its backend's latest stats, its restarts, its
+            requests' adapters);
             ``"requests"``: recorded as requests progress.
         labels: its label names.
         buckets: a histogram's upper bounds; empty for the 1-2-5 series up to the model's context length
@@ -499,9 +500,10 @@ class MetricsServer:
     """Serves the Prometheus metrics over HTTP at ``http://host:port/metrics``, from a thread of its own.
 
     The request metrics are recorded as the output processor applies each step (this is a
-    :class:`~spindle.frontend.processing.output_processor.StepListener`); the engine's are read from ``load`` at each
-    scrape. The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors),
-    not prometheus_client's global one, so that several servers can share a process.
+    :class:`~spindle.frontend.processing.output_processor.StepListener`), under their ``spindle:`` name and their
+    ``vllm:`` one alike; the engine's are read from ``load`` and the engine at each scrape. The metrics live in a
+    registry of their own (with the standard ``process_*`` and ``python_*`` collectors), not prometheus_client's
+    global one, so that several servers can share a process.
 
     Args:
         engine: the engine, connected to its backend (or backends).
@@ -583,10 +585,12 @@ class MetricsServer:
             self._observe("request_params_max_tokens", state.params.max_tokens)
 
     def _inc(self, name: str, amount: float) -> None:
+        """Add ``amount`` to a counter under both its names."""
         for child in self._metrics[name]:
             child.inc(amount)
 
     def _observe(self, name: str, value: float) -> None:
+        """Observe ``value`` in a histogram under both its names."""
         for child in self._metrics[name]:
             child.observe(value)
 
