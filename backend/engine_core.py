@@ -155,6 +155,7 @@ class EngineCore:
             runtime_lora_dir=config.lora.lora_dir if config.lora.allow_runtime_lora else None,
             step_timeout=config.backend.step_timeout,
             max_message_size=config.backend.max_message_size,
+            max_loras=config.lora.max_loras,
         )
         for name, path in (config.lora.lora_modules or {}).items():
             self.add_lora(name, path)

@@ -164,7 +164,8 @@ class EngineInfo(msgspec.Struct):
     confined :class:`LoadLora` (it runs with ``allow_runtime_lora``); ``None`` when it refuses them. The engine core
     sets it from its configuration, as the policy belongs to the process that reads the files. ``step_timeout`` is
     how long one turn of the backend's step loop may last before its frontends declare it hung (see
-    :func:`hung_reason`), ``max_message_size`` the largest message the backend takes (``None``: no limit said).
+    :func:`hung_reason`), ``max_message_size`` the largest message the backend takes (``None``: no limit said),
+    ``max_loras`` the adapters one step may use (0 from a backend that does not say).
     """
 
     model_name: str
@@ -177,6 +178,7 @@ class EngineInfo(msgspec.Struct):
     runtime_lora_dir: str | None = None
     step_timeout: float | None = None
     max_message_size: int | None = None
+    max_loras: int = 0
 
 
 # Frontend -> backend.

@@ -83,6 +83,7 @@ TIERS = {
     "test_server_limits": "process",
     "test_hostile_requests": "process",
     "test_lora_api": "process",
+    "test_gateway_metrics": "process",
     "test_model_registry": "process",
     "test_multimodal": "process",
     "test_observability": "process",

@@ -47,14 +47,16 @@ def client(server):
 
 
 def scrape(server: ServerThread) -> dict[tuple[str, tuple], float]:
-    """Every sample of ``/metrics``, by name and labels (the model_name label left out)."""
+    """Every sample of ``/metrics``, by name and labels (the model_name label, and vLLM's engine, left out)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics.port}/metrics", timeout=10) as response:
         text = response.read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith("spindle:"):
+            if sample.name.startswith(("spindle:", "vllm:")) and "model_name" in sample.labels:
                 assert sample.labels.pop("model_name") == server.engine.info.model_name, sample
+            if sample.name.startswith("vllm:"):
+                assert sample.labels.pop("engine", "0") == "0", sample
             samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
     return samples
 
@@ -69,7 +71,9 @@ def counted_all(server: ServerThread) -> bool:
 def test_metrics_move_by_exactly_what_two_requests_did(server, client):
     wait_until(lambda: counted_all(server), "the server has what the backend counted")
     before = scrape(server)
+    # Every metric has samples, but the per-adapter ones, which have none without a request with an adapter.
     names = {spec.sample_name + ("_count" if spec.kind == "histogram" else "") for spec in METRICS}
+    names -= {spec.name for spec in METRICS if "lora_name" in spec.labels}
     assert names - {name for name, _ in before} == set()
     # B starts with A's first two blocks (16 tokens each): its lookup finds them in the prefix cache.
     a = [7 + (13 * i) % 240 for i in range(40)]
@@ -94,11 +98,13 @@ def test_metrics_move_by_exactly_what_two_requests_did(server, client):
     assert moved("spindle:prefix_cache_hits_total") == 32
     assert moved("spindle:prompt_tokens_total") == 40 + 37
     assert moved("spindle:generation_tokens_total") == 5 + 7
+    assert moved("vllm:prompt_tokens_total") == 40 + 37 and moved("vllm:generation_tokens_total") == 5 + 7
+    assert moved("vllm:prefix_cache_hits_total") == 32
     assert moved("spindle:request_success_total", finished_reason="length") == 2
     assert moved("spindle:request_success_total", finished_reason="stop") == 0
     assert moved("spindle:request_success_total", finished_reason="abort") == 0
     for name in HISTOGRAMS:
-        expected = (5 - 1) + (7 - 1) if name == "spindle:inter_token_latency_seconds" else 2  # one per later step
+        expected = (5 - 1) + (7 - 1) if name.endswith(":inter_token_latency_seconds") else 2  # one per later step
         assert moved(f"{name}_count") == expected, name
     assert moved("spindle:request_prompt_tokens_sum") == 40 + 37
     assert moved("spindle:request_generation_tokens_sum") == 5 + 7

@@ -6,10 +6,12 @@ sequences, KV cache blocks, and counts since the backend started: preemptions, p
 and the requests' progress as the output processor applies each step (a
 :class:`~spindle.frontend.processing.output_processor.StepListener`: tokens, timings, finish reasons).
 
-The metric names are vLLM's with the ``spindle:`` prefix, and the histograms have vLLM's buckets, so dashboards
-and alerts written for vLLM carry over; every metric has a ``model_name`` label. :data:`METRICS` lists them (the
-docs' table is made from it). prometheus_client is imported only by :class:`MetricsServer`, so a server that
-serves no metrics does not need it.
+The metric names are vLLM's with the ``spindle:`` prefix, and the histograms have vLLM's buckets; every metric has
+a ``model_name`` label. Those with a vLLM counterpart are also exported under vLLM's own name and labels (``vllm:``
+prefix, ``model_name`` and ``engine``), with vLLM's ``vllm:cache_config_info`` and ``vllm:lora_requests_info``, so
+that the gateways which read a vLLM server's metrics (the Kubernetes inference gateway's endpoint picker, say) read
+Spindle's unchanged. :data:`METRICS` lists them all (the docs' table is made from it). prometheus_client is imported
+only by :class:`MetricsServer`, so a server that serves no metrics does not need it.
 """
 
 import asyncio
@@ -40,7 +42,8 @@ class MetricSpec:
         name: its name; a counter's samples are scraped as ``<name>_total``.
         kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
         help: what it measures (its ``# HELP`` text).
-        source: ``"engine"``: read from the engine at each scrape (its backend's latest stats, its restarts);
+        source: ``"engine"``: read from the engine at each scrape (its backend's latest stats, its restarts, its
+            requests' adapters);
             ``"requests"``: recorded as requests progress.
         labels: its label names.
         buckets: a histogram's upper bounds; empty for the 1-2-5 series up to the model's context length
@@ -86,7 +89,18 @@ def _spec(name: str, kind: str, help: str, source: str = "requests", **extra: ob
     return MetricSpec(f"spindle:{name}", kind, help, source, **extra)
 
 
-METRICS: tuple[MetricSpec, ...] = (
+VLLM_ENGINE_INDEX = "0"
+"""The ``engine`` label of the ``vllm:`` series: vLLM's data-parallel index, and Spindle's frontend, whatever its
+backends, is one engine to a gateway."""
+
+
+def _vllm(spec: MetricSpec) -> MetricSpec:
+    """The vLLM counterpart of a ``spindle:`` metric: vLLM's name, and its labels (``engine`` after ``model_name``)."""
+    labels = ("model_name", "engine") + spec.labels[1:]
+    return dataclasses.replace(spec, name=spec.name.replace("spindle:", "vllm:", 1), labels=labels)
+
+
+SPINDLE_METRICS: tuple[MetricSpec, ...] = (
     # The backend's state and counts, as of its last step or heartbeat.
     _spec("num_requests_running", "gauge", "Sequences in the running batch (a request with n > 1 counts n).", "engine"),
     _spec("num_requests_waiting", "gauge", "Sequences waiting for the scheduler to admit them.", "engine"),
@@ -174,7 +188,52 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("request_generation_tokens", "histogram", "Tokens generated for each finished request (all n)."),
     _spec("request_params_n", "histogram", "The n (completions) of each finished request.", buckets=N_BUCKETS),
     _spec("request_params_max_tokens", "histogram", "The max_tokens of each finished request that set it."),
+    # Per LoRA adapter, from the frontend's requests: vLLM has only the names, in vllm:lora_requests_info.
+    _spec(
+        "lora_requests_running",
+        "gauge",
+        "Requests with this adapter that have had tokens and not ended.",
+        "engine",
+        labels=("model_name", "lora_name"),
+    ),
+    _spec(
+        "lora_requests_waiting",
+        "gauge",
+        "Requests with this adapter that wait for their first tokens.",
+        "engine",
+        labels=("model_name", "lora_name"),
+    ),
 )
+"""The ``spindle:`` metrics."""
+
+_NOT_IN_VLLM = {
+    "spindle:engine_restarts",
+    "spindle:request_resumptions",
+    "spindle:request_resume_failures",
+    "spindle:lora_requests_running",
+    "spindle:lora_requests_waiting",
+}
+
+VLLM_METRICS: tuple[MetricSpec, ...] = tuple(_vllm(spec) for spec in SPINDLE_METRICS if spec.name not in _NOT_IN_VLLM)
+VLLM_METRICS += (
+    MetricSpec(
+        "vllm:cache_config_info",
+        "gauge",
+        "The KV cache's configuration, in the labels; the value is 1.",
+        "engine",
+        labels=("block_size", "num_gpu_blocks", "engine"),
+    ),
+    MetricSpec(
+        "vllm:lora_requests_info",
+        "gauge",
+        "The LoRA adapters in use, in the labels (names separated by commas); the value is the time of the scrape.",
+        "engine",
+        labels=("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+    ),
+)
+"""The metrics under vLLM's names and labels: the counterparts of the ``spindle:`` ones, and vLLM's two infos."""
+
+METRICS: tuple[MetricSpec, ...] = SPINDLE_METRICS + VLLM_METRICS
 """Every metric the server exports, besides the standard ``process_*`` and ``python_*`` ones."""
 
 _CUMULATIVE_STATS = (
@@ -364,8 +423,33 @@ def _finished_reason(state: RequestState) -> str:
     return FinishReason.STOP.value
 
 
+def _short_name(name: str) -> str:
+    """A metric's name without its ``spindle:`` or ``vllm:`` prefix: the same for a metric and its counterpart."""
+    return name.split(":", 1)[1]
+
+
+def _label_values(spec: MetricSpec, model_name: str) -> list[str]:
+    """The values of a per-model metric's labels: the model's name, and vLLM's engine index for a ``vllm:`` one."""
+    return [model_name, VLLM_ENGINE_INDEX] if spec.name.startswith("vllm:") else [model_name]
+
+
+def lora_requests(engine: "AsyncLLMEngine") -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Per LoRA adapter, its requests that are running (have had tokens) and waiting (for their first tokens).
+
+    The frontend learns that a request was scheduled from its first tokens, so a request in its prefill counts as
+    waiting, and a preempted one as running.
+    """
+    running, waiting = collections.Counter(), collections.Counter()
+    # A copy: the scrape runs in the metrics server's thread while the event loop adds and ends requests.
+    for state in list(engine.output_processor.requests.values()):
+        if state.request is not None and state.request.lora_name is not None and not state.finished:
+            counts = waiting if state.last_token_time is None else running
+            counts[state.request.lora_name] += 1
+    return running, waiting
+
+
 class _EngineCollector:
-    """The ``source="engine"`` metrics, read from the :class:`LoadTracker` at each scrape (a prometheus collector)."""
+    """The ``source="engine"`` metrics, read from the :class:`LoadTracker` and the engine at each scrape."""
 
     def __init__(self, load: LoadTracker, model_name: str) -> None:
         self.load = load
@@ -375,35 +459,51 @@ class _EngineCollector:
         """Yield one metric family per engine metric."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        engine = self.load.engine
         stats, totals = self.load.stats, self.load.totals
         values = {
-            "spindle:num_requests_running": stats.num_running if stats else 0,
-            "spindle:num_requests_waiting": stats.num_waiting if stats else 0,
-            "spindle:kv_cache_usage_perc": kv_cache_usage(stats),
-            "spindle:prefix_cache_queries": totals["num_prefix_cache_queries"],
-            "spindle:prefix_cache_hits": totals["num_prefix_cache_hits"],
-            "spindle:num_preemptions": totals["num_preemptions"],
-            "spindle:spec_decode_num_draft_tokens": totals["num_draft_tokens"],
-            "spindle:spec_decode_num_accepted_tokens": totals["num_accepted_draft_tokens"],
-            "spindle:engine_restarts": self.load.engine.num_backend_restarts,
-            "spindle:request_resumptions": self.load.engine.num_resumed_requests,
-            "spindle:request_resume_failures": self.load.engine.num_resume_failures,
+            "num_requests_running": stats.num_running if stats else 0,
+            "num_requests_waiting": stats.num_waiting if stats else 0,
+            "kv_cache_usage_perc": kv_cache_usage(stats),
+            "prefix_cache_queries": totals["num_prefix_cache_queries"],
+            "prefix_cache_hits": totals["num_prefix_cache_hits"],
+            "num_preemptions": totals["num_preemptions"],
+            "spec_decode_num_draft_tokens": totals["num_draft_tokens"],
+            "spec_decode_num_accepted_tokens": totals["num_accepted_draft_tokens"],
+            "engine_restarts": engine.num_backend_restarts,
+            "request_resumptions": engine.num_resumed_requests,
+            "request_resume_failures": engine.num_resume_failures,
         }
+        running, waiting = lora_requests(engine)
+        per_adapter = {"lora_requests_running": running, "lora_requests_waiting": waiting}
+        info = engine.info
         for spec in METRICS:
-            if spec.source == "engine":
-                family = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-                metric = family(spec.name, spec.help, labels=spec.labels)
-                metric.add_metric([self.model_name], values[spec.name])
-                yield metric
+            if spec.source != "engine":
+                continue
+            family = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            metric = family(spec.name, spec.help, labels=spec.labels)
+            name = _short_name(spec.name)
+            if name in per_adapter:
+                for adapter, count in sorted(per_adapter[name].items()):
+                    metric.add_metric([self.model_name, adapter], count)
+            elif name == "cache_config_info":
+                metric.add_metric([str(info.block_size), str(info.num_kv_blocks), VLLM_ENGINE_INDEX], 1)
+            elif name == "lora_requests_info":
+                labels = [str(info.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))]
+                metric.add_metric(labels, time.time())
+            else:
+                metric.add_metric(_label_values(spec, self.model_name), values[name])
+            yield metric
 
 
 class MetricsServer:
     """Serves the Prometheus metrics over HTTP at ``http://host:port/metrics``, from a thread of its own.
 
     The request metrics are recorded as the output processor applies each step (this is a
-    :class:`~spindle.frontend.processing.output_processor.StepListener`); the engine's are read from ``load`` at each
-    scrape. The metrics live in a registry of their own (with the standard ``process_*`` and ``python_*`` collectors),
-    not prometheus_client's global one, so that several servers can share a process.
+    :class:`~spindle.frontend.processing.output_processor.StepListener`), under their ``spindle:`` name and their
+    ``vllm:`` one alike; the engine's are read from ``load`` and the engine at each scrape. The metrics live in a
+    registry of their own (with the standard ``process_*`` and ``python_*`` collectors), not prometheus_client's
+    global one, so that several servers can share a process.
 
     Args:
         engine: the engine, connected to its backend (or backends).
@@ -427,7 +527,10 @@ class MetricsServer:
         prometheus_client.GCCollector(registry=self.registry)
         model_name = engine.info.model_name
         self.registry.register(_EngineCollector(load, model_name))
-        metrics = {}
+        # Per metric (its short name), its children under both names: a request is recorded in each.
+        self._metrics: dict[str, list] = collections.defaultdict(list)
+        # Per finished_reason, both names' children, each from the start, at zero: rate() sees the first request.
+        self._success: dict[str, list] = collections.defaultdict(list)
         for spec in METRICS:
             if spec.source != "requests":
                 continue
@@ -438,11 +541,13 @@ class MetricsServer:
                 metric = prometheus_client.Histogram(
                     spec.name, spec.help, spec.labels, buckets=buckets, registry=self.registry
                 )
-            metrics[spec.name.removeprefix("spindle:")] = metric
-        success = metrics.pop("request_success")
-        # Every reason from the start, at zero, so that rate() sees the first request of each.
-        self._success = {reason.value: success.labels(model_name, reason.value) for reason in FinishReason}
-        self._metrics = {name: metric.labels(model_name) for name, metric in metrics.items()}
+            labels = _label_values(spec, model_name)
+            name = _short_name(spec.name)
+            if name == "request_success":
+                for reason in FinishReason:
+                    self._success[reason.value].append(metric.labels(*labels, reason.value))
+            else:
+                self._metrics[name].append(metric.labels(*labels))
         self.httpd, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
         self.port: int = self.httpd.server_address[1]
         self.engine = engine
@@ -451,33 +556,43 @@ class MetricsServer:
 
     def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
         """Count a step's tokens for a request; time its first token, or the gap since its previous ones."""
-        m = self._metrics
-        m["generation_tokens"].inc(num_new_tokens)
+        self._inc("generation_tokens", num_new_tokens)
         if state.last_token_time is None:
-            m["prompt_tokens"].inc(len(state.prompt_token_ids))
-            m["time_to_first_token_seconds"].observe(max(0.0, now - state.metrics.arrival_time))
+            self._inc("prompt_tokens", len(state.prompt_token_ids))
+            self._observe("time_to_first_token_seconds", max(0.0, now - state.metrics.arrival_time))
         else:
-            m["inter_token_latency_seconds"].observe(now - state.last_token_time)
+            self._observe("inter_token_latency_seconds", now - state.last_token_time)
 
     def on_finished(self, state: RequestState, now: float) -> None:
         """Count a request that ended, by reason, and observe its latencies, sizes and parameters."""
-        m, times = self._metrics, state.metrics
-        self._success[_finished_reason(state)].inc()
-        m["e2e_request_latency_seconds"].observe(max(0.0, now - times.arrival_time))
+        times = state.metrics
+        for child in self._success[_finished_reason(state)]:
+            child.inc()
+        self._observe("e2e_request_latency_seconds", max(0.0, now - times.arrival_time))
         # The scheduling time is the backend's clock and the others the frontend's: never let a skew go negative.
         if times.first_scheduled_time is not None:
-            m["request_queue_time_seconds"].observe(max(0.0, times.first_scheduled_time - times.arrival_time))
-            m["request_inference_time_seconds"].observe(max(0.0, now - times.first_scheduled_time))
+            self._observe("request_queue_time_seconds", max(0.0, times.first_scheduled_time - times.arrival_time))
+            self._observe("request_inference_time_seconds", max(0.0, now - times.first_scheduled_time))
             if times.first_token_time is not None:
                 prefill = times.first_token_time - times.first_scheduled_time
-                m["request_prefill_time_seconds"].observe(max(0.0, prefill))
+                self._observe("request_prefill_time_seconds", max(0.0, prefill))
         if times.first_token_time is not None:
-            m["request_decode_time_seconds"].observe(max(0.0, now - times.first_token_time))
-        m["request_prompt_tokens"].observe(len(state.prompt_token_ids))
-        m["request_generation_tokens"].observe(sum(len(c.token_ids) for c in state.completions))
-        m["request_params_n"].observe(state.params.n)
+            self._observe("request_decode_time_seconds", max(0.0, now - times.first_token_time))
+        self._observe("request_prompt_tokens", len(state.prompt_token_ids))
+        self._observe("request_generation_tokens", sum(len(c.token_ids) for c in state.completions))
+        self._observe("request_params_n", state.params.n)
         if state.params.max_tokens is not None:
-            m["request_params_max_tokens"].observe(state.params.max_tokens)
+            self._observe("request_params_max_tokens", state.params.max_tokens)
+
+    def _inc(self, name: str, amount: float) -> None:
+        """Add ``amount`` to a counter under both its names."""
+        for child in self._metrics[name]:
+            child.inc(amount)
+
+    def _observe(self, name: str, value: float) -> None:
+        """Observe ``value`` in a histogram under both its names."""
+        for child in self._metrics[name]:
+            child.observe(value)
 
     def close(self) -> None:
         """Stop recording and serving."""
