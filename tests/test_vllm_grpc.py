@@ -9,9 +9,11 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-from test_grpc import ServerThread, assert_invalid, backend, collect, refusal  # noqa: F401 - backend: a fixture
+from test_data_parallel import DataParallelServer
+from test_grpc import ServerThread, assert_invalid, backend, collect, refusal, tiny_config  # noqa: F401 - backend: a fixture
 from waiting import wait_until
 
+from spindle.frontend.engine.connection import start_backend
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 64]
@@ -194,3 +196,26 @@ def test_get_tokenizer_streams_the_files_the_frontend_loaded(vllm, server):
     with zipfile.ZipFile(io.BytesIO(data)) as files:
         assert {name: files.read(name) for name in files.namelist()} == server.engine.info.tokenizer_files
     assert "tokenizer.json" in server.engine.info.tokenizer_files
+
+
+def test_loads_come_per_data_parallel_engine(tiny_llm_dir):
+    backends = [start_backend(tiny_config(tiny_llm_dir)) for _ in range(2)]
+    server = DataParallelServer("--backend-address", ",".join(address for _, address in backends))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            loads = vllm.GetLoads(pb.GetLoadsRequest(), timeout=10)
+            assert loads.dp_rank_count == 2 and [load.dp_rank for load in loads.loads] == [0, 1]
+            for load, rank in zip(loads.loads, range(2), strict=True):
+                stats = server.stats(rank)
+                assert load.max_total_num_tokens == stats.num_total_blocks * server.engine.info.block_size
+            (only,) = vllm.GetLoads(pb.GetLoadsRequest(dp_rank=1), timeout=10).loads
+            assert only.dp_rank == 1
+            assert vllm.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).data_parallel_size == 2
+            error = refusal(lambda: vllm.GetLoads(pb.GetLoadsRequest(dp_rank=2), timeout=10))
+            assert_invalid(error, ["dp_rank"], "dp_rank=2")
+    finally:
+        server.close()
+        for process, _ in backends:
+            process.terminate()
+            process.wait(30)

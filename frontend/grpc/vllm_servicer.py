@@ -17,6 +17,7 @@ yet (gRPC answers ``UNIMPLEMENTED``).
 import datetime
 import hashlib
 import io
+import math
 import time
 import uuid
 import zipfile
@@ -129,7 +130,7 @@ def prompt_inputs_from_vllm(request: pb.GenerateRequest) -> dict:
 
 def _top_logprobs(position: dict[int, Logprob], limit: int) -> pb.TopLogProbs:
     """The ``limit`` most likely tokens of a position (by rank), or all of them for ``limit`` -1."""
-    ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+    ranked = sorted(position.items(), key=lambda item: math.inf if item[1].rank is None else item[1].rank)
     if limit >= 0:
         ranked = [(token, logprob) for token, logprob in ranked if logprob.rank is not None and logprob.rank <= limit]
     return pb.TopLogProbs(values=[lp.logprob for _, lp in ranked], token_ids=[token for token, _ in ranked])
