@@ -80,6 +80,7 @@ TIERS = {
     "test_data_parallel": "process",
     "test_embeddings": "process",
     "test_grpc": "process",
+    "test_vllm_grpc": "process",
     "test_server_limits": "process",
     "test_hostile_requests": "process",
     "test_lora_api": "process",

@@ -490,6 +490,7 @@ def test_a_full_queue_is_resource_exhausted_and_a_dead_backend_flips_health(tiny
 
 SERVICES = [
     "spindle.v1.SpindleService",
+    "vllm.grpc.engine.VllmEngine",
     "grpc.health.v1.Health",
     "grpc.reflection.v1.ServerReflection",
     "grpc.reflection.v1alpha.ServerReflection",

@@ -22,12 +22,15 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.grpc.admission_control import CallLimit, OverLimitError
 from spindle.frontend.grpc.args import ServerConfig
 from spindle.frontend.grpc.metrics import MetricsServer
 from spindle.frontend.grpc.servicer import SpindleServicer
+from spindle.frontend.grpc.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
+from spindle.frontend.grpc.vllm_servicer import VllmEngineServicer
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -251,6 +254,7 @@ class GrpcServer:
         self.engine = engine
         self.config = config
         self.servicer = SpindleServicer(engine, config)
+        self.vllm_servicer = VllmEngineServicer(self.servicer)
         self.health = _HealthServicer(self.servicer.watchers)
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
@@ -272,8 +276,11 @@ class GrpcServer:
     async def start(self) -> int:
         """Bind, start serving and watching the backend; returns the bound port."""
         spindle_pb2_grpc.add_SpindleServiceServicer_to_server(self.servicer, self.server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        _add_reflection(self.server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+        _add_reflection(
+            self.server, (SERVICE_NAME, VLLM_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        )
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls_cert:
             with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
@@ -316,7 +323,7 @@ class GrpcServer:
             self.metrics = None
 
     async def _set_health(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, VLLM_SERVICE_NAME):
             await self.health.set(service, status)
 
     async def _watch_backend(self) -> None:

@@ -144,7 +144,7 @@ async def _abort_with(
     await context.abort_with_status(rpc_status.to_status(status))
 
 
-def _ends_with_status(method: Callable) -> Callable:
+def ends_with_status(method: Callable) -> Callable:
     """Turn any exception of an RPC method into the status :func:`status_for` gives it (gRPC would say UNKNOWN)."""
 
     async def fail(context: grpc.aio.ServicerContext, error: Exception) -> None:
@@ -179,7 +179,8 @@ def _ends_with_status(method: Callable) -> Callable:
     return unary
 
 
-def _version() -> str:
+def server_version() -> str:
+    """The installed spindle-serve version (``unknown`` when it is not installed)."""
     try:
         return importlib.metadata.version("spindle-serve")
     except importlib.metadata.PackageNotFoundError:
@@ -223,7 +224,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             config.tokenizer_threads + config.max_queued_requests, "Tokenize and Detokenize calls"
         )
 
-    @_ends_with_status
+    @ends_with_status
     async def Generate(  # noqa: N802 - gRPC method names are CamelCase
         self, request: spindle_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
@@ -243,7 +244,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         async for response in self._stream(request, context, "Generate", start):
             yield response
 
-    @_ends_with_status
+    @ends_with_status
     async def Chat(  # noqa: N802
         self, request: spindle_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
@@ -268,7 +269,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         async for response in self._stream(request, context, "Chat", start):
             yield response
 
-    @_ends_with_status
+    @ends_with_status
     async def Embed(  # noqa: N802
         self, request: spindle_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.EmbedResponse:
@@ -284,11 +285,11 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         # Each input waits in the queue until the call ends: an embedding ends with its prefill.
         with self.connections.hold(context.peer()), self.admission_control.admit(len(inputs)):
             outputs = await self.engine.embed(
-                inputs, pooling, _engine_id(context, request_id), priority=request.priority
+                inputs, pooling, engine_id(context, request_id), priority=request.priority
             )
         return embed_response(request_id, outputs)
 
-    @_ends_with_status
+    @ends_with_status
     async def Tokenize(  # noqa: N802
         self, request: spindle_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.TokenizeResponse:
@@ -302,7 +303,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
         return await self._off_loop(tokenize)
 
-    @_ends_with_status
+    @ends_with_status
     async def Detokenize(  # noqa: N802
         self, request: spindle_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.DetokenizeResponse:
@@ -323,21 +324,23 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
 
         return await self._off_loop(detokenize)
 
-    @_ends_with_status
+    @ends_with_status
     async def Abort(  # noqa: N802
         self, request: spindle_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.AbortResponse:
         """Abort a request in flight that this caller's connection made (any other is as unknown as one never made)."""
-        return spindle_pb2.AbortResponse(aborted=await self.engine.abort(_engine_id(context, request.request_id)))
+        return spindle_pb2.AbortResponse(aborted=await self.engine.abort(engine_id(context, request.request_id)))
 
-    @_ends_with_status
+    @ends_with_status
     async def GetModelInfo(  # noqa: N802
         self, request: spindle_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.GetModelInfoResponse:
         """Describe the served model."""
         info, tokenizer = self.engine.info, self.engine.tokenizer
         special = [
-            spindle_pb2.SpecialToken(name=name, text=text, token_id=_token_id(tokenizer.backend.token_to_id(text)))
+            spindle_pb2.SpecialToken(
+                name=name, text=text, token_id=token_id_or_minus_one(tokenizer.backend.token_to_id(text))
+            )
             for name, text in sorted(tokenizer.special_tokens.items())
         ]
         return spindle_pb2.GetModelInfoResponse(
@@ -349,7 +352,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             has_chat_template=tokenizer.has_chat_template,
         )
 
-    @_ends_with_status
+    @ends_with_status
     async def GetServerInfo(  # noqa: N802
         self, request: spindle_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.GetServerInfoResponse:
@@ -357,7 +360,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         stats = await self.engine.get_stats()
         load = self.load.load()
         return spindle_pb2.GetServerInfoResponse(
-            version=_version(),
+            version=server_version(),
             uptime_seconds=time.monotonic() - self.started,
             num_running_requests=stats.num_running,
             num_waiting_requests=stats.num_waiting,
@@ -371,7 +374,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             generation_tokens_per_second=load.generation_tokens_per_second,
         )
 
-    @_ends_with_status
+    @ends_with_status
     async def WatchLoad(  # noqa: N802
         self, request: spindle_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spindle_pb2.LoadReport]:
@@ -392,7 +395,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                     yield _load_report(load)
                 await self.load.wait(max(0.0, reported_at + interval - time.monotonic()))
 
-    @_ends_with_status
+    @ends_with_status
     async def LoadLoraAdapter(  # noqa: N802
         self, request: spindle_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.LoadLoraAdapterResponse:
@@ -401,7 +404,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         adapter = await self.engine.load_lora(request.name, request.path, confined=True)
         return spindle_pb2.LoadLoraAdapterResponse(adapter=lora_adapter_to_proto(adapter))
 
-    @_ends_with_status
+    @ends_with_status
     async def UnloadLoraAdapter(  # noqa: N802
         self, request: spindle_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.UnloadLoraAdapterResponse:
@@ -410,7 +413,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         await self.engine.unload_lora(request.name)
         return spindle_pb2.UnloadLoraAdapterResponse()
 
-    @_ends_with_status
+    @ends_with_status
     async def ListLoraAdapters(  # noqa: N802
         self, request: spindle_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.ListLoraAdaptersResponse:
@@ -461,8 +464,16 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         ending.add_done_callback(self._endings.discard)
         handler.cancel()
 
-    def _sampling_params(self, message: spindle_pb2.SamplingParams) -> SamplingParams:
-        """The request's SamplingParams, within this server's ``max_n``, ``max_tokens_limit`` and per-token limits."""
+    def check_limits(self, message: Any) -> None:
+        """Refuse sampling parameters over this server's ``max_n``, ``max_tokens_limit`` and per-token limits.
+
+        ``message`` is a ``SamplingParams`` message of either service (their fields of these names agree); a field
+        without presence counts as set when it is not zero.
+
+        Raises:
+            InvalidRequestError: a limit is passed (the field is ``sampling_params.<name>``).
+
+        """
         longest_stop = max(map(len, message.stop), default=0)
         for field, size, setting, what in (
             ("stop", len(message.stop), "max_stop_strings", "has {} stop strings, more than"),
@@ -477,16 +488,41 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                     f"sampling_params.{field}",
                     f"SamplingParams.{field} {what.format(size)} this server's limit of {limit} ({flag})",
                 )
-        if message.HasField("n") and message.n > self.config.max_n:
+        if _given(message, "n") and message.n > self.config.max_n:
             raise InvalidRequestError(
                 "sampling_params.n", f"n={message.n} is above this server's limit of {self.config.max_n}"
             )
         limit = self.config.max_tokens_limit
-        if limit and message.HasField("max_tokens") and message.max_tokens > limit:
+        if limit and _given(message, "max_tokens") and message.max_tokens > limit:
             raise InvalidRequestError(
                 "sampling_params.max_tokens", f"max_tokens={message.max_tokens} is above this server's limit of {limit}"
             )
-        return sampling_params_from_proto(message)
+
+    async def admitted_outputs(
+        self,
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        start: Callable[[str], AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of one engine request, admitted as every generation of this server is.
+
+        The call holds a stream of its connection and a place in the queue; ``start(engine_id)`` starts the request
+        under the caller's connection-scoped id (see :func:`engine_id`), and a client that leaves outputs unread past
+        the server's limits has its request aborted and its call ended.
+
+        Raises:
+            OverLimitError: the connection has its most streams open, or the queue is full.
+
+        """
+        config = self.config
+        with self.connections.hold(context.peer()), self.admission_control.admit() as admitted:
+            request_engine_id = engine_id(context, request_id)
+            outputs = start(request_engine_id)
+            stalled = functools.partial(self._end_unread, context, asyncio.current_task())
+            size, timeout = config.max_unread_outputs, config.unread_timeout
+            async for output in read_ahead(outputs, size, timeout, request_engine_id, stalled):
+                admitted.started()
+                yield output
 
     async def _stream(
         self,
@@ -496,29 +532,23 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         start: Callable[[SamplingParams, str], AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        config = self.config
         span = None
         if self.tracer is not None:
             span = self.tracer.start(
                 request_id, context.invocation_metadata() or (), self.engine.info.model_name, method
             )
         try:
-            with self.connections.hold(context.peer()), self.admission_control.admit() as admitted:
-                builder = ResponseBuilder()
-                params = self._sampling_params(request.sampling_params)
+            self.check_limits(request.sampling_params)
+            params = sampling_params_from_proto(request.sampling_params)
+            if span is not None:
+                span.set_params(params)
+            builder = ResponseBuilder()
+            async for output in self.admitted_outputs(context, request_id, functools.partial(start, params)):
+                response = builder.build(output)
+                response.request_id = request_id  # the caller's, not the engine's
                 if span is not None:
-                    span.set_params(params)
-                engine_id = _engine_id(context, request_id)
-                outputs = start(params, engine_id)
-                stalled = functools.partial(self._end_unread, context, asyncio.current_task())
-                size, timeout = config.max_unread_outputs, config.unread_timeout
-                async for output in read_ahead(outputs, size, timeout, engine_id, stalled):
-                    admitted.started()
-                    response = builder.build(output)
-                    response.request_id = request_id  # the caller's, not the engine's
-                    if span is not None:
-                        span.record(output, builder.completion_tokens)
-                    yield response
+                    span.record(output, builder.completion_tokens)
+                yield response
         except Exception as error:
             if span is not None:
                 code, message, _ = status_for(error)
@@ -539,7 +569,7 @@ async def _abort_quietly(context: grpc.aio.ServicerContext, message: str) -> Non
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
-def _engine_id(context: grpc.aio.ServicerContext, request_id: str) -> str:
+def engine_id(context: grpc.aio.ServicerContext, request_id: str) -> str:
     """The engine's id of the caller's ``request_id``: under a digest of the caller's connection (its peer address).
 
     A connection is the one identity every caller has (one API key is shared by all of them), and a request lives
@@ -549,7 +579,14 @@ def _engine_id(context: grpc.aio.ServicerContext, request_id: str) -> str:
     return f"{caller}-{request_id}"
 
 
-def _token_id(token_id: int | None) -> int:
+def _given(message: Any, name: str) -> bool:
+    """Whether ``message`` sets field ``name``: by its presence where it has one, else by a value other than zero."""
+    field = message.DESCRIPTOR.fields_by_name[name]
+    return message.HasField(name) if field.has_presence else bool(getattr(message, name))
+
+
+def token_id_or_minus_one(token_id: int | None) -> int:
+    """``token_id``, or -1 for a token the model does not have (where a proto field has no presence)."""
     return -1 if token_id is None else token_id
 
 
