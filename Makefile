@@ -44,12 +44,13 @@ format: $(STAMP)
 # triton 3.6), on the CPU under Triton's interpreter, in a venv of their own: a version mismatch shows here, not in the
 # first minutes of a GPU. tests/gpu is collected only (its engines take minutes each under the interpreter). torch is
 # PyPI's full wheel (its nvidia dependencies included, 4.6 GB), which runs on a CPU; spindle goes in without its
-# pinned dependencies, with those the kernel tests and tests/gpu's collection import.
+# pinned dependencies, with those the kernel tests and tests/gpu's collection import (peft: its LoRA model, as the GPU
+# machine has it).
 # numpy < 2.4: triton 3.6's interpreter converts one-element arrays to ints, which numpy 2.4 refuses (205 of the 225
 # kernel tests failed); compiled kernels on a GPU do not go through it.
 OLDEST := .venv-oldest
 OLDEST_DEPS := msgspec pebble pyzmq gguf transformers tokenizers safetensors 'numpy<2.4' filelock tqdm ninja jinja2 \
-	pillow pytest pytest-timeout
+	pillow pytest pytest-timeout peft
 $(OLDEST)/.installed: pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet --no-compile torch==2.11.0 triton==3.6.0 $(OLDEST_DEPS)
