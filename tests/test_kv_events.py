@@ -16,9 +16,11 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from test_data_parallel import DataParallelServer
 from test_grpc import ServerThread, tiny_config
 from waiting import wait_until
 
+from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.engine.kv_events import KvEventHub, KvSubscriberTooSlowError
 from spindle.frontend.grpc.vllm_servicer import KV_EPOCH_METADATA
 from spindle.shared.protocol import KvBlockRemoved, KvBlockStored, KvCacheCleared
@@ -317,6 +319,48 @@ def test_a_backend_restart_clears_and_changes_the_epoch(vllm, server, subscriber
         after.close()
     generate(vllm, prompt(9100, 1))
     wait_until(lambda: len(subscriber.live()) == 1, "the new backend's blocks stream on")
+
+
+def test_data_parallel_backends_send_their_events_under_their_rank(tiny_llm_dir):
+    backends = [start_backend(tiny_config(tiny_llm_dir)) for _ in range(2)]
+    server = DataParallelServer("--backend-address", ",".join(address for _, address in backends))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            subscriber = Subscriber(vllm)
+            # Each backend's subscription starts with a clear, under its rank.
+            wait_until(lambda: {batch.dp_rank for batch in subscriber.event_batches()} == {0, 1} or None, "both")
+            tokens = prompt(10_000, 2)
+            generate(vllm, tokens)
+            hashes = {block.block_hash for _, block in wait_stored(subscriber, tokens)}
+            ranks = {
+                batch.dp_rank
+                for batch in subscriber.event_batches()
+                for _, block in stored_blocks(list(batch.events))
+                if block.block_hash in hashes
+            }
+            assert len(ranks) == 1  # the engine that ran the prompt
+            cursor = subscriber.last()
+            assert vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=30).success
+            cleared = wait_until(
+                lambda: (
+                    {
+                        batch.dp_rank
+                        for batch in subscriber.event_batches()
+                        if batch.sequence_number > cursor and batch.events[0].HasField("cleared")
+                    }
+                    == {0, 1}
+                    or None
+                ),
+                "a clear from each engine",
+            )
+            assert cleared
+            subscriber.close()
+    finally:
+        server.close()
+        for process, _ in backends:
+            process.terminate()
+            process.wait(30)
 
 
 class FakeClient:
