@@ -18,8 +18,10 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from test_data_parallel import DataParallelServer
 from test_grpc import ServerThread, tiny_config
+from test_lora_api import save_adapter
 from waiting import wait_until
 
+from spindle import LoRARequest, SamplingParams
 from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.engine.kv_events import KvEventHub, KvSubscriberTooSlowError
 from spindle.frontend.grpc.vllm_servicer import KV_EPOCH_METADATA
@@ -160,6 +162,22 @@ def test_a_prompt_stores_its_blocks_chained_with_its_tokens(vllm, subscriber, se
     assert ids == sorted(ids) and len(set(ids)) == len(ids) and 0 not in ids
 
 
+def test_an_adapters_blocks_name_it(server, subscriber, tiny_llm_dir, tmp_path):
+    save_adapter(tiny_llm_dir, tmp_path / "sql", seed=1)
+    tokens = prompt(1500, 2)
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    async def run() -> None:
+        async for _ in server.engine.generate({"prompt_token_ids": tokens}, params, lora_request=adapter):
+            pass
+
+    adapter = LoRARequest("sql", 1, str(tmp_path / "sql"))
+    server.run(run())
+    blocks = wait_stored(subscriber, tokens)
+    assert {(stored.lora_name, block.HasField("lora_id")) for stored, block in blocks} == {("sql", True)}
+    assert len({block.lora_id for _, block in blocks}) == 1
+
+
 def test_eviction_removes_exactly_the_reused_blocks(vllm, subscriber, server):
     first = prompt(2000, 2)
     generate(vllm, first)
@@ -251,7 +269,7 @@ def test_load_records_come_on_the_stream_and_while_idle(vllm, server):
         generate(vllm, prompt(8000, 1))
         wait_until(lambda: early.event_batches(), "a batch with events")
         batch = early.event_batches()[-1]
-        assert batch.load.max_total_num_tokens == 0 or batch.load.token_usage >= 0
+        assert batch.HasField("load") and not batch.load.load_only and 0 <= batch.load.token_usage <= 1
         idle = wait_until(
             lambda: [b for b in list(early.batches) if b.load.load_only and b.sequence_number >= early.last()] or None,
             "a heartbeat after the batch",
