@@ -282,6 +282,32 @@ def test_load_records_come_on_the_stream_and_while_idle(vllm, server):
         early.close()
 
 
+def test_a_load_change_without_events_is_pushed_at_once(vllm, monkeypatch):
+    monkeypatch.setattr("spindle.frontend.grpc.vllm_servicer.KV_LOAD_INTERVAL", 1000.0)  # no heartbeat in this test
+    subscriber = Subscriber(vllm, loads_first=True)
+    try:
+        wait_until(lambda: subscriber.batches or None, "the first record")
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        request = pb.GenerateRequest(
+            tokenized=pb.TokenizedInput(input_ids=prompt(11_000, 1)), sampling_params=sampling, stream=True
+        )
+        busy = vllm.Generate(request, timeout=60)
+        next(busy)
+        wait_until(lambda: any(b.load.running_requests == 1 for b in list(subscriber.batches)) or None, "running")
+        seen = len(subscriber.batches)
+        busy.cancel()  # its blocks stay cached: no event tells of it
+        ended = wait_until(
+            lambda: (
+                [b for b in list(subscriber.batches)[seen:] if b.load.load_only and not b.load.running_requests] or None
+            ),
+            "a load record without the request",
+            timeout=10,
+        )
+        assert ended[0].sequence_number == subscriber.last() and not ended[0].events
+    finally:
+        subscriber.close()
+
+
 def test_subscribers_are_bounded_by_max_watchers(vllm):
     subscribers = [Subscriber(vllm) for _ in range(3)]
     try:

@@ -14,13 +14,14 @@ pools a prompt's hidden states as ``spindle.v1`` ``Embed`` does by default. ``Fl
 prefix cache.
 
 ``SubscribeKvEvents`` streams the backends' prefix cache events, relayed by the engine's
-:class:`~spindle.frontend.engine.kv_events.KvEventHub`: numbered batches (the numbers are this frontend's, never
-reused while it runs), each with its backend's ``dp_rank`` and load; ``load_only`` records every
-:data:`KV_LOAD_INTERVAL` seconds while no batch comes. A subscriber resumes from its last number while the hub's
-history reaches back to it, else (or from 0) it gets a snapshot of the live blocks first. The stream's initial
-metadata carries ``spindle-kv-epoch`` (:data:`KV_EPOCH_METADATA`), which changes when the frontend or a backend
-restarts; a backend that restarts during a stream shows on it as a ``KvCacheCleared`` for its rank, and the stream
-goes on. The profiler is not served (gRPC answers ``UNIMPLEMENTED``).
+:class:`~spindle.frontend.engine.kv_events.KvEventHub`: numbered batches (the numbers are this frontend's, never reused
+while it runs), each with its backend's ``dp_rank`` and load; ``load_only`` records every :data:`KV_LOAD_INTERVAL`
+seconds while no batch comes, and within :data:`KV_LOAD_POLL` seconds of a change of a rank's load that no batch carried
+(a request admitted from the cache, one that ended). A subscriber resumes from its last number while the hub's history
+reaches back to it, else (or from 0) it gets a snapshot of the live blocks first. The stream's initial metadata carries
+``spindle-kv-epoch`` (:data:`KV_EPOCH_METADATA`), which changes when the frontend or a backend restarts; a backend that
+restarts during a stream shows on it as a ``KvCacheCleared`` for its rank, and the stream goes on. The profiler is not
+served (gRPC answers ``UNIMPLEMENTED``).
 """
 
 import datetime
@@ -77,7 +78,11 @@ KV_EPOCH_METADATA = "spindle-kv-epoch"
 restarts (the protocol has no field for the producer's epoch)."""
 
 KV_LOAD_INTERVAL = 1.0
-"""Seconds between a ``SubscribeKvEvents`` stream's ``load_only`` records while no event batch comes."""
+"""Seconds between a ``SubscribeKvEvents`` stream's ``load_only`` heartbeats while no event batch comes."""
+
+KV_LOAD_POLL = 0.25
+"""Seconds between a ``SubscribeKvEvents`` stream's looks at the load while no event batch comes (the backends send
+their stats every 0.25 s): a rank whose load changed gets a ``load_only`` record then."""
 
 
 def sampling_params_from_vllm(message: pb.SamplingParams) -> SamplingParams:
@@ -284,6 +289,11 @@ def kv_event_to_proto(event: KvEvent, event_id: int, medium: str) -> common_pb2.
     return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
 
+def _load_figures(stats: EngineStats | None) -> tuple[int, int, int]:
+    """What a load record's routing core follows of a rank's stats: running and waiting requests, free KV blocks."""
+    return (stats.num_running, stats.num_waiting, stats.num_free_blocks) if stats else (0, 0, 0)
+
+
 class _KvStream:
     """Builds one ``SubscribeKvEvents`` stream's batches: the engine's load on each, numbered samples.
 
@@ -299,6 +309,8 @@ class _KvStream:
         self.medium = servicer.engine.info.kv_medium
         self.sent = 0  # the number of the last batch sent
         self.samples = 0
+        self.reported: dict[int, tuple[int, int, int]] = {}  # each rank's load figures, as last sent
+        self.beat_at = time.monotonic()
 
     def batch(self, batch: KvBatch) -> common_pb2.KvEventBatch | None:
         """A published batch, unless the subscriber has it already (``None``)."""
@@ -335,26 +347,30 @@ class _KvStream:
         return chunks
 
     def loads(self) -> list[common_pb2.KvEventBatch]:
-        """The ``load_only`` records of every rank, repeating the last number sent.
+        """The ``load_only`` records due now, each repeating the last number sent.
 
-        None before the first batch, unless the subscriber asked for them (numbered 0 then).
+        Every rank's once a heartbeat interval has passed, else those of the ranks whose load changed since it was
+        last sent; none before the first batch, unless the subscriber asked for them (numbered 0 then).
         """
         if not self.sent and not self.loads_first:
             return []
-        ranks = range(len(self.servicer.engine.rank_stats()))
+        beat = time.monotonic() - self.beat_at >= KV_LOAD_INTERVAL
+        if beat:
+            self.beat_at = time.monotonic()
         return [
             common_pb2.KvEventBatch(
                 sequence_number=self.sent, timestamp=time.time(), dp_rank=rank, load=self.load(rank, load_only=True)
             )
-            for rank in ranks
+            for rank, figures in enumerate(self.servicer.engine.rank_stats())
+            if beat or _load_figures(figures.stats) != self.reported.get(rank)
         ]
 
     def load(self, rank: int, load_only: bool) -> common_pb2.EngineLoad:
         """Rank ``rank``'s load as ``GetLoads`` reports it, the next sample of this stream."""
         self.samples += 1
         ranks = self.servicer.engine.rank_stats()
-        stats = ranks[rank].stats if rank < len(ranks) else None
-        stats = stats or EngineStats(0, 0, 0, 0, 0)
+        stats = (ranks[rank].stats if rank < len(ranks) else None) or EngineStats(0, 0, 0, 0, 0)
+        self.reported[rank] = _load_figures(stats)
         load = self.servicer.spindle.load.load()
         single = len(ranks) == 1
         record = common_pb2.EngineLoad(
@@ -567,7 +583,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     if self.spindle.admission_control.draining:
                         raise EngineUnavailableError("the server is shutting down: subscribe to another replica")
                     try:
-                        missed = await subscription.next(KV_LOAD_INTERVAL)
+                        missed = await subscription.next(KV_LOAD_POLL)
                     except KvSubscriberTooSlowError as error:
                         raise OverLimitError(str(error)) from None
                     if not missed:
