@@ -12,7 +12,10 @@ one turn: a loop stuck in a step (a collective that never completes, a kernel th
 the I/O thread still beats, and the frontends declare the backend hung after ``step_timeout`` seconds.
 Control-plane calls (:class:`~spindle.shared.protocol.Call`: loading LoRA adapters and the like) come through the
 same queue and run between two steps, so nothing changes under a running batch; their replies go to the
-frontend that asked.
+frontend that asked. A frontend that subscribes to the prefix cache's events
+(:class:`~spindle.shared.protocol.SubscribeKvEvents`) gets each turn's events with its step outputs, in a
+:class:`~spindle.shared.protocol.StepOutputs` of its own when none of its requests ran; while no frontend subscribes,
+the block manager builds none.
 """
 
 import argparse
