@@ -1,9 +1,11 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, a free list, reference counts and prefix sharing."""
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from spindle.backend.sequence import Sequence
-from spindle.shared.block_hash import block_hash, root_hash
+from spindle.shared.block_hash import block_hash, fold_hash, root_hash
+from spindle.shared.protocol import KvBlockRemoved, KvBlockStored, KvCacheCleared, KvEvent, parents_first
 
 
 def _image_hashes(seq: Sequence, start: int, end: int) -> bytes:
@@ -12,14 +14,21 @@ def _image_hashes(seq: Sequence, start: int, end: int) -> bytes:
 
 
 class Block:
-    """One block of ``block_size`` KV slots; ``hash`` (a SHA-256 digest) is set once it is full."""
+    """One block of ``block_size`` KV slots; ``hash`` (a SHA-256 digest) is set once it is full.
 
-    __slots__ = ("block_id", "ref_count", "hash")
+    With it, what a KV event reports of the block: its predecessor's digest (``None`` for a prompt's first block),
+    its tokens and the LoRA adapter its chain started from.
+    """
+
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "token_ids", "lora_id")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
+        self.parent: bytes | None = None
+        self.token_ids: list[int] = []
+        self.lora_id: int | None = None
 
 
 class BlockManager:
@@ -35,9 +44,27 @@ class BlockManager:
     cached for someone else's prefix. A block whose reference count drops to zero goes back to the free list but
     keeps its contents and hash until it is handed out again, so a preempted sequence, or a later prompt with the
     same prefix, finds it again (least recently freed is reused first).
+
+    While :meth:`record_events` is on, it reports what enters and leaves the prefix cache as
+    :data:`~spindle.shared.protocol.KvEvent` s, taken with :meth:`pop_events`: a block stored when it is published
+    (full, hashed, and the first block of its hash in ``cached``), removed when its hash is dropped to hand it out
+    again, and the whole cache cleared by :meth:`reset_prefix_cache`. While it is off, no event is built.
+
+    Args:
+        num_blocks: the KV cache's blocks.
+        block_size: tokens per block.
+        enable_prefix_caching: share full blocks between sequences (else no block is ever cached).
+        lora_name: the name of the LoRA adapter of an id, for the events (an adapter unloaded since: ``None``).
+
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        lora_name: Callable[[int], str | None] = lambda lora_id: None,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -50,6 +77,45 @@ class BlockManager:
         # The last lookup, counted only once its sequence gets blocks: the scheduler hands a sequence it cannot admit
         # back to the queue and looks it up again next step, which must not count twice.
         self._pending_lookup: tuple[Sequence, int] | None = None
+        self.lora_name = lora_name
+        self.events: list[KvEvent] | None = None  # None: no one listens, so none is built
+
+    def record_events(self, on: bool) -> None:
+        """Start collecting KV events from a snapshot of the cache, or with ``on`` false stop (and drop those untaken).
+
+        The snapshot is a clear, then every cached block stored, parents before children.
+        """
+        self.events = None
+        if on:
+            cached = [self._stored(self.blocks[block_id]) for block_id in self.cached.values()]
+            self.events = [KvCacheCleared(), *parents_first(cached)]
+
+    def pop_events(self) -> list[KvEvent]:
+        """The KV events since the last call (none while :meth:`record_events` is off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that no later prompt finds one; only while no sequence holds a block.
+
+        Returns whether it did (``False``: some sequence holds blocks, and the cache is unchanged).
+        """
+        if len(self.free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash = block.parent = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(KvCacheCleared())
+        return True
+
+    def _stored(self, block: Block) -> KvBlockStored:
+        """The event that reports ``block`` (published) stored."""
+        parent = None if block.parent is None else fold_hash(block.parent)
+        lora_name = None if block.lora_id is None else self.lora_name(block.lora_id)
+        return KvBlockStored(fold_hash(block.hash), parent, block.token_ids, block.lora_id, lora_name)
 
     @property
     def num_free_blocks(self) -> int:
@@ -108,6 +174,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.append(KvBlockRemoved(fold_hash(block.hash)))
             block.hash = None
             self._take(block_id)
             seq.block_table.append(block_id)
@@ -154,13 +222,16 @@ class BlockManager:
         first = end
         while first and self.blocks[seq.block_table[first - 1]].hash is None:
             first -= 1
-        parent = (
-            self.blocks[seq.block_table[first - 1]].hash if first else root_hash(seq.params.cache_salt, seq.lora_id)
-        )
+        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
         for i in range(first, end):
             block = self.blocks[seq.block_table[i]]
             start, stop = i * self.block_size, (i + 1) * self.block_size
             images = _image_hashes(seq, start, stop) if seq.images else b""
-            block.hash = block_hash(parent, seq.token_ids[start:stop], images)
-            self.cached.setdefault(block.hash, block.block_id)
+            block.token_ids = seq.token_ids[start:stop]
+            chained = root_hash(seq.params.cache_salt, seq.lora_id) if parent is None else parent
+            block.hash = block_hash(chained, block.token_ids, images)
+            block.parent, block.lora_id = parent, seq.lora_id
+            # Only the first block of a hash is cached (and stored): a second is a copy no lookup finds.
+            if self.cached.setdefault(block.hash, block.block_id) == block.block_id and self.events is not None:
+                self.events.append(self._stored(block))
             parent = block.hash

@@ -4,6 +4,7 @@ import atexit
 import contextlib
 import logging
 import math
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +31,10 @@ from spindle.shared.protocol import (
     EngineInfo,
     EngineRequest,
     EngineStats,
+    KvEvent,
     ListLoras,
     LoadLora,
+    ResetPrefixCache,
     SequenceDelta,
     UnloadLora,
 )
@@ -121,7 +124,9 @@ class EngineCore:
         self.workers: Workers | None = None
         self.keep_alive: parallel.KeepAlive | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
-        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self._lora_name
+        )
         self.structured_output = StructuredOutputManager(
             self.model_dir,
             self.checkpoint.vocab_size,
@@ -156,6 +161,9 @@ class EngineCore:
             step_timeout=config.backend.step_timeout,
             max_message_size=config.backend.max_message_size,
             max_loras=config.lora.max_loras,
+            architectures=[self.checkpoint.architecture],
+            kv_medium="GPU" if self.runner.device.type == "cuda" else "CPU",
+            boot_id=uuid.uuid4().hex,
         )
         for name, path in (config.lora.lora_modules or {}).items():
             self.add_lora(name, path)
@@ -227,6 +235,8 @@ class EngineCore:
                 return self.remove_lora(name)
             case ListLoras():
                 return self.list_loras()
+            case ResetPrefixCache():
+                return self.reset_prefix_cache()
         raise TypeError(f"not a command: {command!r}")
 
     def _confined(self, path: str) -> str:
@@ -273,6 +283,26 @@ class EngineCore:
     def list_loras(self) -> list[LoraAdapterInfo]:
         """The loaded LoRA adapters, in loading order."""
         return self.runner.list_loras()
+
+    def _lora_name(self, lora_id: int) -> str | None:
+        """The name an adapter was loaded under (``None`` once it is gone), for the KV events."""
+        adapter = self.runner.lora.adapters.get(lora_id)
+        return None if adapter is None else adapter.info.name
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, only while no request is in flight; returns whether it did.
+
+        Subscribers hear of it as a :class:`~spindle.shared.protocol.KvCacheCleared`.
+        """
+        return not self.has_unfinished_requests() and self.block_manager.reset_prefix_cache()
+
+    def record_kv_events(self, on: bool) -> None:
+        """Collect the prefix cache's events from now on, starting from a snapshot of it (``on`` false: stop)."""
+        self.block_manager.record_events(on)
+
+    def pop_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's events since the last call, for the frontends that subscribed (none while off)."""
+        return self.block_manager.pop_events()
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a tokenized request; ``n > 1`` becomes ``n`` sequences that share the prompt's blocks.
@@ -462,6 +492,7 @@ class EngineCore:
             num_prefix_cache_queries=self.block_manager.num_prefix_queries,
             num_prefix_cache_hits=self.block_manager.num_prefix_hits,
             num_paused_requests=len(self.scheduler.paused),
+            lora_adapters=list(self.runner.lora.by_name),
         )
 
     def has_request(self, request_id: str) -> bool:

@@ -12,7 +12,10 @@ one turn: a loop stuck in a step (a collective that never completes, a kernel th
 the I/O thread still beats, and the frontends declare the backend hung after ``step_timeout`` seconds.
 Control-plane calls (:class:`~spindle.shared.protocol.Call`: loading LoRA adapters and the like) come through the
 same queue and run between two steps, so nothing changes under a running batch; their replies go to the
-frontend that asked.
+frontend that asked. A frontend that subscribes to the prefix cache's events
+(:class:`~spindle.shared.protocol.SubscribeKvEvents`) gets each turn's events with its step outputs, in a
+:class:`~spindle.shared.protocol.StepOutputs` of its own when none of its requests ran; while no frontend subscribes,
+the block manager builds none.
 """
 
 import argparse
@@ -59,6 +62,7 @@ from spindle.shared.protocol import (
     FrontendMessage,
     Heartbeat,
     Hello,
+    KvEvent,
     LoadLora,
     Pause,
     Ping,
@@ -69,6 +73,7 @@ from spindle.shared.protocol import (
     RequestErrorKind,
     SequenceDelta,
     StepOutputs,
+    SubscribeKvEvents,
 )
 from spindle.shared.transport import CurveKeys, authenticate, is_loopback, load_keys, secure_server
 
@@ -150,6 +155,7 @@ class EngineProcess:
         self.outputs: queue.Queue[tuple[bytes, StepOutputs | RequestError | CallReply]] = queue.Queue()
         self.wake: zmq.Socket | None = None  # the busy loop's end of the wake-up pipe, once it runs
         self.owners: dict[str, bytes] = {}  # request id -> frontend identity
+        self.kv_subscribers: set[bytes] = set()  # the frontends that get the prefix cache's events
         # The engine's state as of the last step, published by the busy loop: the I/O thread reads only this and
         # busy_since.
         self.stats: EngineStats = self.core.stats()
@@ -189,7 +195,7 @@ class EngineProcess:
                 self._drain_inputs(block=waiting)
                 deltas = self.core.step() if self.core.has_unfinished_requests() else []
                 self.stats = self.core.stats()
-                self._send_by_owner(deltas, wake)
+                self._send_by_owner(deltas, wake, self.core.pop_kv_events())
                 self._send_refusals(wake)
             self._abort_all(wake)
         finally:
@@ -255,7 +261,17 @@ class EngineProcess:
                 self.core.pause_requests(owned, resume)
             case Call(call_id=call_id, command=command):
                 self._answer(identity, call_id, command)
+            case SubscribeKvEvents(subscribe=subscribe):
+                # Each new subscriber gets the cache's snapshot; those subscribed already see it as a resync.
+                if subscribe:
+                    self.kv_subscribers.add(identity)
+                else:
+                    self.kv_subscribers.discard(identity)
+                self.core.record_kv_events(bool(self.kv_subscribers))
             case _FrontendGone():
+                if identity in self.kv_subscribers:
+                    self.kv_subscribers.discard(identity)
+                    self.core.record_kv_events(bool(self.kv_subscribers))
                 lost = [request_id for request_id, owner in self.owners.items() if owner == identity]
                 if lost:
                     logger.warning("A frontend disconnected: aborting its %d request(s)", len(lost))
@@ -278,8 +294,12 @@ class EngineProcess:
         if self.wake is not None:  # else the I/O thread finds it within half a heartbeat interval
             self.wake.send(b"", zmq.NOBLOCK)
 
-    def _send_by_owner(self, deltas: list[SequenceDelta], wake: zmq.Socket) -> None:
+    def _send_by_owner(
+        self, deltas: list[SequenceDelta], wake: zmq.Socket, kv_events: list[KvEvent] | None = None
+    ) -> None:
         by_owner: dict[bytes, list[SequenceDelta]] = {}
+        if kv_events:
+            by_owner = {subscriber: [] for subscriber in self.kv_subscribers}
         for delta in deltas:
             owner = self.owners.get(delta.request_id)
             if owner is not None:
@@ -291,7 +311,8 @@ class EngineProcess:
         if by_owner:
             stats = self.stats
             for owner, owner_deltas in by_owner.items():
-                self.outputs.put((owner, StepOutputs(owner_deltas, stats)))
+                events = kv_events if kv_events and owner in self.kv_subscribers else []
+                self.outputs.put((owner, StepOutputs(owner_deltas, stats, events)))
             wake.send(b"", zmq.NOBLOCK)
 
     def _send_refusals(self, wake: zmq.Socket) -> None:

@@ -38,3 +38,13 @@ def block_hash(parent: bytes, token_ids: Iterable[int], image_hashes: bytes = b"
     for every image, so without them two different images would share K/V.
     """
     return hashlib.sha256(parent + array("q", token_ids).tobytes() + image_hashes).digest()
+
+
+def fold_hash(digest: bytes) -> int:
+    """A block digest as the signed 64-bit integer the vLLM engine protocol's ``block_hash`` carries.
+
+    Its first 8 bytes, big-endian, two's complement: SHA-256's bytes are uniform, so folding keeps the chain's
+    hashes distinct (a collision among a cache's blocks is as likely as in any random 64-bit ids, ~n²/2⁶⁵) and a
+    subscriber that sees the same prefix twice sees the same number.
+    """
+    return int.from_bytes(digest[:8], "big", signed=True)

@@ -28,7 +28,7 @@ from spindle.shared.outputs import FinishReason, TokenLogprobs
 from spindle.shared.pooling_params import PoolingParams
 from spindle.shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped on every incompatible change; a backend refuses a frontend that speaks another version."""
 
 HEARTBEAT_INTERVAL = 0.25
@@ -134,6 +134,56 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: bytes | None = None
 
 
+class KvBlockStored(msgspec.Struct, tag="stored", array_like=True):
+    """A full KV block got its hash and entered the prefix cache.
+
+    ``block_hash`` and ``parent_hash`` are the SHA-256 chain's digests folded to signed 64-bit integers
+    (:func:`~spindle.shared.block_hash.fold_hash`); ``parent_hash`` is ``None`` for a prompt's first block.
+    ``token_ids`` are the block's tokens; ``lora_id`` and ``lora_name`` the LoRA adapter whose root the chain starts
+    from (``None``: the base model).
+    """
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: list[int]
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+class KvBlockRemoved(msgspec.Struct, tag="removed", array_like=True):
+    """A cached block's hash was dropped: the block was handed out again for other tokens."""
+
+    block_hash: int
+
+
+class KvCacheCleared(msgspec.Struct, tag="cleared", array_like=True):
+    """Every cached block's hash was dropped (the prefix cache was reset), or the events start over from here."""
+
+
+KvEvent = KvBlockStored | KvBlockRemoved | KvCacheCleared
+"""What the block manager reports of its prefix cache (:meth:`~spindle.backend.block_manager.BlockManager.pop_events`)
+to the frontends that subscribed (:class:`SubscribeKvEvents`)."""
+
+
+def parents_first(blocks: list[KvBlockStored]) -> list[KvBlockStored]:
+    """``blocks`` (one chain's or many) ordered so that each comes after its parent, when its parent is among them.
+
+    A parent evicted and stored again is newer than its children, so the order blocks were stored in will not do.
+    """
+    by_hash = {block.block_hash: block for block in blocks}
+    depth: dict[int, int] = {}
+    for block in blocks:
+        chain = []
+        node: KvBlockStored | None = block
+        while node is not None and node.block_hash not in depth:
+            chain.append(node)
+            node = by_hash.get(node.parent_hash) if node.parent_hash is not None else None
+        base = depth[node.block_hash] if node is not None else 0
+        for offset, link in enumerate(reversed(chain), 1):
+            depth[link.block_hash] = base + offset
+    return sorted(blocks, key=lambda block: depth[block.block_hash])
+
+
 class EngineStats(msgspec.Struct, array_like=True):
     """The scheduler's and the KV cache's state after a step, and counts since the backend started.
 
@@ -141,7 +191,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     verified so far; ``num_prefix_cache_hits / num_prefix_cache_queries`` the prefix cache's hit rate, in tokens: the
     tokens of the sequences admitted to the batch, and those of them whose K/V was found cached;
     ``num_paused_requests`` the requests their frontends paused (:class:`Pause`), whose sequences ``num_running`` and
-    ``num_waiting`` count too. New fields go at the end with a default, so that a frontend and a backend one field
+    ``num_waiting`` count too; ``lora_adapters`` names the LoRA adapters loaded (resident on the host, whether in a
+    device slot or not). New fields go at the end with a default, so that a frontend and a backend one field
     apart still decode each other's stats.
     """
 
@@ -155,6 +206,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
     num_paused_requests: int = 0
+    lora_adapters: list[str] = []
 
 
 class EngineInfo(msgspec.Struct):
@@ -165,7 +217,9 @@ class EngineInfo(msgspec.Struct):
     sets it from its configuration, as the policy belongs to the process that reads the files. ``step_timeout`` is
     how long one turn of the backend's step loop may last before its frontends declare it hung (see
     :func:`hung_reason`), ``max_message_size`` the largest message the backend takes (``None``: no limit said),
-    ``max_loras`` the adapters one step may use (0 from a backend that does not say).
+    ``max_loras`` the adapters one step may use (0 from a backend that does not say). ``architectures`` are the
+    model's (``config.json``), ``kv_medium`` where its KV cache lives (``"GPU"`` or ``"CPU"``), and ``boot_id`` an id
+    of this backend's start, different for every start (a frontend tells a restarted backend by it).
     """
 
     model_name: str
@@ -179,6 +233,9 @@ class EngineInfo(msgspec.Struct):
     step_timeout: float | None = None
     max_message_size: int | None = None
     max_loras: int = 0
+    architectures: list[str] = []
+    kv_medium: str = "GPU"
+    boot_id: str = ""
 
 
 # Frontend -> backend.
@@ -259,7 +316,13 @@ class ListLoras(msgspec.Struct, tag="list_loras"):
     Result: ClassVar[type] = list[LoraAdapterInfo]
 
 
-Command = LoadLora | UnloadLora | ListLoras
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    """Command: drop every cached block's hash, if no request runs; its result says whether it did."""
+
+    Result: ClassVar[type] = bool
+
+
+Command = LoadLora | UnloadLora | ListLoras | ResetPrefixCache
 """The engine's control plane: what a frontend may ask of the engine core besides requests, run between two steps
 (:meth:`~spindle.backend.engine_core.EngineCore.call`). Each command names its result's type as ``Result``; a new
 operation is one struct here and one case of that method."""
@@ -270,6 +333,17 @@ class Call(msgspec.Struct, tag="call"):
 
     call_id: str
     command: Command
+
+
+class SubscribeKvEvents(msgspec.Struct, tag="kv_subscribe"):
+    """Send this frontend the prefix cache's events with each step's outputs (``subscribe`` false: stop).
+
+    A subscription starts with a :class:`KvCacheCleared` and a :class:`KvBlockStored` for every block cached then
+    (parents first), so that the frontend's picture of the cache is whole from the first batch. While no frontend
+    subscribes, the block manager builds no event.
+    """
+
+    subscribe: bool = True
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -297,10 +371,14 @@ class Refused(msgspec.Struct, tag="refused"):
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
-    """One step's deltas for the requests of one frontend, in one message."""
+    """One step's deltas for the requests of one frontend, in one message, and the step's KV events if it subscribed.
+
+    A subscribed frontend gets one for a step that changed the cache even when none of its requests ran in it.
+    """
 
     deltas: list[SequenceDelta]
     stats: EngineStats
+    kv_events: list[KvEvent] = []
 
 
 class RequestErrorKind(enum.StrEnum):
@@ -420,5 +498,7 @@ def hung_reason(busy_for: float, step_timeout: float | None) -> str | None:
     return f"its step loop has been in one step for {busy_for:.0f} s, over its step_timeout of {step_timeout:g} s"
 
 
-FrontendMessage = Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Call | Ping | Pause
+FrontendMessage = (
+    Hello | FrontendHeartbeat | AddRequest | Abort | FinishSequence | Call | Ping | Pause | SubscribeKvEvents
+)
 BackendMessage = Ready | Refused | StepOutputs | RequestError | CallReply | Heartbeat | Pong

@@ -3,6 +3,8 @@ import pytest
 from spindle import SamplingParams
 from spindle.backend.block_manager import BlockManager
 from spindle.backend.sequence import Sequence
+from spindle.shared.block_hash import fold_hash
+from spindle.shared.protocol import KvBlockRemoved, KvBlockStored, KvCacheCleared, parents_first
 
 BS = 4
 
@@ -125,3 +127,80 @@ def test_a_block_hash_depends_on_its_parent_its_tokens_and_the_salt(change):
     digest = second_block_hash(**BASE)
     assert len(digest) == 32 and second_block_hash(**BASE) == digest  # a SHA-256 digest, the same every time
     assert second_block_hash(**{**BASE, **change}) != digest
+
+
+def stored(events: list) -> list[KvBlockStored]:
+    return [event for event in events if isinstance(event, KvBlockStored)]
+
+
+def test_stored_events_chain_their_hashes_and_carry_the_tokens():
+    bm = BlockManager(num_blocks=8, block_size=BS, lora_name=lambda lora_id: f"adapter-{lora_id}")
+    bm.record_events(True)
+    assert bm.pop_events() == [KvCacheCleared()]  # an empty cache's snapshot
+    seq = Sequence("r", 0, list(range(14)), SamplingParams(), 0.0, lora_id=3)
+    admit(bm, seq)
+    events = bm.pop_events()
+    assert [type(event) for event in events] == [KvBlockStored] * 3  # 14 tokens: three full blocks, a partial one
+    hashes = [fold_hash(bm.blocks[block_id].hash) for block_id in seq.block_table[:3]]
+    assert [event.block_hash for event in events] == hashes
+    assert [event.parent_hash for event in events] == [None, *hashes[:2]]
+    assert [event.token_ids for event in events] == [list(range(i, i + BS)) for i in (0, 4, 8)]
+    assert {(event.lora_id, event.lora_name) for event in events} == {(3, "adapter-3")}
+    assert bm.pop_events() == []
+    seq.token_ids += [14, 15]
+    bm.allocate(seq, 2)  # the fourth block fills: it is stored once, chained to the third
+    (fourth,) = bm.pop_events()
+    assert (fourth.parent_hash, fourth.token_ids) == (hashes[2], [12, 13, 14, 15])
+
+
+def test_reused_blocks_are_removed_by_exactly_their_hashes():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm.record_events(True)
+    bm.pop_events()
+    first = make_seq(list(range(8)))
+    admit(bm, first)
+    bm.free_blocks(first)
+    second = make_seq(list(range(8)) + [50, 51, 52, 53])  # shares both blocks, takes a free one: nothing evicted
+    admit(bm, second)
+    bm.free_blocks(second)
+    cached = [event.block_hash for event in stored(bm.pop_events())]
+    assert len(cached) == 3
+    other = make_seq(list(range(100, 110)))  # three blocks: the never-used one, then two cached ones
+    admit(bm, other)
+    events = bm.pop_events()
+    removed = [event.block_hash for event in events if isinstance(event, KvBlockRemoved)]
+    assert removed == [cached[2], cached[1]]  # a sequence frees its tail first, so its tail is reused first
+    assert len(stored(events)) == 2 and bm.match_prefix(make_seq([0, 1, 2, 3, 9])) == BS  # the head stays
+
+
+def test_a_late_subscription_starts_from_a_snapshot_parents_first():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    admit(bm, make_seq(list(range(12))))
+    assert bm.pop_events() == []  # nobody listened: nothing was built
+    bm.record_events(True)
+    cleared, *snapshot = bm.pop_events()
+    assert cleared == KvCacheCleared() and len(snapshot) == 3
+    assert [event.parent_hash for event in snapshot] == [None, snapshot[0].block_hash, snapshot[1].block_hash]
+    bm.record_events(False)
+    admit(bm, make_seq(list(range(200, 212))))
+    assert bm.pop_events() == []
+
+
+def test_reset_clears_the_cache_only_when_no_block_is_held():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm.record_events(True)
+    bm.pop_events()
+    seq = make_seq(list(range(9)))
+    admit(bm, seq)
+    bm.pop_events()
+    assert not bm.reset_prefix_cache() and bm.pop_events() == []
+    bm.free_blocks(seq)
+    assert bm.reset_prefix_cache() and bm.pop_events() == [KvCacheCleared()]
+    assert bm.match_prefix(make_seq(list(range(9)))) == 0
+
+
+def test_parents_first_orders_a_parent_stored_again_before_its_children():
+    root, child, grandchild = (KvBlockStored(h, p, []) for h, p in ((1, None), (2, 1), (3, 2)))
+    assert parents_first([grandchild, child, root]) == [root, child, grandchild]
+    orphan = KvBlockStored(9, 8, [])  # its parent was evicted: it comes first, at depth 1
+    assert [block.block_hash for block in parents_first([child, orphan, root])] == [9, 1, 2]

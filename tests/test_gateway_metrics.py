@@ -39,13 +39,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def serve(model_dir: Path, adapters: Path) -> Iterator[tuple[SpindleClient, int]]:  # noqa: F811 - fixtures
-    """``spindle serve`` with the ``sql`` and ``chat`` adapters and room for two sequences: its client, metrics port."""
+    """``spindle serve`` with the ``sql`` and ``chat`` adapters (more load from ``adapters/``) and room for two
+    sequences: its client, metrics port."""
     metrics_port = free_port()
     lora = adapters / "adapters"
     command = [str(REPO / ".venv" / "bin" / "spindle"), "serve", "--model", str(model_dir), "--dtype", "float32"]
     command += ["--kv-cache-memory", "4MiB", "--port", "0", "--metrics-port", str(metrics_port)]
     command += ["--block-size", str(BLOCK_SIZE), "--max-num-seqs", "2", "--max-loras", str(MAX_LORAS)]
     command += ["--lora-modules", f"sql={lora / 'sql'}", f"chat={lora / 'chat'}"]
+    command += ["--allow-runtime-lora", "--lora-dir", str(lora)]
     environment = {key: value for key, value in os.environ.items() if not key.startswith("SPINDLE_")}
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True)
     try:
@@ -137,3 +139,19 @@ def test_the_gateway_series_under_load(serve):
         assert success["vllm:request_success_total", reason] == success["spindle:request_success_total", reason]
     assert success["vllm:request_success_total", "abort"] == 2
     assert success["vllm:request_success_total", "length"] == 2
+
+
+def test_each_loaded_adapter_is_resident_until_unloaded(serve):
+    client, metrics_port = serve
+
+    def resident() -> set[str]:
+        samples = scrape(metrics_port).get("spindle:lora_adapter_resident", [])
+        assert all(value == 1 for _, value in samples)
+        return {labels["lora_name"] for labels, _ in samples}
+
+    assert wait_until(lambda: resident() >= {"sql", "chat"} or None, "the start-up adapters are resident")
+    client.load_lora_adapter("extra", "sql")
+    wait_until(lambda: "extra" in resident(), "the adapter loaded at run time is resident")
+    client.unload_lora_adapter("extra")
+    wait_until(lambda: "extra" not in resident(), "the unloaded adapter is no longer resident")
+    assert resident() >= {"sql", "chat"}

@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -20,11 +20,17 @@ from spindle.shared.protocol import (
     EngineRequest,
     EngineStats,
     Heartbeat,
+    KvCacheCleared,
+    KvEvent,
     RequestError,
     SequenceDelta,
     StepOutputs,
+    SubscribeKvEvents,
     decode_result,
 )
+
+KvListener = Callable[[int, list[KvEvent]], None]
+"""Takes a backend's KV events: its data-parallel rank, and one step's events."""
 
 if TYPE_CHECKING:
     from spindle.frontend.engine.client import OutputHandler
@@ -39,12 +45,14 @@ class RankStats:
         num_restarts: how many times a new backend took over from a dead one in its place; the counts in ``stats``
             start again from zero with each.
         serving: whether a backend serves in its place now.
+        boot_id: the start of the backend that serves there now (or last did), from its handshake.
 
     """
 
     stats: EngineStats | None
     num_restarts: int
     serving: bool
+    boot_id: str = ""
 
 
 class AsyncBackendClient:
@@ -77,6 +85,7 @@ class AsyncBackendClient:
         self._task: asyncio.Task | None = None
         self._stats_updated: asyncio.Event | None = None
         self._calls: dict[str, asyncio.Future[CallReply]] = {}  # control-plane calls awaiting the backend's reply
+        self._kv_listener: KvListener | None = None
 
     @property
     def connection(self) -> BackendConnection:
@@ -174,7 +183,17 @@ class AsyncBackendClient:
 
     def rank_stats(self) -> list[RankStats]:
         """The figures of the one backend, as a list of one (as a data-parallel client lists them)."""
-        return [RankStats(self.stats, self.num_restarts, not self.is_dead)]
+        return [RankStats(self.stats, self.num_restarts, not self.is_dead, self.info.boot_id)]
+
+    def subscribe_kv_events(self, listener: KvListener | None) -> None:
+        """Hand the backend's KV events to ``listener`` (rank 0), or with ``None`` stop the backend sending them.
+
+        A new backend in this one's place is subscribed again (its events start with a clear); the death of this
+        one is told as a :class:`~spindle.shared.protocol.KvCacheCleared` at once.
+        """
+        self._kv_listener = listener
+        with contextlib.suppress(EngineDeadError):  # a backend that is down gets it once it is back
+            self.connection.send(SubscribeKvEvents(listener is not None))
 
     def close(self) -> None:
         """Stop receiving, stop any attempt to bring a backend back, and stop the backend started for this client."""
@@ -209,8 +228,11 @@ class AsyncBackendClient:
                 self.stats = message.stats
                 self._stats_updated.set()
             if isinstance(message, StepOutputs):
-                self._handler.on_step(message.deltas)
-                self._note_finished(message.deltas)
+                if message.deltas:
+                    self._handler.on_step(message.deltas)
+                    self._note_finished(message.deltas)
+                if message.kv_events and self._kv_listener is not None:
+                    self._kv_listener(0, message.kv_events)
             elif isinstance(message, RequestError) and connection.dead is None:
                 self.requests.pop(message.request_id, None)
                 self._handler.on_refused(message.request_id, message.to_exception())
@@ -241,8 +263,12 @@ class AsyncBackendClient:
         for reply in self._calls.values():
             if not reply.done():
                 reply.set_exception(dead)
+        if self._kv_listener is not None:
+            self._kv_listener(0, [KvCacheCleared()])
         self._handler.on_lost(lost, dead)
 
     def _adopted(self) -> None:
         self.stats = None  # the old backend's: the new one's come with its first heartbeat
+        if self._kv_listener is not None:
+            self.connection.send(SubscribeKvEvents())
         self._handler.on_adopted()

@@ -11,6 +11,7 @@ from spindle.frontend.engine.admission import Admission
 from spindle.frontend.engine.async_client import RankStats
 from spindle.frontend.engine.client import AsyncEngineClient, make_async_client
 from spindle.frontend.engine.connection import EngineDeadError
+from spindle.frontend.engine.kv_events import KvEventHub
 from spindle.frontend.processing.input_processor import ProcessedPrompt
 from spindle.frontend.processing.output_processor import OutputProcessor, RequestState
 from spindle.frontend.processing.tokenizer import Tokenizer
@@ -25,7 +26,16 @@ from spindle.shared import (
 from spindle.shared.config import EngineConfig, RecoveryConfig, SchedulerConfig, request_id_var
 from spindle.shared.errors import RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
-from spindle.shared.protocol import Command, EngineInfo, EngineStats, ListLoras, LoadLora, SequenceDelta, UnloadLora
+from spindle.shared.protocol import (
+    Command,
+    EngineInfo,
+    EngineStats,
+    ListLoras,
+    LoadLora,
+    ResetPrefixCache,
+    SequenceDelta,
+    UnloadLora,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +91,8 @@ class AsyncLLMEngine:
         num_resumed_requests: how many times a request was sent again after its backend died.
         num_resume_failures: the requests whose stream failed because their backend died once more after they had
             been resumed ``max_stream_resumes`` times.
+        kv_events: relays the backends' KV cache events to subscribers (the ``SubscribeKvEvents`` RPC); the
+            backends build none while it has none.
 
     """
 
@@ -104,6 +116,7 @@ class AsyncLLMEngine:
         self._resuming: asyncio.Task | None = None
         # The requests paused in their backend because their streams' readers fell behind.
         self._held_back: set[str] = set()
+        self.kv_events = KvEventHub(client)
         client.attach(self)
 
     @classmethod
@@ -253,6 +266,23 @@ class AsyncLLMEngine:
         """Run a control-plane command in the backends and await its result (see :meth:`load_lora`)."""
         self._check_open()
         return await self.client.call(command)
+
+    async def flush_cache(self, timeout: float = 0.0) -> bool:
+        """Forget every backend's cached prefixes (a ``KvCacheCleared`` event each), once no request is in flight.
+
+        It waits up to ``timeout`` seconds for the backends to go idle; returns whether every one was reset (a
+        backend busy past the deadline is not; those reset before it stay reset).
+
+        Raises:
+            EngineDeadError: no backend serves, or one died meanwhile.
+
+        """
+        deadline = time.monotonic() + timeout
+        while not await self.client.call(ResetPrefixCache()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     async def embed(
         self,

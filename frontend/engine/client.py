@@ -18,7 +18,7 @@ time:
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from spindle.frontend.engine.async_client import AsyncBackendClient, RankStats
+from spindle.frontend.engine.async_client import AsyncBackendClient, KvListener, RankStats
 from spindle.frontend.engine.connection import BackendConnection, EngineDeadError
 from spindle.frontend.engine.data_parallel import DataParallelClient, connect_backends
 from spindle.frontend.engine.inprocess_client import InProcessClient
@@ -152,6 +152,9 @@ class AsyncEngineClient(EngineClient, Protocol):
 
     def rank_stats(self) -> list[RankStats]:
         """Each backend's latest figures, one entry per backend."""
+
+    def subscribe_kv_events(self, listener: KvListener | None) -> None:
+        """Hand the backends' KV events to ``listener`` with each one's rank (``None``: the backends stop them)."""
 
 
 def make_sync_client(

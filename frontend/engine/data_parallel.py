@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from spindle.frontend.engine.async_client import AsyncBackendClient, RankStats
+from spindle.frontend.engine.async_client import AsyncBackendClient, KvListener, RankStats
 from spindle.frontend.engine.connection import BackendConnection, BackendProcess, EngineDeadError, start_backend
 from spindle.shared.block_hash import block_hash, root_hash
 from spindle.shared.config import EngineConfig
@@ -33,8 +34,10 @@ from spindle.shared.protocol import (
     EngineRequest,
     EngineStats,
     ImageInput,
+    KvEvent,
     ListLoras,
     LoadLora,
+    ResetPrefixCache,
     SequenceDelta,
     UnloadLora,
 )
@@ -83,6 +86,11 @@ def prefix_hashes(
     return hashes
 
 
+def _from_rank(listener: KvListener, rank: int, _: int, events: list[KvEvent]) -> None:
+    """Pass one backend's KV events on under its rank among the data-parallel engines."""
+    listener(rank, events)
+
+
 def device_groups(size: int, ranks_per_engine: int) -> list[dict[str, str]]:
     """The environment of each of ``size`` engines started on this machine: its own consecutive GPUs.
 
@@ -116,8 +124,10 @@ def _nvidia_gpus() -> list[str]:
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """Add up the engines' stats, field by field (every :class:`EngineStats` field is a count)."""
-    return EngineStats(*(sum(getattr(s, name) for s in stats) for name in EngineStats.__struct_fields__))
+    """Add up the engines' stats, field by field: the counts summed, the adapters' names gathered (each once)."""
+    adapters = sorted({name for s in stats for name in s.lora_adapters})
+    counts = [name for name in EngineStats.__struct_fields__ if name != "lora_adapters"]
+    return EngineStats(**{name: sum(getattr(s, name) for s in stats) for name in counts}, lora_adapters=adapters)
 
 
 def connect_backends(
@@ -352,6 +362,7 @@ class DataParallelClient:
         it once it is back. :class:`~spindle.shared.protocol.UnloadLora` unloads it from every live backend
         (:class:`~spindle.shared.errors.NotFoundError` only if none had it: one may have restarted since).
         :class:`~spindle.shared.protocol.ListLoras` lists what any live backend has, each name once.
+        :class:`~spindle.shared.protocol.ResetPrefixCache` resets every live backend's cache: true if all did.
 
         Raises:
             EngineDeadError: no backend serves, or one died meanwhile.
@@ -384,6 +395,10 @@ class DataParallelClient:
                     raise errors[0]
                 adapters = {adapter.name: adapter for adapters in reversed(lists) for adapter in adapters}
                 return sorted(adapters.values(), key=lambda adapter: adapter.name)
+            case ResetPrefixCache():
+                if errors:
+                    raise errors[0]
+                return all(results)
 
     async def get_stats(self) -> EngineStats:
         """The live backends' stats added up, as of each one's next heartbeat or step.
@@ -401,6 +416,11 @@ class DataParallelClient:
     def rank_stats(self) -> list[RankStats]:
         """Each backend's figures, in the order of :attr:`clients`."""
         return [figures for client in self.clients for figures in client.rank_stats()]
+
+    def subscribe_kv_events(self, listener: KvListener | None) -> None:
+        """Hand every backend's KV events to ``listener``, with the backend's rank (``None``: stop them)."""
+        for rank, client in enumerate(self.clients):
+            client.subscribe_kv_events(None if listener is None else functools.partial(_from_rank, listener, rank))
 
     def close(self) -> None:
         """Close every backend's client (stopping the backends this client started)."""

@@ -203,6 +203,13 @@ SPINDLE_METRICS: tuple[MetricSpec, ...] = (
         "engine",
         labels=("model_name", "lora_name"),
     ),
+    _spec(
+        "lora_adapter_resident",
+        "gauge",
+        "1 for each LoRA adapter loaded in the engine (its weights on the host, whether in a device slot or not).",
+        "engine",
+        labels=("model_name", "lora_name"),
+    ),
 )
 """The ``spindle:`` metrics."""
 
@@ -212,6 +219,7 @@ _NOT_IN_VLLM = {
     "spindle:request_resume_failures",
     "spindle:lora_requests_running",
     "spindle:lora_requests_waiting",
+    "spindle:lora_adapter_resident",
 }
 
 VLLM_METRICS: tuple[MetricSpec, ...] = tuple(_vllm(spec) for spec in SPINDLE_METRICS if spec.name not in _NOT_IN_VLLM)
@@ -475,7 +483,12 @@ class _EngineCollector:
             "request_resume_failures": engine.num_resume_failures,
         }
         running, waiting = lora_requests(engine)
-        per_adapter = {"lora_requests_running": running, "lora_requests_waiting": waiting}
+        resident = collections.Counter(stats.lora_adapters if stats else [])
+        per_adapter = {
+            "lora_requests_running": running,
+            "lora_requests_waiting": waiting,
+            "lora_adapter_resident": resident,
+        }
         info = engine.info
         for spec in METRICS:
             if spec.source != "engine":

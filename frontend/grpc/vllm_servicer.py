@@ -9,9 +9,19 @@ chooses every error's code). Token ids go in and out: the gateway tokenizes and 
 ``output_ids`` are empty, as the chunks carried them); without ``stream``, one ``complete`` per completion once all
 have ended, with every token id. A field that Spindle cannot honour (KV transfer params, multimodal inputs, media
 refs, a data-parallel rank, prompt truncation, structural tags) is refused with ``INVALID_ARGUMENT`` naming it,
-never dropped. ``GetTokenizer`` streams the tokenizer files the frontend loaded, as one zip archive.
-``Embed``, ``FlushCache``, the profiler and ``SubscribeKvEvents`` are not served
-yet (gRPC answers ``UNIMPLEMENTED``).
+never dropped. ``GetTokenizer`` streams the tokenizer files the frontend loaded, as one zip archive. ``Embed``
+pools a prompt's hidden states as ``spindle.v1`` ``Embed`` does by default. ``FlushCache`` resets every backend's
+prefix cache.
+
+``SubscribeKvEvents`` streams the backends' prefix cache events, relayed by the engine's
+:class:`~spindle.frontend.engine.kv_events.KvEventHub`: numbered batches (the numbers are this frontend's, never reused
+while it runs), each with its backend's ``dp_rank`` and load; ``load_only`` records every :data:`KV_LOAD_INTERVAL`
+seconds while no batch comes, and within :data:`KV_LOAD_POLL` seconds of a change of a rank's load that no batch carried
+(a request admitted from the cache, one that ended). A subscriber resumes from its last number while the hub's history
+reaches back to it, else (or from 0) it gets a snapshot of the live blocks first. The stream's initial metadata carries
+``spindle-kv-epoch`` (:data:`KV_EPOCH_METADATA`), which changes when the frontend or a backend restarts; a backend that
+restarts during a stream shows on it as a ``KvCacheCleared`` for its rank, and the stream goes on. The profiler is not
+served (gRPC answers ``UNIMPLEMENTED``).
 """
 
 import datetime
@@ -27,6 +37,8 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from spindle.frontend.engine.kv_events import KvBatch, KvSubscriberTooSlowError
+from spindle.frontend.grpc.admission_control import OverLimitError
 from spindle.frontend.grpc.metrics import kv_cache_usage
 from spindle.frontend.grpc.servicer import (
     SpindleServicer,
@@ -35,9 +47,10 @@ from spindle.frontend.grpc.servicer import (
     server_version,
     token_id_or_minus_one,
 )
-from spindle.shared import RequestOutput, SamplingParams
-from spindle.shared.errors import InvalidRequestError
+from spindle.shared import PoolingParams, RequestOutput, SamplingParams
+from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.shared.outputs import CompletionOutput, Logprob
+from spindle.shared.protocol import EngineStats, KvBlockRemoved, KvBlockStored, KvEvent
 from spindle.shared.sampling_params import StructuredOutput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -59,6 +72,17 @@ UNSUPPORTED_SAMPLING_FIELDS = {
     "structural_tag": "structural tags are not supported: use json_schema, regex, grammar, json_object or choice",
 }
 """``SamplingParams`` fields Spindle cannot honour, and why."""
+
+KV_EPOCH_METADATA = "spindle-kv-epoch"
+"""The ``SubscribeKvEvents`` stream's initial metadata key whose value changes when the frontend or a backend
+restarts (the protocol has no field for the producer's epoch)."""
+
+KV_LOAD_INTERVAL = 1.0
+"""Seconds between a ``SubscribeKvEvents`` stream's ``load_only`` heartbeats while no event batch comes."""
+
+KV_LOAD_POLL = 0.25
+"""Seconds between a ``SubscribeKvEvents`` stream's looks at the load while no event batch comes (the backends send
+their stats every 0.25 s): a rank whose load changed gets a ``load_only`` record then."""
 
 
 def sampling_params_from_vllm(message: pb.SamplingParams) -> SamplingParams:
@@ -239,6 +263,133 @@ class _Completions:
         return complete
 
 
+def kv_event_to_proto(event: KvEvent, event_id: int, medium: str) -> common_pb2.KvCacheEvent:
+    """The protocol's form of one KV event of a backend whose cache lives on ``medium`` (``"GPU"``, ``"CPU"``).
+
+    The cache is the engine's working one, wherever it lives: tier ``DEVICE``, locality ``LOCAL``.
+    """
+    where = {"tier": common_pb2.KV_CACHE_TIER_DEVICE, "medium": medium, "locality": common_pb2.KV_CACHE_LOCALITY_LOCAL}
+    match event:
+        case KvBlockStored():
+            block = common_pb2.KvBlock(
+                block_hash=event.block_hash, token_ids=event.token_ids, block_size=len(event.token_ids)
+            )
+            stored = common_pb2.KvBlocksStored(blocks=[block], **where)
+            if event.parent_hash is not None:
+                stored.parent_block_hash = event.parent_hash
+            if event.lora_id is not None:
+                block.lora_id = event.lora_id
+                stored.blocks[0].lora_id = event.lora_id
+            if event.lora_name is not None:
+                stored.lora_name = event.lora_name
+            return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+        case KvBlockRemoved():
+            removed = common_pb2.KvBlocksRemoved(block_hashes=[event.block_hash], **where)
+            return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
+    return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
+
+
+def _load_figures(stats: EngineStats | None) -> tuple[int, int, int]:
+    """What a load record's routing core follows of a rank's stats: running and waiting requests, free KV blocks."""
+    return (stats.num_running, stats.num_waiting, stats.num_free_blocks) if stats else (0, 0, 0)
+
+
+class _KvStream:
+    """Builds one ``SubscribeKvEvents`` stream's batches: the engine's load on each, numbered samples.
+
+    Args:
+        servicer: the service (the engine's info, its ranks' stats, the server's load).
+        loads_first: the subscriber takes ``load_only`` records before the first batch.
+
+    """
+
+    def __init__(self, servicer: "VllmEngineServicer", loads_first: bool) -> None:
+        self.servicer = servicer
+        self.loads_first = loads_first
+        self.medium = servicer.engine.info.kv_medium
+        self.sent = 0  # the number of the last batch sent
+        self.samples = 0
+        self.reported: dict[int, tuple[int, int, int]] = {}  # each rank's load figures, as last sent
+        self.beat_at = time.monotonic()
+
+    def batch(self, batch: KvBatch) -> common_pb2.KvEventBatch | None:
+        """A published batch, unless the subscriber has it already (``None``)."""
+        if batch.sequence <= self.sent:
+            return None
+        self.sent = batch.sequence
+        events = [kv_event_to_proto(e, batch.first_event_id + i, self.medium) for i, e in enumerate(batch.events)]
+        return common_pb2.KvEventBatch(
+            sequence_number=batch.sequence,
+            timestamp=batch.timestamp,
+            events=events,
+            dp_rank=batch.rank,
+            load=self.load(batch.rank, load_only=False),
+        )
+
+    def snapshot(self, sequence: int, live: dict[int, list[KvBlockStored]]) -> list[common_pb2.KvEventBatch]:
+        """A snapshot's chunks, one per rank, numbered up to ``sequence``: a clear, then every live block."""
+        blocks = sum(len(stored) for stored in live.values())
+        chunks = []
+        for index, (rank, stored) in enumerate(live.items()):
+            cleared = common_pb2.KvCacheEvent(event_id=0, cleared=common_pb2.KvCacheCleared())
+            events = [cleared, *(kv_event_to_proto(event, 0, self.medium) for event in stored)]
+            chunks.append(
+                common_pb2.KvEventBatch(
+                    sequence_number=sequence - len(live) + 1 + index,
+                    timestamp=time.time(),
+                    events=events,
+                    dp_rank=rank,
+                    snapshot=common_pb2.KvSnapshotChunk(index=index, count=len(live), blocks=blocks),
+                    load=self.load(rank, load_only=False),
+                )
+            )
+        self.sent = max(self.sent, sequence)
+        return chunks
+
+    def loads(self) -> list[common_pb2.KvEventBatch]:
+        """The ``load_only`` records due now, each repeating the last number sent.
+
+        Every rank's once a heartbeat interval has passed, else those of the ranks whose load changed since it was
+        last sent; none before the first batch, unless the subscriber asked for them (numbered 0 then).
+        """
+        if not self.sent and not self.loads_first:
+            return []
+        beat = time.monotonic() - self.beat_at >= KV_LOAD_INTERVAL
+        if beat:
+            self.beat_at = time.monotonic()
+        return [
+            common_pb2.KvEventBatch(
+                sequence_number=self.sent, timestamp=time.time(), dp_rank=rank, load=self.load(rank, load_only=True)
+            )
+            for rank, figures in enumerate(self.servicer.engine.rank_stats())
+            if beat or _load_figures(figures.stats) != self.reported.get(rank)
+        ]
+
+    def load(self, rank: int, load_only: bool) -> common_pb2.EngineLoad:
+        """Rank ``rank``'s load as ``GetLoads`` reports it, the next sample of this stream."""
+        self.samples += 1
+        ranks = self.servicer.engine.rank_stats()
+        stats = (ranks[rank].stats if rank < len(ranks) else None) or EngineStats(0, 0, 0, 0, 0)
+        self.reported[rank] = _load_figures(stats)
+        load = self.servicer.spindle.load.load()
+        single = len(ranks) == 1
+        record = common_pb2.EngineLoad(
+            running_requests=stats.num_running,
+            waiting_requests=stats.num_waiting,
+            token_usage=kv_cache_usage(stats),
+            gen_throughput=load.generation_tokens_per_second if single else 0.0,
+            sample=self.samples,
+            load_only=load_only,
+        )
+        if load_only or self.samples == 1:  # the telemetry beyond the routing core comes on the heartbeats
+            block_size = self.servicer.engine.info.block_size
+            record.num_used_tokens = (stats.num_total_blocks - stats.num_free_blocks) * block_size
+            record.max_total_num_tokens = stats.num_total_blocks * block_size
+            if single:
+                record.cache_hit_rate = load.prefix_cache_hit_rate
+        return record
+
+
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Implements ``vllm.grpc.engine.VllmEngine`` beside a :class:`SpindleServicer`, sharing its engine and limits.
 
@@ -296,9 +447,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        """Describe the served model (its architecture is the backend's to know: the list stays empty)."""
+        """Describe the served model: its limits, special tokens and architectures, as the backend loaded it."""
         info, tokenizer = self.engine.info, self.engine.tokenizer
         return pb.GetModelInfoResponse(
+            architectures=info.architectures,
             model_path=info.model_name,
             served_model_name=info.model_name,
             is_generation=True,
@@ -382,3 +534,60 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if start == starts[-1]:
                 chunk.sha256 = hashlib.sha256(data).hexdigest()
             yield chunk
+
+    @ends_with_status
+    async def Embed(  # noqa: N802
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        """Embed one tokenized prompt, pooled as ``spindle.v1`` ``Embed`` pools by default."""
+        if not request.tokenized.input_ids:
+            raise InvalidRequestError("tokenized.input_ids", "the request has no input: set tokenized.input_ids")
+        inputs = {"prompt_token_ids": list(request.tokenized.input_ids)}
+        request_id = engine_id(context, request.request_id or uuid.uuid4().hex)
+        with self.spindle.connections.hold(context.peer()), self.spindle.admission_control.admit(1):
+            (output,) = await self.engine.embed(inputs, PoolingParams(), request_id)
+        embedding = output.outputs.embedding
+        return pb.EmbedResponse(
+            embedding=embedding, prompt_tokens=len(output.prompt_token_ids), embedding_dim=len(embedding)
+        )
+
+    @ends_with_status
+    async def FlushCache(  # noqa: N802
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        """Reset every backend's prefix cache once no request is in flight, waiting up to ``timeout_s`` for that."""
+        if await self.engine.flush_cache(max(0.0, request.timeout_s)):
+            return common_pb2.FlushCacheResponse(success=True, message="the prefix cache of every engine was reset")
+        message = f"requests were still in flight after {request.timeout_s:g} s: the prefix cache was not reset"
+        return common_pb2.FlushCacheResponse(success=False, message=message)
+
+    @ends_with_status
+    async def SubscribeKvEvents(  # noqa: N802
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """Stream the backends' KV events from ``start_sequence_number`` on (a snapshot first when needed)."""
+        hub = self.engine.kv_events
+        with self.spindle.watchers.hold():
+            await context.send_initial_metadata([(KV_EPOCH_METADATA, hub.epoch())])
+            subscription, missed = hub.subscribe(request.start_sequence_number)
+            stream = _KvStream(self, request.load_records_before_first_batch)
+            try:
+                if missed is None:
+                    for chunk in stream.snapshot(hub.sequence, hub.snapshot()):
+                        yield chunk
+                    missed = []
+                while True:
+                    for batch in missed:
+                        if (message := stream.batch(batch)) is not None:
+                            yield message
+                    if self.spindle.admission_control.draining:
+                        raise EngineUnavailableError("the server is shutting down: subscribe to another replica")
+                    try:
+                        missed = await subscription.next(KV_LOAD_POLL)
+                    except KvSubscriberTooSlowError as error:
+                        raise OverLimitError(str(error)) from None
+                    if not missed:
+                        for record in stream.loads():
+                            yield record
+            finally:
+                hub.unsubscribe(subscription)
