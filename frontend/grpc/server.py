@@ -15,10 +15,9 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import prometheus_client
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,8 +31,10 @@ from spindle.frontend.grpc.metrics import MetricsServer
 from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.frontend.grpc.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
 from spindle.frontend.grpc.vllm_servicer import VllmEngineServicer
-from spindle.frontend.http.server import HttpServer
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
+
+if TYPE_CHECKING:
+    from spindle.frontend.http.server import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +302,11 @@ class GrpcServer:
             self.metrics = MetricsServer(self.engine, self.servicer.load, config.metrics_host, config.metrics_port)
         await self.server.start()
         if config.http_port is not None:
+            # Imported here: only a server with an HTTP port needs the ASGI stack.
+            import prometheus_client
+
+            from spindle.frontend.http.server import HttpServer
+
             registry = self.metrics.registry
             self.http = HttpServer(
                 self.servicer, lambda: prometheus_client.generate_latest(registry), config.http_host, config.http_port
