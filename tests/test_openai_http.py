@@ -202,16 +202,11 @@ def test_response_format_json_schema_output_validates(api, model):
         model=model, messages=MESSAGES, response_format=response_format, max_tokens=60, seed=1, stop=EOS_TEXT
     )
     jsonschema.validate(json.loads(response.choices[0].message.content), WEATHER)
+    # Any JSON object: the random model writes one string key for ever, but it starts as an object.
     anything = api.chat.completions.create(
-        model=model,
-        messages=MESSAGES,
-        response_format={"type": "json_object"},
-        max_tokens=200,
-        temperature=0.0,
-        stop=EOS_TEXT,
+        model=model, messages=MESSAGES, response_format={"type": "json_object"}, max_tokens=8, temperature=0.0
     )
-    if anything.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    assert anything.choices[0].message.content.startswith('{"')
 
 
 def test_embeddings_equal_grpc_embed_as_floats_or_base64(api, grpc_client, model):

@@ -245,9 +245,10 @@ class GrpcServer:
     not draining, ``NOT_SERVING``
     otherwise, both for the whole server (``""``) and for ``spindle.v1.SpindleService``. With ``config.metrics_port``
     it also serves Prometheus metrics over HTTP: its ``metrics`` attribute holds the
-    :class:`~spindle.frontend.grpc.metrics.MetricsServer` while the server runs. With ``config.http_port`` it serves
-    the OpenAI-compatible API too, on the same event loop: its ``http`` attribute holds the
-    :class:`~spindle.frontend.http.server.HttpServer` (whose ``port`` is the bound one) while the server runs.
+    :class:`~spindle.frontend.grpc.metrics.MetricsServer` while the server runs (with ``config.http_port`` too,
+    without a port of its own when ``metrics_port`` is unset: the HTTP API's ``/metrics`` serves its registry).
+    With ``config.http_port`` it serves the OpenAI-compatible API too, on the same event loop: its ``http``
+    attribute holds the ``HttpServer`` of :doc:`http` (whose ``port`` is the bound one) while the server runs.
 
     Args:
         engine: the engine, connected to its backend (or backends).

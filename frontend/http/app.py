@@ -268,7 +268,10 @@ class OpenAIApp:
         """The request's sampling parameters, checked against the server's limits as a gRPC request's are."""
         message = protocol.sampling_message(body, names)
         for name, value in set_here.items():
-            setattr(message, name, value)
+            try:
+                setattr(message, name, value)
+            except ValueError as error:  # past int32
+                raise InvalidRequestError(name, f"{name}={value} is out of range: {error}") from error
         self.servicer.check_limits(message)
         return sampling_params_from_proto(message)
 
