@@ -160,12 +160,17 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+def _json(data: dict[str, Any]) -> bytes:
+    """``data`` as compact JSON, as Starlette's ``JSONResponse`` writes it."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(data) + b"\n\n"
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    payload = json.dumps(body).encode()
+    payload = _json(body)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
