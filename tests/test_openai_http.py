@@ -14,6 +14,8 @@ from test_lora_api import model_dir, save_adapter  # noqa: F401 - model_dir: a f
 from waiting import wait_until
 
 from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.http.app import _ChatShaper
+from spindle.shared import CompletionOutput, FinishReason, SamplingParams, ToolCall
 
 KEY = "http-test-key"
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
@@ -194,6 +196,17 @@ def test_tool_choice_gives_tool_calls_whose_arguments_validate(api, model, strea
     assert finish == "tool_calls" and len(calls) == 1
     assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+
+
+@pytest.mark.parametrize("parallel, expected", [(None, ["a", "b"]), (1, ["a"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
+    calls = [ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")]
+    reply = CompletionOutput(0, "[...]", [1, 2], finish_reason=FinishReason.STOP, tool_calls=calls)
+    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, parse_tools=True, max_calls=parallel)
+    streamed = shaper.part(0, reply, None)
+    assert [call["function"]["name"] for call in streamed["delta"]["tool_calls"]] == expected
+    message = shaper.response()["choices"][0]["message"]
+    assert [call["function"]["name"] for call in message["tool_calls"]] == expected and message["content"] is None
 
 
 def test_response_format_json_schema_output_validates(api, model):

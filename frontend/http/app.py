@@ -355,6 +355,7 @@ class OpenAIApp:
         tools = field(body, "tools", "list")
         tool_choice = body.get("tool_choice") or "auto"
         add_generation_prompt = field(body, "add_generation_prompt", "bool")
+        max_calls = 1 if field(body, "parallel_tool_calls", "bool") is False else None
         stream, include_usage = self._stream_flags(body)
         priority = field(body, "priority", "int") or 0
         request_id = self._request_id(request, "chatcmpl")
@@ -374,7 +375,7 @@ class OpenAIApp:
                 )
 
             parse_tools = bool(tools) and tool_choice != "none"
-            shaper = _ChatShaper(request_id, model, params, top if top is not None else 0, parse_tools)
+            shaper = _ChatShaper(request_id, model, params, top if top is not None else 0, parse_tools, max_calls)
             outputs = merged([self._outputs(request, request_id, start, stalled)])
             return shaper.events(outputs, stream, include_usage)
 
@@ -577,14 +578,24 @@ class _ChatShaper(_Shaper):
 
     With tools (and a tool choice other than ``none``), a choice's reply is held until it ends, as its calls are
     parsed from the whole text: it then comes as ``tool_calls`` (finish reason ``tool_calls``), or as content.
+    ``max_calls`` keeps a reply's first calls only (``parallel_tool_calls: false`` keeps one).
     """
 
     object = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, params: SamplingParams, top: int, parse_tools: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        params: SamplingParams,
+        top: int,
+        parse_tools: bool,
+        max_calls: int | None = None,
+    ) -> None:
         super().__init__(request_id, model, params)
         self.top = top
         self.parse_tools = parse_tools
+        self.max_calls = max_calls
         self.texts: dict[int, str] = {}
         self.logprobs: dict[int, list[dict[str, Any]]] = {}
         self.ends: dict[int, CompletionOutput] = {}
@@ -605,7 +616,7 @@ class _ChatShaper(_Shaper):
         if completion.finish_reason is None:
             return None
         held = {"content": self.logprobs.get(index, [])} if self.params.logprobs is not None else None
-        calls = completion.tool_calls
+        calls = self._calls(completion)
         delta = {"tool_calls": _tool_calls(calls, streamed=True)} if calls else {"content": self.texts[index]}
         return {"index": index, "delta": delta, "logprobs": held} | self._ending(completion)
 
@@ -621,6 +632,9 @@ class _ChatShaper(_Shaper):
             events.append(self.chunk(roles))
         return events + super().stream_events(choices)
 
+    def _calls(self, completion: CompletionOutput) -> list[Any]:
+        return (completion.tool_calls or [])[: self.max_calls]
+
     def _ending(self, completion: CompletionOutput) -> dict[str, Any]:
         reason = completion.finish_reason
         if reason is not None and completion.tool_calls:
@@ -632,7 +646,7 @@ class _ChatShaper(_Shaper):
         choices = []
         for index in sorted(self.texts):
             end = self.ends.get(index)
-            calls = end.tool_calls if end is not None else None
+            calls = self._calls(end) if end is not None else None
             message: dict[str, Any] = {"role": "assistant", "content": None if calls else self.texts[index]}
             if calls:
                 message["tool_calls"] = _tool_calls(calls, streamed=False)

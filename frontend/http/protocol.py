@@ -47,6 +47,7 @@ COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user", "priorit
 """The other fields both generation routes take."""
 
 COMPLETION_FIELDS = frozenset(SAMPLING_FIELDS) | COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+"""Every field ``/v1/completions`` takes; any other is refused."""
 CHAT_FIELDS = (
     frozenset(SAMPLING_FIELDS)
     | COMMON_FIELDS
@@ -61,7 +62,9 @@ CHAT_FIELDS = (
         "add_generation_prompt",
     }
 )
+"""Every field ``/v1/chat/completions`` takes; any other is refused."""
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "priority"})
+"""Every field ``/v1/embeddings`` takes; any other is refused."""
 
 _KINDS = {
     "int": "an integer",
