@@ -49,6 +49,7 @@ class HttpServer:
             lifespan="off",
             access_log=False,
             log_config=None,
+            # What a stop leaves to connections once it has cancelled the generations: only idle keep-alives.
             timeout_graceful_shutdown=1,
         )
         self.server = _Server(self.config)
@@ -63,6 +64,7 @@ class HttpServer:
         while not self.server.started:
             if self._task.done():  # it failed to start: raise why
                 await self._task
+                raise RuntimeError(f"the HTTP API did not start on {self.config.host}:{self.port}")
             await asyncio.sleep(0.01)
         logger.info("Serving the OpenAI-compatible API on http://%s:%d/v1", self.config.host, self.port)
         return self.port
