@@ -82,6 +82,7 @@ TIERS = {
     "test_grpc": "process",
     "test_vllm_grpc": "process",
     "test_kv_events": "process",
+    "test_openai_http": "process",
     "test_server_limits": "process",
     "test_hostile_requests": "process",
     "test_lora_api": "process",

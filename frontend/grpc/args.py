@@ -60,6 +60,10 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics over HTTP at ``/metrics`` on this port; unset serves none, ``0``
             picks a free port (see :doc:`observability`).
         metrics_host: interface the metrics port listens on (``0.0.0.0`` for a scraper outside the container).
+        http_port: serve the OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``, ...) on this
+            port, beside gRPC, with the same key and limits; unset serves none, ``0`` picks a free port (see
+            :doc:`http`).
+        http_host: interface the HTTP API listens on (``0.0.0.0`` in a container).
         otlp_traces_endpoint: export a trace span per request over OTLP/gRPC to this collector (e.g.
             ``http://otel-collector:4317``); unset traces nothing and never imports OpenTelemetry.
 
@@ -88,6 +92,8 @@ class ServerConfig:
     grace_period: float = 30.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
     otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -116,8 +122,10 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [1, {ceiling}] (SamplingParams' own limit)")
         if self.unread_timeout <= 0:
             raise ValueError(f"unread_timeout={self.unread_timeout} must be > 0")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port={self.metrics_port} is not a TCP port (0 to 65535)")
+        for name in ("metrics_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name}={port} is not a TCP port (0 to 65535)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

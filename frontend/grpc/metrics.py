@@ -522,15 +522,18 @@ class MetricsServer:
         engine: the engine, connected to its backend (or backends).
         load: the server's :class:`LoadTracker`, started.
         host: the interface to listen on.
-        port: the TCP port; ``0`` picks a free one (:attr:`port` says which).
+        port: the TCP port; ``0`` picks a free one (:attr:`port` says which); ``None`` serves no port of its own,
+            only the :attr:`registry` (which the HTTP API's ``/metrics`` serves).
 
     Attributes:
-        port: the TCP port it listens on.
+        port: the TCP port it listens on (``None`` without one).
         registry: the prometheus_client ``CollectorRegistry`` it serves.
 
     """
 
-    def __init__(self, engine: "AsyncLLMEngine", load: LoadTracker, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, engine: "AsyncLLMEngine", load: LoadTracker, host: str = "127.0.0.1", port: int | None = 0
+    ) -> None:
         # Imported here: only a server that serves metrics needs prometheus_client.
         import prometheus_client
 
@@ -561,11 +564,13 @@ class MetricsServer:
                     self._success[reason.value].append(metric.labels(*labels, reason.value))
             else:
                 self._metrics[name].append(metric.labels(*labels))
-        self.httpd, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
-        self.port: int = self.httpd.server_address[1]
         self.engine = engine
         engine.output_processor.listeners.append(self)
-        logger.info("Serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
+        self.httpd, self._thread, self.port = None, None, None
+        if port is not None:
+            self.httpd, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
+            self.port = self.httpd.server_address[1]
+            logger.info("Serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def on_tokens(self, state: RequestState, num_new_tokens: int, now: float) -> None:
         """Count a step's tokens for a request; time its first token, or the gap since its previous ones."""
@@ -611,6 +616,7 @@ class MetricsServer:
         """Stop recording and serving."""
         with contextlib.suppress(ValueError):
             self.engine.output_processor.listeners.remove(self)
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(5)
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self._thread.join(5)

@@ -95,7 +95,10 @@ class _Stalled(Exception):
 
 
 async def _put(buffer: asyncio.Queue[T | _End], item: T | _End, timeout: float) -> None:
+    # Not wait_for: on Python 3.11 it swallows a cancellation that comes as the put succeeds, and the reader would
+    # then go on reading (and the request on running) after its stream was closed.
     try:
-        await asyncio.wait_for(buffer.put(item), timeout)
+        async with asyncio.timeout(timeout):
+            await buffer.put(item)
     except TimeoutError:
         raise _Stalled from None

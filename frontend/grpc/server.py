@@ -15,7 +15,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -32,6 +32,9 @@ from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.frontend.grpc.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
 from spindle.frontend.grpc.vllm_servicer import VllmEngineServicer
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
+
+if TYPE_CHECKING:
+    from spindle.frontend.http.server import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +245,10 @@ class GrpcServer:
     not draining, ``NOT_SERVING``
     otherwise, both for the whole server (``""``) and for ``spindle.v1.SpindleService``. With ``config.metrics_port``
     it also serves Prometheus metrics over HTTP: its ``metrics`` attribute holds the
-    :class:`~spindle.frontend.grpc.metrics.MetricsServer` while the server runs.
+    :class:`~spindle.frontend.grpc.metrics.MetricsServer` while the server runs (with ``config.http_port`` too,
+    without a port of its own when ``metrics_port`` is unset: the HTTP API's ``/metrics`` serves its registry).
+    With ``config.http_port`` it serves the OpenAI-compatible API too, on the same event loop: its ``http``
+    attribute holds the ``HttpServer`` of :doc:`http` (whose ``port`` is the bound one) while the server runs.
 
     Args:
         engine: the engine, connected to its backend (or backends).
@@ -258,6 +264,7 @@ class GrpcServer:
         self.health = _HealthServicer(self.servicer.watchers)
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
+        self.http: HttpServer | None = None
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -291,10 +298,21 @@ class GrpcServer:
         # The first stats call starts the engine's output task, which also watches the backend's heartbeats.
         await self.engine.get_stats()
         self.servicer.load.start()
-        if self.config.metrics_port is not None:
-            config = self.config
+        config = self.config
+        if config.metrics_port is not None or config.http_port is not None:
             self.metrics = MetricsServer(self.engine, self.servicer.load, config.metrics_host, config.metrics_port)
         await self.server.start()
+        if config.http_port is not None:
+            # Imported here: only a server with an HTTP port needs the ASGI stack.
+            import prometheus_client
+
+            from spindle.frontend.http.server import HttpServer
+
+            registry = self.metrics.registry
+            self.http = HttpServer(
+                self.servicer, lambda: prometheus_client.generate_latest(registry), config.http_host, config.http_port
+            )
+            await self.http.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_backend())
         logger.info("Serving %s on %s:%d", self.engine.info.model_name, self.config.host, self.port)
@@ -316,6 +334,9 @@ class GrpcServer:
         """Stop serving at once (streams in flight are cancelled, which aborts them in the backend)."""
         if self._watcher is not None:
             self._watcher.cancel()
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         await self.server.stop(grace)
         await self.servicer.close()
         if self.metrics is not None:
@@ -348,6 +369,8 @@ async def serve(engine: AsyncLLMEngine, config: ServerConfig) -> None:
     server = GrpcServer(engine, config)
     await server.start()
     print(f"spindle: serving {engine.info.model_name} on {config.host}:{server.port}", flush=True)
+    if server.http is not None:
+        print(f"spindle: OpenAI-compatible API on http://{config.http_host}:{server.http.port}/v1", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -63,7 +63,7 @@ from spindle.frontend.grpc.mapping import (
 from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
 from spindle.frontend.grpc.read_ahead import read_ahead
 from spindle.frontend.grpc.tracing import RequestTracer
-from spindle.shared import RequestOutput, SamplingParams
+from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.errors import (
     AlreadyExistsError,
     EngineUnavailableError,
@@ -274,19 +274,11 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self, request: spindle_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> spindle_pb2.EmbedResponse:
         """Embed every input, each an engine request queued with the others at once; embeddings in input order."""
-        limit = min(self.config.max_embed_inputs, self.config.max_queued_requests)
-        if len(request.inputs) > limit:
-            raise InvalidRequestError(
-                "inputs", f"the request has {len(request.inputs)} inputs, more than this server's limit of {limit}"
-            )
+        self.check_embed_inputs(len(request.inputs))
         inputs = embed_inputs_from_proto(request)
         pooling = pooling_params_from_proto(request.pooling_params)
         request_id = request.request_id or uuid.uuid4().hex
-        # Each input waits in the queue until the call ends: an embedding ends with its prefill.
-        with self.connections.hold(context.peer()), self.admission_control.admit(len(inputs)):
-            outputs = await self.engine.embed(
-                inputs, pooling, engine_id(context, request_id), priority=request.priority
-            )
+        outputs = await self.admitted_embeddings(context.peer(), request_id, inputs, pooling, request.priority)
         return embed_response(request_id, outputs)
 
     @ends_with_status
@@ -514,15 +506,62 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             OverLimitError: the connection has its most streams open, or the queue is full.
 
         """
+        stalled = functools.partial(self._end_unread, context, asyncio.current_task())
+        async for output in self.admitted(context.peer(), request_id, start, stalled):
+            yield output
+
+    async def admitted(
+        self,
+        peer: str,
+        request_id: str,
+        start: Callable[[str], AsyncIterator[RequestOutput]],
+        stalled: Callable[[], None],
+    ) -> AsyncIterator[RequestOutput]:
+        """:meth:`admitted_outputs` for any transport: the caller is ``peer``, its connection's address.
+
+        ``stalled()`` is called once the request was aborted because its client left its outputs unread: the caller
+        ends the call from there (it may wait in a write to that client).
+
+        Raises:
+            OverLimitError: the connection has its most streams open, or the queue is full.
+
+        """
         config = self.config
-        with self.connections.hold(context.peer()), self.admission_control.admit() as admitted:
-            request_engine_id = engine_id(context, request_id)
+        with self.connections.hold(peer), self.admission_control.admit() as admitted:
+            request_engine_id = scoped_id(peer, request_id)
             outputs = start(request_engine_id)
-            stalled = functools.partial(self._end_unread, context, asyncio.current_task())
             size, timeout = config.max_unread_outputs, config.unread_timeout
-            async for output in read_ahead(outputs, size, timeout, request_engine_id, stalled):
-                admitted.started()
-                yield output
+            # Closed with this generator, not when collected: a caller may close it from outside its awaits.
+            async with contextlib.aclosing(read_ahead(outputs, size, timeout, request_engine_id, stalled)) as stream:
+                async for output in stream:
+                    admitted.started()
+                    yield output
+
+    def check_embed_inputs(self, num_inputs: int) -> None:
+        """Refuse more inputs in one embedding call than ``max_embed_inputs`` (or the queue) holds.
+
+        Raises:
+            InvalidRequestError: too many inputs (the field is ``inputs``).
+
+        """
+        limit = min(self.config.max_embed_inputs, self.config.max_queued_requests)
+        if num_inputs > limit:
+            raise InvalidRequestError(
+                "inputs", f"the request has {num_inputs} inputs, more than this server's limit of {limit}"
+            )
+
+    async def admitted_embeddings(
+        self, peer: str, request_id: str, inputs: list[PromptInputs], pooling: PoolingParams, priority: int = 0
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed ``inputs`` for the caller ``peer``, admitted as every ``Embed`` call is (each input one request).
+
+        Raises:
+            OverLimitError: the connection has its most streams open, or the queue has no room for the inputs.
+
+        """
+        # Each input waits in the queue until the call ends: an embedding ends with its prefill.
+        with self.connections.hold(peer), self.admission_control.admit(len(inputs)):
+            return await self.engine.embed(inputs, pooling, scoped_id(peer, request_id), priority=priority)
 
     async def _stream(
         self,
@@ -575,7 +614,12 @@ def engine_id(context: grpc.aio.ServicerContext, request_id: str) -> str:
     A connection is the one identity every caller has (one API key is shared by all of them), and a request lives
     no longer than the connection its stream is on, over which its ``Abort`` comes too.
     """
-    caller = hashlib.sha256(context.peer().encode()).hexdigest()[:16]
+    return scoped_id(context.peer(), request_id)
+
+
+def scoped_id(peer: str, request_id: str) -> str:
+    """The engine's id of ``request_id`` made by the caller at ``peer``: ``<digest of peer>-<request_id>``."""
+    caller = hashlib.sha256(peer.encode()).hexdigest()[:16]
     return f"{caller}-{request_id}"
 
 
