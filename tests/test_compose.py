@@ -265,11 +265,12 @@ def test_the_gateway_profile_routes_cache_aware_to_both_workers():
 )
 def test_the_gateway_listens_publishes_and_checks_one_port(host_env, port, metrics):
     """The OpenAI port and the metrics port, set from the host, are the ones smg binds, compose publishes and the
-    health check asks; the metrics only on the host's loopback, as the frontend's."""
+    health check asks; both on the host's loopback unless asked, as smg authenticates no one without keys."""
     gateway = interpolated(SERVICES["gateway"], host_env)
     assert option(gateway["command"], "--port") == [port]
     assert option(gateway["command"], "--prometheus-port") == [metrics]
-    assert gateway["ports"] == [f"{port}:{port}", f"127.0.0.1:{metrics}:{metrics}"]
+    assert gateway["ports"] == [f"127.0.0.1:{port}:{port}", f"127.0.0.1:{metrics}:{metrics}"]
+    assert interpolate(SERVICES["gateway"]["ports"][0], {"SPINDLE_GATEWAY_BIND": "0.0.0.0"}).startswith("0.0.0.0:")
     assert gateway["healthcheck"]["test"][-1].endswith(f"'http://localhost:{port}/readiness')")
 
 
