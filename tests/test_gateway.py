@@ -80,8 +80,11 @@ def start_worker(model: Path) -> Worker:
     command += ["--kv-cache-memory", "8MiB", "--port", "0", "--metrics-port", str(metrics_port)]
     environment = {key: value for key, value in os.environ.items() if not key.startswith("SPINDLE_")}
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True)
-    port = int(process.stdout.readline().rsplit(":", 1)[1])
-    return Worker(process, f"127.0.0.1:{port}", metrics_port)
+    banner = process.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
+    if not banner:
+        stop(process)
+        pytest.fail(f"spindle serve exited with {process.returncode} before it listened")
+    return Worker(process, f"127.0.0.1:{banner.rsplit(':', 1)[1].strip()}", metrics_port)
 
 
 def start_gateway(workers: list[Worker], *flags: str) -> Gateway:
@@ -99,7 +102,11 @@ def start_gateway(workers: list[Worker], *flags: str) -> Gateway:
         except (openai.OpenAIError, OSError):
             return None
 
-    gateway.model = wait_until(ready, "the gateway registers the workers and lists their model", timeout=120)
+    try:
+        gateway.model = wait_until(ready, "the gateway registers the workers and lists their model", timeout=120)
+    except BaseException:
+        stop(gateway.process)  # no fixture owns it yet
+        raise
     return gateway
 
 
