@@ -224,6 +224,6 @@ def test_a_client_that_disconnects_aborts_its_request_in_spindle(single, workers
         return running, holds_blocks, worker.metric("vllm:request_success_total", finished_reason="abort") - aborted
 
     wait_until(lambda: state() == (1, True, 0), "the worker runs the request")
-    stream.close()
+    stream.close()  # smg answers the disconnect with an Abort call to the worker
     # 4,000 tokens take the tiny model several seconds; the abort frees the request's blocks at once.
     wait_until(lambda: state() == (0, False, 1), "the worker aborts the request and frees its KV blocks", SLACK)
