@@ -1,5 +1,6 @@
-# Two images from one file: `--target backend` (torch, the engine core) and `--target frontend` (gRPC, no torch).
-# docker-compose.yml builds and tags both with the version in pyproject.toml; docs/deployment.rst has the commands.
+# Three images from one file: `--target backend` (torch, the engine core), `--target frontend` (gRPC, no torch) and
+# `--target gateway` (the SMG gateway, for compose's `gateway` profile). docker-compose.yml builds and tags them
+# with the version in pyproject.toml; docs/deployment.rst has the commands.
 FROM python:3.11-slim AS base
 WORKDIR /app
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -49,3 +50,12 @@ RUN pip install --no-cache-dir ./client \
 USER 1000:1000
 EXPOSE 50051
 CMD ["spindle", "serve"]
+
+# The SMG gateway (a Rust binary in the `smg` wheel), at the version the `dev` extra pins and tests/test_gateway.py
+# runs; it needs none of Spindle's code.
+FROM python:3.11-slim AS gateway
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN pip install --no-cache-dir smg==1.13.0
+USER 1000:1000
+EXPOSE 8000 29000
+CMD ["smg", "launch", "--help"]

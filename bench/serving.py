@@ -7,7 +7,13 @@ prompts of its own so that no run finds another's in the prefix cache. Prints ea
 median output rate, p50/p99 time to first token and inter-token latency over all rounds, and the median over rounds
 of its rate as a fraction of the offline one: on a shared machine a single pair of runs differs by 10-20% either way.
 
+With ``--gateway``, each round also runs the requests through the SMG gateway (``smg launch``, the PyPI ``smg``) in
+front of the same ``spindle serve``, as OpenAI text completions streamed over SSE (``openai_run``, which takes any
+OpenAI base URL), and the summary gives each path's rate and median TTFT, ITL and request latency as fractions of
+the engine path's.
+
     python -m bench.serving --num-requests 128 --concurrency 64
+    python -m bench.serving --gateway --num-requests 16 --concurrency 8 --max-tokens 32
 """
 
 import argparse
@@ -16,6 +22,7 @@ import contextlib
 import itertools
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 
 from spindle import LLM, SamplingParams
 from spindle.client import sampling_params
@@ -65,14 +73,56 @@ def spindle_server(config: EngineConfig, port: int = 0) -> Iterator[Server]:
             process.wait(60)
 
 
+@contextlib.contextmanager
+def smg_gateway(worker_port: int) -> Iterator[str]:
+    """Start ``smg launch`` in front of the ``spindle serve`` on ``worker_port``; yields its OpenAI base URL once it
+    lists the worker's model. Its ports are free ones (the Prometheus default, 29000, may be taken)."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    command = [str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1", "--port", str(ports[0])]
+    command += ["--prometheus-port", str(ports[1]), "--log-level", "warn"]
+    # Its banner goes to stdout; warnings and errors to stderr.
+    gateway = subprocess.Popen(
+        [*command, "--worker-urls", f"grpc://127.0.0.1:{worker_port}"], stdout=subprocess.DEVNULL
+    )
+    base_url = f"http://127.0.0.1:{ports[0]}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+    try:
+        deadline = time.monotonic() + 120
+        while not models(client):
+            if gateway.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("smg did not list the worker's model within 120 s")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        gateway.terminate()
+        gateway.wait(60)
+
+
+def models(client: openai.OpenAI) -> list[str]:
+    """The model ids an OpenAI server lists; none while it does not answer."""
+    try:
+        return [model.id for model in client.models.list().data]
+    except openai.OpenAIError:
+        return []
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-async def drive(one_request, prompts: list[str], args) -> tuple[float, list[float], list[float], int]:
-    """Run every prompt through ``one_request(prompt) -> list of token arrival times``."""
-    ttfts, itls, tokens = [], [], 0
+async def drive(one_request, prompts: list[str], args) -> tuple[float, list[float], list[float], list[float], int]:
+    """Run every prompt through ``one_request(prompt) -> (arrival times, tokens)``, the times those of the streamed
+    messages (each carries one token on the engine and gRPC paths, one or more over SSE).
+
+    Returns the elapsed time, the times to first token, the inter-message latencies, the request latencies and the
+    tokens generated.
+    """
+    ttfts, itls, totals, tokens = [], [], [], 0
     semaphore = asyncio.Semaphore(args.concurrency or len(prompts))
     rng = random.Random(0)
 
@@ -81,10 +131,11 @@ async def drive(one_request, prompts: list[str], args) -> tuple[float, list[floa
         await asyncio.sleep(delay)
         async with semaphore:
             start = time.perf_counter()
-            times = await one_request(prompt)
+            times, count = await one_request(prompt)
         ttfts.append(times[0] - start)
         itls.extend(b - a for a, b in zip(times, times[1:], strict=False))
-        tokens += len(times)
+        totals.append(times[-1] - start)
+        tokens += count
 
     delays, t = [], 0.0
     for _ in prompts:
@@ -92,7 +143,7 @@ async def drive(one_request, prompts: list[str], args) -> tuple[float, list[floa
         t += rng.expovariate(args.rate) if args.rate else 0.0
     begin = time.perf_counter()
     await asyncio.gather(*(run(p, d) for p, d in zip(prompts, delays, strict=True)))
-    return time.perf_counter() - begin, ttfts, itls, tokens
+    return time.perf_counter() - begin, ttfts, itls, totals, tokens
 
 
 def latencies(ttfts: list[float], itls: list[float]) -> str:
@@ -120,13 +171,42 @@ async def grpc_run(address: str, prompts: list[str], args):
         stub = spindle_pb2_grpc.SpindleServiceStub(channel)
         params = sampling_params(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
-        async def one(prompt: str) -> list[float]:
+        async def one(prompt: str) -> tuple[list[float], int]:
             times = []
             request = spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text=prompt), sampling_params=params)
             async for response in stub.Generate(request):
                 now = time.perf_counter()
                 times += [now] * sum(len(c.token_ids) for c in response.choices)
-            return times
+            return times, len(times)
+
+        return await drive(one, prompts, args)
+
+
+async def openai_run(base_url: str, prompts: list[str], args):
+    """The requests as streamed OpenAI text completions to ``base_url`` (a gateway's, or any OpenAI server's).
+
+    Each SSE chunk's arrival is one time; the token count comes from the usage the stream ends with.
+    """
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
+        [model] = (await client.models.list()).data
+
+        async def one(prompt: str) -> tuple[list[float], int]:
+            times, tokens = [], 0
+            stream = await client.completions.create(
+                model=model.id,
+                prompt=prompt,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    times.append(time.perf_counter())
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            return times, tokens
 
         return await drive(one, prompts, args)
 
@@ -134,11 +214,11 @@ async def grpc_run(address: str, prompts: list[str], args):
 async def engine_run(engine: AsyncLLMEngine, prompts: list[str], args):
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    async def one(prompt: str) -> list[float]:
+    async def one(prompt: str) -> tuple[list[float], int]:
         times = []
         async for output in engine.generate(prompt, params, delta=True):
             times += [time.perf_counter()] * len(output.outputs[0].token_ids)
-        return times
+        return times, len(times)
 
     return await drive(one, prompts, args)
 
@@ -158,19 +238,24 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 sends at once")
     parser.add_argument("--rounds", type=int, default=3, help="engine, gRPC and offline runs, interleaved")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--gateway", action="store_true", help="also through the SMG gateway (PyPI smg), OpenAI SSE")
     args = parser.parse_args()
     config = EngineConfig.of(model=args.model, kv_cache_memory=args.kv_cache_memory)
     n = args.num_requests
     llm = LLM(config.model.model, kv_cache_memory=config.cache.kv_cache_memory)
-    rates: dict[str, list[float]] = {"engine": [], "gRPC": [], "offline": []}
-    times = {path: ([], []) for path in ("engine", "gRPC")}  # TTFTs, ITLs over all rounds
-    with spindle_server(config, args.port) as server:
+    paths = ["engine", "gRPC", *(["gateway"] if args.gateway else [])]
+    rates: dict[str, list[float]] = {path: [] for path in [*paths, "offline"]}
+    times = {path: ([], [], []) for path in paths}  # TTFTs, ITLs, request latencies over all rounds
+    with spindle_server(config, args.port) as server, contextlib.ExitStack() as stack:
         engine = AsyncLLMEngine.from_args(backend_address=server.backend_address)
         address = f"127.0.0.1:{server.port}"
         runs = {
             "engine": lambda prompts: asyncio.run(engine_run(engine, prompts, args)),
             "gRPC": lambda prompts: asyncio.run(grpc_run(address, prompts, args)),
         }
+        if args.gateway:
+            base_url = stack.enter_context(smg_gateway(server.port))
+            runs["gateway"] = lambda prompts: asyncio.run(openai_run(base_url, prompts, args))
         run_numbers = itertools.count()
         try:
             for run in runs.values():
@@ -179,20 +264,26 @@ def main() -> None:
             for round_ in range(args.rounds):
                 print(f"round {round_ + 1}/{args.rounds}")
                 for path, run in runs.items():
-                    elapsed, ttfts, itls, tokens = run(make_prompts(next(run_numbers), n))
-                    rates[path].append(report(path, elapsed, ttfts, itls, tokens, n))
-                    times[path][0].extend(ttfts)
-                    times[path][1].extend(itls)
+                    elapsed, *latency, tokens = run(make_prompts(next(run_numbers), n))
+                    rates[path].append(report(path, elapsed, *latency[:2], tokens, n))
+                    for kept, new in zip(times[path], latency, strict=True):
+                        kept.extend(new)
                 rates["offline"].append(offline_rate(llm, make_prompts(next(run_numbers), n), args.max_tokens))
                 print(f"offline: {rates['offline'][-1]:8.1f} tok/s (LLM.generate)")
         finally:
             engine.shutdown()
     print(f"over {args.rounds} rounds (medians of the rates; latencies over all requests):")
-    for path, (ttfts, itls) in times.items():
+    for path, (ttfts, itls, _) in times.items():
         ratio = statistics.median(r / o for r, o in zip(rates[path], rates["offline"], strict=True))
         rate = statistics.median(rates[path])
         print(f"{path:>7}: {rate:8.1f} tok/s, {ratio:.0%} of offline | {latencies(ttfts, itls)}")
     print(f"offline: {statistics.median(rates['offline']):8.1f} tok/s (LLM.generate)")
+    print("as fractions of the engine path (rate: median over rounds of the ratio; latencies: ratio of the p50s):")
+    for path in paths[1:]:
+        rate = statistics.median(r / e for r, e in zip(rates[path], rates["engine"], strict=True))
+        pairs = zip(times[path], times["engine"], strict=True)
+        medians = [percentile(kept, 0.5) / percentile(base, 0.5) for kept, base in pairs]
+        print(f"{path:>7}: rate {rate:.0%} | TTFT {medians[0]:.2f}x, ITL {medians[1]:.2f}x, latency {medians[2]:.2f}x")
 
 
 if __name__ == "__main__":

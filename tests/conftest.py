@@ -87,6 +87,7 @@ TIERS = {
     "test_hostile_requests": "process",
     "test_lora_api": "process",
     "test_gateway_metrics": "process",
+    "test_gateway": "process",  # spindle serve workers behind the real smg gateway
     "test_model_registry": "process",
     "test_multimodal": "process",
     "test_observability": "process",

@@ -7,6 +7,7 @@ their version tags. Last, the services' commands run as plain processes with the
 mapped to directories here, pass their health checks and serve a request.
 """
 
+import itertools
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 from compose_spec import PyCompose
@@ -34,8 +36,10 @@ DOCKERFILE = (REPO / "Dockerfile").read_text()
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 BACKENDS = {"backend": "cuda", "backend-cpu": "cpu"}
 """The backend service of each profile, and the device it runs on."""
-SERVERS = [*BACKENDS, "frontend"]
-"""The long-running services (``models`` is a one-off helper)."""
+GATEWAY_WORKERS = ["worker-1", "worker-2"]
+"""The ``gateway`` profile's ``spindle serve`` workers, each with its own backend, behind the SMG ``gateway``."""
+SERVERS = [*BACKENDS, "frontend", *GATEWAY_WORKERS]
+"""The long-running Spindle services (``models`` is a one-off helper; ``gateway`` runs ``smg``)."""
 DRAIN = 30
 """SPINDLE_GRACE_PERIOD: what a stop must leave the servers to finish the streams in flight."""
 
@@ -119,7 +123,7 @@ def test_backend_health_check_pings_its_own_socket(name):
     assert SERVICES["frontend"]["environment"]["SPINDLE_BACKEND_ADDRESS"] == listen
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", [*BACKENDS, *GATEWAY_WORKERS])
 def test_backend_reads_models_from_the_model_volume_and_keeps_its_caches(name):
     service, declared = SERVICES[name], set(COMPOSE["volumes"])
     mounted = mounts(service, {})
@@ -187,7 +191,7 @@ def test_the_dockerfile_defaults_to_cpu_torch_and_no_triton():
     assert '--index-url "$TORCH_INDEX_URL"' in stage
 
 
-@pytest.mark.parametrize("name", [*SERVERS, "models"])
+@pytest.mark.parametrize("name", [*SERVERS, "models", "gateway"])
 def test_images_are_tagged_with_the_version(name):
     """``spindle-<target>:<version>``, the CUDA image suffixed with its torch index; never ``latest``."""
     service = SERVICES[name]
@@ -222,6 +226,57 @@ NOT_IN_THE_FRONTEND = {
 """The server's dependencies that the frontend image leaves out: the client comes from ./client, the rest is the
 model's (tqdm only for ``LLM``'s progress bars, which run in-process; pebble for the grammar compile workers,
 filelock for the kernel and model caches). A new dependency goes in one list or the other."""
+
+
+def option(command: list[str], flag: str) -> list[str]:
+    """The values after ``flag`` in a command line (``--flag=value`` or ``--flag value ...``, up to the next flag)."""
+    for i, arg in enumerate(command):
+        if arg.startswith(flag + "="):
+            return [arg.split("=", 1)[1]]
+        if arg == flag:
+            return list(itertools.takewhile(lambda value: not value.startswith("--"), command[i + 1 :]))
+    return []
+
+
+def test_the_gateway_profile_routes_cache_aware_to_both_workers():
+    gateway = SERVICES["gateway"]
+    command = gateway["command"]
+    assert command[:2] == ["smg", "launch"] and option(command, "--policy") == ["cache_aware"]
+    urls = [f"grpc://{name}:{SERVICES[name]['environment']['SPINDLE_PORT']}" for name in GATEWAY_WORKERS]
+    assert option(command, "--worker-urls") == urls
+    assert {name: SERVICES[name]["profiles"] for name in [*GATEWAY_WORKERS, "gateway"]} == dict.fromkeys(
+        [*GATEWAY_WORKERS, "gateway"], ["gateway"]
+    )
+    assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in GATEWAY_WORKERS}
+    # The gateway fetches the tokenizer from the workers: no model volume. The workers publish no port.
+    assert "volumes" not in gateway and not any("ports" in SERVICES[name] for name in GATEWAY_WORKERS)
+    for name in GATEWAY_WORKERS:
+        assert SERVICES[name]["environment"]["SPINDLE_HOST"] == "0.0.0.0"
+    assert gateway["restart"] == "unless-stopped" and seconds(gateway["stop_grace_period"]) > DRAIN
+    assert option(command, "--host") == option(command, "--prometheus-host") == ["0.0.0.0"]
+
+
+@pytest.mark.parametrize(
+    ("host_env", "port", "metrics"),
+    [
+        ({}, "8000", "29000"),
+        ({"SPINDLE_GATEWAY_PORT": "8123", "SPINDLE_GATEWAY_METRICS_PORT": "29123"}, "8123", "29123"),
+    ],
+)
+def test_the_gateway_listens_publishes_and_checks_one_port(host_env, port, metrics):
+    """The OpenAI port and the metrics port, set from the host, are the ones smg binds, compose publishes and the
+    health check asks; both on the host's loopback unless asked, as smg authenticates no one without keys."""
+    gateway = interpolated(SERVICES["gateway"], host_env)
+    assert option(gateway["command"], "--port") == [port]
+    assert option(gateway["command"], "--prometheus-port") == [metrics]
+    assert gateway["ports"] == [f"127.0.0.1:{port}:{port}", f"127.0.0.1:{metrics}:{metrics}"]
+    assert interpolate(SERVICES["gateway"]["ports"][0], {"SPINDLE_GATEWAY_BIND": "0.0.0.0"}).startswith("0.0.0.0:")
+    assert gateway["healthcheck"]["test"][-1].endswith(f"'http://localhost:{port}/readiness')")
+
+
+def test_the_gateway_image_installs_the_smg_the_tests_run():
+    (pin,) = re.findall(r"\bsmg==[\d.]+", dockerfile_stage("gateway"))
+    assert pin in PYPROJECT["project"]["optional-dependencies"]["dev"]
 
 
 def test_the_frontend_image_installs_the_frontend_dependencies():
@@ -280,18 +335,31 @@ def service_env(service: dict, host_env: dict[str, str], dirs: dict[str, str]) -
 class Process:
     """One service's command as a process here, with its environment and volumes where ``host_dirs`` puts them."""
 
-    def __init__(self, name: str, host_env: dict[str, str], tmp_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        host_env: dict[str, str],
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+        peers: dict[str, str] | None = None,
+    ) -> None:
+        """``env`` overrides the service's environment; ``peers`` maps another service's ``name:port`` on the compose
+        network, in the command, to where that service's process listens here."""
         self.name = name
         self.service = SERVICES[name]
         self.host_env = host_env
+        self.peers = peers or {}
         self.dirs = host_dirs(self.service, host_env, tmp_path)
         # The image's PATH puts the installed `spindle` first; here that is the virtualenv's.
         self.path = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/tmp")}
-        env = self.path | service_env(self.service, host_env, self.dirs)
-        self.popen = subprocess.Popen(self.argv(self.service["command"]), env=env, cwd=REPO)
+        environment = self.path | service_env(self.service, host_env, self.dirs) | (env or {})
+        self.popen = subprocess.Popen(self.argv(self.service["command"]), env=environment, cwd=REPO)
 
     def argv(self, command: list[str]) -> list[str]:
-        return [in_host(interpolate(arg, self.host_env), self.dirs) for arg in command]
+        args = [in_host(interpolate(arg, self.host_env), self.dirs) for arg in command]
+        for peer, address in self.peers.items():
+            args = [arg.replace(f"//{peer}", f"//{address}") for arg in args]
+        return args
 
     def healthy(self) -> bool:
         command = self.argv(self.service["healthcheck"]["test"][1:])
@@ -347,3 +415,29 @@ def test_the_cpu_profile_serves_a_request_through_plain_processes(tiny_llm_dir, 
     finally:
         frontend.kill()
         backend.kill()
+
+
+def test_the_gateway_profile_serves_a_completion_through_plain_processes(tiny_llm_dir, tmp_path):
+    """The two workers on ports of their own here (each container has the compose file's), the gateway in front."""
+    host_env = model_env(tiny_llm_dir) | {
+        "SPINDLE_GATEWAY_PORT": str(free_port()),
+        "SPINDLE_GATEWAY_METRICS_PORT": str(free_port()),
+    }
+    ports = {name: free_port() for name in GATEWAY_WORKERS}
+    processes = [
+        Process(name, host_env, tmp_path, {"SPINDLE_PORT": str(port), "SPINDLE_METRICS_PORT": str(free_port())})
+        for name, port in ports.items()
+    ]
+    inside = {name: f"{name}:{SERVICES[name]['environment']['SPINDLE_PORT']}" for name in GATEWAY_WORKERS}
+    peers = {inside[name]: f"127.0.0.1:{port}" for name, port in ports.items()}
+    try:
+        processes.append(Process("gateway", host_env, tmp_path, peers=peers))
+        wait_healthy(processes[-1], *processes[:-1])  # ready: both workers registered and healthy
+        client = openai.OpenAI(base_url=f"http://localhost:{host_env['SPINDLE_GATEWAY_PORT']}/v1", api_key="none")
+        (model,) = client.models.list().data
+        completion = client.completions.create(model=model.id, prompt="compose", max_tokens=5, temperature=0)
+        assert completion.usage.completion_tokens == 5
+        assert [process.stop() for process in processes] == [0, 0, 0]
+    finally:
+        for process in processes:
+            process.kill()

@@ -4,7 +4,8 @@ Every document is validated against the OpenAPI schemas of pinned Kubernetes ver
 bundles, strictly (an unknown or misplaced field fails). The rest checks what a schema cannot: the native sidecar
 layout, the probes, the volumes, the threads against the CPU limit, the grace period against the drain, the
 headless Service and the PodDisruptionBudget, the image tags, and that every ``SPINDLE_*`` variable of the
-manifests and of docker-compose.yml is one the code reads.
+manifests and of docker-compose.yml is one the code reads. The inference gateway's objects, custom resources that
+kubernetes-validate has no schema for, are checked against the InferencePool's schema (below) and by their shape.
 """
 
 import copy
@@ -14,6 +15,7 @@ import socket
 import tomllib
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -36,6 +38,64 @@ BACKEND_PROBE = ["spindle", "backend", "--check", SOCKET]
 PORT = 50051
 STARTUP_BUDGET = 600
 """Seconds a first start may take: a model load, a GGUF conversion, the kernels' build or compiles."""
+
+
+CUSTOM_GROUPS = ("inference.networking.k8s.io/", "gateway.networking.k8s.io/")
+"""The API groups of the inference gateway's custom resources (the Gateway API's and its inference extension's)."""
+CORE = [document for documents in DOCUMENTS.values() for document in documents]
+CORE = [document for document in CORE if not document["apiVersion"].startswith(CUSTOM_GROUPS)]
+"""The documents of Kubernetes' own kinds, which kubernetes-validate has the schemas of."""
+
+_PORT = {
+    "type": "object",
+    "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}},
+    "required": ["number"],
+    "additionalProperties": False,
+}
+INFERENCE_POOL_V1 = {
+    "type": "object",
+    "properties": {
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "properties": {
+                        "matchLabels": {
+                            "type": "object",
+                            "additionalProperties": {"type": "string", "maxLength": 63},
+                        }
+                    },
+                    "required": ["matchLabels"],
+                    "additionalProperties": False,
+                },
+                "targetPorts": {"type": "array", "items": _PORT, "minItems": 1, "maxItems": 8},
+                "endpointPickerRef": {
+                    "type": "object",
+                    "properties": {
+                        "group": {"type": "string"},
+                        "kind": {"type": "string", "minLength": 1, "maxLength": 63},
+                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "port": _PORT,
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                    },
+                    "required": ["name"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+}
+"""The ``InferencePool`` of the Gateway API Inference Extension v1 (its CRD ``inferencepools.inference.networking.
+k8s.io``), as JSON Schema: the spec's fields, their types, bounds and required ones; unknown fields fail, as the API
+server prunes or refuses them."""
 
 
 def find(kind: str, file: str | None = None) -> list[dict]:
@@ -79,11 +139,7 @@ CONTAINERS = {
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize(
-    "document",
-    [document for documents in DOCUMENTS.values() for document in documents],
-    ids=[f"{name}:{d['kind']}" for name, documents in DOCUMENTS.items() for d in documents],
-)
+@pytest.mark.parametrize("document", CORE, ids=[f"{d['kind']}:{d['metadata']['name']}" for d in CORE])
 def test_every_document_is_valid(document, version):
     problem = None
     try:
@@ -269,3 +325,45 @@ def test_every_spindle_variable_is_read_by_its_command(where):
     command, variables = SPINDLE_COMMANDS[where]
     unknown = {v for v in variables if v.startswith("SPINDLE_")} - flag_variables(command[1]) - code_variables()
     assert unknown == set()
+
+
+GATEWAY_FILE = "inference-gateway.yaml"
+
+
+def test_the_inference_pool_follows_its_schema():
+    [pool] = find("InferencePool", GATEWAY_FILE)
+    jsonschema.validate(pool, INFERENCE_POOL_V1)
+    misspelt = copy.deepcopy(pool)
+    misspelt["spec"]["targetPort"] = misspelt["spec"].pop("targetPorts")
+    with pytest.raises(jsonschema.ValidationError, match="'targetPorts' is a required property"):
+        jsonschema.validate(misspelt, INFERENCE_POOL_V1)
+
+
+def test_the_pool_selects_the_pods_on_their_http_port():
+    """The pool's pods serve the OpenAI API (and /metrics, which the endpoint picker scrapes) on its target port,
+    and keep gRPC on theirs."""
+    [pool], [deployment] = find("InferencePool", GATEWAY_FILE), find("Deployment", GATEWAY_FILE)
+    template = deployment["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"] == template["metadata"]["labels"]
+    [spindle] = template["spec"]["containers"]
+    ports = {port["name"]: port["containerPort"] for port in spindle["ports"]}
+    [target] = pool["spec"]["targetPorts"]
+    command = spindle["command"]
+    assert command[:2] == ["spindle", "serve"] and command[command.index("--http-port") + 1] == str(target["number"])
+    assert ports == {"http": target["number"], "grpc": PORT} and int(env(spindle)["SPINDLE_PORT"]) == PORT
+    assert env(spindle)["SPINDLE_HOST"] == "0.0.0.0"
+    assert spindle["readinessProbe"]["grpc"] == {"port": PORT}  # NOT_SERVING while draining: no new requests
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+
+
+def test_the_route_sends_the_gateways_requests_to_the_pool():
+    [pool], [gateway], [route] = (find(kind, GATEWAY_FILE) for kind in ("InferencePool", "Gateway", "HTTPRoute"))
+    assert route["spec"]["parentRefs"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway["metadata"]["name"]}
+    ]
+    [rule] = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert [(listener["protocol"], listener["port"]) for listener in gateway["spec"]["listeners"]] == [("HTTP", 80)]
