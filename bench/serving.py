@@ -7,13 +7,14 @@ prompts of its own so that no run finds another's in the prefix cache. Prints ea
 median output rate, p50/p99 time to first token and inter-token latency over all rounds, and the median over rounds
 of its rate as a fraction of the offline one: on a shared machine a single pair of runs differs by 10-20% either way.
 
+With ``--http``, each round also runs the requests through the same ``spindle serve``'s OpenAI-compatible API
+(``--http-port``), as OpenAI text completions streamed over SSE (``openai_run``, which takes any OpenAI base URL).
 With ``--gateway``, each round also runs the requests through the SMG gateway (``smg launch``, the PyPI ``smg``) in
-front of the same ``spindle serve``, as OpenAI text completions streamed over SSE (``openai_run``, which takes any
-OpenAI base URL), and the summary gives each path's rate and median TTFT, ITL and request latency as fractions of
-the engine path's.
+front of the same ``spindle serve``, the same way. The summary gives each path's rate and median TTFT, ITL and
+request latency as fractions of the engine path's.
 
     python -m bench.serving --num-requests 128 --concurrency 64
-    python -m bench.serving --gateway --num-requests 16 --concurrency 8 --max-tokens 32
+    python -m bench.serving --http --gateway --num-requests 16 --concurrency 8 --max-tokens 32
 """
 
 import argparse
@@ -46,19 +47,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Server:
-    """A running backend and ``spindle serve`` in front of it."""
+    """A running backend and ``spindle serve`` in front of it (``http_url``: its OpenAI base URL, when served)."""
 
     port: int
+    http_url: str | None
     backend_address: str
     backend: subprocess.Popen
     frontend: subprocess.Popen
 
 
 @contextlib.contextmanager
-def spindle_server(config: EngineConfig, port: int = 0) -> Iterator[Server]:
-    """Start a backend for ``config`` and ``spindle serve`` on ``port`` (0: a free one); stop both on exit."""
+def spindle_server(config: EngineConfig, port: int = 0, http: bool = False) -> Iterator[Server]:
+    """Start a backend for ``config`` and ``spindle serve`` on ``port`` (0: a free one), with its OpenAI API on a
+    free port if ``http``; stop both on exit."""
     backend, address = start_backend(config)
     env = {**os.environ, "SPINDLE_PORT": str(port), "SPINDLE_BACKEND_ADDRESS": address}
+    if http:
+        env["SPINDLE_HTTP_PORT"] = "0"
     frontend = subprocess.Popen(
         [sys.executable, "-m", "spindle.cli", "serve"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
@@ -66,7 +71,9 @@ def spindle_server(config: EngineConfig, port: int = 0) -> Iterator[Server]:
         banner = frontend.stdout.readline()  # "spindle: serving MODEL on HOST:PORT" once it listens
         if not banner:
             raise SystemExit(f"spindle serve exited with code {frontend.wait()} before it listened")
-        yield Server(int(banner.rsplit(":", 1)[1]), address, backend, frontend)
+        # "spindle: OpenAI-compatible API on http://HOST:PORT/v1" follows when it serves one.
+        http_url = frontend.stdout.readline().rsplit(" ", 1)[1].strip() if http else None
+        yield Server(int(banner.rsplit(":", 1)[1]), http_url, address, backend, frontend)
     finally:
         for process in (frontend, backend):
             process.terminate()
@@ -238,21 +245,24 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 sends at once")
     parser.add_argument("--rounds", type=int, default=3, help="engine, gRPC and offline runs, interleaved")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--http", action="store_true", help="also through spindle serve's --http-port, OpenAI SSE")
     parser.add_argument("--gateway", action="store_true", help="also through the SMG gateway (PyPI smg), OpenAI SSE")
     args = parser.parse_args()
     config = EngineConfig.of(model=args.model, kv_cache_memory=args.kv_cache_memory)
     n = args.num_requests
     llm = LLM(config.model.model, kv_cache_memory=config.cache.kv_cache_memory)
-    paths = ["engine", "gRPC", *(["gateway"] if args.gateway else [])]
+    paths = ["engine", "gRPC", *(["HTTP"] if args.http else []), *(["gateway"] if args.gateway else [])]
     rates: dict[str, list[float]] = {path: [] for path in [*paths, "offline"]}
     times = {path: ([], [], []) for path in paths}  # TTFTs, ITLs, request latencies over all rounds
-    with spindle_server(config, args.port) as server, contextlib.ExitStack() as stack:
+    with spindle_server(config, args.port, args.http) as server, contextlib.ExitStack() as stack:
         engine = AsyncLLMEngine.from_args(backend_address=server.backend_address)
         address = f"127.0.0.1:{server.port}"
         runs = {
             "engine": lambda prompts: asyncio.run(engine_run(engine, prompts, args)),
             "gRPC": lambda prompts: asyncio.run(grpc_run(address, prompts, args)),
         }
+        if args.http:
+            runs["HTTP"] = lambda prompts: asyncio.run(openai_run(server.http_url, prompts, args))
         if args.gateway:
             base_url = stack.enter_context(smg_gateway(server.port))
             runs["gateway"] = lambda prompts: asyncio.run(openai_run(base_url, prompts, args))
