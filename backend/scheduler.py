@@ -326,10 +326,11 @@ class Scheduler:
         """Append a step's tokens to ``seq``, ending it where one stops it; its delta."""
         first = seq.num_output_tokens == 0
         num_drafts = output.num_drafts.get(seq.seq_id, 0)
+        num_accepted = len(token_ids) - 1 if num_drafts else 0
         if num_drafts:
             # The rejected drafts' K/V is not the sequence's: step back over it.
-            self.drafter.record(num_drafts, len(token_ids) - 1)
-            seq.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
+            self.drafter.record(num_drafts, num_accepted)
+            seq.num_computed_tokens -= num_drafts - num_accepted
         constrained = self.structured_output.is_constrained(seq.seq_id)
         emitted = 0
         for token_id in token_ids:
@@ -354,6 +355,8 @@ class Scheduler:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens if first else 0,
             first_scheduled_time=seq.first_scheduled_time if first else None,
+            num_draft_tokens=num_drafts,
+            num_accepted_draft_tokens=num_accepted,
         )
 
     def _finish_embedding(self, seq: Sequence, embedding: bytes) -> SequenceDelta:

@@ -75,6 +75,9 @@ class CompletionOutput(msgspec.Struct):
         stop_reason: the stop string or stop token id that ended it, ``None`` for eos or length.
         tool_calls: the tool calls parsed from the whole text, once finished, for a chat request with tools;
             ``None`` otherwise.
+        num_draft_tokens: draft tokens (speculative decoding, ``num_speculative_tokens``) verified for this
+            completion so far.
+        num_accepted_draft_tokens: those of them the model agreed with, which became output.
 
     """
 
@@ -86,6 +89,8 @@ class CompletionOutput(msgspec.Struct):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     tool_calls: list[ToolCall] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def finished(self) -> bool:
         """Whether this completion has ended."""

@@ -120,6 +120,8 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     ``STOP`` (eos or a stop token, named by ``stop_reason`` for the latter), ``LENGTH`` or ``ABORT``; it travels as
     its string value, and any other string fails to decode. An embedding request's one delta carries no tokens, its
     pooled embedding in ``embedding`` (little-endian float32 values) and ``finish_reason`` ``STOP``.
+    ``num_draft_tokens`` counts the draft tokens (speculative decoding) this step verified for the completion,
+    ``num_accepted_draft_tokens`` those the model agreed with.
     """
 
     request_id: str
@@ -132,6 +134,8 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     embedding: bytes | None = None
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class KvBlockStored(msgspec.Struct, tag="stored", array_like=True):

@@ -143,3 +143,21 @@ def test_seeded_sampling_keeps_its_distribution_under_speculation(tiny_llm_dir: 
         plain = Counter(tokens[position] for tokens in outputs[0])
         speculated = Counter(tokens[position] for tokens in outputs[3])
         assert chi_square_p_value(plain, speculated) > 1e-3, (position, plain, speculated)
+
+
+def test_each_completion_counts_its_own_drafts(tiny_llm_dir: Path) -> None:
+    """A completion reports the drafts verified for it and those accepted: over a run they add up to the engine's."""
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    start = [5, 6, 7, 8, 9]
+    greedy = llm.generate({"prompt_token_ids": start}, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    looping = {"prompt_token_ids": start + greedy[0].outputs[0].token_ids}  # drafts continue its loop
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, num_speculative_tokens=3),
+        SamplingParams(temperature=0, max_tokens=16),
+    ]
+    speculated, plain = (r.outputs[0] for r in llm.generate([looping, looping], params, use_tqdm=False))
+    stats = llm.llm_engine.engine_core.stats()
+    assert speculated.num_draft_tokens == stats.num_draft_tokens > 0
+    assert speculated.num_accepted_draft_tokens == stats.num_accepted_draft_tokens > 0
+    assert plain.num_draft_tokens == plain.num_accepted_draft_tokens == 0
+    assert speculated.token_ids == plain.token_ids

@@ -14,6 +14,9 @@ from test_grpc import ServerThread, assert_invalid, backend, collect, refusal, t
 from waiting import wait_until
 
 from spindle.frontend.engine.connection import start_backend
+from spindle.frontend.grpc.vllm_servicer import _Completions
+from spindle.shared import SamplingParams
+from spindle.shared.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 64]
@@ -219,3 +222,27 @@ def test_loads_come_per_data_parallel_engine(tiny_llm_dir):
         for process, _ in backends:
             process.terminate()
             process.wait(30)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_complete_message_carries_the_completions_draft_counts(stream):
+    completion = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=[3, 4, 5],
+        finish_reason=FinishReason.LENGTH,
+        num_draft_tokens=6,
+        num_accepted_draft_tokens=2,
+    )
+    output = RequestOutput(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[1, 2],
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=True,
+        metrics=RequestMetrics(arrival_time=0.0),
+    )
+    complete = _Completions(SamplingParams(max_tokens=3), stream).take(output)[-1].complete
+    assert (complete.spec_draft_tokens, complete.spec_accepted_tokens) == (6, 2)
+    assert list(complete.output_ids) == ([] if stream else [3, 4, 5])

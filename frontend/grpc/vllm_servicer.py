@@ -248,6 +248,8 @@ class _Completions:
             output_ids=self.token_ids[index] if token_ids is None else token_ids,
             finish_reason=str(completion.finish_reason),
             index=index,
+            spec_draft_tokens=completion.num_draft_tokens,
+            spec_accepted_tokens=completion.num_accepted_draft_tokens,
             **self._counts(output, index),
             **({} if self.stream else self._prompt_logprobs(output)),
         )

@@ -45,6 +45,8 @@ class _Completion:
     stop_reason: int | str | None = None
     text: str = ""
     num_sent_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     # Parsed once, when the completion finishes (a chat request with tools only).
     tool_calls: list[ToolCall] | None = None
 
@@ -155,6 +157,8 @@ class RequestState:
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     tool_calls=tool_calls,
+                    num_draft_tokens=c.num_draft_tokens,
+                    num_accepted_draft_tokens=c.num_accepted_draft_tokens,
                 )
             )
             c.num_sent_tokens = len(c.token_ids)
@@ -302,6 +306,8 @@ class OutputProcessor:
         if delta.embedding is not None:
             state.embedding = _floats(delta.embedding)
         c.token_ids.extend(delta.new_token_ids)
+        c.num_draft_tokens += delta.num_draft_tokens
+        c.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
         for lp in delta.new_logprobs or []:
             c.logprobs.append(self._logprob_dict(lp))
             c.cumulative_logprob += lp.logprobs[0]
