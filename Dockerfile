@@ -45,7 +45,7 @@ RUN pip install --no-cache-dir ./client \
     && pip install --no-cache-dir --no-deps . \
     && pip install --no-cache-dir "tokenizers>=0.21" "jinja2>=3.1" "msgspec>=0.18" "pyzmq>=26" "grpcio>=1.85" \
         "grpcio-health-checking>=1.85" "grpcio-reflection>=1.85" "grpcio-status>=1.85" "protobuf>=7.35" \
-        "smg-grpc-proto>=0.4.28" \
+        "smg-grpc-proto>=0.4.28" "starlette>=0.47" "uvicorn>=0.35" \
         "prometheus-client>=0.20" "numpy>=1.26" "pillow>=10"
 USER 1000:1000
 EXPOSE 50051
