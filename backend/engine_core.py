@@ -58,14 +58,13 @@ the handshake, so it needs no shared disk."""
 
 
 def context_length(config: EngineConfig, checkpoint: CheckpointConfig) -> int:
-    """The ``max_model_len`` served: the configured one, else the model's context.
+    """The ``max_model_len`` served: the configured one, else the model's context (a sliding window does not cap it).
 
     Raises:
         ValueError: the configured one exceeds the model's context.
 
     """
-    # We attend over the whole context, so a sliding-window model is exact only up to its window.
-    model_max = min(filter(None, (checkpoint.max_position_embeddings, checkpoint.sliding_window)))
+    model_max = checkpoint.max_position_embeddings
     if config.model.max_model_len is not None and config.model.max_model_len > model_max:
         raise ValueError(
             f"max_model_len={config.model.max_model_len} exceeds the model's context of {model_max} tokens"

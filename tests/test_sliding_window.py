@@ -7,12 +7,17 @@ before a sequence's first query's window point at a block of NaNs, as a freed bl
 return NaN.
 """
 
+import random
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, _with_byte_tokenizer
 
+from spindle import LLM, SamplingParams
+from spindle.backend.models.checkpoint_config import _layer_windows
 from spindle.kernels import AttentionMetadata, eager, force_triton, paged_attention
 
 NUM_KV_HEADS = 2
@@ -131,4 +136,96 @@ def test_sliding_window(path: str, batch: str, window: int, group: int, dtype: t
 def test_softcap(path: str, batch: str, window: int | None, dtype: torch.dtype) -> None:
     """Gemma 2's attention soft-cap of 50 would leave these scores as they are: 1.5 caps the large ones hard."""
     check_windowed_attention(path, batch, window, 1.5, 3, dtype)
+
+
+# Each family's rule, as transformers' own config class applies it (its layer_types, or every layer where it has none).
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "mistral_unwindowed": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 3}),
+    "qwen2_unwindowed": ("Qwen2Config", "Qwen2ForCausalLM", {"max_window_layers": 3}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": True, "max_window_layers": 5}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["layer_types", "family_rule"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_windows_follow_transformers(family: str, listed: bool) -> None:
+    """From a config that lists ``layer_types`` (transformers v5 writes them) and from one without (older ones)."""
+    import transformers
+
+    config_class, architecture, extra = FAMILIES[family]
+    hf = getattr(transformers, config_class)(**{"num_hidden_layers": 8, "sliding_window": 16, **extra})
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * 8
+    config = hf.to_dict()
+    if not listed:
+        config.pop("layer_types", None)
+
+    windows = _layer_windows(config, architecture)
+
+    assert windows == [hf.sliding_window if kind == "sliding_attention" else None for kind in kinds]
+    assert any(windows) == (not family.endswith("_unwindowed"))
+
+
+MAX_TOKENS = 30
+# Prompts shorter than, as long as and longer than the window of 24; every generation goes past it.
+PROMPT_LENGTHS = [5, 23, 24, 25, 40, 70]
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(make_tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Mistral (``sliding_window=24``, 512 positions) with the byte-level tokenizer."""
+    return _with_byte_tokenizer(make_tiny_model("mistral_window"), tmp_path_factory.mktemp("tiny-mistral"))
+
+
+@pytest.fixture(scope="module")
+def mistral_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def mistral_expected(mistral_dir: Path, mistral_prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens, its eager attention masking the window."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32, attn_implementation="eager")
+    out = []
+    for ids in mistral_prompts:
+        tokens = model.eval().generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+        )
+        out.append(tokens[0, len(ids) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("budget", [512, 8], ids=["one_batch", "chunked_prefill"])
+@pytest.mark.parametrize("path", PATHS)
+def test_mistral_greedy_tokens_match_transformers_past_the_window(
+    mistral_dir: Path,
+    mistral_prompts: list[list[int]],
+    mistral_expected: list[list[int]],
+    budget: int,
+    path: str,
+) -> None:
+    """The context is the model's 512 positions, not the window: prompts and generations run past it."""
+    llm = LLM(
+        str(mistral_dir),
+        dtype="float32",
+        kv_cache_memory="4MiB",
+        block_size=8,
+        max_num_batched_tokens=budget,
+        enforce_eager=path == "torch",
+        device=TEST_DEVICE if path == "triton" else "cpu",
+    )
+    assert llm.llm_engine.engine_core.max_model_len == 512
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    with on_path(path):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in mistral_prompts], params, use_tqdm=False)
+
+    assert [o.outputs[0].token_ids for o in outputs] == mistral_expected
 
