@@ -123,8 +123,14 @@ class EngineCore:
         self.workers: Workers | None = None
         self.keep_alive: parallel.KeepAlive | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
+        windows = self.checkpoint.layer_windows
         self.block_manager = BlockManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self._lora_name
+            self.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self._lora_name,
+            # Blocks are released only where every layer slides: a layer over the whole context reads them all.
+            max(windows) if all(windows) else None,
         )
         self.structured_output = StructuredOutputManager(
             self.model_dir,

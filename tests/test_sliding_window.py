@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import TEST_DEVICE, _with_byte_tokenizer
 
-from spindle import LLM, SamplingParams
+from spindle import LLM, LLMEngine, SamplingParams
 from spindle.backend.models.checkpoint_config import _layer_windows
 from spindle.kernels import AttentionMetadata, eager, force_triton, paged_attention
 
@@ -229,3 +229,53 @@ def test_mistral_greedy_tokens_match_transformers_past_the_window(
 
     assert [o.outputs[0].token_ids for o in outputs] == mistral_expected
 
+
+LONG_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def long_expected(mistral_dir: Path, mistral_prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens for :data:`LONG_TOKENS` new tokens, each prompt 40 tokens long."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32, attn_implementation="eager")
+    prompts = torch.tensor([p[:40] for p in mistral_prompts[-2:]] * 4)
+    tokens = model.eval().generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=LONG_TOKENS,
+        min_new_tokens=LONG_TOKENS,
+        do_sample=False,
+    )
+    return tokens[:, 40:].tolist()
+
+
+@pytest.mark.parametrize("speculative", [0, 4], ids=["plain", "ngram4"])
+def test_mistral_releases_the_blocks_outside_its_window(
+    mistral_dir: Path, mistral_prompts: list[list[int]], long_expected: list[list[int]], speculative: int
+) -> None:
+    """Eight 160-token sequences would need 20 blocks of 8 each, 160 of a 72-block cache: holding only the blocks
+    of their window (at most ceil(24 / 8) + 1 each in a decode step, one more for up to 4 drafts), they all run at
+    once, none preempted. With n-gram speculation the rejected drafts' blocks are trimmed after the release."""
+    engine = LLMEngine.from_args(
+        model=str(mistral_dir), dtype="float32", kv_cache_memory=72 * 4096, block_size=8, max_num_batched_tokens=64
+    )
+    core = engine.engine_core
+    assert core.num_blocks == 72 and core.block_manager.sliding_window == 24
+    params = SamplingParams(
+        temperature=0, max_tokens=LONG_TOKENS, min_tokens=LONG_TOKENS, num_speculative_tokens=speculative
+    )
+    for i, prompt in enumerate([p[:40] for p in mistral_prompts[-2:]] * 4):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        for seq in core.scheduler.running:
+            if len(seq) > seq.num_prompt_tokens + 1:  # its last step was a decode's
+                released = core.block_manager.released.get(seq.seq_id, (0, None))[0]
+                assert len(seq.block_table) - released <= 4 + bool(speculative)
+
+    assert [finished[str(i)] for i in range(8)] == long_expected
+    assert core.scheduler.num_preemptions == 0
+    assert (core.stats().num_accepted_draft_tokens > 0) == bool(speculative)
+    assert core.block_manager.num_free_blocks == core.num_blocks and not core.block_manager.released
