@@ -50,11 +50,20 @@ class BlockManager:
     (full, hashed, and the first block of its hash in ``cached``), removed when its hash is dropped to hand it out
     again, and the whole cache cleared by :meth:`reset_prefix_cache`. While it is off, no event is built.
 
+    With a ``sliding_window`` (a model whose every layer slides), the blocks wholly before the window of a
+    sequence's next token are released as it advances (:meth:`allocate`): no attention reads them again. Their
+    entries stay in its block table (the runner's copy only ever grows), pointing at blocks that may since hold
+    other sequences' K/V; the kernels never read a position outside the window. Released blocks keep their hashes
+    like any freed block, so a later prompt with that prefix still finds them until they are handed out again, and
+    the sequence goes on publishing its later blocks, chained from the last released block's hash.
+
     Args:
         num_blocks: the KV cache's blocks.
         block_size: tokens per block.
         enable_prefix_caching: share full blocks between sequences (else no block is ever cached).
         lora_name: the name of the LoRA adapter of an id, for the events (an adapter unloaded since: ``None``).
+        sliding_window: the attention window of every layer, when they all slide (the largest, if they differ);
+            None to keep every block of a sequence until it is freed.
 
     """
 
@@ -64,8 +73,12 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         lora_name: Callable[[int], str | None] = lambda lora_id: None,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # By sequence id: how many of its first blocks were released, and the hash of the last of them.
+        self.released: dict[int, tuple[int, bytes | None]] = {}
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -128,8 +141,13 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether the free list can cover ``seq``'s next ``num_new_tokens`` tokens."""
-        return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
+        """Whether the free list can cover ``seq``'s next ``num_new_tokens`` tokens.
+
+        It counts the blocks :meth:`allocate` releases first, outside the window, that no other sequence shares.
+        """
+        released, outside = self.released.get(seq.seq_id, (0, None))[0], self._outside_window(seq)
+        unshared = sum(self.blocks[block_id].ref_count == 1 for block_id in seq.block_table[released:outside])
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free) + unshared
 
     def match_prefix(self, seq: Sequence) -> int:
         """Point a new sequence's block table at the cached blocks of its longest cached prefix.
@@ -169,6 +187,7 @@ class BlockManager:
             self.num_prefix_queries += len(seq)
             self.num_prefix_hits += self._pending_lookup[1]
             self._pending_lookup = None
+        self._release_outside_window(seq)
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             block_id = next(iter(self.free))
             block = self.blocks[block_id]
@@ -184,9 +203,30 @@ class BlockManager:
 
     def free_blocks(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finished, aborted or preempted)."""
-        for block_id in reversed(seq.block_table):
+        released = self.released.pop(seq.seq_id, (0, None))[0]
+        for block_id in reversed(seq.block_table[released:]):
             self._release(block_id)
         seq.block_table = []
+
+    def _outside_window(self, seq: Sequence) -> int:
+        """How many of ``seq``'s first blocks lie wholly outside its window (0 without one).
+
+        The window is that of its next token, at ``num_computed_tokens``: every later token's starts later still.
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks outside the window (:meth:`_outside_window`) that it still holds."""
+        outside = self._outside_window(seq)
+        released = self.released.get(seq.seq_id, (0, None))[0]
+        if outside <= released:
+            return
+        # Full and published (when prefix caching is on) since they filled: the chain of later blocks goes on from it.
+        self.released[seq.seq_id] = (outside, self.blocks[seq.block_table[outside - 1]].hash)
+        for block_id in seq.block_table[released:outside]:
+            self._release(block_id)
 
     def trim(self, seq: Sequence) -> None:
         """Release the blocks past ``seq``'s computed tokens, and publish the full blocks its computed tokens fill.
@@ -218,11 +258,12 @@ class BlockManager:
     def _publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         # Only blocks of known tokens: a speculative step also computes draft tokens, which may yet be rejected.
         end = min(num_tokens, len(seq)) // self.block_size
-        # Earlier blocks were published when they filled: walk back to the last one that was.
+        # Earlier blocks were published when they filled: walk back to the last one that was, or was released.
+        released, released_hash = self.released.get(seq.seq_id, (0, None))
         first = end
-        while first and self.blocks[seq.block_table[first - 1]].hash is None:
+        while first > released and self.blocks[seq.block_table[first - 1]].hash is None:
             first -= 1
-        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
+        parent = self.blocks[seq.block_table[first - 1]].hash if first > released else released_hash
         for i in range(first, end):
             block = self.blocks[seq.block_table[i]]
             start, stop = i * self.block_size, (i + 1) * self.block_size

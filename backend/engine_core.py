@@ -58,14 +58,13 @@ the handshake, so it needs no shared disk."""
 
 
 def context_length(config: EngineConfig, checkpoint: CheckpointConfig) -> int:
-    """The ``max_model_len`` served: the configured one, else the model's context.
+    """The ``max_model_len`` served: the configured one, else the model's context (a sliding window does not cap it).
 
     Raises:
         ValueError: the configured one exceeds the model's context.
 
     """
-    # We attend over the whole context, so a sliding-window model is exact only up to its window.
-    model_max = min(filter(None, (checkpoint.max_position_embeddings, checkpoint.sliding_window)))
+    model_max = checkpoint.max_position_embeddings
     if config.model.max_model_len is not None and config.model.max_model_len > model_max:
         raise ValueError(
             f"max_model_len={config.model.max_model_len} exceeds the model's context of {model_max} tokens"
@@ -124,8 +123,14 @@ class EngineCore:
         self.workers: Workers | None = None
         self.keep_alive: parallel.KeepAlive | None = None
         self.runner, self.num_blocks = self._start_runner(config, on_worker_death or logger.error)
+        windows = self.checkpoint.layer_windows
         self.block_manager = BlockManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self._lora_name
+            self.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self._lora_name,
+            # Blocks are released only where every layer slides: a layer over the whole context reads them all.
+            max(windows) if all(windows) else None,
         )
         self.structured_output = StructuredOutputManager(
             self.model_dir,

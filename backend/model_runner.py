@@ -443,8 +443,9 @@ class ModelRunner:
 
         mc = self.checkpoint
         query = torch.zeros(1, self.shard.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
-        for count in tqdm(SPLIT_COUNTS, desc="Compiling the decode kernels", unit="variant"):
-            warm_up(query, *self.kv_caches[0], count)
+        variants = [(count, window) for count in SPLIT_COUNTS for window in set(mc.layer_windows)]
+        for count, window in tqdm(variants, desc="Compiling the decode kernels", unit="variant"):
+            warm_up(query, *self.kv_caches[0], count, window)
         slots = [-1, 0] if self.lora.allocated else [-1]
         counts = warm_up_row_counts(self.config.scheduler.max_num_batched_tokens)
         for num_tokens in tqdm(counts, desc="Compiling the step kernels", unit="step size"):

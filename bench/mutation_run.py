@@ -40,19 +40,19 @@ def _wrap_triton(name: str, change: Callable[..., tuple]) -> None:
 
 def attention_scale_off() -> None:
     """The attention kernels' softmax scale 2% too large."""
-    _wrap_triton("paged_attention", lambda q, k, v, meta, scale: (q, k, v, meta, scale * 1.02))
+    _wrap_triton("paged_attention", lambda q, k, v, meta, scale, *options: (q, k, v, meta, scale * 1.02, *options))
 
 
 def block_tables_shifted() -> None:
     """Attention reads each sequence's blocks one table column off (the last block first)."""
     shift = lambda meta: dataclasses.replace(meta, block_tables=meta.block_tables.roll(1, dims=1))  # noqa: E731
-    _wrap_triton("paged_attention", lambda q, k, v, meta, scale: (q, k, v, shift(meta), scale))
+    _wrap_triton("paged_attention", lambda q, k, v, meta, scale, *options: (q, k, v, shift(meta), scale, *options))
 
 
 def keys_past_160_ignored() -> None:
     """Attention stops at 160 keys (the CPU run's long prefix): longer contexts lose their tail."""
     cut = lambda meta: dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=160))  # noqa: E731
-    _wrap_triton("paged_attention", lambda q, k, v, meta, scale: (q, k, v, cut(meta), scale))
+    _wrap_triton("paged_attention", lambda q, k, v, meta, scale, *options: (q, k, v, cut(meta), scale, *options))
 
 
 def cache_write_drops_last_token() -> None:

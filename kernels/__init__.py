@@ -196,6 +196,8 @@ def _attend(
     scale: float,
     positions: torch.Tensor | None = None,
     cos_sin_cache: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     if _metadata is None:
         raise RuntimeError("attend() runs inside `with attention_metadata(meta):` only")
@@ -205,7 +207,7 @@ def _attend(
         query = rotary_embedding_and_cache(
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, _metadata.slot_mapping
         )
-    return paged_attention(query, k_cache, v_cache, _metadata, scale)
+    return paged_attention(query, k_cache, v_cache, _metadata, scale, sliding_window, softcap)
 
 
 _attend_op = torch.library.custom_op("spindle::attend", _attend, mutates_args=("k_cache", "v_cache"))
@@ -222,6 +224,8 @@ def attend(
     scale: float,
     positions: torch.Tensor | None = None,
     cos_sin_cache: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write the new tokens' K/V into the cache, then attend every query over its context (the step's whole attention).
 
@@ -241,11 +245,14 @@ def attend(
         positions: ``[num_tokens]`` int64, each token's absolute position, to rotate the query and key heads by; or
             None when they are rotated already.
         cos_sin_cache: from :func:`build_cos_sin_cache`, with ``positions``.
+        sliding_window: the layer's window (a token attends to that many positions, its own included); None for
+            the whole context.
+        softcap: the attention logits' soft-cap (``softcap * tanh(s / softcap)`` of each scaled score), or None.
 
     Returns:
         ``[num_tokens, num_heads, head_size]``.
 
     """
     if torch.compiler.is_compiling():
-        return _attend_op(query, key, value, k_cache, v_cache, scale, positions, cos_sin_cache)
-    return _attend(query, key, value, k_cache, v_cache, scale, positions, cos_sin_cache)
+        return _attend_op(query, key, value, k_cache, v_cache, scale, positions, cos_sin_cache, sliding_window, softcap)
+    return _attend(query, key, value, k_cache, v_cache, scale, positions, cos_sin_cache, sliding_window, softcap)

@@ -107,14 +107,21 @@ def reshape_and_cache(
 
 
 def paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its own sequence's context, read from the paged cache (torch).
 
     The reference (and ``--enforce-eager``'s path on the CPU): each sequence's context gathered from the cache and
-    attended with torch's CPU flash attention (:func:`_flash_chunk`), one sequence at a time. The new tokens' K/V
-    must already be in the cache (:func:`reshape_and_cache`); a query token at absolute position ``p`` attends to
-    positions ``0..p`` of its sequence, so a prefill chunk may start after a cached prefix.
+    attended with torch's CPU flash attention (:func:`_flash_chunk`), one sequence at a time, or with explicit
+    scores (:func:`_masked_chunk`) under a window or a soft-cap. The new tokens' K/V must already be in the cache
+    (:func:`reshape_and_cache`); a query token at absolute position ``p`` attends to positions ``0..p`` of its
+    sequence (``p - sliding_window + 1..p`` with a window), so a prefill chunk may start after a cached prefix.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``; ``num_heads`` is a multiple of the cache's ``num_kv_heads``.
@@ -122,6 +129,9 @@ def paged_attention(
         v_cache: same shape as ``k_cache``.
         meta: the batch layout.
         scale: the softmax scale, usually ``head_size ** -0.5``.
+        sliding_window: how many positions, its own included, a token attends to; None for the whole context. The
+            cache blocks wholly before a query's window are never read (they may have been freed).
+        softcap: when given, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the softmax.
 
     Returns:
         ``[num_tokens, num_heads, head_size]``, in the query's dtype.
@@ -129,26 +139,43 @@ def paged_attention(
     """
     rows = query.split(meta.query_lens_list)
     tables, lens = meta.block_tables, meta.seq_lens_list
-    return torch.cat([_flash_chunk(q, k_cache, v_cache, tables[i], lens[i], scale) for i, q in enumerate(rows)])
+    if sliding_window is None and softcap is None:
+        chunks = [_flash_chunk(q, k_cache, v_cache, tables[i], lens[i], scale) for i, q in enumerate(rows)]
+    else:
+        chunks = [
+            _masked_chunk(q, k_cache, v_cache, tables[i], lens[i], scale, sliding_window, softcap)
+            for i, q in enumerate(rows)
+        ]
+    return torch.cat(chunks)
 
 
 def paged_attention_cpu(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` as the CPU serves it: two C++ kernels that read every context where it lies.
 
     One call for the decodes (``spindle.kernels.cpu``'s decode attention), one for all prefill chunks; float32
-    chunks that are long and far into their sequence run torch's flash attention instead (:func:`_runs_flash`).
+    chunks that are long and far into their sequence run torch's flash attention instead (:func:`_runs_flash`),
+    unless a window or a soft-cap applies.
     """
     # The chunks' kernel against the earlier gather + masked SDPA per chunk (bf16, SmolLM2's 9/3 heads, 2 cores, ms
     # per layer, chunk of n after c cached): n=512 c=500 12 vs 14, c=7,000 112-123 vs 100-119; n=16 c=2,000 1.2-1.9
     # vs 1.3-2.3; n=4 c=7,000 1.6-1.8 (keys split across the threads) vs 2.3-5.9 (SDPA's cost there is the gather
     # of the whole prefix). Long chunks run torch's flash attention instead (_flash_chunk, _runs_flash).
+    # The C++ kernels take 0 for "no window" and "no soft-cap".
+    window, cap = sliding_window or 0, softcap or 0.0
     num_decodes = meta.num_decodes
     if num_decodes == len(meta.query_lens_list):
-        return _decode_attention(query, k_cache, v_cache, meta, scale)
+        return _decode_attention(query, k_cache, v_cache, meta, scale, window, cap)
     lens = list(zip(meta.query_lens_list, meta.seq_lens_list, strict=True))
-    if not any(_runs_flash(query.dtype, n, seq_len) for n, seq_len in lens[num_decodes:]):
+    flash = [not window and not cap and _runs_flash(query.dtype, n, seq_len) for n, seq_len in lens]
+    if not any(flash[num_decodes:]):
         chunks = cpu_ops().prefill_attention(
             query[num_decodes:],
             k_cache,
@@ -157,6 +184,8 @@ def paged_attention_cpu(
             meta.query_start_loc[num_decodes:],
             meta.seq_lens[num_decodes:],
             scale,
+            window,
+            cap,
         )
     else:
         # Chunk by chunk: the flash ones, and the others each in a kernel call of its own.
@@ -164,7 +193,7 @@ def paged_attention_cpu(
         for i in range(num_decodes, len(lens)):
             n, seq_len = lens[i]
             rows = query[begin : begin + n]
-            if _runs_flash(query.dtype, n, seq_len):
+            if flash[i]:
                 pieces.append(_flash_chunk(rows, k_cache, v_cache, meta.block_tables[i], seq_len, scale))
             else:
                 pieces.append(
@@ -176,13 +205,16 @@ def paged_attention_cpu(
                         meta.query_start_loc[i : i + 2],
                         meta.seq_lens[i : i + 1],
                         scale,
+                        window,
+                        cap,
                     )
                 )
             begin += n
         chunks = torch.cat(pieces)
     if not num_decodes:
         return chunks
-    return torch.cat([_decode_attention(query[:num_decodes], k_cache, v_cache, meta, scale), chunks])
+    decodes = _decode_attention(query[:num_decodes], k_cache, v_cache, meta, scale, window, cap)
+    return torch.cat([decodes, chunks])
 
 
 FLASH_MIN_QUERY_TOKENS = 64
@@ -240,13 +272,53 @@ def _flash_chunk(
     return out[0].transpose(0, 1).to(query.dtype)
 
 
+def _masked_chunk(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One chunk's attention with explicit float32 scores: soft-capped, masked to each query's window.
+
+    Only the positions from the first query's window on are gathered, so blocks wholly before it are never read.
+    """
+    num_tokens, num_heads, _ = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    first = seq_len - num_tokens
+    lowest = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+    positions = torch.arange(lowest, seq_len)
+    slots = block_table[positions // block_size].long() * block_size + positions % block_size
+    group = num_heads // num_kv_heads
+    keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+    values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", query.float(), keys) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    query_positions = torch.arange(first, seq_len)[:, None]
+    visible = positions[None, :] <= query_positions
+    if sliding_window is not None:
+        visible &= positions[None, :] > query_positions - sliding_window
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("htl,lhd->thd", probs, values).to(query.dtype)
+
+
 def _decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     # Each context is read in place from the paged cache, no padding to the longest: measured on 2 cores against the
     # earlier gather + padded SDPA (bf16, SmolLM2's 9/3 heads, ms per layer): 64 contexts of 40-104 tokens 0.58 vs
     # 1.5-2.6; one 2,000-token context beside 63 of 60 tokens 0.60 vs 60; 256 contexts of 40-300 tokens 3.3 vs 45.
     num_decodes = meta.num_decodes
     return cpu_ops().decode_attention(
-        query, k_cache, v_cache, meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes], scale
+        query, k_cache, v_cache, meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes], scale, window, softcap
     )

@@ -73,6 +73,7 @@ TIERS = {
     "test_memory": "engine",
     "test_model_parity": "engine",
     "test_priority": "engine",
+    "test_sliding_window": "engine",  # kernels, then a Mistral engine against transformers
     "test_smollm2": "engine",
     "test_speculative": "engine",
     "test_transfers": "engine",
@@ -192,6 +193,10 @@ TINY_VARIANTS = {
         },
     ),
     "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "mistral_window": (
+        "MistralConfig",
+        {"sliding_window": 24, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),
     "llama_tp": (
         "LlamaConfig",
         {

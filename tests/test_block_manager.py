@@ -204,3 +204,52 @@ def test_parents_first_orders_a_parent_stored_again_before_its_children():
     assert parents_first([grandchild, child, root]) == [root, child, grandchild]
     orphan = KvBlockStored(9, 8, [])  # its parent was evicted: it comes first, at depth 1
     assert [block.block_hash for block in parents_first([child, orphan, root])] == [9, 1, 2]
+
+
+def held(bm: BlockManager) -> int:
+    """The blocks some sequence holds."""
+    return sum(block.ref_count > 0 for block in bm.blocks)
+
+
+def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
+    """One decode step as the scheduler runs it: a block for the new token, then the token computed."""
+    seq.token_ids.append(token)
+    bm.allocate(seq, 1)
+    seq.num_computed_tokens += 1
+
+
+def test_a_sliding_window_releases_the_blocks_before_it_and_keeps_publishing():
+    """A window of 6 over blocks of 4: a decode holds at most ceil(6 / 4) + 1 blocks, the rest go back to the free
+    list with their hashes (a later prompt still finds them), and the blocks filled later chain as without a window."""
+    windowed, plain = BlockManager(16, BS, sliding_window=6), BlockManager(16, BS)
+    seq, same = make_seq(list(range(10))), make_seq(list(range(10)))
+    admit(windowed, seq)
+    admit(plain, same)
+    for token in range(10, 30):
+        decode(windowed, seq, token)
+        decode(plain, same, token)
+        assert held(windowed) <= 3
+    released, _ = windowed.released[seq.seq_id]
+    assert released == (30 - 6 + 1) // BS == 6 and held(windowed) == len(seq.block_table) - released
+    hashes = [windowed.blocks[b].hash for b in seq.block_table[released:]]
+    assert None not in hashes[:-1] and hashes == [plain.blocks[b].hash for b in same.block_table[released:]]
+    assert windowed.match_prefix(make_seq(list(range(25)))) == 24  # the released blocks, found again
+    windowed.free_blocks(seq)
+    assert seq.seq_id not in windowed.released and held(windowed) == 6  # the new sequence's matched blocks
+
+
+def test_a_sliding_window_counts_the_blocks_it_will_release_as_free():
+    """With every block held, the next token fits by the block its allocation releases first, unless another
+    sequence shares that block."""
+    bm = BlockManager(3, BS, sliding_window=6)
+    seq = make_seq(list(range(12)))
+    admit(bm, seq)
+    assert bm.num_free_blocks == 0 and bm.can_allocate(seq, 1)  # token 12's window is 7..12: block 0 is outside
+    decode(bm, seq, 12)
+    assert bm.released[seq.seq_id][0] == 1 and bm.num_free_blocks == 0 and held(bm) == 3
+
+    bm = BlockManager(4, BS, sliding_window=6)
+    seq, sharing = make_seq(list(range(12))), make_seq(list(range(8)) + [60])
+    admit(bm, seq)
+    assert admit(bm, sharing) == 8 and bm.num_free_blocks == 0
+    assert not bm.can_allocate(seq, 1)

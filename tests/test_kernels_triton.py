@@ -286,10 +286,15 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
     triton_attention = spindle.kernels.triton.paged_attention
 
     def recording_attention(
-        query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *options: float | None,
     ) -> torch.Tensor:
         batches.append((meta.num_decodes, len(meta.query_lens_list) - meta.num_decodes))
-        return triton_attention(query, k_cache, v_cache, meta, scale)
+        return triton_attention(query, k_cache, v_cache, meta, scale, *options)
 
     def generate(with_graphs: bool) -> dict[str, list[TokenLogprobs]]:
         # A small token budget chunks the longer prompts, so decodes and prefill chunks share steps.

@@ -51,6 +51,12 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Families whose configs opt in to their window with use_sliding_window (absent: off), and from which layer on
+# (max_window_layers, absent: transformers' default of 28).
+_OPT_IN_WINDOWS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Families that slide on all but every n-th layer (sliding_window_pattern) when the config lists no layer_types.
+_WINDOW_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6}
+
 # Every architecture's config.json must have these: the KV cache, the sampler and the Llama layers are sized by them.
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -84,8 +90,8 @@ class CheckpointConfig:
         eos_token_ids: every token id that ends generation (config and generation config together).
         bos_token_id: the beginning-of-sequence token, if any.
         dtype: the dtype the checkpoint declares (``"bfloat16"``, ...), if any.
-        sliding_window: the attention window when the model uses one; Spindle attends to the whole context, so the
-            runner must keep contexts within it.
+        layer_windows: each layer's attention window (a token attends to that many positions, its own included),
+            None for a layer that attends to the whole context.
         hf_config: the whole parsed ``config.json``, for a model class that reads fields of its own (not compared).
 
     """
@@ -107,7 +113,7 @@ class CheckpointConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     dtype: str | None
-    sliding_window: int | None
+    layer_windows: list[int | None]
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -157,7 +163,6 @@ class CheckpointConfig:
             for token in _as_list(source.get("eos_token_id")):
                 if token not in eos_token_ids:
                     eos_token_ids.append(token)
-        uses_window = text.get("use_sliding_window", text_architecture == "MistralForCausalLM")
         return cls(
             architecture=architectures[0],
             vocab_size=text["vocab_size"],
@@ -176,7 +181,7 @@ class CheckpointConfig:
             eos_token_ids=eos_token_ids,
             bos_token_id=text.get("bos_token_id"),
             dtype=config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
-            sliding_window=text.get("sliding_window") if uses_window else None,
+            layer_windows=_layer_windows(text, text_architecture),
             hf_config=config,
         )
 
@@ -196,6 +201,25 @@ def _text_part(config: dict[str, Any], architecture: str) -> tuple[dict[str, Any
     text = {**_TEXT_DEFAULTS.get(model_type, {}), **top_level, **text_config}
     text_architectures = text_config.get("architectures") or [TEXT_ARCHITECTURES.get(model_type, model_type)]
     return text, text_architectures[0]
+
+
+def _layer_windows(config: dict[str, Any], architecture: str) -> list[int | None]:
+    """Each layer's window as transformers reads the config: ``layer_types`` when listed, else the family's rule.
+
+    Mistral, Mixtral and Phi-3 slide on every layer when ``sliding_window`` is set; Qwen2/3 only with
+    ``use_sliding_window``, from layer ``max_window_layers`` on; Gemma 2/3 on all but every
+    ``sliding_window_pattern``-th layer (2, 6).
+    """
+    window, num_layers = config.get("sliding_window"), config["num_hidden_layers"]
+    if window is None or not config.get("use_sliding_window", architecture not in _OPT_IN_WINDOWS):
+        return [None] * num_layers
+    if config.get("layer_types"):
+        return [window if kind == "sliding_attention" else None for kind in config["layer_types"]]
+    if architecture in _WINDOW_PATTERNS:
+        pattern = config.get("sliding_window_pattern", _WINDOW_PATTERNS[architecture])
+        return [window if (i + 1) % pattern else None for i in range(num_layers)]
+    first = config.get("max_window_layers", 28) if architecture in _OPT_IN_WINDOWS else 0
+    return [window if i >= first else None for i in range(num_layers)]
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -44,11 +44,15 @@ class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, rotary, cache write, paged attention, output projection.
 
     Under tensor parallelism it holds its rank's query and KV heads (``shard``); the output projection is
-    row-parallel: each rank's partial sum is all-reduced.
+    row-parallel: each rank's partial sum is all-reduced. ``sliding_window`` is its layer's window
+    (:attr:`CheckpointConfig.layer_windows`), None to attend to the whole context.
     """
 
-    def __init__(self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
@@ -82,6 +86,7 @@ class LlamaAttention(nn.Module):
             self.scale,
             positions,
             cos_sin_cache,
+            self.sliding_window,
         )
         out = out.view(num_tokens, self.q_size)
         out = _with_lora(linear(out, self.o_proj, prepared=self.prepared.get("o_proj")), out, self.lora.get("o_proj"))
@@ -92,14 +97,16 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and SwiGLU MLP blocks, with the residual adds fused into the norms.
 
     Under tensor parallelism the MLP holds its rank's intermediate columns (``shard``): gate/up column-parallel,
-    down row-parallel with an all-reduce.
+    down row-parallel with an all-reduce. ``sliding_window`` is the layer's attention window (None: the whole context).
     """
 
-    def __init__(self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.self_attn = LlamaAttention(config, shard, dtype)
+        self.self_attn = LlamaAttention(config, shard, dtype, sliding_window)
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.gate_up_proj = _weight(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _weight(config.hidden_size, shard.intermediate_size, dtype=dtype)
@@ -161,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
         self.shard = Shard.of(config, place.rank, place.size)
         vocab = self.shard.vocab_size
         self.embed_tokens = _weight(vocab, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.shard, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.shard, dtype, window) for window in config.layer_windows
+        )
         self.norm = _weight(config.hidden_size, dtype=dtype)
         self.lm_head = None if config.tie_word_embeddings else _weight(vocab, config.hidden_size, dtype=dtype)
         cos_sin_cache = build_cos_sin_cache(

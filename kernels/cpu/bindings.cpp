@@ -6,10 +6,11 @@
 #include <vector>
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                               double softcap);
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                const at::Tensor& seq_lens, double scale);
+                                const at::Tensor& seq_lens, double scale, int64_t window, double softcap);
 at::Tensor argmax_rows(const at::Tensor& x);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping);
@@ -40,9 +41,14 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, con
 using ReleaseGil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, ReleaseGil(), "One query token per sequence over its paged context.");
+  // window 0: the whole context; softcap 0: none.
+  m.def("decode_attention", &decode_attention, ReleaseGil(), "One query token per sequence over its paged context.",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.);
   m.def("prefill_attention", &prefill_attention, ReleaseGil(),
-        "Causal attention of prefill chunks over their paged context.");
+        "Causal attention of prefill chunks over their paged context.", py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.);
   m.def("reshape_and_cache", &reshape_and_cache, ReleaseGil(), "Copy each new token's K/V heads into its cache slot.");
   m.def("argmax_rows", &argmax_rows, ReleaseGil(),
         "Index of each float32 row's largest value, the first of equals or NaNs.");

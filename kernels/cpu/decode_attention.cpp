@@ -6,6 +6,8 @@
 // partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second pass merges
 // the partitions of each (sequence, query head) with the usual log-sum-exp rescaling. On a CPU with AVX-512 bf16, a
 // bf16 cache of head size 64 or 128 takes a walk of its own (group_partition_bf16), 2-3x the generic one.
+// Under a sliding window only the last `window` positions are walked (the blocks before them may have been freed);
+// a soft-cap makes each scaled score s softcap * tanh(s / softcap).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -100,8 +102,8 @@ inline void prefetch_row(const c10::BFloat16* row) {  // one head's key or value
 // below in bf16 (1.75 in float32); the values widened to float and multiplied in float FMAs took 8-10% longer.
 template <int64_t HEAD, int GROUP>
 void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat16* kc, const c10::BFloat16* vc,
-                          const c10::BFloat16* next_kc, const int64_t* slot, int64_t n, float scale, float* scores,
-                          uint16_t* probs, float* max_out, float* sum_out, float* const* acc_out) {
+                          const c10::BFloat16* next_kc, const int64_t* slot, int64_t n, float scale, float softcap,
+                          float* scores, uint16_t* probs, float* max_out, float* sum_out, float* const* acc_out) {
   constexpr int64_t QV = HEAD / 32, VV = HEAD / 16;  // bf16 pair vectors of a query, float vectors of a row
   const int64_t stride = (n + 15) / 16 * 16;          // scores of head g at scores[g * stride]
   // The first keys and values, which the walk's own prefetches (ahead of it) do not cover.
@@ -131,8 +133,15 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
       best = _mm512_max_ps(best, tile);
       _mm512_storeu_ps(scores + g * stride + i, tile);
     }
-    const float max_score = _mm512_reduce_max_ps(best);
+    float max_score = _mm512_reduce_max_ps(best);
     float* row = scores + g * stride;
+    if (softcap > 0.f) {  // after the scores, in scalar steps: a Gemma-only cost
+      max_score = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; ++i) {
+        row[i] = softcap * std::tanh(row[i] / softcap);
+        max_score = std::max(max_score, row[i]);
+      }
+    }
     float total = 0.f;
     for (int64_t i = 0; i < n; ++i) {
       row[i] = std::exp(row[i] - max_score);
@@ -192,8 +201,8 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
 // token's row updating every head's accumulators in memory, its dot products one chain each).
 template <typename T, int64_t HEAD>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                           at::Tensor& out) {
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_size = HEAD ? HEAD : query.size(2);
   const int64_t chunks = head_size / 8;  // whole vectors per row; the rest, head_size % 8, are scalar steps
@@ -207,14 +216,16 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
-  // Work item i covers partition i - first_item[s] of sequence s = item_seq[i]; its partials go to slot i.
-  // A partition starts on a block boundary: it spans PARTITION tokens, or one block when blocks are larger.
+  // Work item i covers partition lowest(s) / partition + i - first_item[s] of sequence s = item_seq[i], from the
+  // window's first position on; its partials go to slot i. Partitions span PARTITION tokens, or one block when blocks
+  // are larger.
   const int64_t partition = std::max(PARTITION, block_size);
+  const auto lowest = [&](int64_t s) { return window ? std::max<int64_t>(0, lens[s] - window) : 0; };
   std::vector<int64_t> first_item(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t parts = std::max<int64_t>(1, (lens[s] + partition - 1) / partition);
+    const int64_t parts = std::max<int64_t>(1, (lens[s] + partition - 1) / partition - lowest(s) / partition);
     first_item[s + 1] = first_item[s] + parts;
   }
   const int64_t num_items = first_item[num_seqs];
@@ -235,12 +246,15 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t s = item_seq[item];
-      const int64_t start = (item - first_item[s]) * partition;
-      const int64_t n = std::min<int64_t>(lens[s], start + partition) - start;
+      const int64_t start = (lowest(s) / partition + item - first_item[s]) * partition;
+      const int64_t begin = std::max(start, lowest(s));
+      const int64_t n = std::min<int64_t>(lens[s], start + partition) - begin;
       const int32_t* table = tables + s * max_blocks;
-      for (int64_t b = 0; b < n; b += block_size) {
-        const int64_t base = static_cast<int64_t>(table[(start + b) / block_size]) * block_size * token_stride;
-        for (int64_t j = 0; j < std::min(block_size, n - b); ++j) slot[b + j] = base + j * token_stride;
+      for (int64_t p = begin; p < begin + n;) {  // a block at a time
+        const int64_t offset = p % block_size, run = std::min(block_size - offset, begin + n - p);
+        const int64_t base = static_cast<int64_t>(table[p / block_size]) * block_size * token_stride;
+        for (int64_t j = 0; j < run; ++j) slot[p - begin + j] = base + (offset + j) * token_stride;
+        p += run;
       }
 #ifdef SPINDLE_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 32 == 0 && HEAD > 0) {
@@ -260,8 +274,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
           const T* next_keys = h + run < num_heads ? kc + ((h + run) / group) * head_size : nullptr;
           const auto walk = [&](auto size) {
             group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, next_keys,
-                                                              slot.data(), n, fscale, scores.data(), probs.data(), maxes,
-                                                              sums, accs);
+                                                              slot.data(), n, fscale, fsoftcap, scores.data(),
+                                                              probs.data(), maxes, sums, accs);
           };
           switch (run) {
             case 1: walk(std::integral_constant<int, 1>{}); break;
@@ -311,6 +325,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
           for (int64_t c = 0; c < chunks; ++c) sum += qv[c] * load8(key + 8 * c);
           scores[i] = finish(key, sum);
         }
+        if (fsoftcap > 0.f)
+          for (i = 0; i < n; ++i) scores[i] = fsoftcap * std::tanh(scores[i] / fsoftcap);
         float max_score = -std::numeric_limits<float>::infinity();
         for (i = 0; i < n; ++i) max_score = std::max(max_score, scores[i]);
         float total = 0.f;
@@ -348,8 +364,11 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
 
 }  // namespace
 
+// window (0 for none): how many of the last positions, the query's own included, it sees; softcap (0 for none) caps
+// the scaled scores.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                               double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_heads, head_size], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -358,12 +377,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32, contiguous");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) <= MAX_HEAD, "head_size must be at most ", MAX_HEAD);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 for none)");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   DISPATCH_MODEL_TYPES(query.scalar_type(), "decode_attention", [&] {
     switch (query.size(2)) {
-      case 64: decode_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-      case 128: decode_attention_impl<scalar_t, 128>(query, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-      default: decode_attention_impl<scalar_t, 0>(query, k_cache, v_cache, block_tables, seq_lens, scale, out);
+      case 64: decode_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out); break;
+      case 128: decode_attention_impl<scalar_t, 128>(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out); break;
+      default: decode_attention_impl<scalar_t, 0>(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     }
   });
   return out;

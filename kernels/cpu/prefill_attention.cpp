@@ -1,5 +1,8 @@
 // Prefill attention over the paged KV cache on the CPU: the query tokens of each prefill chunk attend causally over
 // their sequence's context (the cached prefix and the chunk itself), which is read where it lies in the cache.
+// Under a sliding window a position sees only the last `window` positions, its own included, and the keys before
+// the first row's window of a work item are not read at all (their blocks may have been freed); a soft-cap makes each
+// scaled score s softcap * tanh(s / softcap).
 //
 // A work item is (chunk, kv head, tile of query positions): its rows are those positions times the query
 // heads of the kv head, and it walks the keys up to its last position in tiles (KEY_TILE; BF16_KEY_TILE in the bf16
@@ -45,12 +48,15 @@ struct Item {
 };
 
 // One work item's walk: its rows (row r is query position first_position + r / group, the group's head r % group)
-// against the keys [key_begin, key_end) of its sequence, read where they lie in the cache.
+// against the keys [key_begin, key_end) of its sequence, read where they lie in the cache. window is 0 for none,
+// softcap 0 for none.
 struct Walk {
   const int32_t* table;
   int64_t block_size, token_stride, kv_offset;
   int64_t rows, group, first_position;
   int64_t key_begin, key_end;
+  int64_t window;
+  float softcap;
 
   // Where the keys (or values) of the item's KV head of tokens first.. first + n - 1 start in the cache, in
   // elements: one division a tile, not one a key (block_size is known at run time only).
@@ -66,23 +72,29 @@ struct Walk {
   int64_t visible(int64_t r, int64_t k0, int64_t num_keys) const {
     return r < rows ? std::clamp<int64_t>(first_position + r / group - k0 + 1, 0, num_keys) : 0;
   }
+  // How many keys at the start of the tile row r may not see: those before its window.
+  int64_t hidden(int64_t r, int64_t k0, int64_t num_keys) const {
+    return window ? std::clamp<int64_t>(first_position + r / group - window + 1 - k0, 0, num_keys) : 0;
+  }
 };
 
-// The online softmax of one row's tile of scores s (KEY_TILE of them, `visible` valid): exponentiates them in place
-// (0 past `visible`), updates the row's running max and sum, and returns the factor for its earlier output.
-inline float softmax_tile(float* s, int64_t visible, float& row_max, float& row_sum) {
+// The online softmax of one row's tile of scores s (KEY_TILE of them, those in [hidden, visible) valid):
+// exponentiates them in place (0 outside), updates the row's running max and sum, and returns the factor for its
+// earlier output.
+inline float softmax_tile(float* s, int64_t hidden, int64_t visible, float& row_max, float& row_sum) {
   float tile_max = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+  for (int64_t j = hidden; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
   const float new_max = std::max(row_max, tile_max);
-  const float rescale = visible > 0 ? std::exp(row_max - new_max) : 1.f;
+  const bool seen = visible > hidden;
+  const float rescale = seen ? std::exp(row_max - new_max) : 1.f;
   float tile_sum = 0.f;
 #pragma omp simd reduction(+ : tile_sum)
   for (int64_t j = 0; j < KEY_TILE; ++j) {
-    const float p = j < visible ? std::exp(s[j] - new_max) : 0.f;
+    const float p = j >= hidden && j < visible ? std::exp(s[j] - new_max) : 0.f;
     s[j] = p;
     tile_sum += p;
   }
-  if (visible > 0) row_max = new_max;
+  if (seen) row_max = new_max;
   row_sum = row_sum * rescale + tile_sum;
   return rescale;
 }
@@ -121,9 +133,13 @@ void walk_float(const Walk& w, const float* qf, const T* kc, const T* vc, int64_
           for (int64_t j = 0; j < KEY_TILE; ++j) s[b][j] += qd * kd[j];
         }
       }
+      if (w.softcap > 0.f)
+        for (int64_t b = 0; b < ROW_BLOCK; ++b)
+          for (int64_t j = 0; j < KEY_TILE; ++j) s[b][j] = w.softcap * std::tanh(s[b][j] / w.softcap);
       float rescale[ROW_BLOCK];
       for (int64_t b = 0; b < ROW_BLOCK; ++b)
-        rescale[b] = softmax_tile(s[b], w.visible(r0 + b, k0, num_keys), row_max[r0 + b], row_sum[r0 + b]);
+        rescale[b] = softmax_tile(s[b], w.hidden(r0 + b, k0, num_keys), w.visible(r0 + b, k0, num_keys),
+                                  row_max[r0 + b], row_sum[r0 + b]);
       float out_block[ROW_BLOCK][HEAD];
       for (int64_t b = 0; b < ROW_BLOCK; ++b)
         for (int64_t d = 0; d < HEAD; ++d) out_block[b][d] = acc[(r0 + b) * HEAD + d] * rescale[b];
@@ -278,15 +294,16 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
       alignas(64) float tile_max[16];
 #pragma GCC unroll 4
       for (int64_t b = 0; b < BF16_ROW_BLOCK; ++b) {
-        const int64_t visible = w.visible(r0 + b, k0, num_keys);
-        const uint64_t keys_seen = visible >= 64 ? ~0ull : (1ull << visible) - 1;
+        const int64_t visible = w.visible(r0 + b, k0, num_keys), hidden = w.hidden(r0 + b, k0, num_keys);
+        const uint64_t keys_seen =
+            (visible >= 64 ? ~0ull : (1ull << visible) - 1) & (hidden >= 64 ? 0ull : ~0ull << hidden);
         __m512 seen_max = lowest;
 #pragma GCC unroll 4
         for (int64_t c = 0; c < VECS; ++c) {
           seen[b][c] = static_cast<__mmask16>(keys_seen >> (16 * c));
           seen_max = _mm512_mask_max_ps(seen_max, seen[b][c], seen_max, s[b][c]);
         }
-        seen_rows |= static_cast<__mmask16>(visible > 0) << b;
+        seen_rows |= static_cast<__mmask16>(visible > hidden) << b;
         tile_max[b] = _mm512_reduce_max_ps(seen_max);
       }
       const __m512 old_max = _mm512_maskz_loadu_ps(0xf, row_max + r0);
@@ -344,7 +361,8 @@ void walk_bf16(const Walk& w, QueryRow query_row, const c10::BFloat16* kc, const
 template <typename T, int64_t HEAD>
 void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                            at::Tensor& out) {
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
   const int64_t num_chunks = seq_lens.size(0);
@@ -371,7 +389,9 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
     for (int64_t r = (starts[c + 1] - starts[c] - 1) / query_tile * query_tile; r >= 0; r -= query_tile)
       for (int64_t g = 0; g < num_kv_heads; ++g) items.push_back({c, g, r});
   if (items.empty()) return;
-  const int64_t longest = *std::max_element(lens, lens + num_chunks);
+  // The most keys one item walks: its chunk's whole context, or its window and query tile.
+  const int64_t longest = window ? std::min<int64_t>(*std::max_element(lens, lens + num_chunks), window + query_tile)
+                                 : *std::max_element(lens, lens + num_chunks);
   const int64_t splits = std::clamp<int64_t>(wanted_items / static_cast<int64_t>(items.size()), 1,
                                              std::max<int64_t>(1, longest / MIN_SPLIT_KEYS));
   const int64_t num_work = static_cast<int64_t>(items.size()) * splits;
@@ -407,9 +427,10 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
       const int64_t context = lens[item.chunk] - chunk_len;  // tokens cached before the chunk
       const int64_t num_positions = std::min(query_tile, chunk_len - item.first_row);
       const int64_t rows = item_rows(item);
-      // This work's share of the keys up to the tile's last position: a range of whole key tiles.
+      // This work's share of the keys from the first row's window to the tile's last position: whole key tiles.
       const int64_t key_end = context + item.first_row + num_positions;
-      const int64_t num_key_tiles = (key_end + KEY_TILE - 1) / KEY_TILE, split = work % splits;
+      const int64_t key_lo = window ? std::max<int64_t>(0, context + item.first_row - window + 1) : 0;
+      const int64_t num_key_tiles = (key_end - key_lo + KEY_TILE - 1) / KEY_TILE, split = work % splits;
       const Walk walk{tables + item.chunk * max_blocks,
                       block_size,
                       token_stride,
@@ -417,8 +438,10 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
                       rows,
                       group,
                       context + item.first_row,
-                      split * num_key_tiles / splits * KEY_TILE,
-                      std::min(key_end, (split + 1) * num_key_tiles / splits * KEY_TILE)};
+                      key_lo + split * num_key_tiles / splits * KEY_TILE,
+                      std::min(key_end, key_lo + (split + 1) * num_key_tiles / splits * KEY_TILE),
+                      window,
+                      static_cast<float>(softcap)};
       const auto query_row = [&](int64_t r) {
         return q + (starts[item.chunk] - starts[0] + item.first_row + r / group) * q_token_stride +
                (item.kv_head * group + r % group) * q_head_stride;
@@ -426,13 +449,17 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
       std::fill_n(acc.data(), max_rows * HEAD, 0.f);
       std::fill_n(row_max.data(), max_rows, -std::numeric_limits<float>::infinity());
       std::fill_n(row_sum.data(), max_rows, 0.f);
+      bool walked = false;  // by the bf16 walk, which has no soft-cap
 #ifdef SPINDLE_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> && (HEAD == 64 || HEAD == 128)) {
-        walk_bf16<HEAD>(walk, query_row, kc, vc, fscale, qw.data(), sums.data(), acc.data(), row_max.data(),
-                        row_sum.data());
-      } else
+        if (softcap == 0.) {
+          walk_bf16<HEAD>(walk, query_row, kc, vc, fscale, qw.data(), sums.data(), acc.data(), row_max.data(),
+                          row_sum.data());
+          walked = true;
+        }
+      }
 #endif
-      {
+      if (!walked) {
         const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
         std::fill_n(qf.data(), padded_rows * HEAD, 0.f);
         for (int64_t r = 0; r < rows; ++r)
@@ -471,10 +498,11 @@ void prefill_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, 
 
 // query [num_tokens, num_heads, head_size]: the tokens of every chunk, chunk c's at rows query_start_loc[c] -
 // query_start_loc[0] onwards (so a slice of a whole step's boundaries will do); seq_lens[c] counts chunk c's cached
-// prefix and its own tokens, whose K/V must already be in the cache; block_tables[c] holds its blocks.
+// prefix and its own tokens, whose K/V must already be in the cache; block_tables[c] holds its blocks. window (0 for
+// none) is how many positions, its own included, a token sees; softcap (0 for none) caps the scaled scores.
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                const at::Tensor& seq_lens, double scale) {
+                                const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_tokens, num_heads, head_size], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -487,17 +515,21 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
               "one query_start_loc boundary, block table row and seq_len per chunk");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) <= MAX_HEAD, "head_size must be at most ", MAX_HEAD);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 for none)");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   DISPATCH_MODEL_TYPES(query.scalar_type(), "prefill_attention", [&] {
     switch (query.size(2)) {
       case 64:
-        prefill_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+        prefill_attention_impl<scalar_t, 64>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                              window, softcap, out);
         break;
       case 128:
-        prefill_attention_impl<scalar_t, 128>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+        prefill_attention_impl<scalar_t, 128>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                              window, softcap, out);
         break;
       default:
-        prefill_attention_impl<scalar_t, MAX_HEAD>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+        prefill_attention_impl<scalar_t, MAX_HEAD>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                              window, softcap, out);
     }
   });
   return out;

@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
 INTERPRETED: bool = triton.knobs.runtime.interpret
 """Whether this package's kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
 
@@ -44,9 +46,12 @@ def attend_tile(
     row_sum,
     acc,
     scale_log2e,
+    softcap,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False,
 ):
     """Fold one K/V tile into the running max ``m``, sum ``row_sum`` and output ``acc`` of the query rows ``q``.
 
@@ -55,7 +60,8 @@ def attend_tile(
     and seen by every row: such a tile loads and scores unmasked (but for the padding of a head size that is no
     power of two). ``DOT_FP32`` is :func:`dot_in_fp32`. Scores live in the log2 domain (``exp2``), hence
     ``scale_log2e = scale * log2(e)``. Every row must see at least one key in the first tile it folds, so that its
-    running max is finite from then on.
+    running max is finite from then on, unless ``WINDOWED``: then a row may see no key of a tile, even its first.
+    With ``SOFTCAP`` each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
     """
     d = tl.arange(0, BLOCK_D)
     k_ptrs = k_cache_ptr + offsets[None, :] + d[:, None]
@@ -74,10 +80,19 @@ def attend_tile(
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     # "ieee" keeps fp32 products exact on GPUs that would round them to TF32 (bf16/fp16 are unaffected).
-    scores = tl.dot(q, k, input_precision="ieee") * scale_log2e
+    scores = tl.dot(q, k, input_precision="ieee")
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (e^(2x) + 1): exact at both ends (e^(2x) overflowing to inf gives 1), and portable.
+        doubled = tl.exp2(scores * (2.0 * scale_log2e / softcap))
+        scores = (softcap * LOG2E) * (1.0 - 2.0 / (doubled + 1.0))
+    else:
+        scores = scores * scale_log2e
     if score_mask is not None:
         scores = tl.where(score_mask, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
+    if WINDOWED:
+        # A row that has seen no key yet keeps a max of -inf: exponentiate against 0 instead of -inf - -inf = NaN.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     row_sum = row_sum * alpha + tl.sum(p, axis=1)

@@ -147,6 +147,9 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
         for group in groups:
             query = torch.zeros(7, num_kv_heads * group, head_size, dtype=dtype)
             tk.paged_attention(query, cache[0], cache[1], meta, head_size**-0.5)
+            # Mistral's sliding window; Gemma 2's window with its soft-cap.
+            tk.paged_attention(query, cache[0], cache[1], meta, head_size**-0.5, 24)
+            tk.paged_attention(query, cache[0], cache[1], meta, head_size**-0.5, 24, 50.0)
             tk.decode_attention(query[:2], cache[0], cache[1], meta.block_tables, meta.seq_lens, 0.1, query[:2], 4)
             tk.rotary_embedding(
                 torch.arange(7), query, query[:, :num_kv_heads], torch.zeros(64, head_size, dtype=dtype)

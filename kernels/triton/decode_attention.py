@@ -35,7 +35,7 @@ MIN_TOKENS_PER_SPLIT = 256
 
 
 # The block tables' row stride follows the step's longest table: not specialised on, or each new width would compile.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -46,6 +46,8 @@ def _decode_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     scale_log2e,
+    softcap,
+    window,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -63,15 +65,22 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # int64 before the strides, as in every kernel here: row x stride must not wrap at 2**31 elements.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Under a sliding window the slices cover the window only: the keys before it are never loaded.
+    if SLIDING:
+        lowest = tl.maximum(seq_len - window, 0)
+    else:
+        lowest = 0
     # Slices are whole tiles; a short context leaves the last slices empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - lowest, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lowest + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -99,9 +108,11 @@ def _decode_kernel(
             row_sum,
             acc,
             scale_log2e,
+            softcap,
             HEAD_SIZE,
             BLOCK_D,
             DOT_FP32,
+            SOFTCAP,
         )
 
     # An empty slice (row_sum == 0, acc == 0, m == -inf) writes zeros and a log-sum-exp of -inf: the merge ignores it.
@@ -169,8 +180,10 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,
     num_splits: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """Attention of one query token per sequence over its whole paged context, written into ``out``.
+    """Attention of one query token per sequence over its paged context (its window's end), written into ``out``.
 
     Args:
         query: ``[num_seqs, num_heads, head_size]``, the last dimension contiguous; ``num_heads`` is a multiple of
@@ -182,6 +195,8 @@ def decode_attention(
         scale: the softmax scale.
         out: ``[num_seqs, num_heads, head_size]``, the last dimension contiguous.
         num_splits: slices per context, e.g. from :func:`num_splits_for`.
+        sliding_window: how many of the last positions, the query's own included, it attends to; None for all.
+        softcap: the scores' soft-cap (``softcap * tanh(s / softcap)``), or None.
 
     """
     num_seqs, num_heads, head_size = query.shape
@@ -206,6 +221,8 @@ def decode_attention(
         partial_out,
         partial_lse,
         scale * math.log2(math.e),
+        softcap or 1.0,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -224,6 +241,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
         DOT_FP32=dot_in_fp32(query.dtype),
+        SOFTCAP=softcap is not None,
+        SLIDING=sliding_window is not None,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
@@ -240,20 +259,29 @@ def decode_attention(
         )
 
 
-def warm_up(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_splits: int) -> None:
+def warm_up(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_splits: int,
+    sliding_window: int | None = None,
+) -> None:
     """Compile both kernels for ``num_splits`` slices now, at start-up, rather than in a request's step.
 
     Runs one decode of one sequence over the first cache block (the kernels' other compile-time constants are the
-    model's: head size, GQA group, block size, dtype). Call it for every count of :data:`SPLIT_COUNTS`.
+    model's: head size, GQA group, block size, dtype, and whether a layer's window applies). Call it for every count
+    of :data:`SPLIT_COUNTS` and every kind of layer.
 
     Args:
         query: ``[1, num_heads, head_size]`` in the model's dtype (its values do not matter).
         k_cache: a layer's ``[num_blocks, block_size, num_kv_heads, head_size]`` cache.
         v_cache: same shape as ``k_cache``.
         num_splits: the count to compile for.
+        sliding_window: a windowed layer's window, or None.
 
     """
     device = query.device
     block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 1.0, torch.empty_like(query), num_splits)
+    out = torch.empty_like(query)
+    decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 1.0, out, num_splits, sliding_window)

@@ -8,7 +8,13 @@ from spindle.kernels.triton.prefill_attention import prefill_attention
 
 
 def paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its own sequence's context (Triton; same contract as the torch one).
 
@@ -22,6 +28,8 @@ def paged_attention(
         v_cache: same shape as ``k_cache``.
         meta: the batch layout.
         scale: the softmax scale.
+        sliding_window: how many positions, its own included, a token attends to; None for the whole context.
+        softcap: the scores' soft-cap (``softcap * tanh(s / softcap)``), or None.
 
     Returns:
         ``[num_tokens, num_heads, head_size]``, in the query's dtype.
@@ -40,6 +48,8 @@ def paged_attention(
             scale,
             out[:num_decodes],
             num_splits,
+            sliding_window,
+            softcap,
         )
     if num_decodes < meta.seq_lens.shape[0]:
         prefill_attention(
@@ -53,5 +63,7 @@ def paged_attention(
             scale,
             out,
             first_seq=num_decodes,
+            sliding_window=sliding_window,
+            softcap=softcap,
         )
     return out

@@ -3,12 +3,13 @@
 Grid ``(num_seqs, num_kv_heads, query tiles)``. A program takes one KV head and a tile of a sequence's new tokens
 together with every query head of that KV head's group: its ``BLOCK_M`` rows are ``BLOCK_M // group`` tokens x
 ``group`` heads, so each K/V tile is loaded once per group (GQA) and the rows fill a ``tl.dot``. A new token at
-absolute position ``p`` attends to positions ``0..p`` of its sequence, all read from the paged cache: the cached
-prefix and the chunk's own K/V, which :func:`~spindle.kernels.reshape_and_cache` wrote first. Any mix of query lengths
-(1 included) goes in one launch.
+absolute position ``p`` attends to positions ``0..p`` of its sequence (``p - window + 1..p`` under a sliding
+window), all read from the paged cache: the cached prefix and the chunk's own K/V, which
+:func:`~spindle.kernels.reshape_and_cache` wrote first. Any mix of query lengths (1 included) goes in one launch.
 
 The key tiles below a query tile's first position are seen whole by every row and go through an unmasked loop; only
-the last few, which the causal diagonal or the context's end cross, are masked. Tile sizes, warps and pipeline
+the last few, which the causal diagonal or the context's end cross, are masked (under a sliding window every tile is
+masked, and the keys before the window are not loaded). Tile sizes, warps and pipeline
 stages come from :func:`prefill_tiles`, by head size and dtype.
 """
 
@@ -60,7 +61,7 @@ def prefill_tiles(head_size: int, dtype: torch.dtype) -> PrefillTiles:
 
 # The first prefill's index follows the step's number of decodes and the block tables' row stride its longest table:
 # neither is specialised on, or each new value (1, a multiple of 16, other) would compile mid-request.
-@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
+@triton.jit(do_not_specialize=["first_seq", "stride_bt", "window"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -71,6 +72,8 @@ def _prefill_kernel(
     out_ptr,
     first_seq,
     scale_log2e,
+    softcap,
+    window,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -87,6 +90,8 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,50 +120,88 @@ def _prefill_kernel(
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         block_table_ptr = block_tables_ptr + seq * stride_bt
-        # Whole tiles up to the tile's first query position are in the context and seen by every row: the common
-        # case (a long context or chunk) runs unmasked; only the tiles the causal diagonal crosses carry masks.
-        interior_end = (first_position + 1) // BLOCK_N * BLOCK_N
-        for tile_start in range(0, interior_end, BLOCK_N):
-            positions = tile_start + tl.arange(0, BLOCK_N)
-            offsets = kv_offsets(block_table_ptr, positions, None, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-            m, row_sum, acc = attend_tile(
-                q,
-                k_cache_ptr,
-                v_cache_ptr,
-                offsets,
-                None,
-                None,
-                m,
-                row_sum,
-                acc,
-                scale_log2e,
-                HEAD_SIZE,
-                BLOCK_D,
-                DOT_FP32,
-            )
         kv_end = tl.minimum(seq_len, cached_len + (q_tile + 1) * BLOCK_Q)
-        for tile_start in range(interior_end, kv_end, BLOCK_N):
-            positions = tile_start + tl.arange(0, BLOCK_N)
-            kv_mask = positions < kv_end
-            offsets = kv_offsets(
-                block_table_ptr, positions, kv_mask, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
-            )
-            causal = kv_mask[None, :] & (positions[None, :] <= q_positions[:, None])
-            m, row_sum, acc = attend_tile(
-                q,
-                k_cache_ptr,
-                v_cache_ptr,
-                offsets,
-                kv_mask,
-                causal,
-                m,
-                row_sum,
-                acc,
-                scale_log2e,
-                HEAD_SIZE,
-                BLOCK_D,
-                DOT_FP32,
-            )
+        if SLIDING:
+            # Every tile is masked: to the window of each row, and below the first row's window the keys are not
+            # even loaded (their blocks may have been freed).
+            lowest = tl.maximum(first_position - window + 1, 0)
+            for tile_start in range(lowest // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
+                positions = tile_start + tl.arange(0, BLOCK_N)
+                kv_mask = (positions >= lowest) & (positions < kv_end)
+                offsets = kv_offsets(
+                    block_table_ptr, positions, kv_mask, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+                )
+                distance = q_positions[:, None] - positions[None, :]
+                visible = kv_mask[None, :] & (distance >= 0) & (distance < window)
+                m, row_sum, acc = attend_tile(
+                    q,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    offsets,
+                    kv_mask,
+                    visible,
+                    m,
+                    row_sum,
+                    acc,
+                    scale_log2e,
+                    softcap,
+                    HEAD_SIZE,
+                    BLOCK_D,
+                    DOT_FP32,
+                    SOFTCAP,
+                    True,
+                )
+        else:
+            # Whole tiles up to the tile's first query position are in the context and seen by every row: the
+            # common case (a long context or chunk) runs unmasked; only the tiles the causal diagonal crosses carry
+            # masks.
+            interior_end = (first_position + 1) // BLOCK_N * BLOCK_N
+            for tile_start in range(0, interior_end, BLOCK_N):
+                positions = tile_start + tl.arange(0, BLOCK_N)
+                offsets = kv_offsets(
+                    block_table_ptr, positions, None, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+                )
+                m, row_sum, acc = attend_tile(
+                    q,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    offsets,
+                    None,
+                    None,
+                    m,
+                    row_sum,
+                    acc,
+                    scale_log2e,
+                    softcap,
+                    HEAD_SIZE,
+                    BLOCK_D,
+                    DOT_FP32,
+                    SOFTCAP,
+                )
+            for tile_start in range(interior_end, kv_end, BLOCK_N):
+                positions = tile_start + tl.arange(0, BLOCK_N)
+                kv_mask = positions < kv_end
+                offsets = kv_offsets(
+                    block_table_ptr, positions, kv_mask, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+                )
+                causal = kv_mask[None, :] & (positions[None, :] <= q_positions[:, None])
+                m, row_sum, acc = attend_tile(
+                    q,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    offsets,
+                    kv_mask,
+                    causal,
+                    m,
+                    row_sum,
+                    acc,
+                    scale_log2e,
+                    softcap,
+                    HEAD_SIZE,
+                    BLOCK_D,
+                    DOT_FP32,
+                    SOFTCAP,
+                )
 
         out = acc / row_sum[:, None]
         o_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -176,6 +219,8 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     first_seq: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of the new tokens of sequences ``first_seq..`` over their paged contexts, into ``out``.
 
@@ -190,6 +235,8 @@ def prefill_attention(
         scale: the softmax scale.
         out: like ``query``; only the rows of the attended sequences are written.
         first_seq: sequences before this one are left alone (the decodes, when a decode kernel takes them).
+        sliding_window: how many positions, its own included, a token attends to; None for the whole context.
+        softcap: the scores' soft-cap (``softcap * tanh(s / softcap)``), or None.
 
     """
     num_heads, head_size = query.shape[1:]
@@ -212,6 +259,8 @@ def prefill_attention(
         out,
         first_seq,
         scale * math.log2(math.e),
+        softcap or 1.0,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -228,6 +277,8 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         BLOCK_N=tiles.block_n,
         DOT_FP32=dot_in_fp32(query.dtype),
+        SOFTCAP=softcap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
