@@ -16,7 +16,7 @@ from test_lora import ALL_TARGETS, MAX_TOKENS, generate, peft_greedy, peft_model
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from spindle.backend.models import CheckpointConfig
-from spindle.kernels import build_cos_sin_cache
+from spindle.kernels import build_cos_sin_cache, force_triton
 
 # Each rope type with the parameters of a model that uses it, on the tiny model's shape (head size 16, 512 positions).
 ROPE_CASES = {
@@ -173,3 +173,19 @@ def test_tensor_parallel_tokens_match_transformers(
         core.close()
 
     assert got == hf_greedy(model_dir, prompts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton kernels are the serving path")
+@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini"])
+def test_triton_path_matches_transformers(
+    variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
+) -> None:
+    """The engine on the Triton kernels (interpreted on the CPU): Qwen3's head norms, Phi-4-mini's 24-wide rotation
+    of 32-wide heads (the rotary kernel on a slice of each head, then the cache write and attention on whole ones)."""
+    model_dir = make_tiny_model(variant)
+    core = tiny_core(model_dir, max_num_batched_tokens=16)
+
+    with force_triton():
+        got, _ = generate(core, [(ids, None) for ids in prompts[:2]])
+
+    assert got == hf_greedy(model_dir, prompts[:2])
