@@ -71,6 +71,8 @@ def _inv_freq(
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     inv_freq = 1.0 / pos_freqs
     rope_type = _rope_type(rope_scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type in ("default", "dynamic"):
         return inv_freq, 1.0
     if rope_type == "linear":
@@ -89,12 +91,11 @@ def _inv_freq(
             else:
                 attention_factor = _yarn_mscale(factor)
         return _yarn(pos_freqs, dim, base, factor, original, rope_scaling), float(attention_factor)
-    if rope_type == "longrope":
-        if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-        ext_factors = torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (ext_factors * pos_freqs), float(attention_factor)
-    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    # What is left is longrope.
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext_factors * pos_freqs), float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
