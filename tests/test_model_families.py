@@ -155,7 +155,8 @@ def test_phi3_lora_on_fused_projections_is_refused(make_tiny_model: Callable[[st
     model_dir = make_tiny_model("phi3")
     adapter = save_random_adapter(model_dir, tmp_path / "fused", 8, 16, ["qkv_proj", "gate_up_proj"], seed=0, std=0.1)
 
-    with pytest.raises(ValueError, match=r"targets \[.gate_up_proj., .qkv_proj.\]: only q_proj, k_proj, v_proj"):
+    # PEFT saves its targets as a set: their order varies from run to run.
+    with pytest.raises(ValueError, match=r"targets \[.(gate_up|qkv)_proj., .(gate_up|qkv)_proj.\]: only q_proj"):
         tiny_core(model_dir, lora_modules={"fused": str(adapter)})
 
 
