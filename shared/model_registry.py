@@ -21,11 +21,14 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "spindle.backend.models.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "spindle.backend.models.phi3:Phi3ForCausalLM",
     "LlamaModel": "spindle.backend.models.llama:LlamaModel",
     "LlavaForConditionalGeneration": "spindle.backend.models.llava:LlavaForConditionalGeneration",
 }
-"""The architectures Spindle ships, and the class that serves each; ``LlamaModel`` (no LM head) serves embeddings
-only, ``LlavaForConditionalGeneration`` (a CLIP vision tower before a Llama-family decoder) takes images too."""
+"""The architectures Spindle ships, and the class that serves each (Qwen3's and Phi-3's subclass the Llama one);
+``LlamaModel`` (no LM head) serves embeddings only, ``LlavaForConditionalGeneration`` (a CLIP vision tower before a
+Llama-family decoder) takes images too."""
 
 ENTRY_POINT_GROUP = "spindle.models"
 """The entry-point group of model plugins: each entry's name is an architecture, its value ``"module:Class"``."""

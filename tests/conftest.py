@@ -7,6 +7,10 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"llama3_tied"``: Llama 3 rope scaling with ``original_max_position_embeddings=64``, so all three frequency bands
   (kept, interpolated, slowed) occur in a head of 16; tied embeddings.
 - ``"qwen2"``: q/k/v biases.
+- ``"llama_yarn"``: YaRN rope scaling (factor 4 over an original 64 positions).
+- ``"qwen3"``: per-head q/k norms, head size 32 from the config (not hidden / heads = 16).
+- ``"phi3"``, ``"phi4_mini"``: fused qkv and gate/up, LongRoPE over an original 32 positions; ``"phi4_mini"`` with
+  Phi-4-mini's partial rotary factor 0.75 (head size 32, 24 rotated) and tied embeddings.
 - ``"llama_tp"``: 8 query heads and 2 KV heads (head size 16) and a vocabulary of 254, for tensor parallelism:
   TP=4 replicates the KV heads and pads the vocabulary.
 - ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
@@ -71,6 +75,7 @@ TIERS = {
     "test_lora": "engine",
     "test_lora_staging": "engine",
     "test_memory": "engine",
+    "test_model_families": "engine",
     "test_model_parity": "engine",
     "test_priority": "engine",
     "test_sliding_window": "engine",  # kernels, then a Mistral engine against transformers
@@ -204,6 +209,54 @@ TINY_VARIANTS = {
             "num_attention_heads": 8,
             "vocab_size": 254,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "llama_yarn": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    # LongRoPE: short factors over the original 32 positions, long ones past them (tests/test_model_families.py).
+    "phi3": (
+        "Phi3Config",
+        {
+            "original_max_position_embeddings": 32,
+            "sliding_window": None,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+            },
+        },
+    ),
+    # Phi-4-mini's shape: a quarter of each head unrotated (partial_rotary_factor 0.75), tied embeddings.
+    "phi4_mini": (
+        "Phi3Config",
+        {
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "tie_word_embeddings": True,
+            "original_max_position_embeddings": 32,
+            "sliding_window": None,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + i / 8 for i in range(12)],
+                "long_factor": [1.0 + i for i in range(12)],
+            },
         },
     ),
     **{

@@ -249,8 +249,8 @@ def test_rotary_matches_transformers(rope: str, dtype: torch.dtype) -> None:
 
 
 def test_rotary_refuses_unknown_scaling() -> None:
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        build_cos_sin_cache(64, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="'proportional' is not supported"):
+        build_cos_sin_cache(64, 128, 10000.0, {"rope_type": "proportional", "factor": 4.0})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

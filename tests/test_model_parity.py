@@ -103,7 +103,7 @@ def hf_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [model(torch.tensor([p])).logits[0].float() for p in prompts]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3_tied", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "llama3_tied", "qwen2", "llama_yarn", "qwen3", "phi3", "phi4_mini"])
 def tiny_pair(request: pytest.FixtureRequest, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]):
     """(our fp32 model, transformers' logits of each prompt) for one tiny variant."""
     model_dir = make_tiny_model(request.param)
@@ -315,7 +315,7 @@ def test_prepared_weights_give_the_same_logits(
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3"])
 def test_quantized_projections_compute_their_dequantized_weights(
     variant: str,
     bits: int,

@@ -93,6 +93,8 @@ class CheckpointConfig:
         layer_windows: each layer's attention window (a token attends to that many positions, its own included),
             None for a layer that attends to the whole context.
         hf_config: the whole parsed ``config.json``, for a model class that reads fields of its own (not compared).
+        partial_rotary_factor: the share of each head that RoPE rotates (its first ``int(head_dim * factor)``
+            dimensions; Phi-4-mini's 0.75); 1 for the whole head.
 
     """
 
@@ -115,6 +117,7 @@ class CheckpointConfig:
     dtype: str | None
     layer_windows: list[int | None]
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "CheckpointConfig":
@@ -157,7 +160,7 @@ class CheckpointConfig:
         if missing:
             raise ValueError(f"the config.json of a {architectures[0]} lacks {', '.join(missing)}, which Spindle needs")
         num_heads = text["num_attention_heads"]
-        rope_theta, rope_scaling = _rope(text)
+        rope_theta, rope_scaling, partial_rotary_factor = _rope(text)
         eos_token_ids: list[int] = []
         for source in (text, generation_config or {}):
             for token in _as_list(source.get("eos_token_id")):
@@ -183,6 +186,7 @@ class CheckpointConfig:
             dtype=config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
             layer_windows=_layer_windows(text, text_architecture),
             hf_config=config,
+            partial_rotary_factor=partial_rotary_factor,
         )
 
 
@@ -222,12 +226,20 @@ def _layer_windows(config: dict[str, Any], architecture: str) -> list[int | None
     return [window if i >= first else None for i in range(num_layers)]
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """RoPE base and scaling from either the v5 ``rope_parameters`` or the v4 ``rope_theta`` + ``rope_scaling``."""
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """RoPE base, scaling and partial rotary factor from the v5 ``rope_parameters`` or the v4 top-level fields.
+
+    As transformers does, a top-level ``original_max_position_embeddings`` (Phi-3's) wins over the scaling's own,
+    and a scaling that needs one and has none gets ``max_position_embeddings``.
+    """
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
-    return float(theta), None if rope_type == "default" else {"rope_type": rope_type, **params}
+    partial = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if rope_type in ("llama3", "yarn", "longrope"):
+        original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or config.get("max_position_embeddings", 2048)
+    return float(theta), None if rope_type == "default" else {"rope_type": rope_type, **params}, float(partial)
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

@@ -78,19 +78,32 @@ class LlamaAttention(nn.Module):
         qkv = linear(hidden, self.qkv_proj, self.qkv_bias, self.prepared.get("qkv_proj"))
         qkv = _with_lora(qkv, hidden, self.lora.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = attend(
+        out = self.attend_heads(
+            positions,
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            *kv_cache,
-            self.scale,
-            positions,
+            kv_cache,
             cos_sin_cache,
-            self.sliding_window,
         )
         out = out.view(num_tokens, self.q_size)
         out = _with_lora(linear(out, self.o_proj, prepared=self.prepared.get("o_proj")), out, self.lora.get("o_proj"))
         return parallel.all_reduce(out)
+
+    def attend_heads(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate, cache and attend the projected heads ``[T, heads, head_dim]``.
+
+        A family that treats its q/k heads otherwise (norms, partial rotary) overrides this.
+        """
+        return attend(q, k, v, *kv_cache, self.scale, positions, cos_sin_cache, self.sliding_window)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,13 +113,16 @@ class LlamaDecoderLayer(nn.Module):
     down row-parallel with an all-reduce. ``sliding_window`` is the layer's attention window (None: the whole context).
     """
 
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    """The attention block; a family with other q/k treatment names its subclass here."""
+
     def __init__(
         self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype, sliding_window: int | None = None
     ) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.self_attn = LlamaAttention(config, shard, dtype, sliding_window)
+        self.self_attn = self.attention_cls(config, shard, dtype, sliding_window)
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.gate_up_proj = _weight(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _weight(config.hidden_size, shard.intermediate_size, dtype=dtype)
@@ -160,6 +176,8 @@ class LlamaForCausalLM(nn.Module):
     """It takes text only."""
     is_pooling_model = False
     """It has an LM head: it generates."""
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    """The decoder layer; a family whose layers differ names its subclass here."""
 
     def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -169,12 +187,13 @@ class LlamaForCausalLM(nn.Module):
         vocab = self.shard.vocab_size
         self.embed_tokens = _weight(vocab, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.shard, dtype, window) for window in config.layer_windows
+            self.layer_cls(config, self.shard, dtype, window) for window in config.layer_windows
         )
         self.norm = _weight(config.hidden_size, dtype=dtype)
         self.lm_head = None if config.tie_word_embeddings else _weight(vocab, config.hidden_size, dtype=dtype)
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         cos_sin_cache = build_cos_sin_cache(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
+            rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.prepared: dict[str, Projection] = {}
