@@ -22,6 +22,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "LlamaModel": "spindle.backend.models.llama:LlamaModel",
+    "MixtralForCausalLM": "spindle.backend.models.mixtral:MixtralForCausalLM",
     "LlavaForConditionalGeneration": "spindle.backend.models.llava:LlavaForConditionalGeneration",
 }
 """The architectures Spindle ships, and the class that serves each; ``LlamaModel`` (no LM head) serves embeddings

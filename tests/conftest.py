@@ -72,6 +72,7 @@ TIERS = {
     "test_lora_staging": "engine",
     "test_memory": "engine",
     "test_model_parity": "engine",
+    "test_moe": "engine",
     "test_priority": "engine",
     "test_smollm2": "engine",
     "test_speculative": "engine",
