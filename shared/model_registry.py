@@ -24,6 +24,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "spindle.backend.models.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "spindle.backend.models.phi3:Phi3ForCausalLM",
     "LlamaModel": "spindle.backend.models.llama:LlamaModel",
+    "MixtralForCausalLM": "spindle.backend.models.mixtral:MixtralForCausalLM",
     "LlavaForConditionalGeneration": "spindle.backend.models.llava:LlavaForConditionalGeneration",
 }
 """The architectures Spindle ships, and the class that serves each (Qwen3's and Phi-3's subclass the Llama one);

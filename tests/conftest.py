@@ -77,6 +77,7 @@ TIERS = {
     "test_memory": "engine",
     "test_model_families": "engine",
     "test_model_parity": "engine",
+    "test_moe": "engine",
     "test_priority": "engine",
     "test_sliding_window": "engine",  # kernels, then a Mistral engine against transformers
     "test_smollm2": "engine",

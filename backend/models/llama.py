@@ -176,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
     """It takes text only."""
     is_pooling_model = False
     """It has an LM head: it generates."""
-    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    """The decoder layer; a family whose layers differ names its subclass here."""
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    """The decoder layer class, built with each layer's window; a family whose layers differ names its own."""
 
     def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:
         super().__init__()

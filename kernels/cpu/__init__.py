@@ -53,6 +53,7 @@ _SOURCES = [
         "lora.cpp",
         "argmax.cpp",
         "cache.cpp",
+        "moe.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("common.h")]
@@ -295,3 +296,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU in one pass per token; the contract of ``spindle.kernels.activation``'s."""
     rows = x.reshape(-1, x.shape[-1])
     return cpu_ops().silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def moe_pack(weights: torch.Tensor) -> torch.Tensor:
+    """Each matrix of a bf16 ``[experts, out, in]`` stack in :func:`bf16_pack`'s layout, as ``[experts, out * in]``."""
+    return cpu_ops().moe_pack(weights)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    intermediate: int,
+    tiled: bool,
+) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs, weighted and summed per token; the contract of ``spindle.kernels.moe``'s.
+
+    Args:
+        x: ``[tokens, hidden]``, float32 or bfloat16.
+        w13: ``[experts, 2 * intermediate, hidden]`` (gate rows, then up rows), or its :func:`moe_pack` when ``tiled``.
+        w2: ``[experts, hidden, intermediate]``, or its :func:`moe_pack` when ``tiled``.
+        topk_weights: ``[tokens, top_k]`` routing weights.
+        topk_ids: int64 ``[tokens, top_k]`` expert ids.
+        num_experts: the experts in ``w13`` and ``w2``.
+        intermediate: each expert's intermediate size.
+        tiled: whether the weights are :func:`moe_pack` ones, run by ``bf16_linear``'s kernel.
+
+    Returns:
+        ``[tokens, hidden]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().fused_moe(x, w13, w2, topk_weights, topk_ids, num_experts, intermediate, tiled)

@@ -34,6 +34,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
                        const std::optional<at::Tensor>& bias);
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_bt,
                const at::Tensor& segments, const std::vector<int64_t>& part_ends, const at::Tensor& ranks);
+at::Tensor moe_pack(const at::Tensor& weights);
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+                     const at::Tensor& topk_ids, int64_t num_experts, int64_t intermediate, bool tiled);
 
 // Every kernel runs without the GIL (its arguments are converted before and its result after): it touches no Python
 // object, and a long call (a big prefill's attention or projections) must not stall the process's other threads, such
@@ -68,4 +71,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T + b, W int8 per row, x quantized to int8 per group on the fly.");
   m.def("lora_add_", &lora_add_, ReleaseGil(),
         "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
+  m.def("moe_pack", &moe_pack, ReleaseGil(), "Each expert's bf16 [out, in] matrix in bf16_pack's tiles, stacked.");
+  m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
 }

@@ -1,0 +1,142 @@
+"""Mixture-of-experts on the CPU: a tiny random Mixtral through Spindle's ``LLM`` against transformers' batched
+``generate``, and the fused MoE op against a per-expert loop written in torch, printed side by side.
+
+The checkpoint is written here (transformers' ``MixtralForCausalLM`` of random weights, std 0.02, and
+``bench.random_llama``'s byte-level tokenizer). Both engines generate ``--max-tokens`` greedy tokens for each of
+``--num-prompts`` prompts of random token ids (lengths 16-64); transformers runs them as one left-padded batch,
+Spindle as its scheduler batches them. The kernel part times one MoE layer of the model's shapes at several token
+counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles where the CPU has
+AVX-512 bf16) against ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as transformers'
+``MixtralExperts`` runs)::
+
+    python -m bench.moe --dtype bfloat16
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.random_llama import write_tokenizer
+from spindle import LLM, SamplingParams
+from spindle.kernels.moe import Experts, fused_moe_reference, route
+
+SHAPES = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+)
+
+
+def write_mixtral(out_dir: Path) -> None:
+    """Save a random Mixtral of :data:`SHAPES` (float32 safetensors) and a byte-level tokenizer into ``out_dir``."""
+    bos, eos = write_tokenizer(out_dir, SHAPES["vocab_size"])
+    config = transformers.MixtralConfig(**SHAPES, bos_token_id=bos, eos_token_id=eos, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def engines(model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: int) -> tuple[float, float]:
+    """Generated tokens per second: (Spindle's ``LLM``, transformers' batched ``generate``)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 65, (num_prompts,), generator=generator).tolist()
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in lengths]
+    total = num_prompts * max_tokens
+
+    # No prefix caching: the repeats would otherwise reuse their own prompts' KV, which transformers cannot.
+    llm = LLM(
+        str(model_dir), dtype=str(dtype).removeprefix("torch."), kv_cache_memory="256MiB", enable_prefix_caching=False
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    spindle_s = median_seconds(lambda: llm.generate(requests, params, use_tqdm=False), repeats=3)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    longest = max(lengths)
+    ids = torch.zeros(num_prompts, longest, dtype=torch.int64)
+    mask = torch.zeros(num_prompts, longest, dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
+
+    def hf_generate() -> None:
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    hf_s = median_seconds(hf_generate, repeats=3)
+    return total / spindle_s, total / hf_s
+
+
+def kernels(dtype: torch.dtype, token_counts: list[int]) -> list[tuple[int, float, float]]:
+    """One MoE layer of :data:`SHAPES`: ``(tokens, fused us, per-expert loop us)`` per token count."""
+    experts, hidden, inter = SHAPES["num_local_experts"], SHAPES["hidden_size"], SHAPES["intermediate_size"]
+    generator = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=generator) * 0.02).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=generator) * 0.02).to(dtype)
+    fused = Experts(w13, w2)
+    rows = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+        weights, ids = route(torch.randn(tokens, experts, generator=generator), SHAPES["num_experts_per_tok"])
+        with torch.inference_mode():
+            ours = median_seconds(lambda: fused(x, weights, ids), repeats=20)  # noqa: B023 (timed in this iteration)
+            loop = median_seconds(lambda: fused_moe_reference(x, w13, w2, weights, ids), repeats=20)  # noqa: B023
+        rows.append((tokens, ours * 1e6, loop * 1e6))
+    return rows
+
+
+def main() -> None:
+    """Run both comparisons and print them."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--token-counts", default="1,8,64,256,1024")
+    args = parser.parse_args()
+    # `python -m` puts the repository root on sys.path, where transformers' probe for Hugging Face's `kernels`
+    # package would import our kernels/ (as tests/conftest.py explains); bench's modules are imported by now.
+    repo = Path(__file__).resolve().parents[1]
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != repo]
+    dtype = getattr(torch, args.dtype)
+    print(f"torch threads: {torch.get_num_threads()}, dtype {args.dtype}, Mixtral shapes {SHAPES}")
+    print("\nOne MoE layer, median us a call: fused (C++ op) | per-expert torch loop | speed-up")
+    for tokens, ours, loop in kernels(dtype, [int(n) for n in args.token_counts.split(",")]):
+        print(f"  {tokens:5d} tokens: {ours:9.1f} | {loop:9.1f} | {loop / ours:5.2f}x")
+    with tempfile.TemporaryDirectory(prefix="mixtral-") as model_dir:
+        write_mixtral(Path(model_dir))
+        spindle_tps, hf_tps = engines(Path(model_dir), dtype, args.num_prompts, args.max_tokens)
+    print(f"\n{args.num_prompts} prompts x {args.max_tokens} greedy tokens, generated tokens/s (median of 3):")
+    print(f"  Spindle LLM {spindle_tps:8.1f} | transformers generate {hf_tps:8.1f} | {spindle_tps / hf_tps:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
