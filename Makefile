@@ -28,8 +28,9 @@ serve: $(STAMP)
 
 # pytest runs as a script, not `python -m`, so the repository root is not on sys.path: every import goes through
 # the installed `spindle` package, as it will for users.
+# --maxfail: a run where everything fails (a broken machine, a cascade) stops early with its summary.
 test: $(STAMP) $(BUF) lint
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q --durations=25 --maxfail=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -122,11 +122,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(TIERS[item.path.stem])
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    # pytest-randomly prints its seed in the header, which -q (`make test`) leaves out.
+def _run_line(config: pytest.Config) -> str:
+    """The order's seed and the machine's state: what a failed CI run needs to be replayed and read.
+
+    pytest-randomly prints its seed in the header, which -q (``make test``) leaves out; a run cut short by CI's time
+    limit prints no summary, so the line goes out at the start too.
+    """
     seed = config.getoption("randomly_seed", None)
-    if seed is not None:
-        terminalreporter.write_line(f"Shuffled with --randomly-seed={seed}; -p no:randomly runs the file order.")
+    order = "file order" if seed is None else f"shuffled with --randomly-seed={seed} (-p no:randomly: file order)"
+    disk = shutil.disk_usage(os.environ.get("TMPDIR", "/tmp")).free / 2**30
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    memory = int(meminfo["MemAvailable"].split()[0]) / 2**20
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    return f"Tests {order}; {os.cpu_count()} CPUs, load {load}, {memory:.1f} GiB memory and {disk:.1f} GiB disk free."
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(_run_line(session.config))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    terminalreporter.write_line(_run_line(config))
 
 
 @pytest.fixture(autouse=True, scope="session")

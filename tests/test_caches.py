@@ -6,6 +6,7 @@ marker) or foreign (another CPU, another version) is rebuilt; two builders of on
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,21 @@ def test_a_built_entry_is_complete_and_not_built_again(tmp_path):
     assert json.loads((entry / MARKER).read_text())["files"] == {"weights": 1000}
     build_entry(entry, INPUTS, lambda out: pytest.fail("a complete entry was built again"))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".entry.lock", "entry"]  # no scratch left behind
+
+
+def test_the_same_content_shares_its_entry_and_other_content_gets_its_own(gguf_file):
+    path, converted = gguf_file
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 2**13)  # 2 MiB: data past the hashed header
+    model_dir = loader.resolve_model(str(path))
+    reinstalled = path.with_name("again") / path.name
+    reinstalled.parent.mkdir()
+    shutil.copyfile(path, reinstalled)  # a fresh copy, dated now: as a new virtualenv installs the package
+    os.utime(reinstalled, ns=(1, 1))
+    assert loader.resolve_model(str(reinstalled)) == model_dir and len(converted) == 1
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 1  # one byte of tensor data, at one of the sampled places
+    path.write_bytes(data)
+    assert loader.resolve_model(str(path)) != model_dir and len(converted) == 2
 
 
 @pytest.mark.parametrize(

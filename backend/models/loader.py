@@ -30,7 +30,10 @@ QUANTIZATIONS = {"none": None, "int8": 8, "int4": 4}
 """``--quantization`` names (besides ``auto``) and the weight bits they stand for."""
 
 GGUF_HEADER_BYTES = 2**20
-"""How much of a GGUF file's start (its metadata and vocabulary) a converted entry's marker hashes."""
+"""How much of a GGUF file's start (its metadata and vocabulary) a converted entry's key hashes."""
+
+GGUF_SAMPLES, GGUF_SAMPLE_BYTES = 64, 2**16
+"""How many evenly spaced pieces of a GGUF file, of how many bytes each, its converted entry's key hashes too."""
 
 CONVERSION_VERSION = 3
 """Part of a converted GGUF's cache key, bumped when a conversion gains files: 2 kept the file's 4-bit blocks, 3 its
@@ -88,7 +91,7 @@ def resolve_model(model: str | Path | None) -> Path:
 
     Args:
         model: None for the embedded SmolLM2; a ``.gguf`` file, converted on first use into the cache
-            (:func:`cache_root`, keyed by file name, size and mtime; a crash-safe entry of
+            (:func:`cache_root`, keyed by file name and a fingerprint of its content; a crash-safe entry of
             :mod:`spindle.kernels.cache_entry`, rebuilt when incomplete); or a directory holding ``config.json``.
 
     Returns:
@@ -109,23 +112,27 @@ def resolve_model(model: str | Path | None) -> Path:
         raise FileNotFoundError(f"model {str(model)!r} is neither a directory nor a file")
     if path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf; pass a GGUF file or a Hugging Face model directory")
-    stat = path.stat()
-    name = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
-    target = cache_root() / name
-    inputs = _gguf_inputs(path, name)
-    if not is_complete(target, inputs):
-        build_entry(target, inputs, functools.partial(_convert_gguf, path))
+    fingerprint = _gguf_fingerprint(path)
+    target = cache_root() / f"{path.stem}-{fingerprint[:16]}-v{CONVERSION_VERSION}"
+    if not is_complete(target, fingerprint):
+        build_entry(target, fingerprint, functools.partial(_convert_gguf, path))
     return target
 
 
-def _gguf_inputs(gguf_file: Path, name: str) -> str:
-    """What a conversion depends on, hashed: the cache entry's name and the file's header (metadata, vocabulary).
+def _gguf_fingerprint(gguf_file: Path) -> str:
+    """What a conversion depends on, hashed: the file's size, header (metadata, vocabulary) and samples of its data.
 
-    Content, not the path: a copy of the file (``cp -p`` keeps the mtime) shares the entry instead of taking it over.
+    Content, not the path or the mtime: a copy of the file, or the same file installed again (a new virtualenv dates
+    it anew), shares the entry instead of converting again beside it (SmolLM2's takes ~600 MB). The tensor data is
+    sampled (:data:`GGUF_SAMPLES` evenly spaced pieces) so that a multi-GB file is not read whole at every start.
     """
-    digest = hashlib.sha256(name.encode() + b"\0")
+    size = gguf_file.stat().st_size
+    digest = hashlib.sha256(f"{size}\0".encode())
     with gguf_file.open("rb") as f:
         digest.update(f.read(GGUF_HEADER_BYTES))
+        for i in range(GGUF_SAMPLES):
+            f.seek(size * i // GGUF_SAMPLES)
+            digest.update(f.read(GGUF_SAMPLE_BYTES))
     return digest.hexdigest()
 
 
