@@ -161,8 +161,11 @@ def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str
     """
     served_projections = served.projections()
     for name, (module, attr) in reference.projections().items():
-        getattr(module, attr).data = quant.dequantize(weights[name])
         key = name.rsplit(".", 1)[-1]  # the lm head's module is the decoder model, which keeps it as "lm_head"
+        if attr == "embed_tokens":  # a tied lm head: the embedding table it shares is served unquantized
+            module.prepared[key] = functools.partial(nn.functional.linear, weight=quant.dequantize(weights[name]))
+        else:
+            getattr(module, attr).data = quant.dequantize(weights[name])
         if served_projections[name][0].prepared[key].w8a8 is not None:
             bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
             module.prepared[key] = functools.partial(quant.w8a8_linear, weight=weights[name], bias=bias)
