@@ -76,6 +76,7 @@ TIERS = {
     "test_lora_staging": "engine",
     "test_memory": "engine",
     "test_model_families": "engine",
+    "test_gguf_families": "engine",
     "test_model_parity": "engine",
     "test_moe": "engine",
     "test_priority": "engine",
