@@ -11,6 +11,7 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"qwen3"``: per-head q/k norms, head size 32 from the config (not hidden / heads = 16).
 - ``"phi3"``, ``"phi4_mini"``: fused qkv and gate/up, LongRoPE over an original 32 positions; ``"phi4_mini"`` with
   Phi-4-mini's partial rotary factor 0.75 (head size 32, 24 rotated) and tied embeddings.
+- ``"mixtral"``: 8 experts of 32 intermediate features, top-2 routing.
 - ``"llama_tp"``: 8 query heads and 2 KV heads (head size 16) and a vocabulary of 254, for tensor parallelism:
   TP=4 replicates the KV heads and pads the vocabulary.
 - ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
@@ -262,6 +263,17 @@ TINY_VARIANTS = {
                 "short_factor": [1.0 + i / 8 for i in range(12)],
                 "long_factor": [1.0 + i for i in range(12)],
             },
+        },
+    ),
+    # Mixtral's shape in test_moe.py: 8 experts of 32, top-2 (tests/test_model_families.py's feature matrix).
+    "mixtral": (
+        "MixtralConfig",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
     **{

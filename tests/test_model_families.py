@@ -24,8 +24,8 @@ from spindle.shared import SamplingParams
 from spindle.shared.protocol import EngineRequest
 from spindle.shared.sampling_params import StructuredOutput
 
-FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini"]
-"""A tiny checkpoint of every dense family served (Mistral's with a 24-token window, which the prompts pass)."""
+FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini", "mixtral"]
+"""A tiny checkpoint of every family served (Mistral's with a 24-token window, which the prompts pass)."""
 
 # Each rope type with the parameters of a model that uses it, on the tiny model's shape (head size 16, 512 positions).
 ROPE_CASES = {
@@ -140,7 +140,12 @@ def test_greedy_tokens_match_transformers_in_one_batch_with_chunked_prefill(
 @pytest.mark.parametrize(
     ("variant", "targets"),
     # Phi-3's checkpoints fuse q/k/v and gate/up: one A for each fused module, its B's rows cut into the parts.
-    [("qwen3", ALL_TARGETS), ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])],
+    # Mixtral's experts are no projections of ours: adapters of its attention only.
+    [
+        ("qwen3", ALL_TARGETS),
+        ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ],
 )
 def test_lora_matches_peft(
     variant: str, targets: list[str], make_tiny_model: Callable[[str], Path], prompts: list[list[int]], tmp_path: Path
