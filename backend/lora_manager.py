@@ -377,13 +377,13 @@ class LoraManager:
                     f"{tensor_name} in {weights_file} is {list(tensor.shape)}, but a rank-{rank} adapter of this "
                     f"model's {target} needs {list(expected)}: was it made for another base model?",
                 )
-            # The scale folded in float32, then rounded once to the model's dtype.
             pieces = tensor.split(part_rows) if match["matrix"] == "B" else [tensor] * len(parts)
             for part, (_, offset, _), piece in zip(parts, slices, pieces, strict=True):
                 block = slice(TARGET_PARTS[part] * self.max_rank, TARGET_PARTS[part] * self.max_rank + rank)
                 if match["matrix"] == "A":
                     a[block] = piece.to(self.dtype)
                 else:
+                    # The scale folded in float32, then rounded once to the model's dtype.
                     b[block, offset : offset + piece.shape[0]] = (piece.float() * scale).T.to(self.dtype)
                 ranks[TARGET_PARTS[part]] = rank
             weights[projection] = (a, b, ranks)
