@@ -3,8 +3,9 @@
 An adapter is loaded once (``--lora-modules`` at start-up, or :meth:`LoraManager.add`) into host tensors in the
 layout of the slots: per adapted projection of our model (fused ``qkv_proj`` and ``gate_up_proj``, ``o_proj``,
 ``down_proj``), ``A [K, in]`` and ``B.T [K, out]`` with ``K = parts x max_lora_rank``, each PEFT module's matrices in
-its part's rank block and its rows of the fused output (zeros where it targets nothing), and ``lora_alpha / r``
-(``/ sqrt(r)`` with rsLoRA) folded into ``B``.
+its part's rank block and its rows of the fused output (zeros where it targets nothing; a module fused in the
+checkpoint, Phi-3's, fills every part it fuses: :data:`FUSED_TARGETS`), and ``lora_alpha / r`` (``/ sqrt(r)`` with
+rsLoRA) folded into ``B``.
 
 The device holds ``max_loras`` slots: per projection ``lora_a [max_loras, K, in]`` and ``lora_b [max_loras, K,
 out]``, allocated when the first adapter is loaded (at start-up when the engine is configured for LoRA, so that the
@@ -56,6 +57,19 @@ TARGET_PARTS: dict[str, int] = {
     "down_proj": 0,
 }
 """The PEFT modules an adapter may target, and each one's part (rank block) in our fused projection."""
+
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""Checkpoints' fused modules (Phi-3's) an adapter may target, and the modules of :data:`TARGET_PARTS` each fuses.
+
+Their one ``A`` goes into every part's rank block and their ``B``'s rows are cut into the parts': ``B_q A x`` is the
+q rows of ``B A x``, so the slots compute the fused adapter exactly (at the cost of its rank once per part).
+"""
+
+ADAPTABLE = [*TARGET_PARTS, *FUSED_TARGETS]
+"""Every module name an adapter may target, in the order :class:`LoraAdapterInfo` lists them."""
 
 NUM_PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 """Our adapted projections and how many PEFT modules each fuses."""
@@ -186,8 +200,8 @@ class LoraManager:
             ResourceExhaustedError: ``max_loaded`` adapter names are loaded already (field ``name``).
             InvalidRequestError: the name is empty (field ``name``); the directory lacks ``adapter_config.json`` or
                 ``adapter_model.safetensors``, the adapter's rank exceeds ``max_lora_rank``, it targets a module other
-                than q/k/v/o/gate/up/down_proj, uses an unsupported PEFT feature, or a matrix does not fit the model
-                (field ``path``).
+                than q/k/v/o/gate/up/down_proj or the fused qkv/gate_up_proj, uses an unsupported PEFT feature, or a
+                matrix does not fit the model (field ``path``).
 
         """
         if not name:
@@ -340,38 +354,43 @@ class LoraManager:
         for tensor_name, tensor in tensors.items():
             match = _TENSOR_NAME.fullmatch(tensor_name)
             target = match and match["target"]
-            if target not in TARGET_PARTS:
+            if target not in ADAPTABLE:
                 raise InvalidRequestError(
                     "path",
                     f"{weights_file} holds {tensor_name}, which is not a LoRA matrix of "
-                    f"{'/'.join(TARGET_PARTS)}: only those modules can be adapted",
+                    f"{'/'.join(ADAPTABLE)}: only those modules can be adapted",
                 )
             assert match is not None
-            projection, offset, rows = self.model.parameter_slice(match["module"] + ".weight")
-            if projection not in self._targets:
+            prefix = match["module"].removesuffix(target)
+            parts = FUSED_TARGETS.get(target, (target,))
+            slices = [self.model.parameter_slice(f"{prefix}{part}.weight") for part in parts]
+            projection = slices[0][0]
+            if projection not in self._targets or any(s[0] != projection for s in slices):
                 raise InvalidRequestError("path", f"{tensor_name} in {weights_file} names no layer of this model")
             _, attr, out_features, in_features, _ = self._targets[projection]
             a, b, ranks = weights.get(projection) or self._zeros(attr, out_features, in_features)
-            part = slice(TARGET_PARTS[target] * self.max_rank, TARGET_PARTS[target] * self.max_rank + rank)
-            rows = out_features if rows is None else rows
-            expected = (rank, in_features) if match["matrix"] == "A" else (rows, rank)
+            part_rows = [out_features if rows is None else rows for _, _, rows in slices]
+            expected = (rank, in_features) if match["matrix"] == "A" else (sum(part_rows), rank)
             if tuple(tensor.shape) != expected:
                 raise InvalidRequestError(
                     "path",
                     f"{tensor_name} in {weights_file} is {list(tensor.shape)}, but a rank-{rank} adapter of this "
                     f"model's {target} needs {list(expected)}: was it made for another base model?",
                 )
-            if match["matrix"] == "A":
-                a[part] = tensor.to(self.dtype)
-            else:
-                # The scale folded in float32, then rounded once to the model's dtype.
-                b[part, offset : offset + rows] = (tensor.float() * scale).T.to(self.dtype)
-            ranks[TARGET_PARTS[target]] = rank
+            pieces = tensor.split(part_rows) if match["matrix"] == "B" else [tensor] * len(parts)
+            for part, (_, offset, _), piece in zip(parts, slices, pieces, strict=True):
+                block = slice(TARGET_PARTS[part] * self.max_rank, TARGET_PARTS[part] * self.max_rank + rank)
+                if match["matrix"] == "A":
+                    a[block] = piece.to(self.dtype)
+                else:
+                    # The scale folded in float32, then rounded once to the model's dtype.
+                    b[block, offset : offset + piece.shape[0]] = (piece.float() * scale).T.to(self.dtype)
+                ranks[TARGET_PARTS[part]] = rank
             weights[projection] = (a, b, ranks)
             found_targets.add(target)
         if not found_targets:
             raise InvalidRequestError("path", f"{weights_file} holds no LoRA matrices")
-        names = sorted(targets or found_targets, key=list(TARGET_PARTS).index)
+        names = sorted(targets or found_targets, key=ADAPTABLE.index)
         return LoraAdapterInfo(name=name, path=str(path), rank=rank, target_modules=names), weights
 
     def _zeros(self, attr: str, out_features: int, in_features: int) -> HostWeights:
@@ -407,11 +426,11 @@ class LoraManager:
             raise refuse(f"sets bias={config['bias']!r}: only bias='none' is supported")
         targets = config.get("target_modules")
         # A string is a regular expression over module names: the matrices the file holds tell what it targets.
-        names = [targets] if isinstance(targets, str) and targets in TARGET_PARTS else targets
+        names = [targets] if isinstance(targets, str) and targets in ADAPTABLE else targets
         if isinstance(names, list):
-            bad = [t for t in names if t not in TARGET_PARTS]
+            bad = [t for t in names if t not in ADAPTABLE]
             if bad:
-                raise refuse(f"targets {bad}: only {', '.join(TARGET_PARTS)} can be adapted")
+                raise refuse(f"targets {bad}: only {', '.join(ADAPTABLE)} can be adapted")
         alpha = config.get("lora_alpha", rank)
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         return rank, scale, names if isinstance(names, list) else []

@@ -11,6 +11,7 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"qwen3"``: per-head q/k norms, head size 32 from the config (not hidden / heads = 16).
 - ``"phi3"``, ``"phi4_mini"``: fused qkv and gate/up, LongRoPE over an original 32 positions; ``"phi4_mini"`` with
   Phi-4-mini's partial rotary factor 0.75 (head size 32, 24 rotated) and tied embeddings.
+- ``"mixtral"``: 8 experts of 32 intermediate features, top-2 routing.
 - ``"llama_tp"``: 8 query heads and 2 KV heads (head size 16) and a vocabulary of 254, for tensor parallelism:
   TP=4 replicates the KV heads and pads the vocabulary.
 - ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
@@ -76,6 +77,7 @@ TIERS = {
     "test_lora_staging": "engine",
     "test_memory": "engine",
     "test_model_families": "engine",
+    "test_gguf_families": "engine",
     "test_model_parity": "engine",
     "test_moe": "engine",
     "test_priority": "engine",
@@ -179,8 +181,11 @@ def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str
     """
     served_projections = served.projections()
     for name, (module, attr) in reference.projections().items():
-        getattr(module, attr).data = quant.dequantize(weights[name])
         key = name.rsplit(".", 1)[-1]  # the lm head's module is the decoder model, which keeps it as "lm_head"
+        if attr == "embed_tokens":  # a tied lm head: the embedding table it shares is served unquantized
+            module.prepared[key] = functools.partial(nn.functional.linear, weight=quant.dequantize(weights[name]))
+        else:
+            getattr(module, attr).data = quant.dequantize(weights[name])
         if served_projections[name][0].prepared[key].w8a8 is not None:
             bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
             module.prepared[key] = functools.partial(quant.w8a8_linear, weight=weights[name], bias=bias)
@@ -276,6 +281,17 @@ TINY_VARIANTS = {
                 "short_factor": [1.0 + i / 8 for i in range(12)],
                 "long_factor": [1.0 + i for i in range(12)],
             },
+        },
+    ),
+    # Mixtral's shape in test_moe.py: 8 experts of 32, top-2 (tests/test_model_families.py's feature matrix).
+    "mixtral": (
+        "MixtralConfig",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
     **{

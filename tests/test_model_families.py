@@ -11,12 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import TINY_COMMON, TINY_VARIANTS
+from conftest import TINY_COMMON, TINY_VARIANTS, _with_byte_tokenizer, compute_as_served
 from test_lora import ALL_TARGETS, MAX_TOKENS, generate, peft_greedy, peft_model, save_random_adapter, tiny_core
+from tokenizers import Tokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from spindle.backend.models import CheckpointConfig
+from spindle.backend.models import CheckpointConfig, load_model
+from spindle.backend.models.loader import quantized_weights
 from spindle.kernels import build_cos_sin_cache, force_triton
+from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
+from spindle.shared import SamplingParams
+from spindle.shared.protocol import EngineRequest
+from spindle.shared.sampling_params import StructuredOutput
+
+FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini", "mixtral"]
+"""A tiny checkpoint of every family served (Mistral's with a 24-token window, which the prompts pass)."""
 
 # Each rope type with the parameters of a model that uses it, on the tiny model's shape (head size 16, 512 positions).
 ROPE_CASES = {
@@ -111,7 +120,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
         return [model.generate(torch.tensor([ids]), **kwargs)[0, len(ids) :].tolist() for ids in prompts]
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi3", "phi4_mini", "llama_yarn"])
+@pytest.mark.parametrize("variant", [*FAMILIES, "llama_yarn"])
 def test_greedy_tokens_match_transformers_in_one_batch_with_chunked_prefill(
     variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
@@ -130,8 +139,13 @@ def test_greedy_tokens_match_transformers_in_one_batch_with_chunked_prefill(
 
 @pytest.mark.parametrize(
     ("variant", "targets"),
-    # Phi-3's checkpoints fuse q/k/v and gate/up, so PEFT adapts o_proj and down_proj there by those names.
-    [("qwen3", ALL_TARGETS), ("phi3", ["o_proj", "down_proj"])],
+    # Phi-3's checkpoints fuse q/k/v and gate/up: one A for each fused module, its B's rows cut into the parts.
+    # Mixtral's experts are no projections of ours: adapters of its attention only.
+    [
+        ("qwen3", ALL_TARGETS),
+        ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ],
 )
 def test_lora_matches_peft(
     variant: str, targets: list[str], make_tiny_model: Callable[[str], Path], prompts: list[list[int]], tmp_path: Path
@@ -148,16 +162,6 @@ def test_lora_matches_peft(
 
     assert got == expected
     assert got[0] != got[1]  # the adapter changes the continuation: a path that ignored it could not pass
-
-
-def test_phi3_lora_on_fused_projections_is_refused(make_tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
-    """An adapter of Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` (one A for three outputs) has no slot layout."""
-    model_dir = make_tiny_model("phi3")
-    adapter = save_random_adapter(model_dir, tmp_path / "fused", 8, 16, ["qkv_proj", "gate_up_proj"], seed=0, std=0.1)
-
-    # PEFT saves its targets as a set: their order varies from run to run.
-    with pytest.raises(ValueError, match=r"targets \[.(gate_up|qkv)_proj., .(gate_up|qkv)_proj.\]: only q_proj"):
-        tiny_core(model_dir, lora_modules={"fused": str(adapter)})
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "phi4_mini"])
@@ -190,3 +194,80 @@ def test_triton_path_matches_transformers(
         got, _ = generate(core, [(ids, None) for ids in prompts[:2]])
 
     assert got == hf_greedy(model_dir, prompts[:2])
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_ngram_speculation_keeps_transformers_tokens(
+    variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
+) -> None:
+    """Decodes verify 4 n-gram drafts a step (several tokens of a sequence in one query) beside prefill chunks."""
+    model_dir = make_tiny_model(variant)
+    core = tiny_core(model_dir, max_num_batched_tokens=16)
+
+    got, _ = generate(core, [(ids, None) for ids in prompts], num_speculative_tokens=4)
+
+    assert got == hf_greedy(model_dir, prompts)
+    assert core.drafter.num_draft_tokens > 0  # steps verified drafts
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["colour", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_json_schema_output(
+    variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """Greedy outputs constrained to a JSON schema, in one batch with chunked prefill: every one an instance."""
+    model_dir = _with_byte_tokenizer(make_tiny_model(variant), tmp_path)
+    core = tiny_core(model_dir, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(json_schema=ANSWER_SCHEMA))
+    for i, ids in enumerate(prompts):
+        core.add_request(EngineRequest(f"json-{i}", ids, params, arrival_time=0.0))
+    tokens: dict[str, list[int]] = {f"json-{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            tokens[delta.request_id] += delta.new_token_ids
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    for ids in tokens.values():
+        assert ids[-1] == TINY_COMMON["eos_token_id"]  # the grammar ended, then allowed only the end of sequence
+        answer = json.loads(tokenizer.decode(ids[:-1]))
+        assert set(answer) == {"colour", "ok"} and answer["colour"] in {"red", "green", "blue"}
+        assert isinstance(answer["ok"], bool)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_quantized_tokens_are_those_of_the_dequantized_weights(
+    variant: str,
+    bits: int,
+    make_tiny_model: Callable[[str], Path],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--quantization int8`` / ``int4`` serve the greedy tokens of their dequantized weights run dense.
+
+    Every step runs the quantized kernels (no dense copy at any batch size); int8 runs W8A8 where the CPU has VNNI,
+    and the reference quantizes those activations too (:func:`~conftest.compute_as_served`).
+    """
+    for key in MAX_QUANTIZED_TOKENS:
+        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
+    model_dir = make_tiny_model(variant)
+    jobs = [(ids, None) for ids in prompts]
+    quantized = tiny_core(model_dir, quantization=f"int{bits}", max_num_batched_tokens=16)
+    dense = tiny_core(model_dir, max_num_batched_tokens=16)
+    reference = dense.runner.model
+    # Unprepared, the reference runs torch's F.linear on the weights compute_as_served gives it.
+    for module in reference.modules():
+        getattr(module, "prepared", {}).clear()
+    weights = quantized_weights(load_model(model_dir, torch.float32, torch.device("cpu")), model_dir, bits)
+    compute_as_served(reference, quantized.runner.model, weights)
+
+    got, _ = generate(quantized, jobs)
+
+    assert got == generate(dense, jobs)[0]

@@ -60,6 +60,21 @@ GGUF_PROJECTIONS = {
 }
 """llama.cpp's names of a block's projections -> Hugging Face's (under ``model.layers.N.``)."""
 
+GGUF_FUSED_PROJECTIONS = {
+    "attn_qkv": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "ffn_up": ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+}
+"""llama.cpp's names of Phi-3's fused projections -> Hugging Face's fused name and the parts it stacks, in order (a
+Llama's ``ffn_up`` is its ``up_proj`` alone: the fused name applies where transformers' copy holds it)."""
+
+GGUF_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "Qwen3ForCausalLM", "Phi3ForCausalLM")
+"""The architectures a GGUF file is converted for: the Llama family, and the two built-in dense families past it that
+transformers' GGUF reader maps (``qwen3``, ``phi3``)."""
+
+GGUF_PERMUTED_QK = ("llama",)
+"""GGUF architectures whose q/k rows llama.cpp interleaves for its rotary, which transformers un-permutes (its
+``LlamaTensorProcessor``; Mistral files say ``llama`` too). Qwen3's and Phi-3's rows are stored as they are."""
+
 NATIVE_BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
 """``torch.cpu.get_capabilities()`` flags of CPUs that compute in bf16 natively (x86 AVX-512/AMX, Arm)."""
 
@@ -179,9 +194,9 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     with gguf_read_once(gguf_file):
         config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        if architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
-                f"{gguf_file} holds a {config.model_type!r} model; Spindle runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{gguf_file} holds a {config.model_type!r} model; Spindle converts {', '.join(GGUF_ARCHITECTURES)}"
             )
         config.architectures = [architecture]
         # The name map from GGUF to HF tensor names (q/k un-permuted) is read off a weightless skeleton of the model.
@@ -206,7 +221,8 @@ def _save_gguf_quantization(
     The projections, the embedding and the output matrix are kept where their type is one of :data:`GGUF_BITS`.
     Each kept matrix is checked against transformers' dequantized copy of the same tensor (``dequantized``), so a
     layout mistake fails the conversion instead of serving wrong weights. q and k rows get the same un-permutation
-    transformers applies (llama.cpp stores them interleaved for its rotary).
+    transformers applies (:data:`GGUF_PERMUTED_QK`); Phi-3's fused q/k/v and gate/up matrices are cut into their
+    parts' rows (whole rows of blocks: exactly), which is how Spindle loads them too.
     """
     import numpy as np
     from gguf import GGUFReader
@@ -216,8 +232,11 @@ def _save_gguf_quantization(
 
     kept: dict[str, torch.Tensor] = {}
     types: set[str] = set()
-    for tensor in GGUFReader(gguf_file).tensors:
-        hf_name = _gguf_hf_name(tensor.name)
+    reader = GGUFReader(gguf_file)
+    field = reader.fields["general.architecture"]
+    permuted = bytes(field.parts[field.data[0]]).decode() in GGUF_PERMUTED_QK
+    for tensor in reader.tensors:
+        hf_name = _gguf_hf_name(tensor.name, dequantized)
         kind = tensor.tensor_type.name
         if hf_name is None:
             continue
@@ -231,16 +250,17 @@ def _save_gguf_quantization(
         else:
             continue
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name.split(".")[-2])
-        if heads is not None:
+        if heads is not None and permuted:
             rows = _unpermute_rows(weight.qweight.shape[0], heads)
             zeros = None if weight.zeros is None else weight.zeros[rows]
             weight = QuantizedWeight(weight.qweight[rows], weight.scales[rows], zeros, weight.group_size)
         reference = dequantized[hf_name].float()
         if not torch.allclose(dequantize(weight), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max())):
             raise ValueError(f"{gguf_file}: {tensor.name} does not decode to transformers' copy of {hf_name}")
-        kept |= {f"{hf_name}.qweight": weight.qweight, f"{hf_name}.scales": weight.scales}
-        if weight.zeros is not None:
-            kept[f"{hf_name}.zeros"] = weight.zeros
+        for part_name, part in _gguf_parts(hf_name, weight, num_heads, num_kv_heads):
+            kept |= {f"{part_name}.qweight": part.qweight, f"{part_name}.scales": part.scales}
+            if part.zeros is not None:
+                kept[f"{part_name}.zeros"] = part.zeros
     if kept:
         save_file({name: t.contiguous() for name, t in kept.items()}, out_dir / QUANTIZED_FILE)
     if len(types) == 1 and next(iter(types)) in GGUF_BITS:
@@ -249,15 +269,37 @@ def _save_gguf_quantization(
     # Mixed or other projection types (K-quants...) are served dequantized unless --quantization says otherwise.
 
 
-def _gguf_hf_name(gguf_name: str) -> str | None:
+def _gguf_hf_name(gguf_name: str, dequantized: dict[str, torch.Tensor]) -> str | None:
     """Hugging Face's name of a GGUF matrix that may be kept quantized, else None.
 
-    The matrices are a block's projections (``blk.3.attn_q.weight``), ``token_embd.weight`` and ``output.weight``.
+    The matrices are a block's projections (``blk.3.attn_q.weight``; Phi-3's fused ``attn_qkv`` and ``ffn_up``,
+    :data:`GGUF_FUSED_PROJECTIONS`, where transformers' copy ``dequantized`` holds the fused name),
+    ``token_embd.weight`` and ``output.weight``.
     """
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_PROJECTIONS:
-        return f"model.layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}.weight"
+    if parts[0] == "blk" and len(parts) == 4:
+        prefix = f"model.layers.{parts[1]}."
+        fused = GGUF_FUSED_PROJECTIONS.get(parts[2])
+        if fused is not None and f"{prefix}{fused[0]}.weight" in dequantized:
+            return f"{prefix}{fused[0]}.weight"
+        return f"{prefix}{GGUF_PROJECTIONS[parts[2]]}.weight" if parts[2] in GGUF_PROJECTIONS else None
     return {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}.get(gguf_name)
+
+
+def _gguf_parts(
+    hf_name: str, weight: QuantizedWeight, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, QuantizedWeight]]:
+    """A kept matrix under the Hugging Face names Spindle loads: a fused one's parts by rows, others as they are."""
+    for fused, parts in GGUF_FUSED_PROJECTIONS.values():
+        if hf_name.endswith(f".{fused}.weight"):
+            prefix, rows = hf_name.removesuffix(f"{fused}.weight"), weight.shape[0]
+            head_dim = rows // (num_heads + 2 * num_kv_heads)
+            sizes = [num_heads * head_dim, *[num_kv_heads * head_dim] * 2] if len(parts) == 3 else [rows // 2] * 2
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            for name, start, size in zip(parts, starts, sizes, strict=True):
+                yield f"{prefix}{name}.weight", weight.narrow(0, start, size)
+            return
+    yield hf_name, weight
 
 
 def _gguf_int4(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:

@@ -1,0 +1,140 @@
+"""GGUF files of the families past Llama (Qwen2, Qwen3, Phi-3), loaded by Spindle and by transformers' GGUF reader.
+
+Each test writes a tiny random checkpoint as a GGUF file the way llama.cpp's converter names it (the ``gguf``
+package's writer and block quantizers), then serves it: greedy tokens equal transformers' on the same file, with the
+file's Q8_0 / Q4_0 blocks kept as they are (the fused Phi-3 ones cut into their parts' rows).
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from conftest import TINY_COMMON
+from test_lora import MAX_TOKENS, generate, tiny_core
+from tokenizers import pre_tokenizers
+
+from spindle.backend.models import load_model, resolve_model
+from spindle.backend.models.loader import GGUF_BITS, gguf_read_once, quantized_weights
+from spindle.kernels.quant import dequantize
+
+GGUF_ARCHITECTURES = {
+    "qwen2": ("qwen2", "Qwen2Config"),
+    "qwen3": ("qwen3", "Qwen3Config"),
+    "phi3": ("phi3", "Phi3Config"),
+}
+"""Our tiny family -> its llama.cpp architecture and transformers config class (none of them permutes q/k rows).
+
+transformers' reader maps neither ``head_dim`` (``attention.key_length``) nor Phi-3's LongRoPE factors from a file,
+so these checkpoints keep the head size ``hidden / heads`` and the default rope: what a GGUF of them can hold.
+"""
+
+
+def write_gguf(model_dir: Path, architecture: str, path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """Write the checkpoint in ``model_dir`` as a GGUF of ``architecture``: its projections in ``qtype`` blocks, the
+    embedding and output matrices in Q8_0, the norms in float32, and a byte-level vocabulary of its 256 tokens."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    tensors = safetensors.torch.load_file(model_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
+    writer.add_token_scores([0.0] * config.vocab_size)  # no merges: transformers derives none from single bytes
+    writer.add_bos_token_id(TINY_COMMON["bos_token_id"])
+    writer.add_eos_token_id(TINY_COMMON["eos_token_id"])
+    writer.add_pad_token_id(0)  # else Phi-3's config default, 32000, past the vocabulary
+    arch = next(arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items() if arch_name == architecture)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for hf_name, tensor in tensors.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        data = tensor.float().numpy()
+        if data.ndim == 2:
+            # The embedding and the output matrix in Q8_0, as published files keep them at 6 bits or more.
+            kind = qtype if ".layers." in hf_name else gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``save(family) -> directory`` of a tiny random checkpoint of the family that a GGUF file can describe."""
+    saved: dict[str, Path] = {}
+
+    def save(family: str) -> Path:
+        if family not in saved:
+            config_class, extra = GGUF_ARCHITECTURES[family][1], {"tie_word_embeddings": False}
+            if family == "phi3":
+                extra |= {"sliding_window": None, "pad_token_id": 0}
+            config = getattr(transformers, config_class)(**{**TINY_COMMON, **extra})
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.uniform_(0.5, 1.5)
+            path = tmp_path_factory.mktemp(f"gguf-{family}")
+            model.save_pretrained(path)
+            saved[family] = path
+        return saved[family]
+
+    return save
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("family", GGUF_ARCHITECTURES)
+def test_gguf_tokens_match_transformers_reader(
+    family: str,
+    qtype: str,
+    gguf_checkpoint: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The file's blocks served as they are (``--quantization auto`` reads their bits from the conversion) give
+    transformers' greedy tokens on the same file."""
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
+    file = write_gguf(
+        gguf_checkpoint(family),
+        GGUF_ARCHITECTURES[family][0],
+        tmp_path / f"{family}.gguf",
+        gguf.GGMLQuantizationType[qtype],
+    )
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (22, 5, 17)]
+    with gguf_read_once(file):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=torch.float32
+        ).eval()
+    kwargs = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    with torch.inference_mode():
+        expected = [reference.generate(torch.tensor([ids]), **kwargs)[0, len(ids) :].tolist() for ids in prompts]
+
+    model_dir = resolve_model(file)
+    dense = load_model(model_dir, torch.float32, torch.device("cpu"))
+    kept = quantized_weights(dense, model_dir, GGUF_BITS[qtype])
+    core = tiny_core(model_dir, quantization="auto", max_num_batched_tokens=16)
+    got, _ = generate(core, [(ids, None) for ids in prompts])
+
+    assert got == expected
+    # Every projection is the file's blocks (transformers' dequantized copy, to rounding), the fused Phi-3 ones and
+    # the Q8_0 lm head included: none was quantized again at load.
+    for name, (module, attr) in dense.projections().items():
+        torch.testing.assert_close(dequantize(kept[name]), getattr(module, attr), rtol=0, atol=1e-6)
