@@ -103,15 +103,16 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (22, 5, 17, 9)]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy :data:`~test_lora.MAX_TOKENS` tokens after each prompt, run alone."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy(model_dir: Path, prompts: list[list[int]], **load: object) -> list[list[int]]:
+    """transformers' greedy :data:`~test_lora.MAX_TOKENS` tokens after each prompt, run alone (``load``: more
+    ``from_pretrained`` arguments)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     kwargs = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     with torch.inference_mode():
         return [model.generate(torch.tensor([ids]), **kwargs)[0, len(ids) :].tolist() for ids in prompts]
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi3", "phi4_mini", "llama_yarn"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi3", "phi4_mini", "llama_yarn", "gemma2", "gemma3"])
 def test_greedy_tokens_match_transformers_in_one_batch_with_chunked_prefill(
     variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
@@ -131,7 +132,7 @@ def test_greedy_tokens_match_transformers_in_one_batch_with_chunked_prefill(
 @pytest.mark.parametrize(
     ("variant", "targets"),
     # Phi-3's checkpoints fuse q/k/v and gate/up, so PEFT adapts o_proj and down_proj there by those names.
-    [("qwen3", ALL_TARGETS), ("phi3", ["o_proj", "down_proj"])],
+    [("qwen3", ALL_TARGETS), ("phi3", ["o_proj", "down_proj"]), ("gemma2", ALL_TARGETS), ("gemma3", ALL_TARGETS)],
 )
 def test_lora_matches_peft(
     variant: str, targets: list[str], make_tiny_model: Callable[[str], Path], prompts: list[list[int]], tmp_path: Path
@@ -160,7 +161,7 @@ def test_phi3_lora_on_fused_projections_is_refused(make_tiny_model: Callable[[st
         tiny_core(model_dir, lora_modules={"fused": str(adapter)})
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini", "gemma2", "gemma3"])
 def test_tensor_parallel_tokens_match_transformers(
     variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
@@ -177,7 +178,7 @@ def test_tensor_parallel_tokens_match_transformers(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton kernels are the serving path")
-@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini", "gemma2", "gemma3"])
 def test_triton_path_matches_transformers(
     variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
