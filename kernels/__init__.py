@@ -33,6 +33,7 @@ __all__ = [
     "build_cos_sin_cache",
     "eager",
     "force_triton",
+    "gelu_tanh_and_mul",
     "is_eager",
     "is_forced_triton",
     "paged_attention",
@@ -121,6 +122,7 @@ reshape_and_cache = _dispatch(attention.reshape_and_cache, cpu.reshape_and_cache
 rms_norm = _dispatch(norm.rms_norm, cpu.rms_norm)
 rotary_embedding = _dispatch(rotary.rotary_embedding, cpu.rotary_embedding)
 silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)
+gelu_tanh_and_mul = _dispatch(activation.gelu_tanh_and_mul, cpu.gelu_tanh_and_mul)
 
 
 def _rotary_embedding_and_cache_cpu(

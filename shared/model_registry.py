@@ -23,6 +23,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "spindle.backend.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "spindle.backend.models.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "spindle.backend.models.phi3:Phi3ForCausalLM",
+    "Gemma2ForCausalLM": "spindle.backend.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "spindle.backend.models.gemma:Gemma3ForCausalLM",
     "LlamaModel": "spindle.backend.models.llama:LlamaModel",
     "MixtralForCausalLM": "spindle.backend.models.mixtral:MixtralForCausalLM",
     "LlavaForConditionalGeneration": "spindle.backend.models.llava:LlavaForConditionalGeneration",

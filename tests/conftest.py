@@ -69,6 +69,7 @@ TIERS = {
     "test_shared": "unit",
     "test_tokenizer": "unit",
     "test_engine": "engine",
+    "test_gemma": "engine",
     "test_gpu_engine": "engine",
     "test_gpu_memory": "engine",
     "test_kernels_triton": "engine",  # one test steps an EngineCore through the decode graphs
@@ -292,6 +293,32 @@ TINY_VARIANTS = {
             "num_experts_per_tok": 2,
             "sliding_window": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    # Gemma 2 and 3 (tests/test_gemma.py): a sliding layer then a global one, an 8-token window, an attention scale
+    # other than head_dim's, and soft-caps small enough to bite on random weights (Gemma 3: two rope tables).
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 1.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
         },
     ),
     **{

@@ -1,5 +1,7 @@
 """The torch (CPU) kernels against plain dense references and transformers' own Llama pieces."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from spindle.kernels import (
     build_cos_sin_cache,
     cpu,
     eager,
+    gelu_tanh_and_mul,
     paged_attention,
     quant,
     reshape_and_cache,
@@ -253,41 +256,62 @@ def test_rotary_refuses_unknown_scaling() -> None:
         build_cos_sin_cache(64, 128, 10000.0, {"rope_type": "proportional", "factor": 4.0})
 
 
+def _gelu_tanh(gate: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh`` as ``g * sigmoid(2u)``: exact in float64 where ``1 + tanh(u)`` cancels."""
+    return gate * torch.sigmoid(math.sqrt(8 / math.pi) * (gate + 0.044715 * gate**3))
+
+
+# Each gated op of the MLP, its activation in float64, and how close the kernel's exponential keeps it in float32
+# over |gate| < 80 (GeGLU's argument u, a cubic of the gate rounded in float, carries the most).
+ACTIVATIONS = {
+    "silu": (silu_and_mul, F.silu, 4e-6),
+    "gelu_tanh": (gelu_tanh_and_mul, _gelu_tanh, 3e-5),
+}
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_silu_and_mul(dtype: torch.dtype) -> None:
+def test_act_and_mul(dtype: torch.dtype, activation: str) -> None:
+    op, reference, _ = ACTIVATIONS[activation]
     x = (torch.randn(5, 3, 2 * 48, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     gate, up = x.double()[..., :48], x.double()[..., 48:]
 
-    out = silu_and_mul(x)
+    out = op(x)
 
     assert out.shape == (5, 3, 48) and out.dtype == dtype
-    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **TOLERANCES[dtype])
+    torch.testing.assert_close(out.double(), reference(gate) * up, **TOLERANCES[dtype])
 
 
-def test_silu_and_mul_in_bf16_against_torch() -> None:
-    """Within two bf16 steps of ``F.silu(gate) * up`` (the exponentials differ in their last bits), NaN and
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_act_and_mul_in_bf16_against_torch(activation: str) -> None:
+    """Within two bf16 steps of the activation rounded to bf16 times ``up`` (the exponentials differ in their last
+    bits), about 0 where the kernel clamps the exponent (GeGLU below a gate of -10, e^-u past 2^126), NaN and
     infinities where torch has them: the vectorized rounding to bf16 keeps its special values."""
+    op, reference, _ = ACTIVATIONS[activation]
     x = (torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
     x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     x[1, 1536:1539] = torch.tensor([float("nan"), float("inf"), 0.0])
     gate, up = x.chunk(2, dim=-1)
 
-    out = silu_and_mul(x)
+    out = op(x)
 
-    torch.testing.assert_close(out, F.silu(gate) * up, atol=0, rtol=2**-6, equal_nan=True)
+    expected = reference(gate.double()).to(torch.bfloat16) * up
+    torch.testing.assert_close(out, expected, atol=1e-30, rtol=2**-6, equal_nan=True)
 
 
-def test_silu_and_mul_over_the_float_range() -> None:
-    """The kernel's own exponential holds across the range in float32: within 4e-6 of float64's SiLU up to
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_act_and_mul_over_the_float_range(activation: str) -> None:
+    """The kernel's own exponential holds across the range in float32: close to float64's activation up to
     |gate| = 80, about 0 below, and torch's results for the special values."""
+    op, reference, rtol = ACTIVATIONS[activation]
     special = torch.tensor([-100.0, float("inf"), -float("inf"), float("nan")])
     gate = torch.cat([torch.linspace(-80, 80, 100_001), special])
     x = torch.stack([gate, torch.full_like(gate, 3.0)], dim=1)
 
-    out = silu_and_mul(x)[:, 0]
+    out = op(x)[:, 0]
 
-    expected = F.silu(gate.double()) * 3
-    torch.testing.assert_close(out[:-4].double(), expected[:-4], atol=1e-30, rtol=4e-6)
+    expected = reference(gate.double()) * 3
+    torch.testing.assert_close(out[:-4].double(), expected[:-4], atol=1e-30, rtol=rtol)
     assert abs(out[-4].item()) < 1e-30
     assert out[-3].item() == float("inf") and out[-2].isnan() and out[-1].isnan()
 

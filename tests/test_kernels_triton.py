@@ -247,14 +247,15 @@ def test_rotary_embedding(scaling: str, dtype: torch.dtype) -> None:
         assert_close(got, expected, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_silu_and_mul(dtype: torch.dtype) -> None:
+def test_act_and_mul(dtype: torch.dtype, op: str) -> None:
     x = (torch.randn(5, 3, 2 * 1000, generator=torch.Generator().manual_seed(0)) * 4).to(dtype).to(DEVICE)
 
-    out = spindle.kernels.silu_and_mul(x)
+    out = getattr(spindle.kernels, op)(x)
 
     assert out.shape == (5, 3, 1000) and out.dtype == dtype
-    assert_close(out, on_cpu(activation.silu_and_mul, x), **TOLERANCES[dtype])
+    assert_close(out, on_cpu(getattr(activation, op), x), **TOLERANCES[dtype])
 
 
 def test_dispatch_sends_cpu_tensors_to_torch_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,7 +337,7 @@ def test_tiny_llama_greedy_tokens_match_the_torch_path(
 
 
 KERNEL_NAMES = ["_reshape_and_cache_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rotary_kernel"]
-KERNEL_NAMES += ["_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_linear_kernel", "_split_k_reduce_kernel"]
+KERNEL_NAMES += ["_rms_norm_kernel", "_act_and_mul_kernel", "_quant_linear_kernel", "_split_k_reduce_kernel"]
 KERNEL_NAMES += ["_lora_shrink_kernel", "_lora_expand_kernel"]
 
 # compile_check runs, side by side (about a minute on two cores): every dtype with head sizes 64 and 128 x GQA groups
@@ -721,5 +722,5 @@ def test_a_mixed_step_launches_six_triton_kernels_per_layer(tiny_llama_dir: Path
         "_decode_kernel",
         "_prefill_kernel",
         "_rms_norm_kernel",
-        "_silu_and_mul_kernel",
+        "_act_and_mul_kernel",
     ]

@@ -24,7 +24,7 @@ from spindle.shared import SamplingParams
 from spindle.shared.protocol import EngineRequest
 from spindle.shared.sampling_params import StructuredOutput
 
-FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini", "mixtral"]
+FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "mixtral"]
 """A tiny checkpoint of every family served (Mistral's with a 24-token window, which the prompts pass)."""
 
 # Each rope type with the parameters of a model that uses it, on the tiny model's shape (head size 16, 512 positions).
@@ -112,9 +112,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (22, 5, 17, 9)]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy :data:`~test_lora.MAX_TOKENS` tokens after each prompt, run alone."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy(model_dir: Path, prompts: list[list[int]], **load: object) -> list[list[int]]:
+    """transformers' greedy :data:`~test_lora.MAX_TOKENS` tokens after each prompt, run alone (``load``: more
+    ``from_pretrained`` arguments)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     kwargs = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     with torch.inference_mode():
         return [model.generate(torch.tensor([ids]), **kwargs)[0, len(ids) :].tolist() for ids in prompts]
@@ -145,6 +146,8 @@ def test_greedy_tokens_match_transformers_in_one_batch_with_chunked_prefill(
         ("qwen3", ALL_TARGETS),
         ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
         ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        ("gemma2", ALL_TARGETS),
+        ("gemma3", ALL_TARGETS),
     ],
 )
 def test_lora_matches_peft(
@@ -164,7 +167,7 @@ def test_lora_matches_peft(
     assert got[0] != got[1]  # the adapter changes the continuation: a path that ignored it could not pass
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini", "gemma2", "gemma3"])
 def test_tensor_parallel_tokens_match_transformers(
     variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
@@ -181,7 +184,7 @@ def test_tensor_parallel_tokens_match_transformers(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton kernels are the serving path")
-@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi4_mini", "gemma2", "gemma3"])
 def test_triton_path_matches_transformers(
     variant: str, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:

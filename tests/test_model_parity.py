@@ -103,7 +103,10 @@ def hf_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [model(torch.tensor([p])).logits[0].float() for p in prompts]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3_tied", "qwen2", "llama_yarn", "qwen3", "phi3", "phi4_mini"])
+@pytest.fixture(
+    scope="module",
+    params=["llama", "llama3_tied", "qwen2", "llama_yarn", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3"],
+)
 def tiny_pair(request: pytest.FixtureRequest, make_tiny_model: Callable[[str], Path], prompts: list[list[int]]):
     """(our fp32 model, transformers' logits of each prompt) for one tiny variant."""
     model_dir = make_tiny_model(request.param)

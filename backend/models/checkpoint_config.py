@@ -233,6 +233,9 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     and a scaling that needs one and has none gets ``max_position_embeddings``.
     """
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    # Gemma 3 in v5 keeps one rope per layer type: the global layers' is the model's (the sliding layers' table is
+    # built by its class, spindle.backend.models.gemma).
+    params = dict(params.get("full_attention", params))
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))

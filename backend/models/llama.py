@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, with fused qkv and gate/up projections."""
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,8 @@ class LlamaDecoderLayer(nn.Module):
 
     attention_cls: type[LlamaAttention] = LlamaAttention
     """The attention block; a family with other q/k treatment names its subclass here."""
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor] = staticmethod(silu_and_mul)
+    """The MLP's gated activation on the fused gate/up rows (SwiGLU); Gemma's GeGLU names its own."""
 
     def __init__(
         self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype, sliding_window: int | None = None
@@ -145,13 +147,17 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
         hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(hidden), residual
+
+    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of the normalised ``hidden [T, hidden_size]``: gate/up, :attr:`act_and_mul`, down."""
         gate_up = linear(hidden, self.gate_up_proj, prepared=self.prepared.get("gate_up_proj"))
         gate_up = _with_lora(gate_up, hidden, self.lora.get("gate_up_proj"))
-        act = silu_and_mul(gate_up)
+        act = self.act_and_mul(gate_up)
         hidden = _with_lora(
             linear(act, self.down_proj, prepared=self.prepared.get("down_proj")), act, self.lora.get("down_proj")
         )
-        return parallel.all_reduce(hidden), residual
+        return parallel.all_reduce(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

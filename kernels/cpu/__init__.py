@@ -298,6 +298,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return cpu_ops().silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (tanh GELU) in one pass per token; the contract of ``spindle.kernels.activation``'s."""
+    rows = x.reshape(-1, x.shape[-1])
+    return cpu_ops().gelu_tanh_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+
+
 def moe_pack(weights: torch.Tensor) -> torch.Tensor:
     """Each matrix of a bf16 ``[experts, out, in]`` stack in :func:`bf16_pack`'s layout, as ``[experts, out * in]``."""
     return cpu_ops().moe_pack(weights)

@@ -20,6 +20,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
                                                     const at::Tensor& key, const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 bool bf16_linear_supported();
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs,
@@ -59,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, ReleaseGil(), "RMSNorm of x + residual; returns (normalised, sum).");
   m.def("rotary_embedding", &rotary_embedding, ReleaseGil(), "Neox rotary embedding of query and key heads.");
   m.def("silu_and_mul", &silu_and_mul, ReleaseGil(), "silu(gate) * up of a fused gate/up row.");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, ReleaseGil(), "gelu_pytorch_tanh(gate) * up of a fused gate/up row.");
   m.def("bf16_linear_supported", &bf16_linear_supported, ReleaseGil(), "Whether bf16_linear runs here (AVX-512 bf16).");
   m.def("bf16_pack", &bf16_pack, ReleaseGil(), "A bf16 [out, in] weight in bf16_linear's tiles.");
   m.def("bf16_linear", &bf16_linear, ReleaseGil(), "x @ W.T + b of a bf16 weight in bf16_pack's tiles.");

@@ -1,5 +1,5 @@
 // The small per-token ops of a decoder layer on the CPU, each one pass over its tokens: RMSNorm (with the residual
-// add fused in), rotary embedding of the query and key heads, and SwiGLU. In eager torch each is a chain of 4 to 10
+// add fused in), rotary embedding of the query and key heads, and the gated activations (SwiGLU, GeGLU). In eager torch each is a chain of 4 to 10
 // ops, each a dispatch plus a full pass over memory; here each token is read once and written once, in float.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -80,15 +80,15 @@ void rotate_impl(const int64_t* positions, const at::Tensor& x, const T* cache, 
   }
 }
 
-// g * sigmoid(g) = g / (1 + e^-g), with e^-g = 2^n * 2^r (n = round(-g log2 e), |r| <= 1/2, 2^r by a degree-6
-// Taylor polynomial), in plain float and integer ops that gcc vectorizes on any ISA: within 4e-6 of it relatively
-// over |g| < 80 (the float product -g log2 e carries most of that); after the rounding to bf16, equal to torch's on
-// the SwiGLU test's 98,304 random values. Measured in SmolLM2's bf16 prefill on 2 Zen 4 cores, the 30 layers'
-// SwiGLU of a 1,024-token prompt took 17-18 ms against 22-24 with libm's expf (glibc's vector variant), 36-40 against
-// 44-50 at 2,048 tokens. The exponent is clamped to +-126, so that e^-g stays finite: past g = -87 the result is
-// g / 2^126 rather than g / inf (both round to about 0), and g = -inf, whose torch result is -inf * 0 = NaN, is found
-// by its bits, as -ffast-math may fold float tests for infinities.
-inline float silu(float g) {
+// x * sigmoid(g) = x / (1 + e^-g), with e^-g = 2^n * 2^r (n = round(-g log2 e), |r| <= 1/2, 2^r by a degree-6
+// Taylor polynomial), in plain float and integer ops that gcc vectorizes on any ISA: SiLU (x = g) within 4e-6 of it
+// relatively over |g| < 80 (the float product -g log2 e carries most of that); after the rounding to bf16, equal to
+// torch's on the SwiGLU test's 98,304 random values. Measured in SmolLM2's bf16 prefill on 2 Zen 4 cores, the 30
+// layers' SwiGLU of a 1,024-token prompt took 17-18 ms against 22-24 with libm's expf (glibc's vector variant), 36-40
+// against 44-50 at 2,048 tokens. The exponent is clamped to +-126, so that e^-g stays finite: past g = -87 the result
+// is x / 2^126 rather than x / inf (both round to about 0), and x = -inf, whose torch result is -inf * 0 = NaN, is
+// found by its bits, as -ffast-math may fold float tests for infinities.
+inline float times_sigmoid(float x, float g) {
   const float y = std::min(std::max(g * -1.44269504f, -126.f), 126.f);
   const int32_t n = static_cast<int32_t>(y + 126.5f) - 126;  // round half up: y + 126.5 > 0 truncates as floor
   const float r = y - static_cast<float>(n);
@@ -102,14 +102,21 @@ inline float silu(float g) {
   const uint32_t scale_bits = static_cast<uint32_t>(n + 127) << 23;
   float scale;
   std::memcpy(&scale, &scale_bits, sizeof(scale));
-  uint32_t g_bits;
-  std::memcpy(&g_bits, &g, sizeof(g_bits));
-  const float result = g / (1.f + p * scale);
-  return g_bits == 0xff800000u ? std::numeric_limits<float>::quiet_NaN() : result;
+  uint32_t x_bits;
+  std::memcpy(&x_bits, &x, sizeof(x_bits));
+  const float result = x / (1.f + p * scale);
+  return x_bits == 0xff800000u ? std::numeric_limits<float>::quiet_NaN() : result;
 }
 
-template <typename T>
-void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+inline float silu(float g) { return times_sigmoid(g, g); }
+
+// gelu_pytorch_tanh(g) = g (1 + tanh(u)) / 2 = g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): the sigmoid form
+// has no 1 + tanh(u) to cancel at large negative g, where torch's float op loses every digit (-2.98e-7 at g = -5,
+// against -2.3e-7). The rounding of u in float leaves it within 3e-5 of float64's over |g| < 80.
+inline float gelu_tanh(float g) { return times_sigmoid(g, 1.5957691f * g * (1.f + 0.044715f * g * g)); }
+
+template <typename T, float (*Activation)(float)>
+void act_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t tokens = x.size(0), d = x.size(1) / 2;
 #pragma omp parallel for if (tokens >= PARALLEL_TOKENS)
   for (int64_t t = 0; t < tokens; ++t) {
@@ -118,10 +125,21 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
     T* __restrict ot = out.data_ptr<T>() + t * d;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) {
-      // SiLU rounded to the dtype before the product, as the torch reference's two ops round.
-      ot[i] = from_float<T>(to_float(from_float<T>(silu(to_float(gate[i])))) * to_float(up[i]));
+      // The activation rounded to the dtype before the product, as the torch reference's two ops round.
+      ot[i] = from_float<T>(to_float(from_float<T>(Activation(to_float(gate[i])))) * to_float(up[i]));
     }
   }
+}
+
+template <float (*Activation)(float)>
+at::Tensor act_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x's width must be even (gate and up halves)");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "act_and_mul", [&] {
+    act_and_mul_impl<scalar_t, Activation>(x, out);
+  });
+  return out;
 }
 
 }  // namespace
@@ -183,12 +201,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 }
 
 // x [num_tokens, 2 * d] (gate, then up): silu(gate) * up, [num_tokens, d].
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "x's width must be even (gate and up halves)");
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  DISPATCH_MODEL_TYPES(x.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_impl<scalar_t>(x, out);
-  });
-  return out;
-}
+at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<silu>(x); }
+
+// x [num_tokens, 2 * d] (gate, then up): gelu_pytorch_tanh(gate) * up, [num_tokens, d].
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return act_and_mul<gelu_tanh>(x); }

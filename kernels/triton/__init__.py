@@ -4,7 +4,7 @@
 same kernels run on CPU tensors, which is how the test suite proves them without a GPU.
 """
 
-from spindle.kernels.triton.activation import silu_and_mul
+from spindle.kernels.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from spindle.kernels.triton.cache import reshape_and_cache
 from spindle.kernels.triton.decode_attention import decode_attention
 from spindle.kernels.triton.lora import add_lora
@@ -17,6 +17,7 @@ from spindle.kernels.triton.rotary import rotary_embedding, rotary_embedding_and
 __all__ = [
     "add_lora",
     "decode_attention",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "prefill_attention",
     "quantized_linear",

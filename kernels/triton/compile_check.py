@@ -161,6 +161,7 @@ def launch_all(dtype: torch.dtype, head_sizes: list[int], groups: list[int]) -> 
     tk.rms_norm(x, x[0], 1e-5)
     tk.rms_norm(x, x[0], 1e-5, x)
     tk.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
+    tk.gelu_tanh_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
     # int8 with a K that is no multiple of the K step (masked loads), int4 with the smallest and a large group; one
     # decode-sized and one prefill-sized batch each (the tile shapes differ). K = 1040 and 1024 are long enough for
     # the decode batch to split K (and so to launch the split-K reduction).
