@@ -260,6 +260,21 @@ TINY_VARIANTS = {
             },
         },
     ),
+    # Mixture-of-experts (tests/test_moe.py): 8 experts, top-2. Qwen3-MoE: a dense middle layer (mlp_only_layers),
+    # the top-2 weights not renormalised.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+        },
+    ),
     **{
         f"llama_h128_g{group}": (
             "LlamaConfig",
