@@ -22,6 +22,8 @@ CASES = {
     "one_token": (1, 8, 2, 64, 32, None),
     "few_experts_many_empty": (50, 8, 2, 48, 32, [1, 6]),
     "odd_shapes": (19, 6, 3, 80, 112, None),
+    # ~150 rows an expert: the C++ op's AMX blocks of 16 rows (hidden and intermediate multiples of 32), a tail of 6.
+    "many_rows": (300, 4, 2, 64, 96, None),
 }
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -65,6 +67,21 @@ def test_fused_moe_matches_a_per_expert_loop(case: str, path: str, dtype: torch.
         out = experts(x, topk_weights, topk_ids)
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+def test_fused_moe_does_not_depend_on_the_thread_count() -> None:
+    """The C++ op's work items are handed out dynamically; each output value still has one fixed summation order."""
+    x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", torch.bfloat16)
+    experts = Experts(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(experts(x, topk_weights, topk_ids))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
