@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from test_lora import generate, tiny_core
 from test_model_families import hf_greedy
 from test_model_parity import SCHEDULES, hf_logits, run_schedule
@@ -86,6 +87,8 @@ def test_fused_moe_does_not_depend_on_the_thread_count() -> None:
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
 """tests/conftest.py's tiny MoE checkpoints: Mixtral, and Qwen3-MoE with a dense middle layer and no renormalisation."""
+LOGIT_PROMPTS = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (13, 21, 6)]
+"""The three prompts of test_model_parity.SCHEDULES."""
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +105,25 @@ def test_moe_logits_match_transformers(
 ) -> None:
     """On the C++ kernels (the fused MoE op) and on the torch references (the per-expert loop)."""
     model_dir = make_tiny_model(family)
-    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (13, 21, 6)]
     with eager(path == "eager"):
         model = load_model(model_dir, torch.float32, torch.device("cpu"))
         model.prepare_weights()
-        logits = run_schedule(model, prompts, SCHEDULES[schedule])
-    for ours, theirs in zip(logits, hf_logits(model_dir, prompts), strict=True):
+        logits = run_schedule(model, LOGIT_PROMPTS, SCHEDULES[schedule])
+    for ours, theirs in zip(logits, hf_logits(model_dir, LOGIT_PROMPTS), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_loads_transformers_v5_fused_expert_tensors(
+    family: str, make_tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """``save_original_format=False``: each layer's ``mlp.experts.gate_up_proj`` / ``down_proj`` and ``mlp.gate``."""
+    model_dir = make_tiny_model(family)
+    transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(tmp_path, save_original_format=False)
+    model = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model.prepare_weights()
+    logits = run_schedule(model, LOGIT_PROMPTS, SCHEDULES["one_batch"])
+    for ours, theirs in zip(logits, hf_logits(model_dir, LOGIT_PROMPTS), strict=True):
         torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-4)
 
 

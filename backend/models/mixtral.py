@@ -6,6 +6,7 @@ its checkpoint's names for the router and the experts' matrices.
 """
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +120,37 @@ class MixtralForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             if isinstance(layer, MixtralDecoderLayer):
                 layer.prepare_experts()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load as the parent does; transformers v5's fused expert tensors are first split into this family's names.
+
+        v5 saves (with ``save_original_format=False``) a layer's experts as ``mlp.experts.gate_up_proj``
+        ``[experts, 2 * intermediate, hidden]`` and ``mlp.experts.down_proj`` ``[experts, hidden, intermediate]``, and
+        its router as ``mlp.gate.weight``: split per expert, each matrix then shards and loads as a per-expert one.
+        """
+        super().load_weights(self._split_fused_experts(weights))
+
+    def _split_fused_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with each v5 fused expert tensor split into per-expert matrices of this family's names."""
+        names = {role: name for name, role in self.expert_matrices.items()}
+        for hf_name, tensor in weights:
+            found = re.fullmatch(
+                r"(model\.layers\.\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", hf_name
+            )
+            if found is None:
+                yield hf_name, tensor
+                continue
+            block = f"{found[1]}.{self.moe_block}"
+            if found[2] == "gate.weight":
+                yield f"{block}.gate.weight", tensor
+                continue
+            for expert, matrix in enumerate(tensor):
+                if found[2] == "experts.down_proj":
+                    yield f"{block}.experts.{expert}.{names['down']}.weight", matrix
+                else:
+                    gate, up = matrix.chunk(2)
+                    yield f"{block}.experts.{expert}.{names['gate']}.weight", gate
+                    yield f"{block}.experts.{expert}.{names['up']}.weight", up
 
     def _expert_matrix(self, hf_name: str) -> tuple[str, int, str] | None:
         """``(layer prefix, expert, role)`` of an expert's matrix in the checkpoint, else None."""
