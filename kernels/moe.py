@@ -5,7 +5,7 @@ expert weights and runs them: the tokens' expert assignments are grouped by expe
 one GEMM per projection (gate/up fused, SiLU-and-mul, down), and the results come back to their tokens weighted by
 the routing weights. On CUDA (or under :func:`~spindle.kernels.force_triton`) that is a Triton grouped GEMM
 (:mod:`spindle.kernels.triton.moe`); on the CPU a C++ op (``kernels/cpu/moe.cpp``): with bf16 weights in
-``bf16_linear``'s tiles, one OpenMP region over (expert, rows, column tile) work items, on AMX for blocks of 16 rows
+``bf16_linear``'s tiles, one OpenMP region over (expert, rows, column tile) work items, on AMX in blocks of 16 rows
 where the CPU has it; else ATen's matmul per expert. Within :func:`~spindle.kernels.eager` the torch loop over the
 experts of :func:`fused_moe_reference`, which the tests hold the other two to.
 """

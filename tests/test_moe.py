@@ -23,7 +23,7 @@ CASES = {
     "one_token": (1, 8, 2, 64, 32, None),
     "few_experts_many_empty": (50, 8, 2, 48, 32, [1, 6]),
     "odd_shapes": (19, 6, 3, 80, 112, None),
-    # ~150 rows an expert: the C++ op's AMX blocks of 16 rows (hidden and intermediate multiples of 32), a tail of 6.
+    # ~150 rows an expert, several work items each: the C++ op on AMX (hidden and intermediate multiples of 32).
     "many_rows": (300, 4, 2, 64, 96, None),
 }
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}

@@ -2,17 +2,16 @@
 // expert's rows through its gate/up projection, SiLU-and-mul, its down projection, and each token's outputs weighted
 // by the routing weights and summed in assignment order.
 //
-// bf16 weights laid out by moe_pack (bf16_linear's tiles) run in one OpenMP region: work items of (expert, panel of
-// its rows, tile of output columns) for each projection, handed out dynamically, with the gather, the activation and
-// the weighted sum as parallel loops between them. Every output value is computed by one work item in a fixed order,
-// so the result does not depend on the thread count or the schedule. Full blocks of 16 rows run on AMX where the CPU
-// and the OS allow it (tdpbf16ps reads bf16_linear's tiles as they are: each tile's [pairs][16 columns][2] rows are
-// AMX's pair-interleaved B layout), the rest on bf16_linear's AVX-512 bf16 micro-kernel. Other dtypes and CPUs run
-// ATen's matmul per expert.
+// bf16 weights laid out by moe_pack (bf16_linear's tiles) run in two OpenMP regions, before and after the SiLU:
+// work items of (expert, panel of its rows, tile of output columns) for each projection, handed out dynamically,
+// with the gather and the weighted sum as parallel loops beside them. Every output value is computed by one work item in a fixed order,
+// so the result does not depend on the thread count or the schedule. Blocks of up to 16 rows run on AMX where the CPU
+// and the OS allow it and the inputs are a multiple of 32 (tdpbf16ps reads bf16_linear's tiles as they are: each
+// tile's [pairs][16 columns][2] rows are AMX's pair-interleaved B layout), else on bf16_linear's AVX-512 bf16
+// micro-kernel. Other dtypes and CPUs run ATen's matmul per expert.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 
-#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -54,10 +53,11 @@ void configure_amx() {
   _tile_loadconfig(&config);
 }
 
-// 16 rows of x against one weight tile of NV vectors (pairs % 16 == 0): out[m][0, 16 NV) in bf16. `scratch` holds
-// 16 x 48 floats.
+// Rows [0, rows) of x (rows <= 16) against one weight tile of NV vectors (pairs % 16 == 0): out[m][0, 16 NV) in
+// bf16. The tile loads 16 rows of x whatever `rows` is: x must have 16 readable rows (the rows past `rows` only reach
+// accumulator rows that are not stored). `scratch` holds 16 x 48 floats.
 template <int NV>
-void amx_block(const uint16_t* x, int64_t x_stride, const uint32_t* tile, int64_t pairs, float* scratch,
+void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows, const uint32_t* tile, int64_t pairs, float* scratch,
                c10::BFloat16* out, int64_t out_stride) {
   constexpr int64_t width = 16 * NV, tile_stride = 4 * width;  // a pair's row of the tile: width uint32 values
   _tile_zero(0);
@@ -79,7 +79,7 @@ void amx_block(const uint16_t* x, int64_t x_stride, const uint32_t* tile, int64_
   _tile_stored(0, scratch, 4 * width);
   if constexpr (NV > 1) _tile_stored(1, scratch + 16, 4 * width);
   if constexpr (NV > 2) _tile_stored(2, scratch + 32, 4 * width);
-  for (int m = 0; m < 16; ++m)
+  for (int m = 0; m < rows; ++m)
     for (int v = 0; v < NV; ++v) store16(out + m * out_stride + 16 * v, _mm512_loadu_ps(scratch + m * width + 16 * v));
 }
 #endif
@@ -114,8 +114,9 @@ void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_
     int64_t done = 0;
 #ifdef SPINDLE_AMX_BF16
     if (amx)
-      for (; done + 16 <= item.rows; done += 16)
-        amx_block<NV>(xr + done * inputs, inputs, tile, pairs, scratch, o + done * outputs, outputs);
+      for (; done < item.rows; done += 16)
+        amx_block<NV>(xr + done * inputs, inputs, std::min<int64_t>(16, item.rows - done), tile, pairs, scratch,
+                      o + done * outputs, outputs);
 #endif
     tile_rows<NV>(xr + done * inputs, inputs, item.rows - done, tile, nullptr, pairs, nullptr, o + done * outputs,
                   outputs);
@@ -130,13 +131,12 @@ at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   const int64_t tokens = x.size(0), hidden = x.size(1), assignments = tokens * top_k;
   const at::Tensor xc = x.contiguous();
   const auto options = x.options();
-  at::Tensor grouped = at::empty({assignments, hidden}, options), gate_up = at::empty({assignments, 2 * intermediate}, options);
-  at::Tensor act = at::empty({assignments, intermediate}, options), down = at::empty({assignments, hidden}, options);
-  at::Tensor out = at::empty({tokens, hidden}, options);
+  // AMX reads x in blocks of 16 rows: the last block of the last expert reads up to 15 rows past the grouped ones.
+  at::Tensor grouped = at::empty({assignments + 15, hidden}, options);
+  at::Tensor gate_up = at::empty({assignments + 15, 2 * intermediate}, options);
+  at::Tensor down = at::empty({assignments, hidden}, options), out = at::empty({tokens, hidden}, options);
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto* g = reinterpret_cast<uint16_t*>(grouped.data_ptr<c10::BFloat16>());
-  c10::BFloat16* gu = gate_up.data_ptr<c10::BFloat16>();
-  c10::BFloat16* a = act.data_ptr<c10::BFloat16>();
   c10::BFloat16* d = down.data_ptr<c10::BFloat16>();
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const auto* w13s = reinterpret_cast<const uint32_t*>(w13.data_ptr<c10::BFloat16>());
@@ -149,29 +149,35 @@ at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   const bool amx_up = false, amx_down = false;
 #endif
 
+  // Runs a projection's work items on this thread's share, dynamically: experts' row counts differ.
+  const auto run_items = [&](const std::vector<Item>& items, const uint16_t* in, int64_t inputs, const uint32_t* w,
+                             int64_t w_size, int64_t outputs, bool amx, c10::BFloat16* result) {
+    float scratch[16 * TILE];
+#ifdef SPINDLE_AMX_BF16
+    if (amx) configure_amx();
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i)
+      run_item(items[i], in, inputs, w + items[i].expert * w_size, outputs, amx, scratch, result);
+#ifdef SPINDLE_AMX_BF16
+    if (amx) _tile_release();
+#endif
+  };
+
 #pragma omp parallel
   {
-    float scratch[16 * TILE];
-    std::vector<float> sum(hidden);
-#ifdef SPINDLE_AMX_BF16
-    if (amx_up || amx_down) configure_amx();
-#endif
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < assignments; ++s)
       std::memcpy(g + s * hidden, xs + slot_token[s] * hidden, hidden * sizeof(uint16_t));
-#pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < up_items.size(); ++i)
-      run_item(up_items[i], g, hidden, w13s + up_items[i].expert * w13_size, 2 * intermediate, amx_up, scratch, gu);
-#pragma omp for schedule(static)
-    for (int64_t s = 0; s < assignments; ++s)
-      for (int64_t j = 0; j < intermediate; ++j) {
-        const float gate = to_float(gu[s * 2 * intermediate + j]), up = to_float(gu[s * 2 * intermediate + intermediate + j]);
-        a[s * intermediate + j] = from_float<c10::BFloat16>(gate / (1.f + std::exp(-gate)) * up);
-      }
-#pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < down_items.size(); ++i)
-      run_item(down_items[i], reinterpret_cast<const uint16_t*>(a), intermediate, w2s + down_items[i].expert * w2_size,
-               hidden, amx_down, scratch, d);
+    run_items(up_items, g, hidden, w13s, w13_size, 2 * intermediate, amx_up, gate_up.data_ptr<c10::BFloat16>());
+  }
+  // elementwise.cpp's vectorised SiLU, rounded as torch's ops round; its padding rows are the down projection's.
+  const at::Tensor act = silu_and_mul(gate_up);
+  const auto* a = reinterpret_cast<const uint16_t*>(act.data_ptr<c10::BFloat16>());
+#pragma omp parallel
+  {
+    run_items(down_items, a, intermediate, w2s, w2_size, hidden, amx_down, d);
+    std::vector<float> sum(hidden);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
       std::fill(sum.begin(), sum.end(), 0.f);
@@ -182,9 +188,6 @@ at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
       }
       for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = from_float<c10::BFloat16>(sum[c]);
     }
-#ifdef SPINDLE_AMX_BF16
-    if (amx_up || amx_down) _tile_release();
-#endif
   }
   return out;
 }
