@@ -323,7 +323,7 @@ def fused_moe(
         topk_ids: int64 ``[tokens, top_k]`` expert ids.
         num_experts: the experts in ``w13`` and ``w2``.
         intermediate: each expert's intermediate size.
-        tiled: whether the weights are :func:`moe_pack` ones, run by ``bf16_linear``'s kernel.
+        tiled: whether the weights are :func:`moe_pack` ones (x then bf16), run on AMX or ``bf16_linear``'s kernel.
 
     Returns:
         ``[tokens, hidden]`` in ``x``'s dtype.

@@ -5,7 +5,7 @@
 // bf16 weights laid out by moe_pack (bf16_linear's tiles) run in two OpenMP regions, before and after the SiLU:
 // work items of (expert, panel of its rows, tile of output columns) for each projection, handed out dynamically,
 // with the gather and the weighted sum as parallel loops beside them. Every output value is computed by one work item in a fixed order,
-// so the result does not depend on the thread count or the schedule. Blocks of up to 16 rows run on AMX where the CPU
+// so the result does not depend on the thread count or the schedule. Blocks of 8 to 16 rows run on AMX where the CPU
 // and the OS allow it and the inputs are a multiple of 32 (tdpbf16ps reads bf16_linear's tiles as they are: each
 // tile's [pairs][16 columns][2] rows are AMX's pair-interleaved B layout), else on bf16_linear's AVX-512 bf16
 // micro-kernel. Other dtypes and CPUs run ATen's matmul per expert.
@@ -86,6 +86,9 @@ void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows, const uint32_t
 
 #ifdef SPINDLE_AVX512_BF16
 constexpr int64_t PANEL = 64;  // rows of one expert per work item
+// AMX computes 16 rows whatever the count; fewer than this many stay on the AVX-512 kernel, which also prefetches the
+// next tile (at decode batch sizes an expert gets a few rows, and its weights come from memory).
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 // One work item: rows [row, row + rows) of the grouped x against one tile of an expert's packed weight.
 struct Item {
@@ -114,7 +117,7 @@ void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_
     int64_t done = 0;
 #ifdef SPINDLE_AMX_BF16
     if (amx)
-      for (; done < item.rows; done += 16)
+      for (; item.rows - done >= AMX_MIN_ROWS; done += 16)
         amx_block<NV>(xr + done * inputs, inputs, std::min<int64_t>(16, item.rows - done), tile, pairs, scratch,
                       o + done * outputs, outputs);
 #endif
