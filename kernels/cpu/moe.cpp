@@ -137,6 +137,8 @@ at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   // AMX reads x in blocks of 16 rows: the last block of the last expert reads up to 15 rows past the grouped ones.
   at::Tensor grouped = at::empty({assignments + 15, hidden}, options);
   at::Tensor gate_up = at::empty({assignments + 15, 2 * intermediate}, options);
+  // The SiLU runs over the padding rows too: zeros, not leftover bits, which may be denormals (slow to compute on).
+  gate_up.narrow(0, assignments, 15).zero_();
   at::Tensor down = at::empty({assignments, hidden}, options), out = at::empty({tokens, hidden}, options);
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto* g = reinterpret_cast<uint16_t*>(grouped.data_ptr<c10::BFloat16>());
