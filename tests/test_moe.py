@@ -136,13 +136,21 @@ def test_moe_greedy_tokens_match_transformers_with_chunked_prefill(
     assert got == hf_greedy(model_dir, moe_prompts)
 
 
+@pytest.mark.parametrize("layout", ["original", "v5_fused"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_tensor_parallel_tokens_match_transformers(
-    family: str, make_tiny_model: Callable[[str], Path], moe_prompts: list[list[int]]
+    family: str, layout: str, make_tiny_model: Callable[[str], Path], moe_prompts: list[list[int]], tmp_path: Path
 ) -> None:
-    """TP=2: each rank holds half of every expert's intermediate dimension (and 2 query heads, 1 KV head)."""
+    """TP=2: each rank holds half of every expert's intermediate dimension (and 2 query heads, 1 KV head), from
+    per-expert tensors or from transformers v5's fused ones."""
     model_dir = make_tiny_model(family)
-    core = tiny_core(model_dir, tensor_parallel_size=2, max_num_batched_tokens=16)
+    served = model_dir
+    if layout == "v5_fused":
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(
+            tmp_path, save_original_format=False
+        )
+        served = tmp_path
+    core = tiny_core(served, tensor_parallel_size=2, max_num_batched_tokens=16)
     assert (
         core.workers is not None
         and core.runner.model.layers[0].intermediate == {"mixtral": 64, "qwen3_moe": 16}[family]
