@@ -9,7 +9,10 @@ counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_line
 AVX-512 bf16) against ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as transformers'
 ``MixtralExperts`` runs)::
 
-    python -m bench.moe --dtype bfloat16
+    python -m bench.moe --dtype bfloat16 --threads 1
+
+``--threads`` sets torch's threads (and so the C++ op's OpenMP threads); on a machine whose cores other jobs share,
+one thread keeps OpenMP's barriers from waiting on descheduled threads.
 """
 
 import argparse
@@ -120,8 +123,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--token-counts", default="1,8,64,256,1024")
+    parser.add_argument("--token-counts", default="1,8,64,256,1024,2048")
+    parser.add_argument("--threads", type=int, default=None, help="torch's (and the C++ op's) threads; default torch's")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     # `python -m` puts the repository root on sys.path, where transformers' probe for Hugging Face's `kernels`
     # package would import our kernels/ (as tests/conftest.py explains); bench's modules are imported by now.
     repo = Path(__file__).resolve().parents[1]

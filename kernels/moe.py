@@ -4,9 +4,10 @@
 expert weights and runs them: the tokens' expert assignments are grouped by expert, each expert's rows go through
 one GEMM per projection (gate/up fused, SiLU-and-mul, down), and the results come back to their tokens weighted by
 the routing weights. On CUDA (or under :func:`~spindle.kernels.force_triton`) that is a Triton grouped GEMM
-(:mod:`spindle.kernels.triton.moe`); on the CPU a C++ op (``kernels/cpu/moe.cpp``), whose loop over the experts
-runs in C++ and whose bf16 GEMMs are ``bf16_linear``'s tiles; within :func:`~spindle.kernels.eager` the torch loop
-over the experts of :func:`fused_moe_reference`, which the tests hold the other two to.
+(:mod:`spindle.kernels.triton.moe`); on the CPU a C++ op (``kernels/cpu/moe.cpp``): with bf16 weights in
+``bf16_linear``'s tiles, one OpenMP region over (expert, rows, column tile) work items, on AMX in blocks of 16 rows
+where the CPU has it; else ATen's matmul per expert. Within :func:`~spindle.kernels.eager` the torch loop over the
+experts of :func:`fused_moe_reference`, which the tests hold the other two to.
 """
 
 import importlib

@@ -27,6 +27,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "spindle.backend.models.gemma:Gemma3ForCausalLM",
     "LlamaModel": "spindle.backend.models.llama:LlamaModel",
     "MixtralForCausalLM": "spindle.backend.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "spindle.backend.models.qwen3_moe:Qwen3MoeForCausalLM",
     "LlavaForConditionalGeneration": "spindle.backend.models.llava:LlavaForConditionalGeneration",
 }
 """The architectures Spindle ships, and the class that serves each (Qwen3's and Phi-3's subclass the Llama one);

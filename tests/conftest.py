@@ -12,6 +12,8 @@ directory; ``tiny_llama_dir`` is the plain Llama one. The variants cover what th
 - ``"phi3"``, ``"phi4_mini"``: fused qkv and gate/up, LongRoPE over an original 32 positions; ``"phi4_mini"`` with
   Phi-4-mini's partial rotary factor 0.75 (head size 32, 24 rotated) and tied embeddings.
 - ``"mixtral"``: 8 experts of 32 intermediate features, top-2 routing.
+- ``"gemma2"``, ``"gemma3"``: a sliding layer then a global one (window 8), soft-caps, Gemma 3's two rope tables.
+- ``"mixtral"``, ``"qwen3_moe"``: 8 experts, top-2; Qwen3-MoE with a dense middle layer and unnormalised weights.
 - ``"llama_tp"``: 8 query heads and 2 KV heads (head size 16) and a vocabulary of 254, for tensor parallelism:
   TP=4 replicates the KV heads and pads the vocabulary.
 - ``"llama_h128_g4"``, ``"llama_h128_g8"``: head size 128 with one KV head for 4 or 8 query heads, a 4,096-token
@@ -284,15 +286,19 @@ TINY_VARIANTS = {
             },
         },
     ),
-    # Mixtral's shape in test_moe.py: 8 experts of 32, top-2 (tests/test_model_families.py's feature matrix).
-    "mixtral": (
-        "MixtralConfig",
+    # Mixture-of-experts (tests/test_moe.py): 8 experts, top-2. Qwen3-MoE: a dense middle layer (mlp_only_layers),
+    # the top-2 weights not renormalised.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
         {
-            "intermediate_size": 32,
-            "num_local_experts": 8,
+            "head_dim": 32,
+            "num_hidden_layers": 3,
+            "num_experts": 8,
             "num_experts_per_tok": 2,
-            "sliding_window": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
         },
     ),
     # Gemma 2 and 3 (tests/test_gemma.py): a sliding layer then a global one, an 8-token window, an attention scale

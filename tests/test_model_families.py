@@ -24,7 +24,7 @@ from spindle.shared import SamplingParams
 from spindle.shared.protocol import EngineRequest
 from spindle.shared.sampling_params import StructuredOutput
 
-FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "mixtral"]
+FAMILIES = ["llama", "mistral_window", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 """A tiny checkpoint of every family served (Mistral's with a 24-token window, which the prompts pass)."""
 
 # Each rope type with the parameters of a model that uses it, on the tiny model's shape (head size 16, 512 positions).

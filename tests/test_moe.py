@@ -1,16 +1,18 @@
-"""Mixture-of-experts: routing, the fused MoE paths (C++, Triton) against a per-expert torch loop, and Mixtral
-against transformers' own implementation."""
+"""Mixture-of-experts: routing, the fused MoE paths (C++, Triton) against a per-expert torch loop, and Mixtral and
+Qwen3-MoE against transformers' own implementations (one rank and two)."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import _with_byte_tokenizer
+from test_lora import generate, tiny_core
+from test_model_families import hf_greedy
 from test_model_parity import SCHEDULES, hf_logits, run_schedule
 
-from spindle import LLM, SamplingParams
 from spindle.backend.models import load_model
+from spindle.backend.models.qwen3_moe import is_sparse_layer
 from spindle.kernels import eager, force_triton
 from spindle.kernels.moe import Experts, fused_moe_reference, route
 
@@ -21,6 +23,8 @@ CASES = {
     "one_token": (1, 8, 2, 64, 32, None),
     "few_experts_many_empty": (50, 8, 2, 48, 32, [1, 6]),
     "odd_shapes": (19, 6, 3, 80, 112, None),
+    # ~150 rows an expert, several work items each: the C++ op on AMX (hidden and intermediate multiples of 32).
+    "many_rows": (300, 4, 2, 64, 96, None),
 }
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -66,58 +70,99 @@ def test_fused_moe_matches_a_per_expert_loop(case: str, path: str, dtype: torch.
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
 
 
+def test_fused_moe_does_not_depend_on_the_thread_count() -> None:
+    """The C++ op's work items are handed out dynamically; each output value still has one fixed summation order."""
+    x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", torch.bfloat16)
+    experts = Experts(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(experts(x, topk_weights, topk_ids))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+MOE_FAMILIES = ["mixtral", "qwen3_moe"]
+"""tests/conftest.py's tiny MoE checkpoints: Mixtral, and Qwen3-MoE with a dense middle layer and no renormalisation."""
+LOGIT_PROMPTS = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (13, 21, 6)]
+"""The three prompts of test_model_parity.SCHEDULES."""
+
+
 @pytest.fixture(scope="module")
-def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Mixtral (2 layers, hidden 64, 8 experts of 32, top-2) with the byte-level tokenizer."""
-    config = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        sliding_window=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # Wider than transformers' init, as the Llama fixtures are: the router's choices and the experts' outputs
-        # then differ visibly between tokens, so a wrong expert or weight changes the logits.
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.1)
-    path = tmp_path_factory.mktemp("tiny-mixtral")
-    model.save_pretrained(path)
-    return _with_byte_tokenizer(path, path)
+def moe_prompts() -> list[list[int]]:
+    """Four prompts of 5-33 tokens: with 16-token steps, prefill chunks and decodes share steps."""
+    return [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 33, 9)]
 
 
 @pytest.mark.parametrize("path", ["kernels", "eager"])
 @pytest.mark.parametrize("schedule", ["one_batch", "two_chunks", "decode"])
-def test_mixtral_logits_match_transformers(schedule: str, path: str, tiny_mixtral_dir: Path) -> None:
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_logits_match_transformers(
+    family: str, schedule: str, path: str, make_tiny_model: Callable[[str], Path]
+) -> None:
     """On the C++ kernels (the fused MoE op) and on the torch references (the per-expert loop)."""
-    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (13, 21, 6)]
+    model_dir = make_tiny_model(family)
     with eager(path == "eager"):
-        model = load_model(tiny_mixtral_dir, torch.float32, torch.device("cpu"))
+        model = load_model(model_dir, torch.float32, torch.device("cpu"))
         model.prepare_weights()
-        logits = run_schedule(model, prompts, SCHEDULES[schedule])
-    for ours, theirs in zip(logits, hf_logits(tiny_mixtral_dir, prompts), strict=True):
+        logits = run_schedule(model, LOGIT_PROMPTS, SCHEDULES[schedule])
+    for ours, theirs in zip(logits, hf_logits(model_dir, LOGIT_PROMPTS), strict=True):
         torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-4)
 
 
-def test_mixtral_greedy_tokens_match_transformers_with_chunked_prefill(tiny_mixtral_dir: Path) -> None:
-    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 33)]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32).eval()
-    expected = [
-        reference.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p) :]
-        for p in prompts
-    ]
-    llm = LLM(str(tiny_mixtral_dir), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16)
-    greedy = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [e.tolist() for e in expected]
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_loads_transformers_v5_fused_expert_tensors(
+    family: str, make_tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """``save_original_format=False``: each layer's ``mlp.experts.gate_up_proj`` / ``down_proj`` and ``mlp.gate``."""
+    model_dir = make_tiny_model(family)
+    transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(tmp_path, save_original_format=False)
+    model = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model.prepare_weights()
+    logits = run_schedule(model, LOGIT_PROMPTS, SCHEDULES["one_batch"])
+    for ours, theirs in zip(logits, hf_logits(model_dir, LOGIT_PROMPTS), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_greedy_tokens_match_transformers_with_chunked_prefill(
+    family: str, make_tiny_model: Callable[[str], Path], moe_prompts: list[list[int]]
+) -> None:
+    model_dir = make_tiny_model(family)
+    got, _ = generate(tiny_core(model_dir, max_num_batched_tokens=16), [(ids, None) for ids in moe_prompts])
+    assert got == hf_greedy(model_dir, moe_prompts)
+
+
+@pytest.mark.parametrize("layout", ["original", "v5_fused"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_tensor_parallel_tokens_match_transformers(
+    family: str, layout: str, make_tiny_model: Callable[[str], Path], moe_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """TP=2: each rank holds half of every expert's intermediate dimension (and 2 query heads, 1 KV head), from
+    per-expert tensors or from transformers v5's fused ones."""
+    model_dir = make_tiny_model(family)
+    served = model_dir
+    if layout == "v5_fused":
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(
+            tmp_path, save_original_format=False
+        )
+        served = tmp_path
+    core = tiny_core(served, tensor_parallel_size=2, max_num_batched_tokens=16)
+    assert (
+        core.workers is not None
+        and core.runner.model.layers[0].intermediate == {"mixtral": 64, "qwen3_moe": 16}[family]
+    )
+    try:
+        got, _ = generate(core, [(ids, None) for ids in moe_prompts])
+    finally:
+        core.close()
+    assert got == hf_greedy(model_dir, moe_prompts)
+
+
+def test_qwen3_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
+    config = {"num_experts": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert [is_sparse_layer(config, i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not any(is_sparse_layer({**config, "num_experts": 0}, i) for i in range(6))

@@ -1,44 +1,64 @@
-"""Mixtral: Llama attention, and a sparse mixture-of-experts MLP in place of the dense one."""
+"""Mixtral: Llama attention, and a sparse mixture-of-experts MLP in place of the dense one.
+
+:class:`MixtralDecoderLayer` and :class:`MixtralForCausalLM` are also the MoE building blocks of the other MoE
+families (:mod:`spindle.backend.models.qwen3_moe`): a subclass names its attention class, how its config reads, and
+its checkpoint's names for the router and the experts' matrices.
+"""
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, _weight
 from spindle.kernels import rms_norm
 from spindle.kernels.moe import Experts, route
 from spindle.kernels.quant import QuantizedWeight
 
-_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-
 
 class MixtralDecoderLayer(nn.Module):
-    """Pre-norm Llama attention, then the sparse MoE block: a router picks each token's ``top_k`` experts.
+    """Pre-norm attention, then the sparse MoE block: a router picks each token's ``top_k`` experts.
 
     The experts' weights are stacked, flat so that the loader fills them by rows: ``w13`` holds each expert's gate
     rows then up rows (``[experts * 2 * intermediate, hidden]``), ``w2`` its down projection
-    (``[experts * hidden, intermediate]``). After :meth:`MixtralForCausalLM.prepare_weights` they run through
+    (``[experts * hidden, intermediate]``). Under tensor parallelism each rank holds every expert's share of the
+    intermediate dimension (``intermediate / ranks`` gate, up and down columns) and the experts' outputs are
+    all-reduced. After :meth:`MixtralForCausalLM.prepare_weights` they run through
     :class:`~spindle.kernels.moe.Experts`.
     """
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    """The attention block; a family with other q/k treatment names its subclass here."""
 
     def __init__(
         self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype, sliding_window: int | None = None
     ) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
-        self.num_experts = config.hf_config["num_local_experts"]
-        self.top_k = config.hf_config["num_experts_per_tok"]
-        self.intermediate = config.intermediate_size
+        self.num_experts, self.top_k, self.renormalize, intermediate = self.moe_config(config)
+        if intermediate % shard.size:
+            raise ValueError(
+                f"tensor_parallel_size={shard.size} does not fit the model: its experts' intermediate size "
+                f"{intermediate} is not divisible by {shard.size}"
+            )
+        self.intermediate = intermediate // shard.size
         self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.self_attn = LlamaAttention(config, shard, dtype, sliding_window)
+        self.self_attn = self.attention_cls(config, shard, dtype, sliding_window)
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.router = _weight(self.num_experts, config.hidden_size, dtype=dtype)
         self.w13 = _weight(self.num_experts * 2 * self.intermediate, config.hidden_size, dtype=dtype)
         self.w2 = _weight(self.num_experts * config.hidden_size, self.intermediate, dtype=dtype)
         self.experts: Experts | None = None
+
+    @staticmethod
+    def moe_config(config: CheckpointConfig) -> tuple[int, int, bool, int]:
+        """``(experts, top_k, renormalize, intermediate size of an expert)`` of the config: Mixtral's fields."""
+        hf = config.hf_config
+        return hf["num_local_experts"], hf["num_experts_per_tok"], True, config.intermediate_size
 
     def prepare_experts(self) -> None:
         """Build the :class:`~spindle.kernels.moe.Experts` the forward runs; release the stacks it no longer reads."""
@@ -67,10 +87,10 @@ class MixtralDecoderLayer(nn.Module):
             hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
         hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        topk_weights, topk_ids = route(F.linear(hidden, self.router), self.top_k)
+        topk_weights, topk_ids = route(F.linear(hidden, self.router), self.top_k, self.renormalize)
         if self.experts is None:
             self.prepare_experts()
-        return self.experts(hidden, topk_weights, topk_ids), residual  # type: ignore[misc]
+        return parallel.all_reduce(self.experts(hidden, topk_weights, topk_ids)), residual  # type: ignore[misc]
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -78,45 +98,91 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     Checkpoints name each expert's matrices ``model.layers.L.block_sparse_moe.experts.E.w1/w2/w3.weight`` (gate,
     down, up) and the router ``block_sparse_moe.gate.weight``; they load into each layer's stacked ``w13``, ``w2``
-    and ``router``. ``--quantization`` quantizes the attention projections and the LM head; the experts stay in the
-    model dtype. Tensor parallelism is refused: the experts' intermediate dimension is not sharded yet.
+    and ``router``. ``--quantization`` quantizes the attention projections (and any dense MLP) and the LM head; the
+    experts stay in the model dtype. Under tensor parallelism each rank holds its share of every expert's
+    intermediate dimension.
     """
-
-    supports_tensor_parallel = False
-    """The experts are not sharded over ranks (yet): a TP>1 engine refuses this class."""
 
     layer_cls = MixtralDecoderLayer
 
+    moe_block = "block_sparse_moe"
+    """The checkpoint's name of a layer's MoE block (its router is ``<block>.gate.weight``)."""
+    expert_matrices = {"w1": "gate", "w3": "up", "w2": "down"}
+    """The checkpoint's names of an expert's matrices (``<block>.experts.E.<name>.weight``), by role."""
+
     def projections(self) -> dict[str, tuple[nn.Module, str]]:
-        """The attention projections of every layer and the LM head, by name (the experts are not projections)."""
-        found: dict[str, tuple[nn.Module, str]] = {}
-        for i, layer in enumerate(self.layers):
-            found.update({f"layers.{i}.self_attn.{name}": (layer.self_attn, name) for name in ("qkv_proj", "o_proj")})
-        found["lm_head"] = (self, "embed_tokens" if self.lm_head is None else "lm_head")
-        return found
+        """The projections of every layer that has them and the LM head, by name (the experts are not projections)."""
+        return {name: (module, attr) for name, (module, attr) in super().projections().items() if hasattr(module, attr)}
 
     def prepare_weights(self, quantized: dict[str, QuantizedWeight] | None = None) -> None:
-        """Prepare the projections as the parent does, and each layer's experts for the fused MoE path."""
+        """Prepare the projections as the parent does, and each MoE layer's experts for the fused MoE path."""
         super().prepare_weights(quantized)
         for layer in self.layers:
-            layer.prepare_experts()
+            if isinstance(layer, MixtralDecoderLayer):
+                layer.prepare_experts()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load as the parent does; transformers v5's fused expert tensors are first split into this family's names.
+
+        v5 saves (with ``save_original_format=False``) a layer's experts as ``mlp.experts.gate_up_proj``
+        ``[experts, 2 * intermediate, hidden]`` and ``mlp.experts.down_proj`` ``[experts, hidden, intermediate]``, and
+        its router as ``mlp.gate.weight``: split per expert, each matrix then shards and loads as a per-expert one.
+        """
+        super().load_weights(self._split_fused_experts(weights))
+
+    def _split_fused_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with each v5 fused expert tensor split into per-expert matrices of this family's names."""
+        names = {role: name for name, role in self.expert_matrices.items()}
+        for hf_name, tensor in weights:
+            found = re.fullmatch(
+                r"(model\.layers\.\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", hf_name
+            )
+            if found is None:
+                yield hf_name, tensor
+                continue
+            block = f"{found[1]}.{self.moe_block}"
+            if found[2] == "gate.weight":
+                yield f"{block}.gate.weight", tensor
+                continue
+            for expert, matrix in enumerate(tensor):
+                if found[2] == "experts.down_proj":
+                    yield f"{block}.experts.{expert}.{names['down']}.weight", matrix
+                else:
+                    gate, up = matrix.chunk(2)
+                    yield f"{block}.experts.{expert}.{names['gate']}.weight", gate
+                    yield f"{block}.experts.{expert}.{names['up']}.weight", up
+
+    def _expert_matrix(self, hf_name: str) -> tuple[str, int, str] | None:
+        """``(layer prefix, expert, role)`` of an expert's matrix in the checkpoint, else None."""
+        found = re.fullmatch(rf"model\.(layers\.\d+)\.{self.moe_block}\.experts\.(\d+)\.(\w+)\.weight", hf_name)
+        if found is None or found[3] not in self.expert_matrices:
+            return None
+        return found[1], int(found[2]), self.expert_matrices[found[3]]
+
+    def shard_range(self, hf_name: str) -> tuple[int, int, int] | None:
+        """As the parent's, and this rank's share of an expert's intermediate dimension: gate/up rows, down columns."""
+        matrix = self._expert_matrix(hf_name)
+        if matrix is None or self.shard.size == 1:
+            return super().shard_range(hf_name)
+        prefix, _, role = matrix
+        rows = self.layers[int(prefix.split(".")[1])].intermediate
+        return (1 if role == "down" else 0), self.shard.rank * rows, rows
 
     def parameter_slice(self, hf_name: str) -> tuple[str, int, int | None]:
         """Where a Hugging Face tensor goes; an expert's matrix is a block of rows of its layer's stack.
 
         ``model.layers.3.block_sparse_moe.experts.5.w3.weight`` -> ``("layers.3.w13", (2 * 5 + 1) * intermediate,
-        intermediate)``; the router ``block_sparse_moe.gate.weight`` -> ``("layers.3.router", 0, None)``.
+        intermediate)`` (this rank's intermediate size); the router ``block_sparse_moe.gate.weight`` ->
+        ``("layers.3.router", 0, None)``.
         """
-        if ".block_sparse_moe." not in hf_name:
+        router = re.fullmatch(rf"model\.(layers\.\d+)\.{self.moe_block}\.gate\.weight", hf_name)
+        if router is not None:
+            return f"{router[1]}.router", 0, None
+        matrix = self._expert_matrix(hf_name)
+        if matrix is None:
             return super().parameter_slice(hf_name)
-        prefix, rest = hf_name.removeprefix("model.").split(".block_sparse_moe.", 1)
-        if rest == "gate.weight":
-            return f"{prefix}.router", 0, None
-        found = _EXPERT.fullmatch("block_sparse_moe." + rest)
-        if found is None:
-            return hf_name, 0, None
-        expert, matrix = int(found[1]), found[2]
-        intermediate, hidden = self.config.intermediate_size, self.config.hidden_size
-        if matrix == "w2":
-            return f"{prefix}.w2", expert * hidden, hidden
-        return f"{prefix}.w13", (2 * expert + (matrix == "w3")) * intermediate, intermediate
+        prefix, expert, role = matrix
+        intermediate = self.layers[int(prefix.split(".")[1])].intermediate
+        if role == "down":
+            return f"{prefix}.w2", expert * self.config.hidden_size, self.config.hidden_size
+        return f"{prefix}.w13", (2 * expert + (role == "up")) * intermediate, intermediate

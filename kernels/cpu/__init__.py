@@ -56,7 +56,7 @@ _SOURCES = [
         "moe.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("common.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -329,7 +329,7 @@ def fused_moe(
         topk_ids: int64 ``[tokens, top_k]`` expert ids.
         num_experts: the experts in ``w13`` and ``w2``.
         intermediate: each expert's intermediate size.
-        tiled: whether the weights are :func:`moe_pack` ones, run by ``bf16_linear``'s kernel.
+        tiled: whether the weights are :func:`moe_pack` ones (x then bf16), run on AMX or ``bf16_linear``'s kernel.
 
     Returns:
         ``[tokens, hidden]`` in ``x``'s dtype.
