@@ -67,12 +67,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one layer; ``residual`` is None for the first layer. Returns ``(hidden, residual)`` not yet summed."""
-        if residual is None:
-            residual = hidden
-            hidden = rms_norm(hidden, self.input_layernorm, self.eps)
-        else:
-            hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
+        hidden, residual = self.attention_block(positions, hidden, residual, kv_cache, cos_sin_cache)
         hidden = rms_norm(hidden, self.post_attention_layernorm, self.eps)
         hidden, residual = rms_norm(hidden, self.pre_feedforward_layernorm, self.eps, residual)
         return rms_norm(self.mlp(hidden), self.post_feedforward_layernorm, self.eps), residual

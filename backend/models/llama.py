@@ -126,10 +126,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.self_attn = self.attention_cls(config, shard, dtype, sliding_window)
         self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.gate_up_proj = _weight(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down_proj = _weight(config.hidden_size, shard.intermediate_size, dtype=dtype)
         self.prepared: dict[str, Projection] = {}
         self.lora: dict[str, LoraSlots] = {}
+        self.build_mlp(config, shard, dtype)
+
+    def build_mlp(self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype) -> None:
+        """The MLP's weights: fused gate/up rows and the down projection (this rank's intermediate columns)."""
+        self.gate_up_proj = _weight(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down_proj = _weight(config.hidden_size, shard.intermediate_size, dtype=dtype)
 
     def forward(
         self,
@@ -140,14 +144,25 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one layer; ``residual`` is None for the first layer. Returns ``(hidden, residual)`` not yet summed."""
+        hidden, residual = self.attention_block(positions, hidden, residual, kv_cache, cos_sin_cache)
+        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(hidden), residual
+
+    def attention_block(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (with the previous layer's residual add fused in) and attention: ``(output, residual)``."""
         if residual is None:
             residual = hidden
             hidden = rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
-        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(hidden), residual
+        return self.self_attn(positions, hidden, kv_cache, cos_sin_cache), residual
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """The gated MLP of the normalised ``hidden [T, hidden_size]``: gate/up, :attr:`act_and_mul`, down."""
@@ -182,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     """It takes text only."""
     is_pooling_model = False
     """It has an LM head: it generates."""
-    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     """The decoder layer class, built with each layer's window; a family whose layers differ names its own."""
 
     def __init__(self, config: CheckpointConfig, dtype: torch.dtype) -> None:

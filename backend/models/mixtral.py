@@ -14,13 +14,12 @@ from torch import nn
 
 from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
-from spindle.backend.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, _weight
-from spindle.kernels import rms_norm
+from spindle.backend.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _weight
 from spindle.kernels.moe import Experts, route
 from spindle.kernels.quant import QuantizedWeight
 
 
-class MixtralDecoderLayer(nn.Module):
+class MixtralDecoderLayer(LlamaDecoderLayer):
     """Pre-norm attention, then the sparse MoE block: a router picks each token's ``top_k`` experts.
 
     The experts' weights are stacked, flat so that the loader fills them by rows: ``w13`` holds each expert's gate
@@ -31,14 +30,8 @@ class MixtralDecoderLayer(nn.Module):
     :class:`~spindle.kernels.moe.Experts`.
     """
 
-    attention_cls: type[LlamaAttention] = LlamaAttention
-    """The attention block; a family with other q/k treatment names its subclass here."""
-
-    def __init__(
-        self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype, sliding_window: int | None = None
-    ) -> None:
-        super().__init__()
-        self.eps = config.rms_norm_eps
+    def build_mlp(self, config: CheckpointConfig, shard: Shard, dtype: torch.dtype) -> None:
+        """The MoE block's weights in place of the dense MLP's: the router and the stacked experts."""
         self.num_experts, self.top_k, self.renormalize, intermediate = self.moe_config(config)
         if intermediate % shard.size:
             raise ValueError(
@@ -46,9 +39,6 @@ class MixtralDecoderLayer(nn.Module):
                 f"{intermediate} is not divisible by {shard.size}"
             )
         self.intermediate = intermediate // shard.size
-        self.input_layernorm = _weight(config.hidden_size, dtype=dtype)
-        self.self_attn = self.attention_cls(config, shard, dtype, sliding_window)
-        self.post_attention_layernorm = _weight(config.hidden_size, dtype=dtype)
         self.router = _weight(self.num_experts, config.hidden_size, dtype=dtype)
         self.w13 = _weight(self.num_experts * 2 * self.intermediate, config.hidden_size, dtype=dtype)
         self.w2 = _weight(self.num_experts * config.hidden_size, self.intermediate, dtype=dtype)
@@ -71,26 +61,12 @@ class MixtralDecoderLayer(nn.Module):
             self.w13.data = torch.empty(0, dtype=self.w13.dtype, device=self.w13.device)
             self.w2.data = torch.empty(0, dtype=self.w2.dtype, device=self.w2.device)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        cos_sin_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one layer; ``residual`` is None for the first layer. Returns ``(hidden, residual)`` not yet summed."""
-        if residual is None:
-            residual = hidden
-            hidden = rms_norm(hidden, self.input_layernorm, self.eps)
-        else:
-            hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache)
-        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Route each token of the normalised ``hidden [T, hidden_size]`` to its experts and sum their outputs."""
         topk_weights, topk_ids = route(F.linear(hidden, self.router), self.top_k, self.renormalize)
         if self.experts is None:
             self.prepare_experts()
-        return parallel.all_reduce(self.experts(hidden, topk_weights, topk_ids)), residual  # type: ignore[misc]
+        return parallel.all_reduce(self.experts(hidden, topk_weights, topk_ids))  # type: ignore[misc]
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
