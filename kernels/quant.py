@@ -2,8 +2,9 @@
 
 A :class:`QuantizedWeight` holds an ``[out, in]`` matrix as integers with float scales (and, for 4 bits, offsets):
 
-- **int8**, one scale per output row (or per group of ``group_size`` inputs, as GGUF's Q8_0 blocks of 32):
-  ``w[n, k] = q[n, k] * scale[n, k // group_size]``.
+- **int8**, one scale per output row (or per group of ``group_size`` inputs, as GGUF's Q8_0 blocks of 32, or of
+  16, as Q6_K's sub-blocks): ``w[n, k] = q[n, k] * scale[n, k // group_size]``, plus ``zero[n, k // group_size]``
+  where the weight has offsets (GGUF's Q5_K, whose values are ``d * q - m`` with ``q`` in 0..31).
 - **int4**, one scale and one offset per group of ``group_size`` consecutive inputs of a row, two values per byte
   (input ``2i`` in the low nibble, ``2i + 1`` in the high one): ``w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``
   with ``g = k // group_size``. GGUF's Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) blocks of 32 map onto it
@@ -36,7 +37,7 @@ class QuantizedWeight:
     Attributes:
         qweight: int8 ``[out, in]`` (8 bits) or uint8 ``[out, in // 2]``, two 4-bit values per byte (4 bits).
         scales: float32 ``[out, in // group_size]``.
-        zeros: float32 ``[out, in // group_size]`` for 4 bits; None for 8 bits (symmetric).
+        zeros: float32 ``[out, in // group_size]`` for 4 bits; for 8 bits None (symmetric) or the groups' offsets.
         group_size: inputs per scale; ``in_features`` for int8 quantized at load (one scale per row).
 
     """
@@ -136,7 +137,8 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     if weight.zeros is None:
         return (q * scales).to(dtype)
     zeros = weight.zeros.repeat_interleave(weight.group_size, dim=1)
-    return ((q - 8) * scales + zeros).to(dtype)
+    centre = 8 if weight.bits == 4 else 0
+    return ((q - centre) * scales + zeros).to(dtype)
 
 
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
