@@ -56,7 +56,7 @@ _SOURCES = [
         "moe.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
