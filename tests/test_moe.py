@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import compute_as_served
 from test_lora import generate, tiny_core
 from test_model_families import hf_greedy
 from test_model_parity import SCHEDULES, hf_logits, run_schedule
@@ -17,8 +16,7 @@ from spindle.backend.models.loader import quantized_weights
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
 from spindle.kernels import eager, force_triton
-from spindle.kernels.linear import MAX_QUANTIZED_TOKENS
-from spindle.kernels.moe import Experts, expert_matrix, fused_moe_reference, quantize_experts, route
+from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
 from spindle.kernels.quant import QuantizedWeight
 
 # (tokens, experts, top_k, hidden, intermediate, the experts the tokens may route to: None for all).
@@ -189,47 +187,20 @@ def test_moe_tensor_parallel_tokens_match_transformers(
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_quantized_moe_tokens_are_those_of_the_dequantized_weights(
-    family: str,
-    bits: int,
-    make_tiny_model: Callable[[str], Path],
-    moe_prompts: list[list[int]],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``--quantization int8`` / ``int4`` quantize the experts too, held in that form alone, and serve the greedy
-    tokens of the same model whose projections and experts are the dequantized quantized weights, run dense."""
-    for key in MAX_QUANTIZED_TOKENS:
-        monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
+def test_quantized_experts_hold_no_dense_copy(family: str, bits: int, make_tiny_model: Callable[[str], Path]) -> None:
+    """``--quantization int8`` / ``int4`` quantize the experts too, at the projections' bits, and drop the dense
+    stacks. (That they serve the tokens of their dequantized weights run dense is test_model_families'
+    ``test_quantized_tokens_are_those_of_the_dequantized_weights``, whose reference runs the dequantized experts.)"""
     model_dir = make_tiny_model(family)
-    jobs = [(ids, None) for ids in moe_prompts]
-    quantized = tiny_core(model_dir, quantization=f"int{bits}", max_num_batched_tokens=16)
-    dense = tiny_core(model_dir, max_num_batched_tokens=16)
-    reference = dense.runner.model
-    for module in reference.modules():
-        getattr(module, "prepared", {}).clear()
-    weights = quantized_weights(load_model(model_dir, torch.float32, torch.device("cpu")), model_dir, bits)
-    compute_as_served(reference, quantized.runner.model, weights)
-    moe_layers = [
-        (served, ours)
-        for served, ours in zip(quantized.runner.model.layers, reference.layers, strict=True)
-        if isinstance(served, MixtralDecoderLayer)
-    ]
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    model.prepare_weights(quantized_weights(model, model_dir, bits))
+    moe_layers = [layer for layer in model.layers if isinstance(layer, MixtralDecoderLayer)]
     assert moe_layers
-    for served, ours in moe_layers:
-        experts = served.experts
-        assert served.w13.numel() == 0 and served.w2.numel() == 0  # no dense stack beside the quantized one
-        assert isinstance(experts.w13, QuantizedWeight) and isinstance(experts.w2, QuantizedWeight)
-        assert experts.w13.bits == experts.w2.bits == bits
-        ours.experts = Experts(
-            *(
-                torch.stack([expert_matrix(stack, e, torch.float32) for e in range(experts.num_experts)])
-                for stack in (experts.w13, experts.w2)
-            )
-        )
-
-    got, _ = generate(quantized, jobs)
-
-    assert got == generate(dense, jobs)[0]
+    for layer in moe_layers:
+        assert layer.w13.numel() == 0 and layer.w2.numel() == 0
+        for stack in (layer.experts.w13, layer.experts.w2):
+            assert isinstance(stack, QuantizedWeight) and stack.bits == bits
+            assert stack.qweight.dtype == (torch.int8 if bits == 8 else torch.uint8)
 
 
 def test_qwen3_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
