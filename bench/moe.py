@@ -6,10 +6,12 @@ The checkpoint is written here (transformers' ``MixtralForCausalLM`` of random w
 ``--num-prompts`` prompts of random token ids (lengths 16-64); transformers runs them as one left-padded batch,
 Spindle as its scheduler batches them. The kernel part times one MoE layer of the model's shapes at several token
 counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles where the CPU has
-AVX-512 bf16) against ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as transformers'
-``MixtralExperts`` runs)::
+AVX-512 bf16), the same op on int8 and int4 experts (``quantize_experts``, dequantized in registers), and
+``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as transformers' ``MixtralExperts``
+runs)::
 
     python -m bench.moe --dtype bfloat16 --threads 1
+    python -m bench.moe --dtype float32 --threads 1 --kernels-only
 
 ``--threads`` sets torch's threads (and so the C++ op's OpenMP threads); on a machine whose cores other jobs share,
 one thread keeps OpenMP's barriers from waiting on descheduled threads.
@@ -28,7 +30,7 @@ import transformers
 
 from bench.random_llama import write_tokenizer
 from spindle import LLM, SamplingParams
-from spindle.kernels.moe import Experts, fused_moe_reference, route
+from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
 
 SHAPES = dict(
     vocab_size=1024,
@@ -99,22 +101,31 @@ def engines(model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: i
     return total / spindle_s, total / hf_s
 
 
-def kernels(dtype: torch.dtype, token_counts: list[int]) -> list[tuple[int, float, float]]:
-    """One MoE layer of :data:`SHAPES`: ``(tokens, fused us, per-expert loop us)`` per token count."""
+def kernels(dtype: torch.dtype, token_counts: list[int]) -> list[tuple[int, dict[str, float]]]:
+    """One MoE layer of :data:`SHAPES`: per token count, median us a call of each of :data:`KERNEL_COLUMNS`."""
     experts, hidden, inter = SHAPES["num_local_experts"], SHAPES["hidden_size"], SHAPES["intermediate_size"]
     generator = torch.Generator().manual_seed(0)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=generator) * 0.02).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=generator) * 0.02).to(dtype)
-    fused = Experts(w13, w2)
+    calls = {"fused": Experts(w13, w2)}
+    for bits in (8, 4):
+        calls[f"fused int{bits}"] = Experts(quantize_experts(w13, bits), quantize_experts(w2, bits))
     rows = []
     for tokens in token_counts:
         x = torch.randn(tokens, hidden, generator=generator).to(dtype)
         weights, ids = route(torch.randn(tokens, experts, generator=generator), SHAPES["num_experts_per_tok"])
+        times = {}
         with torch.inference_mode():
-            ours = median_seconds(lambda: fused(x, weights, ids), repeats=20)  # noqa: B023 (timed in this iteration)
-            loop = median_seconds(lambda: fused_moe_reference(x, w13, w2, weights, ids), repeats=20)  # noqa: B023
-        rows.append((tokens, ours * 1e6, loop * 1e6))
+            for name, fused in calls.items():
+                times[name] = median_seconds(lambda: fused(x, weights, ids), repeats=20)  # noqa: B023 (timed now)
+            times["loop"] = median_seconds(lambda: fused_moe_reference(x, w13, w2, weights, ids), repeats=20)  # noqa: B023
+        rows.append((tokens, {name: seconds * 1e6 for name, seconds in times.items()}))
     return rows
+
+
+KERNEL_COLUMNS = ("fused", "fused int8", "fused int4", "loop")
+"""The calls :func:`kernels` times: the C++ op on the model-dtype experts, on int8 and on int4 ones (dequantized in
+registers), and the per-expert torch loop on the model-dtype experts."""
 
 
 def main() -> None:
@@ -125,6 +136,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--token-counts", default="1,8,64,256,1024,2048")
     parser.add_argument("--threads", type=int, default=None, help="torch's (and the C++ op's) threads; default torch's")
+    parser.add_argument("--kernels-only", action="store_true", help="time the MoE layer alone, not the engines")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -134,9 +146,13 @@ def main() -> None:
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != repo]
     dtype = getattr(torch, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}, dtype {args.dtype}, Mixtral shapes {SHAPES}")
-    print("\nOne MoE layer, median us a call: fused (C++ op) | per-expert torch loop | speed-up")
-    for tokens, ours, loop in kernels(dtype, [int(n) for n in args.token_counts.split(",")]):
-        print(f"  {tokens:5d} tokens: {ours:9.1f} | {loop:9.1f} | {loop / ours:5.2f}x")
+    print(f"\nOne MoE layer, median us a call: {' | '.join(KERNEL_COLUMNS)} | each fused's speed-up over the loop")
+    for tokens, times in kernels(dtype, [int(n) for n in args.token_counts.split(",")]):
+        columns = " | ".join(f"{times[name]:9.1f}" for name in KERNEL_COLUMNS)
+        ratios = " ".join(f"{times['loop'] / times[name]:5.2f}x" for name in KERNEL_COLUMNS[:-1])
+        print(f"  {tokens:5d} tokens: {columns} | {ratios}")
+    if args.kernels_only:
+        return
     with tempfile.TemporaryDirectory(prefix="mixtral-") as model_dir:
         write_mixtral(Path(model_dir))
         spindle_tps, hf_tps = engines(Path(model_dir), dtype, args.num_prompts, args.max_tokens)

@@ -8,6 +8,10 @@ the routing weights. On CUDA (or under :func:`~spindle.kernels.force_triton`) th
 ``bf16_linear``'s tiles, one OpenMP region over (expert, rows, column tile) work items, on AMX in blocks of 16 rows
 where the CPU has it; else ATen's matmul per expert. Within :func:`~spindle.kernels.eager` the torch loop over the
 experts of :func:`fused_moe_reference`, which the tests hold the other two to.
+
+Experts may be weight-only quantized (``--quantization int8`` / ``int4``, :func:`quantize_experts`): each expert's
+matrices as :mod:`spindle.kernels.quant` quantizes a 2-D weight, stacked, and held in that form alone. Every path
+dequantizes them as it goes: the C++ op and the Triton kernel in registers, the reference one expert at a time.
 """
 
 import importlib
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from spindle.kernels import cpu, is_eager, is_forced_triton
+from spindle.kernels.quant import QuantizedWeight, dequantize, quantize
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,15 +45,49 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
     return weights, ids
 
 
+def quantize_experts(weights: torch.Tensor, bits: int) -> QuantizedWeight:
+    """Each ``[out, in]`` matrix of ``weights [experts, out, in]`` quantized as a 2-D weight is, then stacked.
+
+    Int8 per row, int4 per group of inputs (:func:`~spindle.kernels.quant.quantize`), as one
+    :class:`~spindle.kernels.quant.QuantizedWeight` whose ``qweight``, ``scales`` and ``zeros`` have a leading
+    experts dimension.
+
+    Raises:
+        ValueError: as :func:`~spindle.kernels.quant.quantize` does (bits, int4 group divisibility).
+
+    """
+    experts, outputs, inputs = weights.shape
+    flat = quantize(weights.reshape(experts * outputs, inputs), bits)
+    zeros = None if flat.zeros is None else flat.zeros.view(experts, outputs, -1)
+    return QuantizedWeight(
+        flat.qweight.view(experts, outputs, -1), flat.scales.view(experts, outputs, -1), zeros, flat.group_size
+    )
+
+
+def expert_matrix(weights: torch.Tensor | QuantizedWeight, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s dense ``[out, in]`` matrix of a stack, dequantized (in float32, rounded to ``dtype``)."""
+    if isinstance(weights, torch.Tensor):
+        return weights[expert]
+    zeros = None if weights.zeros is None else weights.zeros[expert]
+    return dequantize(
+        QuantizedWeight(weights.qweight[expert], weights.scales[expert], zeros, weights.group_size), dtype
+    )
+
+
 def fused_moe_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor | QuantizedWeight,
+    w2: torch.Tensor | QuantizedWeight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """The experts' MLPs in torch, one expert at a time: the reference of the fused paths (and ``--enforce-eager``'s).
 
     Args:
         x: ``[tokens, hidden]``.
-        w13: ``[num_experts, 2 * intermediate, hidden]``, each expert's gate rows, then its up rows.
-        w2: ``[num_experts, hidden, intermediate]``, each expert's down projection.
+        w13: ``[num_experts, 2 * intermediate, hidden]``, each expert's gate rows, then its up rows; or its
+            :func:`quantize_experts`, each expert dequantized to ``x``'s dtype when it runs.
+        w2: ``[num_experts, hidden, intermediate]``, each expert's down projection (or quantized, as ``w13``).
         topk_weights: ``[tokens, top_k]``, each assignment's routing weight.
         topk_ids: int64 ``[tokens, top_k]``, each assignment's expert.
 
@@ -60,8 +99,8 @@ def fused_moe_reference(
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         tokens, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up = F.linear(x[tokens], expert_matrix(w13, expert, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, expert_matrix(w2, expert, x.dtype))
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
     return out.to(x.dtype)
 
@@ -71,20 +110,36 @@ class Experts:
 
     Built within :func:`~spindle.kernels.eager` it runs :func:`fused_moe_reference`; on CUDA tensors (or within
     :func:`~spindle.kernels.force_triton`) the Triton grouped GEMM; else the C++ op, with bf16 weights laid out once
-    in ``bf16_linear``'s tiles where that kernel runs (the dense stacks are then dropped: :attr:`keeps_dense`).
+    in ``bf16_linear``'s tiles where that kernel runs (the dense stacks are then dropped: :attr:`keeps_dense`), and
+    quantized ones as they are.
 
     Args:
-        w13: ``[num_experts, 2 * intermediate, hidden]``, gate rows then up rows per expert.
+        w13: ``[num_experts, 2 * intermediate, hidden]``, gate rows then up rows per expert; or its
+            :func:`quantize_experts` (then ``w2`` is quantized too).
         w2: ``[num_experts, hidden, intermediate]``.
+
+    Raises:
+        ValueError: when one of ``w13`` and ``w2`` is quantized and the other not, or when quantized experts are to
+            run the C++ op with a ``hidden`` or ``intermediate`` size that is not a multiple of 32 (its micro-kernels
+            step 32 inputs at a time).
 
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self.num_experts, double_intermediate, self.hidden = w13.shape
+    def __init__(self, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight) -> None:
+        self.quantized = isinstance(w13, QuantizedWeight)
+        if isinstance(w2, QuantizedWeight) != self.quantized:
+            raise ValueError("w13 and w2 must both be quantized or both dense")
+        self.num_experts, double_intermediate = w13.qweight.shape[:2] if self.quantized else w13.shape[:2]
         self.intermediate = double_intermediate // 2
+        self.hidden = w2.scales.shape[1] if self.quantized else w13.shape[2]
         self.eager = is_eager()
-        self.triton = is_forced_triton() or w13.is_cuda
-        tile = not (self.eager or self.triton) and _can_tile(w13) and _can_tile(w2)
+        self.triton = is_forced_triton() or (w13.qweight if self.quantized else w13).is_cuda
+        if self.quantized and not (self.eager or self.triton) and (self.hidden % 32 or self.intermediate % 32):
+            raise ValueError(
+                f"quantized experts run on the CPU with hidden and intermediate sizes that are multiples of 32, not "
+                f"{self.hidden} and {self.intermediate}"
+            )
+        tile = not (self.quantized or self.eager or self.triton) and _can_tile(w13) and _can_tile(w2)
         self.tiled = tile
         self.w13 = cpu.moe_pack(w13) if tile else w13
         self.w2 = cpu.moe_pack(w2) if tile else w2
@@ -92,7 +147,7 @@ class Experts:
     @property
     def keeps_dense(self) -> bool:
         """Whether the caller's dense ``w13`` and ``w2`` are still read (else they may be released)."""
-        return not self.tiled
+        return not (self.tiled or self.quantized)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Each token's weighted sum of its routed experts, ``x [tokens, hidden]``: see :func:`fused_moe_reference`."""
@@ -101,6 +156,8 @@ class Experts:
             return triton_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         if self.eager:
             return fused_moe_reference(x, self.w13, self.w2, topk_weights, topk_ids)
+        if self.quantized:
+            return cpu.fused_moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids)
         return cpu.fused_moe(
             x, self.w13, self.w2, topk_weights, topk_ids, self.num_experts, self.intermediate, self.tiled
         )

@@ -40,6 +40,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
 
 from spindle.kernels import quant
+from spindle.kernels.moe import Experts, expert_matrix
 
 # Triton decides once, when it is first imported (transformers imports it early), whether its kernels run compiled
 # or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors. torch asks the driver
@@ -180,7 +181,8 @@ def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str
     """Make the unprepared ``reference`` compute, in torch, what ``served``'s quantized projections compute.
 
     Each projection's weight becomes its dequantized ``weights[name]``; where ``served`` runs it W8A8 (int8 per row
-    on a CPU with VNNI), the reference quantizes that projection's activations too (``quant.w8a8_linear``).
+    on a CPU with VNNI), the reference quantizes that projection's activations too (``quant.w8a8_linear``). Quantized
+    experts become their dequantized stacks.
     """
     served_projections = served.projections()
     for name, (module, attr) in reference.projections().items():
@@ -192,6 +194,16 @@ def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str
         if served_projections[name][0].prepared[key].w8a8 is not None:
             bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
             module.prepared[key] = functools.partial(quant.w8a8_linear, weight=weights[name], bias=bias)
+    # Quantized experts (Mixtral, Qwen3-MoE): the reference's run their dequantized stacks through the dense op.
+    for served_layer, layer in zip(getattr(served, "layers", []), getattr(reference, "layers", []), strict=True):
+        experts = getattr(served_layer, "experts", None)
+        if experts is not None and experts.quantized:
+            layer.experts = Experts(
+                *(
+                    torch.stack([expert_matrix(stack, e, torch.float32) for e in range(experts.num_experts)])
+                    for stack in (experts.w13, experts.w2)
+                )
+            )
 
 
 TINY_COMMON = {

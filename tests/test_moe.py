@@ -12,20 +12,25 @@ from test_model_families import hf_greedy
 from test_model_parity import SCHEDULES, hf_logits, run_schedule
 
 from spindle.backend.models import load_model
+from spindle.backend.models.loader import quantized_weights
+from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
 from spindle.kernels import eager, force_triton
-from spindle.kernels.moe import Experts, fused_moe_reference, route
+from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
+from spindle.kernels.quant import QuantizedWeight
 
 # (tokens, experts, top_k, hidden, intermediate, the experts the tokens may route to: None for all).
 CASES = {
-    "top2_of_8": (37, 8, 2, 64, 48, None),
-    "top1_of_8": (29, 8, 1, 32, 80, None),
+    "top2_of_8": (37, 8, 2, 64, 96, None),
+    "top1_of_8": (29, 8, 1, 32, 64, None),
     "one_token": (1, 8, 2, 64, 32, None),
-    "few_experts_many_empty": (50, 8, 2, 48, 32, [1, 6]),
+    "few_experts_many_empty": (50, 8, 2, 64, 32, [1, 6]),
     "odd_shapes": (19, 6, 3, 80, 112, None),
     # ~150 rows an expert, several work items each: the C++ op on AMX (hidden and intermediate multiples of 32).
     "many_rows": (300, 4, 2, 64, 96, None),
 }
+QUANTIZED_CASES = [case for case in CASES if case != "odd_shapes"]
+"""int4 quantizes groups of 32 inputs, and the C++ op's quantized micro-kernels step 32 inputs at a time."""
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
@@ -58,16 +63,34 @@ def test_route_renormalises_over_the_top_k_as_mixtral_and_keeps_probabilities_wi
     [("cpu", torch.float32), ("cpu", torch.bfloat16), ("triton", torch.float32), ("triton", torch.bfloat16)],
     ids=["cpu-fp32", "cpu-bf16", "triton-fp32", "triton-bf16"],
 )
-@pytest.mark.parametrize("case", CASES)
-def test_fused_moe_matches_a_per_expert_loop(case: str, path: str, dtype: torch.dtype) -> None:
-    """The C++ op (bf16: ``bf16_linear``'s tiles where the CPU has them) and the Triton grouped GEMM (interpreted)."""
+@pytest.mark.parametrize(
+    ("case", "bits"),
+    [(case, None) for case in CASES] + [(case, bits) for bits in (8, 4) for case in QUANTIZED_CASES],
+    ids=[*CASES, *(f"{case}-int{bits}" for bits in (8, 4) for case in QUANTIZED_CASES)],
+)
+def test_fused_moe_matches_a_per_expert_loop(case: str, bits: int | None, path: str, dtype: torch.dtype) -> None:
+    """The C++ op (bf16: ``bf16_linear``'s tiles where the CPU has them) and the Triton grouped GEMM (interpreted),
+    dense or on int8/int4 experts, against the torch loop over the same weights (quantized ones dequantized)."""
     x, w13, w2, topk_weights, topk_ids = random_moe(case, dtype)
-    expected = fused_moe_reference(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+    if bits is not None:
+        w13, w2 = quantize_experts(w13, bits), quantize_experts(w2, bits)
+        expected = fused_moe_reference(x.float(), w13, w2, topk_weights, topk_ids)
+    else:
+        expected = fused_moe_reference(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
     with force_triton(path == "triton"):
         experts = Experts(w13, w2)
         out = experts(x, topk_weights, topk_ids)
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+def test_quantized_experts_on_the_cpu_need_sizes_in_steps_of_32() -> None:
+    """int8 experts quantize at any size, but the C++ op's micro-kernels read 32 inputs at a time: a clear error."""
+    _, w13, w2, _, _ = random_moe("odd_shapes", torch.float32)
+    with pytest.raises(ValueError, match="multiples of 32, not 80 and 112"):
+        Experts(quantize_experts(w13, 8), quantize_experts(w2, 8))
+    with pytest.raises(ValueError, match="both be quantized or both dense"):
+        Experts(quantize_experts(w13, 8), w2)
 
 
 def test_fused_moe_does_not_depend_on_the_thread_count() -> None:
@@ -160,6 +183,24 @@ def test_moe_tensor_parallel_tokens_match_transformers(
     finally:
         core.close()
     assert got == hf_greedy(model_dir, moe_prompts)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_quantized_experts_hold_no_dense_copy(family: str, bits: int, make_tiny_model: Callable[[str], Path]) -> None:
+    """``--quantization int8`` / ``int4`` quantize the experts too, at the projections' bits, and drop the dense
+    stacks. (That they serve the tokens of their dequantized weights run dense is test_model_families'
+    ``test_quantized_tokens_are_those_of_the_dequantized_weights``, whose reference runs the dequantized experts.)"""
+    model_dir = make_tiny_model(family)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    model.prepare_weights(quantized_weights(model, model_dir, bits))
+    moe_layers = [layer for layer in model.layers if isinstance(layer, MixtralDecoderLayer)]
+    assert moe_layers
+    for layer in moe_layers:
+        assert layer.w13.numel() == 0 and layer.w2.numel() == 0
+        for stack in (layer.experts.w13, layer.experts.w2):
+            assert isinstance(stack, QuantizedWeight) and stack.bits == bits
+            assert stack.qweight.dtype == (torch.int8 if bits == 8 else torch.uint8)
 
 
 def test_qwen3_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _weight
-from spindle.kernels.moe import Experts, route
+from spindle.kernels.moe import Experts, quantize_experts, route
 from spindle.kernels.quant import QuantizedWeight
 
 
@@ -50,13 +50,21 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         hf = config.hf_config
         return hf["num_local_experts"], hf["num_experts_per_tok"], True, config.intermediate_size
 
-    def prepare_experts(self) -> None:
-        """Build the :class:`~spindle.kernels.moe.Experts` the forward runs; release the stacks it no longer reads."""
+    def prepare_experts(self, bits: int | None = None) -> None:
+        """Build the :class:`~spindle.kernels.moe.Experts` the forward runs; release the stacks it no longer reads.
+
+        Args:
+            bits: 8 or 4 to quantize the experts (:func:`~spindle.kernels.moe.quantize_experts`), which then hold
+                their quantized form alone; None to run them in the model dtype.
+
+        """
         hidden = self.w13.shape[1]
-        self.experts = Experts(
-            self.w13.data.view(self.num_experts, 2 * self.intermediate, hidden),
-            self.w2.data.view(self.num_experts, hidden, self.intermediate),
-        )
+        w13 = self.w13.data.view(self.num_experts, 2 * self.intermediate, hidden)
+        w2 = self.w2.data.view(self.num_experts, hidden, self.intermediate)
+        if bits is None:
+            self.experts = Experts(w13, w2)
+        else:
+            self.experts = Experts(quantize_experts(w13, bits), quantize_experts(w2, bits))
         if not self.experts.keeps_dense:
             self.w13.data = torch.empty(0, dtype=self.w13.dtype, device=self.w13.device)
             self.w2.data = torch.empty(0, dtype=self.w2.dtype, device=self.w2.device)
@@ -74,9 +82,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     Checkpoints name each expert's matrices ``model.layers.L.block_sparse_moe.experts.E.w1/w2/w3.weight`` (gate,
     down, up) and the router ``block_sparse_moe.gate.weight``; they load into each layer's stacked ``w13``, ``w2``
-    and ``router``. ``--quantization`` quantizes the attention projections (and any dense MLP) and the LM head; the
-    experts stay in the model dtype. Under tensor parallelism each rank holds its share of every expert's
-    intermediate dimension.
+    and ``router``. ``--quantization int8`` / ``int4`` quantizes the attention projections (and any dense MLP), the
+    LM head and the experts, which then hold their quantized form alone. Under tensor parallelism each rank holds its
+    share of every expert's intermediate dimension.
     """
 
     layer_cls = MixtralDecoderLayer
@@ -91,11 +99,23 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return {name: (module, attr) for name, (module, attr) in super().projections().items() if hasattr(module, attr)}
 
     def prepare_weights(self, quantized: dict[str, QuantizedWeight] | None = None) -> None:
-        """Prepare the projections as the parent does, and each MoE layer's experts for the fused MoE path."""
+        """Prepare the projections as the parent does, and each MoE layer's experts for the fused MoE path.
+
+        The experts are quantized to the bits of the layers' quantized projections (the LM head, int8 whatever
+        ``--quantization`` says, aside), and stay in the model dtype when those are not quantized.
+
+        Raises:
+            ValueError: when the layers' projections are quantized to more than one bit width.
+
+        """
         super().prepare_weights(quantized)
+        widths = {weight.bits for name, weight in (quantized or {}).items() if name != "lm_head"}
+        if len(widths) > 1:
+            raise ValueError(f"the layers' projections are quantized to {sorted(widths)} bits: the experts take one")
+        bits = widths.pop() if widths else None
         for layer in self.layers:
             if isinstance(layer, MixtralDecoderLayer):
-                layer.prepare_experts()
+                layer.prepare_experts(bits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load as the parent does; transformers v5's fused expert tensors are first split into this family's names.

@@ -32,6 +32,7 @@ from types import ModuleType
 import torch
 
 from spindle.kernels.cache_entry import MARKER, build_entry, is_complete
+from spindle.kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ _SOURCES = [
         "moe.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -336,3 +337,31 @@ def fused_moe(
 
     """
     return cpu_ops().fused_moe(x, w13, w2, topk_weights, topk_ids, num_experts, intermediate, tiled)
+
+
+def fused_moe_quantized(
+    x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """:func:`fused_moe` of quantized experts, dequantized in registers, in float32 (output in ``x``'s dtype).
+
+    Args:
+        x: ``[tokens, hidden]``, float32 or bfloat16.
+        w13: the ``[experts, 2 * intermediate, hidden]`` stack (``spindle.kernels.moe.quantize_experts``).
+        w2: the ``[experts, hidden, intermediate]`` stack.
+        topk_weights: ``[tokens, top_k]`` routing weights.
+        topk_ids: int64 ``[tokens, top_k]`` expert ids.
+
+    """
+    return cpu_ops().fused_moe_quantized(
+        x,
+        w13.qweight,
+        w13.scales,
+        w13.zeros,
+        w13.group_size,
+        w2.qweight,
+        w2.scales,
+        w2.zeros,
+        w2.group_size,
+        topk_weights,
+        topk_ids,
+    )

@@ -38,6 +38,11 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, con
 at::Tensor moe_pack(const at::Tensor& weights);
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, int64_t num_experts, int64_t intermediate, bool tiled);
+at::Tensor fused_moe_quantized(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w13_scales,
+                               const std::optional<at::Tensor>& w13_zeros, int64_t w13_group_size,
+                               const at::Tensor& w2, const at::Tensor& w2_scales,
+                               const std::optional<at::Tensor>& w2_zeros, int64_t w2_group_size,
+                               const at::Tensor& topk_weights, const at::Tensor& topk_ids);
 
 // Every kernel runs without the GIL (its arguments are converted before and its result after): it touches no Python
 // object, and a long call (a big prefill's attention or projections) must not stall the process's other threads, such
@@ -75,4 +80,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
   m.def("moe_pack", &moe_pack, ReleaseGil(), "Each expert's bf16 [out, in] matrix in bf16_pack's tiles, stacked.");
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
+  m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
+        "fused_moe of int8 (per row) or int4 (per group) experts, dequantized in registers.");
 }

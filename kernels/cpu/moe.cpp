@@ -9,6 +9,11 @@
 // and the OS allow it and the inputs are a multiple of 32 (tdpbf16ps reads bf16_linear's tiles as they are: each
 // tile's [pairs][16 columns][2] rows are AMX's pair-interleaved B layout), else on bf16_linear's AVX-512 bf16
 // micro-kernel. Other dtypes and CPUs run ATen's matmul per expert.
+//
+// Quantized experts (spindle.kernels.quant's int8 per row or int4 per group, stacked [experts, out, in]) run the same
+// sort and the same kind of work items in float32: the grouped rows are turned into float once (in int4_row's nibble
+// order, with their group sums), and each work item runs its rows, 8 at a time, against each weight row of its column
+// tile with quant_rows.h's micro-kernels, which dequantize in registers (AVX-512 or AVX2+FMA, else plain loops).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 
@@ -22,6 +27,7 @@
 
 #include "bf16_tiles.h"
 #include "common.h"
+#include "quant_rows.h"
 
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor silu_and_mul(const at::Tensor& x);
@@ -84,26 +90,28 @@ void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows, const uint32_t
 }
 #endif
 
-#ifdef SPINDLE_AVX512_BF16
 constexpr int64_t PANEL = 64;  // rows of one expert per work item
-// AMX computes 16 rows whatever the count; fewer than this many stay on the AVX-512 kernel, which also prefetches the
-// next tile (at decode batch sizes an expert gets a few rows, and its weights come from memory).
-constexpr int64_t AMX_MIN_ROWS = 8;
 
-// One work item: rows [row, row + rows) of the grouped x against one tile of an expert's packed weight.
+// One work item: rows [row, row + rows) of the grouped x against one tile of output columns of an expert's weight.
 struct Item {
   int64_t expert, row, rows, column;
 };
 
-// The work items of one projection of `outputs` columns: per expert with rows, its panels x the weight's tiles.
-std::vector<Item> items_of(const std::vector<int64_t>& starts, int64_t outputs) {
+// The work items of one projection of `outputs` columns: per expert with rows, its panels x the weight's tiles of
+// `tile` columns.
+std::vector<Item> items_of(const std::vector<int64_t>& starts, int64_t outputs, int64_t tile) {
   std::vector<Item> items;
   for (size_t e = 0; e + 1 < starts.size(); ++e)
     for (int64_t row = starts[e]; row < starts[e + 1]; row += PANEL)
-      for (int64_t column = 0; column < outputs; column += TILE)
+      for (int64_t column = 0; column < outputs; column += tile)
         items.push_back({static_cast<int64_t>(e), row, std::min(PANEL, starts[e + 1] - row), column});
   return items;
 }
+
+#ifdef SPINDLE_AVX512_BF16
+// AMX computes 16 rows whatever the count; fewer than this many stay on the AVX-512 kernel, which also prefetches the
+// next tile (at decode batch sizes an expert gets a few rows, and its weights come from memory).
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 // Runs a work item: x and out are the grouped rows (row `item.row` first), w the expert's packed [outputs, inputs].
 void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_t* w, int64_t outputs, bool amx,
@@ -146,7 +154,8 @@ at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const auto* w13s = reinterpret_cast<const uint32_t*>(w13.data_ptr<c10::BFloat16>());
   const auto* w2s = reinterpret_cast<const uint32_t*>(w2.data_ptr<c10::BFloat16>());
-  const std::vector<Item> up_items = items_of(starts, 2 * intermediate), down_items = items_of(starts, hidden);
+  const std::vector<Item> up_items = items_of(starts, 2 * intermediate, TILE),
+                          down_items = items_of(starts, hidden, TILE);
   const int64_t w13_size = intermediate * hidden, w2_size = hidden * intermediate / 2;  // uint32 pairs per expert
 #ifdef SPINDLE_AMX_BF16
   const bool amx_up = amx_permitted() && hidden % 32 == 0, amx_down = amx_permitted() && intermediate % 32 == 0;
@@ -198,6 +207,178 @@ at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 }
 #endif
 
+// The assignments grouped by expert: expert e's grouped rows are [starts[e], starts[e + 1]), `slot_token[s]` is the
+// token of grouped row s, `slot_of[a]` the grouped row of assignment a (token a / top_k, its (a % top_k)-th expert).
+struct Routing {
+  std::vector<int64_t> starts, slot_token, slot_of;
+};
+
+// A counting sort of the assignments by expert, stable: each expert's rows in token order.
+Routing sort_by_expert(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                       int64_t num_experts) {
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) && topk_ids.scalar_type() == at::kLong,
+              "topk_ids must be int64 [tokens, top_k]");
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must be [tokens, top_k]");
+  const int64_t top_k = topk_ids.size(1), assignments = topk_ids.numel();
+  const at::Tensor ids = topk_ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  Routing routing{std::vector<int64_t>(num_experts + 1, 0), std::vector<int64_t>(assignments),
+                  std::vector<int64_t>(assignments)};
+  std::vector<int64_t>& starts = routing.starts;
+  for (int64_t a = 0; a < assignments; ++a) {
+    TORCH_CHECK(id[a] >= 0 && id[a] < num_experts, "expert id ", id[a], " out of range");
+    ++starts[id[a] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t a = 0; a < assignments; ++a) {
+    const int64_t slot = next[id[a]]++;
+    routing.slot_token[slot] = a / top_k;
+    routing.slot_of[a] = slot;
+  }
+  return routing;
+}
+
+// Weight rows (output columns) per quantized work item: 32 KiB of int8 weights at 1024 inputs, re-read from L2 for
+// each QUANT_ROWS of the item's rows.
+constexpr int64_t QUANT_TILE = 32;
+constexpr int64_t QUANT_ROWS = 8;  // grouped rows per micro-kernel call (quant_rows.h's M)
+
+// One projection's quantized [experts, outputs, inputs] stack, as spindle.kernels.quant lays it out.
+struct QuantStack {
+  const void* q;        // int8 [experts, outputs, inputs] or uint8 [experts, outputs, inputs / 2]
+  const float* scales;  // [experts, outputs, groups]
+  const float* zeros;   // [experts, outputs, groups] for int4, else null
+  int64_t bits, group_size, outputs, inputs;
+
+  QuantStack(const at::Tensor& qweight, const at::Tensor& scales_, const std::optional<at::Tensor>& zeros_,
+             int64_t group, int64_t experts, int64_t outputs_, int64_t inputs_)
+      : bits(qweight.scalar_type() == at::kChar ? 8 : 4), group_size(group), outputs(outputs_), inputs(inputs_) {
+    TORCH_CHECK(qweight.scalar_type() == at::kChar || qweight.scalar_type() == at::kByte,
+                "quantized experts are int8 or uint8 (int4 pairs)");
+    TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 3 && qweight.size(0) == experts &&
+                    qweight.size(1) == outputs && qweight.size(2) * (bits == 8 ? 1 : 2) == inputs,
+                "qweight must be dense [", experts, ", ", outputs, ", ", inputs, bits == 8 ? "" : " / 2", "]");
+    TORCH_CHECK(group % (2 * quant_rows::LANES) == 0 && inputs % group == 0, "group_size ", group,
+                " must be a multiple of 32 that divides ", inputs, " inputs");
+    const int64_t numel = experts * outputs * (inputs / group);
+    TORCH_CHECK(scales_.is_contiguous() && scales_.scalar_type() == at::kFloat && scales_.numel() == numel,
+                "scales must be dense float32 [experts, out, in / group_size]");
+    TORCH_CHECK(zeros_.has_value() == (bits == 4), "int4 experts have zeros, int8 ones none");
+    if (zeros_) {
+      TORCH_CHECK(zeros_->is_contiguous() && zeros_->scalar_type() == at::kFloat && zeros_->numel() == numel,
+                  "zeros must be dense float32 [experts, out, in / group_size]");
+    }
+    q = qweight.data_ptr();
+    scales = scales_.data_ptr<float>();
+    zeros = zeros_ ? zeros_->data_ptr<float>() : nullptr;
+  }
+
+  // Grouped row `src` (inputs values) in float as the micro-kernel reads it: `row`, and for int4 its group sums.
+  template <typename T>
+  void input_row(const T* src, float* row, float* xsums) const {
+    if (bits == 4) {
+      quant_rows::int4_input_row(src, inputs, group_size, row, xsums);
+    } else {
+      for (int64_t k = 0; k < inputs; ++k) row[k] = to_float(src[k]);
+    }
+  }
+
+  // A work item: its grouped rows of x (float, from input_row; row `item.row` first) against its expert's weight rows
+  // [column, column + QUANT_TILE), into the float rows of out (`outputs` wide).
+  void run(const Item& item, const float* x, const float* xsums, float* out) const {
+    const int64_t groups = inputs / group_size, width = std::min(QUANT_TILE, outputs - item.column);
+    const int64_t first = item.expert * outputs + item.column;  // the tile's first weight row in the stack
+    for (int64_t r = 0; r < item.rows; r += QUANT_ROWS) {
+      const int64_t row = item.row + r;
+      with_tokens(std::min(QUANT_ROWS, item.rows - r), [&](auto tokens) {
+        constexpr int M = decltype(tokens)::value;
+        for (int64_t n = 0; n < width; ++n) {
+          float totals[M];
+          const int64_t w = first + n;
+          if (bits == 8) {
+            quant_rows::int8_row<M>(x + row * inputs, inputs, static_cast<const int8_t*>(q) + w * inputs,
+                                    scales + w * groups, group_size, totals);
+          } else {
+            quant_rows::int4_row<M>(x + row * inputs, xsums + row * groups, inputs,
+                                    static_cast<const uint8_t*>(q) + w * inputs / 2, scales + w * groups,
+                                    zeros + w * groups, group_size, totals);
+          }
+          for (int m = 0; m < M; ++m) out[(row + m) * outputs + item.column + n] = totals[m];
+        }
+      });
+    }
+  }
+
+  // Runs this thread's share of a projection's work items (within an OpenMP region), dynamically: experts' row counts
+  // differ.
+  void run_items(const std::vector<Item>& items, const float* x, const float* xsums, float* out) const {
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i) run(items[i], x, xsums, out);
+  }
+};
+
+// The quantized path: x [tokens, hidden] float32 or bf16; the gate/up, the SiLU and the down projection in float32.
+template <typename T>
+at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const QuantStack& w2, const float* weight,
+                         const Routing& routing, int64_t top_k) {
+  const int64_t tokens = x.size(0), hidden = x.size(1), assignments = tokens * top_k;
+  const int64_t intermediate = w2.inputs;
+  const at::Tensor xc = x.contiguous();
+  const auto floats = x.options().dtype(at::kFloat);
+  // Group sums for int4 (one per group of each row); an int8 stack reads none.
+  const auto group_sums = [&](const QuantStack& w) {
+    return at::empty({w.bits == 4 ? assignments * (w.inputs / w.group_size) : 0}, floats);
+  };
+  at::Tensor grouped = at::empty({assignments, hidden}, floats), grouped_sums = group_sums(w13);
+  at::Tensor gate_up = at::empty({assignments, 2 * intermediate}, floats);
+  at::Tensor down = at::empty({assignments, hidden}, floats), out = at::empty({tokens, hidden}, x.options());
+  float* g = grouped.data_ptr<float>();
+  float* gs = grouped_sums.data_ptr<float>();
+  const T* xs = xc.data_ptr<T>();
+  const std::vector<Item> up_items = items_of(routing.starts, 2 * intermediate, QUANT_TILE),
+                          down_items = items_of(routing.starts, hidden, QUANT_TILE);
+  const int64_t up_groups = hidden / w13.group_size, down_groups = intermediate / w2.group_size;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < assignments; ++s)
+      w13.input_row(xs + routing.slot_token[s] * hidden, g + s * hidden, gs + s * up_groups);
+    w13.run_items(up_items, g, gs, gate_up.data_ptr<float>());
+  }
+  // elementwise.cpp's vectorised SiLU; int4 rows are then permuted to the nibble order (in a copy: the SiLU's output
+  // is read while it is written), int8 ones read as they are.
+  at::Tensor act = silu_and_mul(gate_up), act_sums = group_sums(w2);
+  const at::Tensor act_rows = w2.bits == 4 ? at::empty(act.sizes(), floats) : act;
+  const float* a = act.data_ptr<float>();
+  float* ar = act_rows.data_ptr<float>();
+  float* as = act_sums.data_ptr<float>();
+  float* d = down.data_ptr<float>();
+  T* o = out.data_ptr<T>();
+#pragma omp parallel
+  {
+    if (w2.bits == 4) {
+#pragma omp for schedule(static)
+      for (int64_t s = 0; s < assignments; ++s)
+        w2.input_row(a + s * intermediate, ar + s * intermediate, as + s * down_groups);
+    }
+    w2.run_items(down_items, ar, as, d);
+    std::vector<float> sum(hidden);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t k = 0; k < top_k; ++k) {
+        const float* row = d + routing.slot_of[t * top_k + k] * hidden;
+        const float w = weight[t * top_k + k];
+        for (int64_t c = 0; c < hidden; ++c) sum[c] += w * row[c];
+      }
+      for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = from_float<T>(sum[c]);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 at::Tensor moe_pack(const at::Tensor& weights) {
@@ -210,32 +391,11 @@ at::Tensor moe_pack(const at::Tensor& weights) {
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, int64_t num_experts, int64_t intermediate, bool tiled) {
-  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) && topk_ids.scalar_type() == at::kLong,
-              "topk_ids must be int64 [tokens, top_k]");
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must be [tokens, top_k]");
   TORCH_CHECK(w13.size(0) == num_experts && w2.size(0) == num_experts, "w13 and w2 must hold ", num_experts,
               " experts");
+  const Routing routing = sort_by_expert(x, topk_weights, topk_ids, num_experts);
+  const std::vector<int64_t>&starts = routing.starts, &slot_token = routing.slot_token, &slot_of = routing.slot_of;
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1), assignments = tokens * top_k;
-  const at::Tensor ids = topk_ids.contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
-
-  // Counting sort of the assignments by expert, stable: each expert's rows in token order.
-  std::vector<int64_t> starts(num_experts + 1, 0);
-  for (int64_t a = 0; a < assignments; ++a) {
-    TORCH_CHECK(id[a] >= 0 && id[a] < num_experts, "expert id ", id[a], " out of range");
-    ++starts[id[a] + 1];
-  }
-  for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
-  std::vector<int64_t> slot_token(assignments), slot_of(assignments);
-  {
-    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (int64_t a = 0; a < assignments; ++a) {
-      const int64_t slot = next[id[a]]++;
-      slot_token[slot] = a / top_k;
-      slot_of[a] = slot;
-    }
-  }
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
 #ifdef SPINDLE_AVX512_BF16
   if (tiled) {
@@ -247,7 +407,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 #endif
 
   // Other dtypes and CPUs: ATen's matmul per expert, the outputs weighted into one float32 row per assignment.
-  const auto index = ids.options();
+  const auto index = topk_ids.options();
   at::Tensor order = at::empty({assignments}, index), order_tokens = at::empty({assignments}, index);
   int64_t* o = order.data_ptr<int64_t>();
   for (int64_t a = 0; a < assignments; ++a) o[slot_of[a]] = a;
@@ -263,4 +423,22 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
     rows.index_copy_(0, mine, down.to(at::kFloat).mul_(flat_weights.index_select(0, mine).unsqueeze(1)));
   }
   return rows.view({tokens, top_k, hidden}).sum(1).to(x.scalar_type());
+}
+
+at::Tensor fused_moe_quantized(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w13_scales,
+                               const std::optional<at::Tensor>& w13_zeros, int64_t w13_group_size,
+                               const at::Tensor& w2, const at::Tensor& w2_scales,
+                               const std::optional<at::Tensor>& w2_zeros, int64_t w2_group_size,
+                               const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [tokens, hidden]");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 and w2 must be [experts, out, in (/ 2)]");
+  const int64_t experts = w13.size(0), hidden = x.size(1), intermediate = w13.size(1) / 2;
+  const QuantStack up(w13, w13_scales, w13_zeros, w13_group_size, experts, 2 * intermediate, hidden);
+  const QuantStack down(w2, w2_scales, w2_zeros, w2_group_size, experts, hidden, intermediate);
+  const Routing routing = sort_by_expert(x, topk_weights, topk_ids, experts);
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  if (x.scalar_type() == at::kFloat)
+    return quantized_moe<float>(x, up, down, weights.data_ptr<float>(), routing, topk_ids.size(1));
+  return quantized_moe<c10::BFloat16>(x, up, down, weights.data_ptr<float>(), routing, topk_ids.size(1));
 }

@@ -7,10 +7,6 @@
 // byte and a float32 scale per row or per group of inputs (GGUF's Q8_0 blocks of 32); int4 two values a byte with a
 // scale and an offset per group. On AVX-512 the int4 path uses torch's kernel (an int4 kernel of ours ran no faster
 // there); torch's has no fast AVX2 path, where ours is 11x faster (spindle.kernels.linear has the numbers).
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <ATen/ops/empty.h>
 
 #include <cstdint>
@@ -18,66 +14,13 @@
 #include <vector>
 
 #include "common.h"
+#include "quant_rows.h"
 
 namespace {
 
-constexpr int64_t LANES = 16;     // floats in one AVX-512 register: the width the inner loops are written for
+using namespace quant_rows;
+
 constexpr int64_t MAX_TOKENS = 8;  // calls with more tokens run the dense weights (spindle.kernels.linear)
-
-#ifdef __AVX2__
-inline float hsum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-#endif
-
-// One output row of the int8 kernel for M tokens: sum(q scale x) into totals[m]; scales holds the row's one scale per
-// group_size inputs (a multiple of 32, so that each step of 32 inputs has one scale).
-template <int M>
-inline void int8_row(const float* x, int64_t inputs, const int8_t* q, const float* scales, int64_t group_size,
-                     float* totals) {
-#ifdef __AVX512F__
-  __m512 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < inputs; k += 2 * LANES) {
-    const __m512 scale = _mm512_set1_ps(scales[k / group_size]);
-    for (int half = 0; half < 2; ++half) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + half * LANES));
-      const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
-      for (int m = 0; m < M; ++m) {
-        acc[m][half] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * inputs + k + half * LANES), acc[m][half]);
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m) totals[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-#elif defined(__AVX2__)
-  // gcc leaves the generic loop below scalar (the int8 -> float widening): 46 ms for one token on a Zen 3, 12.5 here.
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < inputs; k += 2 * LANES) {
-    const __m256 scale = _mm256_set1_ps(scales[k / group_size]);
-    for (int part = 0; part < 4; ++part) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + 8 * part));
-      const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * inputs + k + 8 * part), acc[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) totals[m] = hsum(acc[m]);
-#else
-  float acc[M][LANES] = {};
-  for (int64_t k = 0; k < inputs; k += LANES) {
-    const float scale = scales[k / group_size];
-    for (int m = 0; m < M; ++m) {
-      for (int64_t i = 0; i < LANES; ++i) acc[m][i] += static_cast<float>(q[k + i]) * scale * x[m * inputs + k + i];
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    totals[m] = 0.f;
-    for (int64_t i = 0; i < LANES; ++i) totals[m] += acc[m][i];
-  }
-#endif
-}
 
 template <typename T, int M>
 void int8_rows(const std::vector<float>& x, int64_t inputs, const int8_t* qweight, const float* scales,
@@ -89,62 +32,6 @@ void int8_rows(const std::vector<float>& x, int64_t inputs, const int8_t* qweigh
     int8_row<M>(x.data(), inputs, qweight + n * inputs, scales + n * groups, group_size, totals);
     for (int m = 0; m < M; ++m) out[m * outputs + n] = static_cast<T>(totals[m]);
   }
-}
-
-// One output row of the int4 kernel for M tokens. Per group g of the row, w = (q - 8) s + z, so the row's dot product
-// with a token is sum_g (s_g sum_k q_k x_k + (z_g - 8 s_g) xsum_g): the group sums of x (xsums, per token) are
-// computed once per call, and the inner loop multiplies the scaled 4-bit values with x. x is permuted within each
-// 32 inputs to the nibble order (the 16 low nibbles' inputs, then the 16 high ones'), so that the loop reads both
-// with unit stride.
-template <int M>
-inline void int4_row(const float* x, const float* xsums, int64_t inputs, const uint8_t* q, const float* scales,
-                     const float* zeros, int64_t group_size, float* totals) {
-  const int64_t groups = inputs / group_size;
-  float offsets[M] = {};
-#ifdef __AVX2__
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 scale = _mm256_set1_ps(scales[g]);
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 2 * LANES) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-      const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-      const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-      for (int part = 0; part < 4; ++part) {
-        const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[part])), scale);
-        for (int m = 0; m < M; ++m) {
-          acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * inputs + k + 8 * part), acc[m]);
-        }
-      }
-    }
-    const float offset = zeros[g] - 8.f * scales[g];
-    for (int m = 0; m < M; ++m) offsets[m] += offset * xsums[m * groups + g];
-  }
-  for (int m = 0; m < M; ++m) totals[m] = offsets[m] + hsum(acc[m]);
-#else
-  float acc[M][LANES] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    const float scale = scales[g];
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 2 * LANES) {
-      float low[LANES], high[LANES];
-      for (int64_t i = 0; i < LANES; ++i) {
-        low[i] = static_cast<float>(q[k / 2 + i] & 15) * scale;
-        high[i] = static_cast<float>(q[k / 2 + i] >> 4) * scale;
-      }
-      for (int m = 0; m < M; ++m) {
-        const float* xm = x + m * inputs + k;
-        for (int64_t i = 0; i < LANES; ++i) acc[m][i] += low[i] * xm[i] + high[i] * xm[LANES + i];
-      }
-    }
-    const float offset = zeros[g] - 8.f * scale;
-    for (int m = 0; m < M; ++m) offsets[m] += offset * xsums[m * groups + g];
-  }
-  for (int m = 0; m < M; ++m) {
-    totals[m] = offsets[m];
-    for (int64_t i = 0; i < LANES; ++i) totals[m] += acc[m][i];
-  }
-#endif
 }
 
 template <typename T, int M>
@@ -215,18 +102,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                 "scales and zeros must be dense float32 [out, in / group_size]");
   }
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
-  std::vector<float> rows(x.size(0) * inputs), xsums(x.size(0) * groups, 0.f);
+  std::vector<float> rows(x.size(0) * inputs), xsums(x.size(0) * groups);
   with_dtype(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     for (int64_t m = 0; m < x.size(0); ++m) {
-      const T* xm = x.data_ptr<T>() + m * x.stride(0);
-      for (int64_t k = 0; k < inputs; k += 2 * LANES) {
-        for (int64_t i = 0; i < LANES; ++i) {
-          rows[m * inputs + k + i] = to_float(xm[k + 2 * i]);
-          rows[m * inputs + k + LANES + i] = to_float(xm[k + 2 * i + 1]);
-        }
-      }
-      for (int64_t k = 0; k < inputs; ++k) xsums[m * groups + k / group_size] += to_float(xm[k]);
+      int4_input_row(x.data_ptr<T>() + m * x.stride(0), inputs, group_size, rows.data() + m * inputs,
+                     xsums.data() + m * groups);
     }
     with_tokens(x.size(0), [&](auto tokens) {
       int4_rows<T, decltype(tokens)::value>(rows, xsums, inputs, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
