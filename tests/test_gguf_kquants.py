@@ -19,8 +19,10 @@ import transformers
 from conftest import TINY_COMMON, TINY_VARIANTS
 from test_gguf_families import tokens_of_both, write_gguf
 
-from spindle.backend.models import gguf_blocks
+from spindle.backend import parallel
+from spindle.backend.models import gguf_blocks, load_model
 from spindle.backend.models.loader import MIXED, QUANTIZATION_FILE, quantized_weights, resolve_quantization
+from spindle.backend.parallel import TensorParallel
 from spindle.kernels.quant import cat_rows, dequantize
 
 FP16_FIELDS = {
@@ -171,9 +173,9 @@ def random_blocks_of(file_type: str) -> Callable[[str, np.ndarray], tuple[np.nda
 def test_kquant_files_serve_their_own_blocks(
     file_type: str, kquant_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--quantization auto`` on a file that mixes types gives transformers' greedy tokens, each projection served
-    from the file's blocks at their own width (a fused one whose parts differ widened to int8, exactly), and those
-    of a type not kept (Q3_K) quantized to int8 at load."""
+    """``--quantization auto`` on a K-quant file gives transformers' greedy tokens, each projection served from the
+    file's blocks at their own width (a fused one whose parts differ widened to int8, exactly), those of a type not
+    kept (Q3_K) quantized to int8 at load; a tensor-parallel rank keeps its slice of the same blocks."""
     file = write_gguf(kquant_checkpoint, "llama", tmp_path / f"{file_type}.gguf", random_blocks_of(file_type))
 
     expected, got, dense, model_dir = tokens_of_both(file, monkeypatch)
@@ -185,7 +187,8 @@ def test_kquant_files_serve_their_own_blocks(
         assert recorded == {"gguf_type": file_type, "bits": gguf_blocks.BITS[file_type]}
     else:
         assert recorded == {"gguf_type": MIXED, "bits": MIXED, "types": dict(sorted(layer_types.items()))}
-    kept = quantized_weights(dense, model_dir, resolve_quantization("auto", model_dir))
+    served = resolve_quantization("auto", model_dir)
+    kept = quantized_weights(dense, model_dir, served)
     int4 = quantized_weights(dense, model_dir, 4)
     for name, (module, attr) in dense.projections().items():
         types, reference = served_types(file_type, name), getattr(module, attr)
@@ -201,3 +204,18 @@ def test_kquant_files_serve_their_own_blocks(
         assert int4[name].bits == (8 if name == "lm_head" else 4), name
         if one_type and gguf_blocks.BITS[types[0]] == 4 and name != "lm_head":
             assert torch.equal(int4[name].qweight, weight.qweight), name
+    # Rank 1 of 2 keeps its slice of the same blocks (Q6_K's groups of 16 too): query heads 2-3, KV head 1, MLP
+    # columns 256-511 of 512 and vocabulary rows 128-255; o and down take the matching input columns.
+    parallel.set_current(TensorParallel(rank=1, size=2, local_rank=1, local_size=2))
+    try:
+        ours = quantized_weights(load_model(model_dir, torch.float32, torch.device("cpu")), model_dir, served)
+    finally:
+        parallel.destroy_group()
+    q, kv, mlp = list(range(128, 256)), [*range(256 + 64, 256 + 128), *range(384 + 64, 384 + 128)], range(256, 512)
+    cuts = {"self_attn.qkv_proj": (0, q + kv), "self_attn.o_proj": (1, q), "down_proj": (1, list(mlp))}
+    cuts |= {"gate_up_proj": (0, [*mlp, *(i + 512 for i in mlp)])}
+    for name, (dim, index) in ((f"layers.{i}.{n}", cut) for i in (0, 1) for n, cut in cuts.items()):
+        if all(t in gguf_blocks.BITS for t in served_types(file_type, name)):
+            want = dequantize(kept[name]).index_select(dim, torch.tensor(index))
+            assert torch.equal(dequantize(ours[name]), want), name
+    assert torch.equal(dequantize(ours["lm_head"]), dequantize(kept["lm_head"])[128:])
