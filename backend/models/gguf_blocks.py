@@ -59,21 +59,12 @@ def _low_bits_first(packed: torch.Tensor) -> torch.Tensor:
 
 def decode_q4_0(raw: torch.Tensor) -> QuantizedWeight:
     """Q4_0 rows: blocks of 32 inputs, an fp16 ``d`` then 16 bytes (inputs 0-15 low nibbles, 16-31 high ones)."""
-    return _decode_4bit(raw, with_min=False)
+    return _decode_32(raw, with_min=False, fifth_bit=False)
 
 
 def decode_q4_1(raw: torch.Tensor) -> QuantizedWeight:
     """Q4_1 rows: as Q4_0 with an fp16 minimum ``m`` after ``d``; the value is ``d * q + m``."""
-    return _decode_4bit(raw, with_min=True)
-
-
-def _decode_4bit(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
-    out = raw.shape[0]
-    header = 4 if with_min else 2
-    blocks = raw.view(out, -1, header + 16)
-    scales = fp16_field(blocks, 0)
-    zeros = fp16_field(blocks, 2) + 8 * scales if with_min else torch.zeros_like(scales)
-    return QuantizedWeight(pack_int4(_nibbles(blocks[..., header:]).view(out, -1)), scales, zeros, 32)
+    return _decode_32(raw, with_min=True, fifth_bit=False)
 
 
 def decode_q5_0(raw: torch.Tensor) -> QuantizedWeight:
@@ -82,22 +73,29 @@ def decode_q5_0(raw: torch.Tensor) -> QuantizedWeight:
     A block is 32 inputs: an fp16 ``d``, 4 bytes of fifth bits (input i at bit i, little-endian), then 16 bytes of
     low 4 bits as Q4_0's.
     """
-    return _decode_5bit(raw, with_min=False)
+    return _decode_32(raw, with_min=False, fifth_bit=True)
 
 
 def decode_q5_1(raw: torch.Tensor) -> QuantizedWeight:
     """Q5_1 rows: as Q5_0 with an fp16 minimum ``m`` after ``d``; the value is ``d * q + m``."""
-    return _decode_5bit(raw, with_min=True)
+    return _decode_32(raw, with_min=True, fifth_bit=True)
 
 
-def _decode_5bit(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
+def _decode_32(raw: torch.Tensor, with_min: bool, fifth_bit: bool) -> QuantizedWeight:
+    """Q4_0/Q4_1 rows as int4 (offset 0, or ``m + 8 d``), Q5_0/Q5_1 (``fifth_bit``) as int8 (``q - 16``, or ``m``).
+
+    A block is 32 inputs: ``d`` (and ``m``), the fifth bits, then 16 bytes of low 4 bits.
+    """
     out = raw.shape[0]
     header = 4 if with_min else 2
-    blocks = raw.view(out, -1, header + 20)
-    q = _nibbles(blocks[..., header + 4 :]) | (_low_bits_first(blocks[..., header : header + 4]) << 4)
-    scales = fp16_field(blocks, 0)
-    values = q.to(torch.int8) - (0 if with_min else 16)
-    return QuantizedWeight(values.view(out, -1), scales, fp16_field(blocks, 2) if with_min else None, 32)
+    blocks = raw.view(out, -1, header + (20 if fifth_bit else 16))
+    scales, low = fp16_field(blocks, 0), _nibbles(blocks[..., -16:])
+    minimums = fp16_field(blocks, 2) if with_min else None
+    if not fifth_bit:
+        zeros = torch.zeros_like(scales) if minimums is None else minimums + 8 * scales
+        return QuantizedWeight(pack_int4(low.view(out, -1)), scales, zeros, 32)
+    q = (low | (_low_bits_first(blocks[..., header : header + 4]) << 4)).to(torch.int8)
+    return QuantizedWeight((q if with_min else q - 16).view(out, -1), scales, minimums, 32)
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
