@@ -26,7 +26,13 @@ from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.lora_manager import LoraManager
 from spindle.backend.memory import KVBudget, MemoryMeter, kv_cache_budget
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
-from spindle.backend.models.loader import load_model, quantized_weights, resolve_dtype, resolve_quantization
+from spindle.backend.models.loader import (
+    MIXED,
+    load_model,
+    quantized_weights,
+    resolve_dtype,
+    resolve_quantization,
+)
 from spindle.backend.parallel import TensorParallel
 from spindle.backend.pooler import pool
 from spindle.backend.runner_output import RunnerOutput
@@ -302,7 +308,7 @@ class ModelRunner:
             "Loaded %s (%s, %s) in %.1f s",
             model_dir,
             self.dtype,
-            f"int{bits} projections" if bits else "unquantized",
+            {None: "unquantized", MIXED: "projections at the GGUF file's widths"}.get(bits, f"int{bits} projections"),
             time.perf_counter() - start,
         )
         if self.device.type == "cpu" and not config.model.enforce_eager:

@@ -229,16 +229,18 @@ def _w8a8_form(weight: QuantizedWeight | None, dtype: torch.dtype) -> tuple[torc
     return tiles, sums, weight.scales.float().reshape(-1).contiguous()
 
 
-def _repack_for_cpu(weight: QuantizedWeight, torch_int4: bool) -> tuple[torch.Tensor, ...]:
+def _repack_for_cpu(weight: QuantizedWeight, torch_int4: bool) -> tuple[torch.Tensor | None, ...]:
     """The tensors the CPU kernel of ``weight`` takes (torch's int4 one only ever sees bf16 activations).
 
-    int8: the int8 matrix and the float32 scales as they are (``spindle.kernels.cpu.int8_linear`` takes them so).
+    int8: the int8 matrix, the float32 scales and offsets (None where it has none) as they are
+    (``spindle.kernels.cpu.int8_linear`` takes them so).
     int4 for ours (``torch_int4`` false): the packed matrix, scales and offsets as they are. int4 for torch's: the
     matrix repacked by ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved
     ``[in // group, out, 2]``, in bf16.
     """
     if weight.bits == 8:
-        return weight.qweight.contiguous(), weight.scales.float().contiguous()
+        zeros = None if weight.zeros is None else weight.zeros.float().contiguous()
+        return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
     if not torch_int4:
         zeros = weight.zeros.float().contiguous()  # type: ignore[union-attr]
         return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros

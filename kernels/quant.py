@@ -16,6 +16,7 @@ layout; the Triton kernel reads both as they are; :func:`quantized_linear` here 
 against.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -141,14 +142,42 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     return ((q - centre) * scales + zeros).to(dtype)
 
 
+def widen(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
+    """``weight`` as int8 with groups of ``group_size`` inputs (a divisor of its own), exactly the same values.
+
+    int4's ``q - 8`` are int8 values under the same scale and offset, and a group's scale and offset repeat over
+    its parts; int8 is only regrouped.
+
+    Raises:
+        ValueError: when ``group_size`` does not divide the weight's.
+
+    """
+    if group_size <= 0 or weight.group_size % group_size:
+        raise ValueError(f"groups of {weight.group_size} inputs do not split into groups of {group_size}")
+    parts = weight.group_size // group_size
+    q = weight.qweight if weight.bits == 8 else (weight.unpacked() - 8).to(torch.int8)
+    zeros = None if weight.zeros is None else weight.zeros.repeat_interleave(parts, dim=1)
+    return QuantizedWeight(q, weight.scales.repeat_interleave(parts, dim=1), zeros, group_size)
+
+
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack matrices of equal ``in_features`` and format along the output rows (fused q/k/v, gate/up)."""
-    first = weights[0]
-    if any(w.bits != first.bits or w.group_size != first.group_size for w in weights):
-        raise ValueError("only weights of one bit width and group size stack")
-    zeros = None if first.zeros is None else torch.cat([w.zeros for w in weights])  # type: ignore[misc]
+    """Stack matrices of equal ``in_features`` along the output rows (fused q/k/v, gate/up).
+
+    Matrices of one bit width and group size stack as they are. Others (a GGUF Q4_K_M file's int4 q and k beside
+    its Q6_K v, int8 in groups of 16) are first widened exactly to int8 at the largest group size dividing all of
+    theirs (:func:`widen`). Offsets are kept where any part has them (zero for the parts without).
+    """
+    if any(w.bits != weights[0].bits or w.group_size != weights[0].group_size for w in weights):
+        group_size = math.gcd(*(w.group_size for w in weights))
+        weights = [widen(w, group_size) for w in weights]
+    zeros = None
+    if any(w.zeros is not None for w in weights):
+        zeros = torch.cat([torch.zeros_like(w.scales) if w.zeros is None else w.zeros for w in weights])
     return QuantizedWeight(
-        torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), zeros, first.group_size
+        torch.cat([w.qweight for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        zeros,
+        weights[0].group_size,
     )
 
 

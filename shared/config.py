@@ -67,11 +67,13 @@ class ModelConfig:
     Attributes:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
         dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16`` for weights, activations and the KV cache.
-        quantization: quantization of the projections: ``auto`` (a GGUF file's own Q4_0/Q4_1 as int4, Q8_0 as
-            int8; other models unquantized), ``none``, ``int8`` (per output row) or ``int4`` (groups of 32 inputs);
-            quantized at load where the checkpoint is not. The lm head stays at 8 bits under int4. Weight-only,
-            except ``int8`` on a CPU with AVX-512 VNNI, which quantizes the activations too, per 64 inputs, on the
-            fly (W8A8: past the bf16 matmul rate, perplexity +0.6% against bf16 on SmolLM2).
+        quantization: quantization of the projections: ``auto`` (a GGUF file's own Q4_0/Q4_1/Q4_K as int4,
+            Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8, each projection of a file that mixes them at its own width and those
+            of other types at int8; other models unquantized), ``none``, ``int8`` (per output row) or ``int4``
+            (groups of 32 inputs); quantized at load where the checkpoint is not. The lm head stays at 8 bits
+            under int4. Weight-only, except ``int8`` on a CPU with AVX-512 VNNI, which quantizes the activations
+            too, per 64 inputs, on the fly (W8A8: past the bf16 matmul rate, perplexity +0.6% against bf16 on
+            SmolLM2).
         device: ``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``.
         max_model_len: longest prompt + completion; defaults to the model's ``max_position_embeddings``.
         enforce_eager: run torch's own ops only, as vLLM's flag does: on CUDA no decode steps replayed from CUDA

@@ -82,6 +82,7 @@ TIERS = {
     "test_memory": "engine",
     "test_model_families": "engine",
     "test_gguf_families": "engine",
+    "test_gguf_kquants": "engine",
     "test_model_parity": "engine",
     "test_moe": "engine",
     "test_priority": "engine",

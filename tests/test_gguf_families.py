@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -18,7 +19,10 @@ from test_lora import MAX_TOKENS, generate, tiny_core
 from tokenizers import pre_tokenizers
 
 from spindle.backend.models import load_model, resolve_model
-from spindle.backend.models.loader import GGUF_BITS, gguf_read_once, quantized_weights
+from spindle.backend.models.gguf_blocks import BITS
+from spindle.backend.models.interface import CausalLM
+from spindle.backend.models.loader import gguf_read_once, quantized_weights
+from spindle.kernels import cpu
 from spindle.kernels.quant import dequantize
 
 GGUF_ARCHITECTURES = {
@@ -33,9 +37,24 @@ so these checkpoints keep the head size ``hidden / heads`` and the default rope:
 """
 
 
-def write_gguf(model_dir: Path, architecture: str, path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """Write the checkpoint in ``model_dir`` as a GGUF of ``architecture``: its projections in ``qtype`` blocks, the
-    embedding and output matrices in Q8_0, the norms in float32, and a byte-level vocabulary of its 256 tokens."""
+Encoder = Callable[[str, np.ndarray], tuple[np.ndarray, gguf.GGMLQuantizationType]]
+"""A GGUF matrix's name and float32 values -> its raw blocks and their type, as :func:`write_gguf` stores it."""
+
+
+def quantized_as(qtype: gguf.GGMLQuantizationType) -> Encoder:
+    """The checkpoint's projections quantized in ``qtype`` blocks, the embedding and output matrices in Q8_0 (as
+    published files keep them at 6 bits or more), by the ``gguf`` package's block quantizers."""
+
+    def encode(name: str, data: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        kind = qtype if name.startswith("blk.") else gguf.GGMLQuantizationType.Q8_0
+        return gguf.quants.quantize(data, kind), kind
+
+    return encode
+
+
+def write_gguf(model_dir: Path, architecture: str, path: Path, encode: Encoder) -> Path:
+    """Write the checkpoint in ``model_dir`` as a GGUF of ``architecture``: its matrices as ``encode`` gives them
+    (by their GGUF names), the norms in float32, and a byte-level vocabulary of its 256 tokens."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     tensors = safetensors.torch.load_file(model_dir / "model.safetensors")
     writer = gguf.GGUFWriter(path, architecture)
@@ -62,9 +81,8 @@ def write_gguf(model_dir: Path, architecture: str, path: Path, qtype: gguf.GGMLQ
         assert name is not None, hf_name
         data = tensor.float().numpy()
         if data.ndim == 2:
-            # The embedding and the output matrix in Q8_0, as published files keep them at 6 bits or more.
-            kind = qtype if ".layers." in hf_name else gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+            blocks, kind = encode(name, data)
+            writer.add_tensor(name, blocks, raw_dtype=kind)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -99,24 +117,13 @@ def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
     return save
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("family", GGUF_ARCHITECTURES)
-def test_gguf_tokens_match_transformers_reader(
-    family: str,
-    qtype: str,
-    gguf_checkpoint: Callable[[str], Path],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The file's blocks served as they are (``--quantization auto`` reads their bits from the conversion) give
-    transformers' greedy tokens on the same file."""
-    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
-    file = write_gguf(
-        gguf_checkpoint(family),
-        GGUF_ARCHITECTURES[family][0],
-        tmp_path / f"{family}.gguf",
-        gguf.GGMLQuantizationType[qtype],
-    )
+def tokens_of_both(
+    file: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], list[list[int]], CausalLM, Path]:
+    """transformers' greedy tokens on ``file`` and Spindle's (``--quantization auto``) on three random prompts, then
+    Spindle's dense model and the directory it converted the file into, under a cache beside the file."""
+    cpu.cpu_ops()  # the C++ kernels from the usual cache, not built again (minutes) into the file's
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(file.parent / "cache"))
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (22, 5, 17)]
     with gguf_read_once(file):
@@ -129,9 +136,30 @@ def test_gguf_tokens_match_transformers_reader(
 
     model_dir = resolve_model(file)
     dense = load_model(model_dir, torch.float32, torch.device("cpu"))
-    kept = quantized_weights(dense, model_dir, GGUF_BITS[qtype])
     core = tiny_core(model_dir, quantization="auto", max_num_batched_tokens=16)
     got, _ = generate(core, [(ids, None) for ids in prompts])
+    return expected, got, dense, model_dir
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("family", GGUF_ARCHITECTURES)
+def test_gguf_tokens_match_transformers_reader(
+    family: str,
+    qtype: str,
+    gguf_checkpoint: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The file's blocks served as they are (``--quantization auto`` reads their bits from the conversion) give
+    transformers' greedy tokens on the same file."""
+    file = write_gguf(
+        gguf_checkpoint(family),
+        GGUF_ARCHITECTURES[family][0],
+        tmp_path / f"{family}.gguf",
+        quantized_as(gguf.GGMLQuantizationType[qtype]),
+    )
+    expected, got, dense, model_dir = tokens_of_both(file, monkeypatch)
+    kept = quantized_weights(dense, model_dir, BITS[qtype])
 
     assert got == expected
     # Every projection is the file's blocks (transformers' dequantized copy, to rounding), the fused Phi-3 ones and

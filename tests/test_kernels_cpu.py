@@ -441,43 +441,28 @@ def test_quantize_rounds_each_weight_to_its_nearest_level(bits: int) -> None:
         torch.testing.assert_close(quant.dequantize(q).view_as(groups).amax(-1), groups.amax(-1))
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_decode_as_gguf_does(gguf_type: str) -> None:
-    """GGUF rows keep their scales (and offsets) exactly: the same values as the gguf library's dequantize."""
-    import gguf
-
-    from spindle.backend.models.loader import _gguf_int4, _gguf_int8
-
-    kind = gguf.GGMLQuantizationType[gguf_type]
-    weight = (torch.randn(40, 96, generator=torch.Generator().manual_seed(3)) * 0.2).numpy()
-    blocks = torch.from_numpy(gguf.quants.quantize(weight, kind))
-
-    ours = quant.dequantize(_gguf_int8(blocks) if gguf_type == "Q8_0" else _gguf_int4(blocks, gguf_type == "Q4_1"))
-
-    torch.testing.assert_close(
-        ours, torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind)), rtol=1e-6, atol=1e-6
-    )
-
-
 @pytest.mark.parametrize(
-    ("bits", "group_size"), [(8, 96), (8, 32), (4, 32)], ids=["int8_per_row", "int8_q8_0_groups", "int4_groups"]
+    ("bits", "group_size", "offsets"),
+    [(8, 96, False), (8, 32, False), (8, 16, False), (8, 32, True), (4, 32, True)],
+    ids=["int8_per_row", "int8_q8_0_groups", "int8_q6_k_groups", "int8_q5_k_offsets", "int4_groups"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quantized_kernels_match_the_reference_for_every_token_count(
-    dtype: torch.dtype, bits: int, group_size: int
+    dtype: torch.dtype, bits: int, group_size: int, offsets: bool
 ) -> None:
     generator = torch.Generator().manual_seed(bits)
     quantized = quant.quantize(torch.randn(72, 96, generator=generator) * 0.1, bits)
-    if bits == 8 and group_size != 96:  # a scale per group, as GGUF's Q8_0 blocks have
-        quantized.scales = quantized.scales.repeat(1, 96 // group_size) * torch.rand(72, 96 // group_size) + 0.01
+    groups = 96 // group_size
+    if bits == 8 and group_size != 96:  # a scale per group, as GGUF's Q8_0 blocks (Q6_K's of 16) have
+        quantized.scales = quantized.scales.repeat(1, groups) * torch.rand(72, groups, generator=generator) + 0.01
         quantized.group_size = group_size
+    if bits == 8 and offsets:  # and an offset per group, as Q5_K's d * q - m
+        quantized.zeros = torch.randn(72, groups, generator=generator) * 0.1
+    kernel = cpu.int4_linear if bits == 4 else cpu.int8_linear
     for rows in range(1, cpu.MAX_INT8_TOKENS + 1):
         x = torch.randn(rows, 96, generator=generator).to(dtype)
         want = quant.quantized_linear(x.float(), quantized)
-        if bits == 4:
-            out = cpu.int4_linear(x, quantized.qweight, quantized.scales, quantized.zeros, quantized.group_size)
-        else:
-            out = cpu.int8_linear(x, quantized.qweight, quantized.scales, quantized.group_size)
+        out = kernel(x, quantized.qweight, quantized.scales, quantized.zeros, quantized.group_size)
         assert out.dtype == dtype
         tolerance = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)

@@ -389,13 +389,16 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
     assert [v for v in variants if v["shared_kib"] > MAX_SHARED_KIB[v["arch"]]] == []
 
 
-# (bits, out_features, in_features, group_size): neither dimension a multiple of the tiles where the layout allows
-# it (int8 K = 208 leaves a masked 16-input tail), int4 with the smallest group and with groups that span K steps.
+# (bits, out_features, in_features, group_size, offsets): neither dimension a multiple of the tiles where the layout
+# allows it (int8 K = 208 leaves a masked 16-input tail), int4 with the smallest group and with groups that span K
+# steps, int8 by GGUF Q6_K's groups of 16 and with Q5_K's offsets per group of 32.
 QUANT_WEIGHTS = {
-    "int8-72x96": (8, 72, 96, 96),
-    "int8-24x208": (8, 24, 208, 208),
-    "int4-g32-72x96": (4, 72, 96, 32),
-    "int4-g64-40x128": (4, 40, 128, 64),
+    "int8-72x96": (8, 72, 96, 96, False),
+    "int8-24x208": (8, 24, 208, 208, False),
+    "int4-g32-72x96": (4, 72, 96, 32, True),
+    "int4-g64-40x128": (4, 40, 128, 64, True),
+    "int8-g16-72x96": (8, 72, 96, 16, False),
+    "int8-g32-offsets-40x128": (8, 40, 128, 32, True),
 }
 
 
@@ -404,10 +407,9 @@ QUANT_WEIGHTS = {
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("weight_case", QUANT_WEIGHTS)
 def test_quantized_linear(weight_case: str, dtype: torch.dtype, num_rows: int, with_bias: bool) -> None:
-    bits, out_features, in_features, group_size = QUANT_WEIGHTS[weight_case]
+    weight = _quantized_weight(*QUANT_WEIGHTS[weight_case])
+    out_features, in_features = weight.shape
     generator = torch.Generator().manual_seed(num_rows)
-    dense = torch.randn(out_features, in_features, generator=generator)
-    weight = spindle.kernels.quant.quantize(dense, bits, group_size)
     # 33 rows as [3, 11, in]: leading dimensions flatten into rows.
     shape = (3, 11, in_features) if num_rows == 33 else (num_rows, in_features)
     x = torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
@@ -604,25 +606,29 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
 # (bits, out_features, in_features, group_size, bias): decode-sized shapes that split K on any device (the CPU counts
 # as one SM). int8 per row with K = 1000: splits of 512 inputs, the last one short and ending in a masked K step;
 # int4 with 4 groups per K step (32) and with 2 K steps per group (256, 4 splits in float32); int8 by groups of 32
-# (GGUF's Q8_0: scales per group, no zero points).
+# (GGUF's Q8_0: scales per group, no zero points) and of 16 (Q6_K).
 SPLIT_K_WEIGHTS = {
     "int8-72x1000-bias": (8, 72, 1000, 1000, True),
     "int4-g32-96x1024-bias": (4, 96, 1024, 32, True),
     "int4-g256-40x1024": (4, 40, 1024, 256, False),
     "int8-g32-64x1024": (8, 64, 1024, 32, False),
+    "int8-g16-64x1024": (8, 64, 1024, 16, False),
 }
 
 
 def _quantized_weight(
-    bits: int, out_features: int, in_features: int, group_size: int
+    bits: int, out_features: int, in_features: int, group_size: int, offsets: bool = False
 ) -> spindle.kernels.quant.QuantizedWeight:
-    """A random weight in the layout given; int8 by groups is quantized row by row over each group's inputs."""
-    dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
+    """A random weight in the layout given; int8 by groups is quantized row by row over each group's inputs, and
+    given random offsets per group with ``offsets`` (int4 always has them)."""
+    generator = torch.Generator().manual_seed(in_features)
+    dense = torch.randn(out_features, in_features, generator=generator)
     if bits == 4 or group_size == in_features:
         return spindle.kernels.quant.quantize(dense, bits, group_size)
     per_group = spindle.kernels.quant.quantize(dense.view(-1, group_size), 8)
     qweight, scales = per_group.qweight.view(out_features, in_features), per_group.scales.view(out_features, -1)
-    return spindle.kernels.quant.QuantizedWeight(qweight, scales, None, group_size)
+    zeros = torch.randn(scales.shape, generator=generator) if offsets else None
+    return spindle.kernels.quant.QuantizedWeight(qweight, scales, zeros, group_size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

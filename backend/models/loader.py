@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import torch
 from safetensors import safe_open
 
 from spindle.backend import parallel
+from spindle.backend.models import gguf_blocks
 from spindle.backend.models.checkpoint_config import SUPPORTED_ARCHITECTURES, CheckpointConfig
 from spindle.backend.models.interface import CausalLM, model_class
 from spindle.kernels.cache_entry import build_entry, is_complete
-from spindle.kernels.quant import QuantizedWeight, cat_rows, pack_int4, quantize
+from spindle.kernels.quant import QuantizedWeight, cat_rows, quantize, widen
 
 logger = logging.getLogger(__name__)
 
@@ -29,25 +31,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZATIONS = {"none": None, "int8": 8, "int4": 4}
 """``--quantization`` names (besides ``auto``) and the weight bits they stand for."""
 
+MIXED = "mixed"
+"""What ``--quantization auto`` resolves to for a GGUF file whose projections mix types: each projection at the
+precision of its blocks in the file (:data:`~spindle.backend.models.gguf_blocks.BITS`), the others int8."""
+
 GGUF_HEADER_BYTES = 2**20
 """How much of a GGUF file's start (its metadata and vocabulary) a converted entry's key hashes."""
 
 GGUF_SAMPLES, GGUF_SAMPLE_BYTES = 64, 2**16
 """How many evenly spaced pieces of a GGUF file, of how many bytes each, its converted entry's key hashes too."""
 
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
 """Part of a converted GGUF's cache key, bumped when a conversion gains files: 2 kept the file's 4-bit blocks, 3 its
-8-bit ones too."""
+8-bit ones too, 4 its K-quant and 5-bit ones and the projections of files that mix types."""
 
 QUANTIZED_FILE = "quantized.safetensors"
-"""In a converted GGUF directory: the matrices as the file quantized them (:data:`GGUF_BITS`), in Spindle's layout."""
+"""In a converted GGUF directory: the matrices as the file quantized them, each of a type of
+:data:`~spindle.backend.models.gguf_blocks.BITS` in the Spindle layout it maps onto exactly."""
 
 QUANTIZATION_FILE = "quantization.json"
-"""In a converted GGUF directory: ``{"gguf_type": "Q4_1", "bits": 4}``, what ``--quantization auto`` serves."""
-
-GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-"""GGUF types served in their own precision, and the bits: their blocks of 32 map exactly onto
-:mod:`spindle.kernels.quant`'s layouts (int4 with a scale and offset per group, int8 with a scale per group)."""
+"""In a converted GGUF directory: what ``--quantization auto`` serves. ``{"gguf_type": "Q4_1", "bits": 4}`` for a
+file whose projections are all of one kept type; ``{"gguf_type": "mixed", "bits": "mixed", "types": {"Q4_K": 12,
+"Q6_K": 2}}`` (the projections of each type) when they mix types, some kept (:data:`MIXED`)."""
 
 GGUF_PROJECTIONS = {
     "attn_q": "self_attn.q_proj",
@@ -181,7 +186,7 @@ def gguf_read_once(gguf_file: Path) -> Iterator[None]:
 def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     """Write a dequantized Hugging Face checkpoint of ``gguf_file`` into ``out_dir``, with its tokenizer.
 
-    Beside it go the file's own Q4_0/Q4_1/Q8_0 matrices (:data:`QUANTIZED_FILE`) and what ``--quantization auto``
+    Beside it go the file's own matrices of the kept types (:data:`QUANTIZED_FILE`) and what ``--quantization auto``
     serves (:data:`QUANTIZATION_FILE`), see :func:`_save_gguf_quantization`.
     """
     logger.info("converting %s once into the cache (%s)", gguf_file, cache_root())
@@ -216,13 +221,14 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
 def _save_gguf_quantization(
     gguf_file: Path, num_heads: int, num_kv_heads: int, dequantized: dict[str, torch.Tensor], out_dir: Path
 ) -> None:
-    """Keep the GGUF's Q4_0/Q4_1/Q8_0 matrices in Spindle's layout, and record the file's projection type.
+    """Keep the GGUF's matrices of the kept types in Spindle's layout, and record what ``auto`` serves.
 
-    The projections, the embedding and the output matrix are kept where their type is one of :data:`GGUF_BITS`.
-    Each kept matrix is checked against transformers' dequantized copy of the same tensor (``dequantized``), so a
-    layout mistake fails the conversion instead of serving wrong weights. q and k rows get the same un-permutation
-    transformers applies (:data:`GGUF_PERMUTED_QK`); Phi-3's fused q/k/v and gate/up matrices are cut into their
-    parts' rows (whole rows of blocks: exactly), which is how Spindle loads them too.
+    The projections, the embedding and the output matrix are kept where their type is one of
+    :data:`~spindle.backend.models.gguf_blocks.BITS`, each at its own precision (a Q4_K_M file's Q4_K matrices as
+    int4, its Q6_K ones as int8). Each kept matrix is checked against transformers' dequantized copy of the same
+    tensor (``dequantized``), so a layout mistake fails the conversion instead of serving wrong weights. q and k rows
+    get the same un-permutation transformers applies (:data:`GGUF_PERMUTED_QK`); Phi-3's fused q/k/v and gate/up
+    matrices are cut into their parts' rows (whole rows of blocks: exactly), which is how Spindle loads them too.
     """
     import numpy as np
     from gguf import GGUFReader
@@ -231,7 +237,7 @@ def _save_gguf_quantization(
     from spindle.kernels.quant import dequantize
 
     kept: dict[str, torch.Tensor] = {}
-    types: set[str] = set()
+    types: Counter[str] = Counter()
     reader = GGUFReader(gguf_file)
     field = reader.fields["general.architecture"]
     permuted = bytes(field.parts[field.data[0]]).decode() in GGUF_PERMUTED_QK
@@ -241,14 +247,10 @@ def _save_gguf_quantization(
         if hf_name is None:
             continue
         if ".layers." in hf_name:
-            types.add(kind)
-        raw = torch.from_numpy(np.array(tensor.data))
-        if kind in ("Q4_0", "Q4_1"):
-            weight = _gguf_int4(raw, kind == "Q4_1")
-        elif kind == "Q8_0":
-            weight = _gguf_int8(raw)
-        else:
+            types[kind] += 1
+        if kind not in gguf_blocks.BITS:
             continue
+        weight = gguf_blocks.decode(kind, torch.from_numpy(np.array(tensor.data)))
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name.split(".")[-2])
         if heads is not None and permuted:
             rows = _unpermute_rows(weight.qweight.shape[0], heads)
@@ -263,10 +265,14 @@ def _save_gguf_quantization(
                 kept[f"{part_name}.zeros"] = part.zeros
     if kept:
         save_file({name: t.contiguous() for name, t in kept.items()}, out_dir / QUANTIZED_FILE)
-    if len(types) == 1 and next(iter(types)) in GGUF_BITS:
-        gguf_type = types.pop()
-        (out_dir / QUANTIZATION_FILE).write_text(json.dumps({"gguf_type": gguf_type, "bits": GGUF_BITS[gguf_type]}))
-    # Mixed or other projection types (K-quants...) are served dequantized unless --quantization says otherwise.
+    if len(types) == 1 and next(iter(types)) in gguf_blocks.BITS:
+        gguf_type = next(iter(types))
+        served = {"gguf_type": gguf_type, "bits": gguf_blocks.BITS[gguf_type]}
+    elif any(kind in gguf_blocks.BITS for kind in types):
+        served = {"gguf_type": MIXED, "bits": MIXED, "types": dict(sorted(types.items()))}
+    else:  # no projection of a kept type (F16, Q2_K...): served dequantized unless --quantization says otherwise
+        return
+    (out_dir / QUANTIZATION_FILE).write_text(json.dumps(served))
 
 
 def _gguf_hf_name(gguf_name: str, dequantized: dict[str, torch.Tensor]) -> str | None:
@@ -302,50 +308,19 @@ def _gguf_parts(
     yield hf_name, weight
 
 
-def _gguf_int4(raw: torch.Tensor, with_min: bool) -> QuantizedWeight:
-    """Q4_1 (``with_min``) or Q4_0 rows of blocks (uint8 ``[out, blocks x bytes]``) in Spindle's int4 layout.
-
-    A block is 32 inputs: an fp16 scale ``d``, for Q4_1 an fp16 minimum ``m``, then 16 bytes whose low nibbles are
-    inputs 0-15 and high nibbles inputs 16-31; the value is ``d * q + m`` (Q4_1) or ``d * (q - 8)`` (Q4_0).
-    """
-    out = raw.shape[0]
-    header = 4 if with_min else 2
-    raw = raw.view(out, -1, header + 16)
-    scales = _fp16_field(raw, 0)
-    zeros = _fp16_field(raw, 2) + 8 * scales if with_min else torch.zeros_like(scales)
-    nibbles = raw[..., header:]
-    values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).view(out, -1)
-    return QuantizedWeight(pack_int4(values), scales, zeros, 32)
-
-
-def _gguf_int8(raw: torch.Tensor) -> QuantizedWeight:
-    """Q8_0 rows of blocks (uint8 ``[out, blocks x 34]``) in Spindle's int8 layout.
-
-    A block is 32 inputs: an fp16 scale ``d``, then 32 int8 values ``q``; the value is ``d * q``.
-    """
-    out = raw.shape[0]
-    raw = raw.view(out, -1, 34)
-    scales = _fp16_field(raw, 0)
-    values = raw[..., 2:].contiguous().view(torch.int8).reshape(out, -1)
-    return QuantizedWeight(values, scales, None, 32)
-
-
-def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 at byte ``offset`` of every block (uint8 ``[out, blocks, bytes]``), as float32 ``[out, blocks]``."""
-    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
-
-
 def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's q/k permutation: per head, rows ``0, 2, 4, ..., 1, 3, 5, ...`` back."""
     half = num_rows // num_heads // 2
     return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def resolve_quantization(name: str, model_dir: Path) -> int | None:
-    """The weight bits that ``--quantization name`` serves for ``model_dir``, or None for unquantized weights.
+def resolve_quantization(name: str, model_dir: Path) -> int | str | None:
+    """What ``--quantization name`` serves for ``model_dir``: weight bits, :data:`MIXED`, or None (unquantized).
 
-    ``auto`` keeps a GGUF file's own precision where Spindle executes it (:data:`GGUF_BITS`: Q4_0/Q4_1 as int4,
-    Q8_0 as int8) and serves everything else unquantized.
+    ``auto`` keeps a GGUF file's own precision where Spindle executes it
+    (:data:`~spindle.backend.models.gguf_blocks.BITS`: Q4_0/Q4_1/Q4_K as int4, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8):
+    the bits of a file whose projections are all of one such type, :data:`MIXED` for a file that mixes types
+    (Q4_K_M), and None for everything else.
 
     Raises:
         ValueError: for a name other than ``auto``, ``none``, ``int8`` or ``int4``.
@@ -359,15 +334,18 @@ def resolve_quantization(name: str, model_dir: Path) -> int | None:
     return QUANTIZATIONS[name]
 
 
-def quantized_weights(model: CausalLM, model_dir: Path, bits: int) -> dict[str, QuantizedWeight]:
-    """Every projection of ``model`` quantized to ``bits``, for :meth:`LlamaForCausalLM.prepare_weights`.
+def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict[str, QuantizedWeight]:
+    """Every projection of ``model`` quantized, for :meth:`LlamaForCausalLM.prepare_weights`.
 
-    A projection comes from the GGUF file's own blocks where the conversion kept them at these bits
-    (:data:`QUANTIZED_FILE`); the others are quantized at load from the loaded weights
-    (:func:`~spindle.kernels.quant.quantize`). Under tensor parallelism the stored ones are cut to the rank's shard
+    ``bits`` is 8 or 4, every projection at that width, or :data:`MIXED`, every projection at the width of the GGUF
+    file's blocks. A projection comes from the file's own blocks where the conversion kept them
+    (:data:`QUANTIZED_FILE`) at these bits (under :data:`MIXED`: at any; a fused projection whose parts differ is
+    widened exactly to int8, :func:`~spindle.kernels.quant.cat_rows`); the others are quantized at load from the
+    loaded weights (:func:`~spindle.kernels.quant.quantize`; int8 under :data:`MIXED`, so that no projection stays
+    dense beside quantized ones). Under tensor parallelism the stored ones are cut to the rank's shard
     (:meth:`~spindle.backend.models.llama.LlamaForCausalLM.shard_range`), inputs along whole groups only. The lm
     head is 8-bit in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
-    files keep it at 6 bits or more for the same reason.
+    files keep it at 6 bits or more for the same reason (a 4-bit one is widened exactly under :data:`MIXED`).
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
@@ -392,14 +370,23 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int) -> dict[str, 
                 name, offset, _ = model.parameter_slice(hf_name)
                 stored.setdefault(name, []).append((offset, weight))
     weights = {}
+    at_load = []
     for name, (module, attr) in model.projections().items():
-        wanted = 8 if name == "lm_head" else bits
-        parts = sorted(stored.get("embed_tokens" if attr == "embed_tokens" else name, []), key=lambda p: p[0])
+        wanted = 8 if name == "lm_head" or bits == MIXED else bits
+        found = sorted(stored.get("embed_tokens" if attr == "embed_tokens" else name, []), key=lambda p: p[0])
+        parts = [w for _, w in found]
         dense = getattr(module, attr)
-        if parts and all(w.bits == wanted for _, w in parts) and sum(w.shape[0] for _, w in parts) == len(dense):
-            weights[name] = cat_rows([w for _, w in parts]).to(dense.device)
+        whole = bool(parts) and sum(w.shape[0] for w in parts) == len(dense)
+        if whole and (bits == MIXED or all(w.bits == wanted for w in parts)):
+            weight = cat_rows(parts)
+            if name == "lm_head" and weight.bits == 4:  # under MIXED only
+                weight = widen(weight, weight.group_size)
+            weights[name] = weight.to(dense.device)
         else:
             weights[name] = quantize(dense, wanted)
+            at_load.append(name)
+    if bits == MIXED and at_load:
+        logger.info("%d projections not kept from the GGUF file, quantized to int8 at load: %s", len(at_load), at_load)
     return weights
 
 

@@ -231,20 +231,23 @@ MAX_INT8_TOKENS = 8
 """The most tokens :func:`int8_linear` and :func:`int4_linear` take (they keep a register accumulator per token)."""
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
     """``x @ dequantize(weight).T`` of an int8 weight, for 1 to :data:`MAX_INT8_TOKENS` rows, the weights read once.
 
     Args:
         x: ``[tokens, in]``, float32 or bfloat16, dense rows.
         qweight: int8 ``[out, in]``.
         scales: float32 ``[out, in // group_size]``.
-        group_size: inputs per scale, a multiple of 32 (``in`` for one scale per row).
+        zeros: float32 ``[out, in // group_size]`` (``w = q * scale + zero``), or None for a symmetric weight.
+        group_size: inputs per scale, a multiple of 16 (``in`` for one scale per row).
 
     Returns:
         ``[tokens, out]`` in ``x``'s dtype.
 
     """
-    return cpu_ops().int8_linear(x, qweight, scales, group_size)
+    return cpu_ops().int8_linear(x, qweight, scales, zeros, group_size)
 
 
 def int4_linear(

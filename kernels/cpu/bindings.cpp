@@ -26,7 +26,7 @@ at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs,
                        const std::optional<at::Tensor>& bias);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       int64_t group_size);
+                       const std::optional<at::Tensor>& zeros, int64_t group_size);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
 bool w8a8_supported();
@@ -69,7 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_supported", &bf16_linear_supported, ReleaseGil(), "Whether bf16_linear runs here (AVX-512 bf16).");
   m.def("bf16_pack", &bf16_pack, ReleaseGil(), "A bf16 [out, in] weight in bf16_linear's tiles.");
   m.def("bf16_linear", &bf16_linear, ReleaseGil(), "x @ W.T + b of a bf16 weight in bf16_pack's tiles.");
-  m.def("int8_linear", &int8_linear, ReleaseGil(), "x @ W.T for 1-8 tokens, W int8 with a scale per row or group.");
+  m.def("int8_linear", &int8_linear, ReleaseGil(),
+        "x @ W.T for 1-8 tokens, W int8 with a scale (and an offset) per row or group.");
   m.def("int4_linear", &int4_linear, ReleaseGil(),
         "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
   m.def("w8a8_supported", &w8a8_supported, ReleaseGil(), "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");

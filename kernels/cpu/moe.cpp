@@ -298,8 +298,9 @@ struct QuantStack {
           float totals[M];
           const int64_t w = first + n;
           if (bits == 8) {
-            quant_rows::int8_row<M>(x + row * inputs, inputs, static_cast<const int8_t*>(q) + w * inputs,
-                                    scales + w * groups, group_size, totals);
+            // Experts are quantized at load, symmetric: no offsets, so no group sums either.
+            quant_rows::int8_row<M>(x + row * inputs, nullptr, inputs, static_cast<const int8_t*>(q) + w * inputs,
+                                    scales + w * groups, nullptr, group_size, totals);
           } else {
             quant_rows::int4_row<M>(x + row * inputs, xsums + row * groups, inputs,
                                     static_cast<const uint8_t*>(q) + w * inputs / 2, scales + w * groups,

@@ -4,12 +4,14 @@
 // A decode step of a small model is bound by reading its weights. torch's CPU int8 kernel
 // (aten::_weight_int8pack_mm) reads them at ~7.5 GB/s on two EPYC cores; ours at ~17 (SmolLM2's 30 layers of
 // projections, one token: 14.2 against 6.1 ms). The layout is spindle.kernels.quant's, as stored: one int8 value a
-// byte and a float32 scale per row or per group of inputs (GGUF's Q8_0 blocks of 32); int4 two values a byte with a
-// scale and an offset per group. On AVX-512 the int4 path uses torch's kernel (an int4 kernel of ours ran no faster
-// there); torch's has no fast AVX2 path, where ours is 11x faster (spindle.kernels.linear has the numbers).
+// byte and a float32 scale per row or per group of inputs (GGUF's Q8_0 blocks of 32, Q6_K's of 16), with an offset
+// per group where the weight has them (Q5_K); int4 two values a byte with a scale and an offset per group. On AVX-512
+// the int4 path uses torch's kernel (an int4 kernel of ours ran no faster there); torch's has no fast AVX2 path, where
+// ours is 11x faster (spindle.kernels.linear has the numbers).
 #include <ATen/ops/empty.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -23,13 +25,14 @@ using namespace quant_rows;
 constexpr int64_t MAX_TOKENS = 8;  // calls with more tokens run the dense weights (spindle.kernels.linear)
 
 template <typename T, int M>
-void int8_rows(const std::vector<float>& x, int64_t inputs, const int8_t* qweight, const float* scales,
-               int64_t group_size, int64_t outputs, T* out) {
+void int8_rows(const std::vector<float>& x, const std::vector<float>& xsums, int64_t inputs, const int8_t* qweight,
+               const float* scales, const float* zeros, int64_t group_size, int64_t outputs, T* out) {
   const int64_t groups = inputs / group_size;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < outputs; ++n) {
     float totals[M];
-    int8_row<M>(x.data(), inputs, qweight + n * inputs, scales + n * groups, group_size, totals);
+    int8_row<M>(x.data(), xsums.data(), inputs, qweight + n * inputs, scales + n * groups,
+                zeros == nullptr ? nullptr : zeros + n * groups, group_size, totals);
     for (int m = 0; m < M; ++m) out[m * outputs + n] = static_cast<T>(totals[m]);
   }
 }
@@ -66,24 +69,32 @@ void check_input(const at::Tensor& x, int64_t inputs) {
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       int64_t group_size) {
+                       const std::optional<at::Tensor>& zeros, int64_t group_size) {
   const int64_t outputs = qweight.size(0), inputs = qweight.size(1);
   check_input(x, inputs);
   TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar, "qweight must be dense int8");
-  TORCH_CHECK(group_size % (2 * LANES) == 0 && inputs % group_size == 0,
-              "group_size must be a multiple of 32 that divides in_features");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                  scales.numel() == outputs * (inputs / group_size),
+  TORCH_CHECK(group_size > 0 && group_size % LANES == 0 && inputs % group_size == 0,
+              "group_size must be a multiple of 16 that divides in_features");
+  const int64_t groups = inputs / group_size;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs * groups,
               "scales must be dense float32 [out, in / group_size]");
+  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
+                         zeros->numel() == outputs * groups),
+              "zeros must be None or dense float32 [out, in / group_size]");
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
-  std::vector<float> rows(x.size(0) * inputs);
+  std::vector<float> rows(x.size(0) * inputs), xsums(zeros ? x.size(0) * groups : 0, 0.f);
   with_dtype(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     for (int64_t m = 0; m < x.size(0); ++m)
       for (int64_t k = 0; k < inputs; ++k) rows[m * inputs + k] = to_float(x.data_ptr<T>()[m * x.stride(0) + k]);
+    if (zeros) {
+      for (int64_t m = 0; m < x.size(0); ++m)
+        for (int64_t k = 0; k < inputs; ++k) xsums[m * groups + k / group_size] += rows[m * inputs + k];
+    }
     with_tokens(x.size(0), [&](auto tokens) {
-      int8_rows<T, decltype(tokens)::value>(rows, inputs, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                                            group_size, outputs, out.data_ptr<T>());
+      int8_rows<T, decltype(tokens)::value>(rows, xsums, inputs, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                            zeros ? zeros->data_ptr<float>() : nullptr, group_size, outputs,
+                                            out.data_ptr<T>());
     });
   });
   return out;

@@ -1,7 +1,8 @@
 """Weight-only quantized GEMM in Triton: ``x @ dequantize(weight).T + bias`` without a float copy of the weight.
 
-Reads a :class:`~spindle.kernels.quant.QuantizedWeight` as it is stored (int8 rows, or int4 nibble pairs with
-per-group scales and offsets). Grid ``(M tiles, N tiles)``: each program loops over K, loads a tile of integer
+Reads a :class:`~spindle.kernels.quant.QuantizedWeight` as it is stored (int8 rows with a scale per row or per
+group of 16 or more inputs, and per-group offsets where it has them, or int4 nibble pairs with per-group scales and
+offsets). Grid ``(M tiles, N tiles)``: each program loops over K, loads a tile of integer
 weights, turns it into the activation dtype in registers and feeds it with the activation tile to ``tl.dot``, which
 accumulates in float32. The integers are the only weight bytes read, which is what makes this worth having: decode
 steps are bound by weight bandwidth, and int4 reads a quarter of what bf16 would.
@@ -151,8 +152,10 @@ def _quant_linear_kernel(
                 if HAS_ZEROS:
                     z = tl.load(z_rows[:, None] + g)
             # float32 as in the reference, then one rounding to the dtype the dot takes.
-            if HAS_ZEROS:
+            if HAS_ZEROS and PACKED:
                 w = ((q.to(tl.float32) - 8.0) * s + z).to(x.dtype)
+            elif HAS_ZEROS:  # int8 with offsets (GGUF's Q5_K): no centre
+                w = (q.to(tl.float32) * s + z).to(x.dtype)
             else:
                 w = (q.to(tl.float32) * s).to(x.dtype)
             if GROUPS_PER_TILE > 1:
