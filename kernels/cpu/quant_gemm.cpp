@@ -7,8 +7,13 @@
 // of ROWS rows of x against it, COLUMNS columns at a time: ROWS x COLUMNS vector accumulators of 8 floats summed over
 // the inputs in registers, and reduced once at the end. Dequantization costs once per weight per call, which blocks of
 // many rows repay; few-token calls run quant_linear.cpp's kernels instead (spindle.kernels.linear picks by the
-// measured crossover). The loops are written with gcc's vector extensions (common.h's f8), which are AVX2 + FMA on
-// x86 (AVX-512 CPUs run them as 8-lane vectors too) and NEON on Arm. bench/results/quant_linear.md has the numbers.
+// measured crossover). The multiplication is written with gcc's vector extensions (common.h's f8), which are AVX2 + FMA
+// on x86 (AVX-512 CPUs run it as 8-lane vectors too) and NEON on Arm; the dequantization has an AVX2 loop and a
+// generic one. bench/results/quant_linear.md has the numbers.
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -27,9 +32,6 @@ constexpr int ROWS = 4;         // rows of x per block
 constexpr int COLUMNS = 3;      // columns per block: ROWS x COLUMNS accumulators + COLUMNS weights + 1 input, of 16
 
 typedef float f8u __attribute__((vector_size(32), aligned(4)));  // f8 at any float address
-typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
-typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 // One column of the weight, n, as float: dst[k] = q[k] * scale[g] + offset[g] (g = k / group_size), where the offset
 // is the group's zero (int8 with offsets), 0 (int8 without), or zero - 8 scale (int4, whose q is stored 0..15).
@@ -38,9 +40,15 @@ void dequantize_int8(const int8_t* q, const float* scales, const float* zeros, i
                      float* dst) {
   for (int64_t k = 0; k < inputs; k += 8) {
     const int64_t g = k / group_size;
-    const f8 w = __builtin_convertvector(*reinterpret_cast<const i8x8*>(q + k), f8);
-    const f8 out = zeros ? w * scales[g] + zeros[g] : w * scales[g];
-    *reinterpret_cast<f8u*>(dst + k) = out;
+    const float offset = zeros ? zeros[g] : 0.f;
+#ifdef __AVX2__
+    // gcc turns the generic widening below into byte extracts.
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(w, _mm256_set1_ps(scales[g]), _mm256_set1_ps(offset)));
+#else
+    for (int64_t i = 0; i < 8; ++i) dst[k + i] = static_cast<float>(q[k + i]) * scales[g] + offset;
+#endif
   }
 }
 
@@ -48,14 +56,23 @@ void dequantize_int4(const uint8_t* q, const float* scales, const float* zeros, 
                      float* dst) {
   for (int64_t k = 0; k < inputs; k += 16) {
     const int64_t g = k / group_size;
-    const u8x8 bytes = *reinterpret_cast<const u8x8*>(q + k / 2);
-    const u8x8 low = bytes & 15, high = bytes >> 4;  // inputs k, k + 2, ... and k + 1, k + 3, ...
-    const u8x16 values = __builtin_shufflevector(low, high, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     const float scale = scales[g], offset = zeros[g] - 8.f * scales[g];
-    const u8x8 first = __builtin_shufflevector(values, values, 0, 1, 2, 3, 4, 5, 6, 7);
-    const u8x8 second = __builtin_shufflevector(values, values, 8, 9, 10, 11, 12, 13, 14, 15);
-    *reinterpret_cast<f8u*>(dst + k) = __builtin_convertvector(first, f8) * scale + offset;
-    *reinterpret_cast<f8u*>(dst + k + 8) = __builtin_convertvector(second, f8) * scale + offset;
+#ifdef __AVX2__
+    // The 8 bytes' low nibbles are inputs k, k + 2, ..., the high ones k + 1, k + 3, ...: interleaved into order.
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 2));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    const __m128i values = _mm_unpacklo_epi8(low, high);
+    const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+    _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(values)), s, o));
+    _mm256_storeu_ps(dst + k + 8,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(values, 8))), s, o));
+#else
+    for (int64_t i = 0; i < 8; ++i) {
+      dst[k + 2 * i] = static_cast<float>(q[k / 2 + i] & 15) * scale + offset;
+      dst[k + 2 * i + 1] = static_cast<float>(q[k / 2 + i] >> 4) * scale + offset;
+    }
+#endif
   }
 }
 
