@@ -39,11 +39,20 @@ MAX_QUANTIZED_TOKENS: dict[tuple[torch.dtype, int], int] = {
 (``spindle.kernels.cpu.quant_gemm``); neither needs a dense copy. bench/results/quant_linear.md has the tables.
 
 AVX2-only EPYC (Zen 3), float32, 2 cores, SmolLM2's 30 layers of projections streamed as in a step, ms per step
-(medians): CROSSOVER_NUMBERS. bf16 activations on AVX2 compute in float32 in both kernels: the same limits.
+(medians of 3; the machine was loaded by other jobs, times 10-70x a quiet one's), dense packed float32 / int8
+weight-only, panel / int4 weight-only, panel: 1 token 57.4 / 40.3, 97.0 / 24.1, 131.3; 8 tokens 611 / 563, 1554 /
+1660, 2202; 64 tokens 1568 / 1692 / 2122; 512 tokens 4756 / 6632 / 5994. The weight-only kernels won up to their
+8 tokens in two runs; past them the panel kernel took 1.1-1.6x the dense weight's time. bf16 activations on AVX2
+compute in float32 in both kernels: the same limits.
 The AVX-512 limits are those measured against the dense bf16 copy, before the panel kernel existed (an AVX-512 bf16
 EPYC, Zen 4, 2 cores, ms per step, dense bf16 ours / int8 / int4 torch's: 1 token 8.9 / 6.5 / 8.1, 2 tokens 10.0 /
 10.2 / 11.0, 4 tokens 9.4 / 18.8 / 14.2, 8 tokens 8.9 / 33.6 / 21.1); the panel kernel is unmeasured there, its
-limits too. Other CPUs (no AVX2) run the panel kernel at every size, unmeasured.
+limits too. Other CPUs (no AVX2) run the panel kernel at every size, unmeasured. The weight-only kernels against
+dense weights on quiet machines, same steps: with oneDNN's packed bf16 (AVX-512 without bf16) bf16 / int8 / int4
+torch's: 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2, 8 tokens 16.6 / 30.8 /
+20.0; a float32 model on the AVX-512 bf16 EPYC (oneDNN-packed float32 / int8 / int4 ours): 1 token 23.1 / 5.7 /
+8.3, 4 tokens 19.8 / 12.2 / 11.0, 8 tokens 22.2 / 26.8 / 19.6; the AVX2 Zen 3 (float32 / int8 / int4 ours): 1 token
+40.6 / 12.5 / 12.5, 2 tokens 76.1 / 14.8 / 13.3, 4 tokens 75.5 / 20.1 / 19.1, 8 tokens 67.9 / 39.3 / 40.1.
 
 torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) is no longer used: on the AVX-512 bf16 EPYC it took 5.5 ms
 for one token with bf16 activations against 8.8 for ours (13.9 against 22.2 for 8), but it reads a layout of its own
