@@ -511,7 +511,7 @@ def layout(bits: int, group_size: int, zeros: bool, outputs: int, inputs: int, s
     [(4, 32, True), (8, 96, False), (8, 32, False), (8, 16, False), (8, 32, True)],
     ids=["int4_g32", "int8_per_row", "int8_g32", "int8_g16", "int8_g32_zeros"],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group_size: int, zeros: bool) -> None:
     """Row counts on both sides of the crossover (and blocks of 4 rows with 1-3 left), panels of 32 columns with
     blocks of 3 and 1 or 2 left over (97 outputs), with a bias."""
@@ -523,7 +523,7 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
         want = quant.quantized_linear(x.float(), quantized, bias)
         out = cpu.quant_gemm(x, quantized.qweight, quantized.scales, quantized.zeros, group_size, bias)
         assert out.dtype == dtype
-        tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16, fp16: the output rounded once
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 

@@ -281,7 +281,7 @@ def quant_gemm(
     :func:`int4_linear`.
 
     Args:
-        x: ``[tokens, in]``, float32 or bfloat16, dense rows.
+        x: ``[tokens, in]``, float32, bfloat16 or float16, dense rows.
         qweight: int8 ``[out, in]``, or uint8 ``[out, in // 2]`` holding int4 two values a byte.
         scales: float32 ``[out, in // group_size]``.
         zeros: float32 ``[out, in // group_size]`` (required for int4: ``w = (q - 8) * scale + zero``; int8

@@ -152,7 +152,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int64_t outputs = qweight.size(0), inputs = qweight.size(1) * (int4 ? 2 : 1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == inputs, "x must be [tokens, ", inputs,
               "], dense rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
   TORCH_CHECK(group_size > 0 && group_size % (int4 ? 16 : 8) == 0 && inputs % group_size == 0,
               "group_size must be a multiple of ", int4 ? 16 : 8, " that divides in_features");
   const int64_t groups = inputs / group_size;
@@ -173,8 +174,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   at::Tensor out = at::empty({rows, outputs}, x.options());
   const float* z = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
   const float* b = bias_f.empty() ? nullptr : bias_f.data();
-  auto go = [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "quant_gemm", [&] {
+    using T = scalar_t;
     const T* src = x.data_ptr<T>();
     std::vector<float> converted;  // float32 rows of x: x itself where it is float32 and contiguous
     const float* xf = reinterpret_cast<const float*>(src);
@@ -185,11 +186,6 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
       xf = converted.data();
     }
     run<T>(xf, rows, inputs, qweight, scales.data_ptr<float>(), z, group_size, b, outputs, out.data_ptr<T>());
-  };
-  if (x.scalar_type() == at::kFloat) {
-    go(static_cast<float*>(nullptr));
-  } else {
-    go(static_cast<c10::BFloat16*>(nullptr));
-  }
+  });
   return out;
 }
