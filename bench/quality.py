@@ -6,9 +6,8 @@ into windows of ``--window`` tokens; every token of a window after its first is 
 token ids:
 
 - Spindle, once per ``--quantization``: ``none`` (bf16), ``int8`` (quantized at load, per row), ``auto`` (the
-  GGUF's own Q4_1 blocks as int4). A quantized projection runs its quantized kernel only for small batches and its
-  dense copy otherwise (see ``spindle.kernels.linear``); here the batch limit is lifted so that every call, the
-  prompt windows included, runs the quantized weights, which is what a decode step computes with.
+  GGUF's own Q4_1 blocks as int4). A quantized projection computes with its quantized weights at every batch size
+  (``spindle.kernels.linear``), the prompt windows included, which is what a decode step computes with.
 - llama.cpp on the same GGUF file (``llama-cpp-python``, the ``bench`` extra), as the file's reference.
 
 Then each Spindle variant's greedy continuation of a few prompts, printed under bf16's:
@@ -24,7 +23,6 @@ import numpy as np
 
 from spindle import LLM, SamplingParams
 from spindle.backend.models.loader import embedded_gguf
-from spindle.kernels import linear
 
 TEXT = Path(__file__).parent / "data" / "ruth_kjv.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
@@ -55,12 +53,7 @@ def spindle_run(quantization: str, window: int, max_tokens: int) -> tuple[float,
     """(perplexity, scored tokens, greedy continuations of PROMPTS)."""
     llm = LLM(kv_cache_memory="1GiB", quantization=quantization)
     chunks = windows(llm, window)
-    original = dict(linear.MAX_QUANTIZED_TOKENS)
-    linear.MAX_QUANTIZED_TOKENS.update(dict.fromkeys(original, 1 << 30))
-    try:
-        score = perplexity(llm, chunks)
-    finally:
-        linear.MAX_QUANTIZED_TOKENS.update(original)
+    score = perplexity(llm, chunks)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     return score, sum(len(ids) - 1 for ids in chunks), [out.outputs[0].text for out in greedy]
 

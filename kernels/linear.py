@@ -2,14 +2,15 @@
 
 On the CPU a dense bf16 weight runs our kernel where the CPU has AVX-512 bf16 (``spindle.kernels.cpu.bf16_linear``,
 its weight laid out once by :func:`~spindle.kernels.cpu.bf16_pack`: :func:`can_tile`), and any other float32 or bf16
-weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized
-projection (:class:`~spindle.kernels.quant.QuantizedWeight`) runs a weight-only kernel (int8 ours,
-``spindle.kernels.cpu.int8_linear``; int4 torch's) for small batches only, and keeps the dense copy for the rest: see
-:data:`MAX_QUANTIZED_TOKENS` for what was measured. An int8 weight with one scale per row runs W8A8 instead
-(``spindle.kernels.cpu.w8a8_linear``: the activations quantized per group of inputs on the fly) at every batch size
-where the CPU has AVX-512 VNNI (outside :func:`weight_only`), and keeps no dense copy: it beats the bf16 kernel 1.3-1.9x
-from 1 to 512 rows. On CUDA a quantized projection keeps no dense copy: the Triton kernel dequantizes in registers at
-every batch size; one built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
+weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized projection
+(:class:`~spindle.kernels.quant.QuantizedWeight`) keeps no dense copy anywhere. On the CPU it runs a weight-only
+kernel (``spindle.kernels.cpu.int8_linear``, ``int4_linear``: the weights read once, every token's products in
+registers) for a few tokens and the panel kernel (``spindle.kernels.cpu.quant_gemm``: a panel of columns dequantized
+per work item, then multiplied by every row) for more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. An int8 weight
+with one scale per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``: the activations quantized per group
+of inputs on the fly) at every batch size where the CPU has AVX-512 VNNI (outside :func:`weight_only`): it beats the
+bf16 kernel 1.3-1.9x from 1 to 512 rows. On CUDA the Triton kernel dequantizes in registers at every batch size; one
+built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
 """
 
 from collections.abc import Iterator
@@ -19,18 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from spindle.kernels import cpu, is_eager, is_forced_triton, quantized_linear
-from spindle.kernels.quant import ACTIVATION_GROUP_SIZE, QuantizedWeight
+from spindle.kernels.quant import ACTIVATION_GROUP_SIZE, QuantizedWeight, dequantize
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
 if _CAPABILITY == "AVX512" and torch.cpu._is_avx512_bf16_supported():
     # The dense bf16 copy runs our kernel there (can_tile: the kernels are built for this CPU's instructions).
     _CAPABILITY = "AVX512_BF16"
-
-TORCH_INT4 = _CAPABILITY in ("AVX512", "AVX512_BF16")
-"""Whether int4 projections with bf16 activations run torch's CPU kernel (``_weight_int4pack_mm_for_cpu``, fast with
-AVX-512 only) rather than ours (``spindle.kernels.cpu.int4_linear``). float32 ones always run ours: with float32
-activations torch's took 100.7 ms over SmolLM2's 30 layers for one token on an AVX-512 bf16 EPYC (Zen 4), 782.6 for
-8, against 8.3 and 19.6 (bf16 activations: torch's 5.5 and 13.9, ours 8.8 and 22.2)."""
 
 _F32, _BF16 = torch.float32, torch.bfloat16
 MAX_QUANTIZED_TOKENS: dict[tuple[torch.dtype, int], int] = {
@@ -38,26 +33,31 @@ MAX_QUANTIZED_TOKENS: dict[tuple[torch.dtype, int], int] = {
     "AVX512": {(_BF16, 8): 3, (_BF16, 4): 8, (_F32, 8): 4, (_F32, 4): 8},
     "AVX2": {(_F32, 8): 8, (_F32, 4): 8, (_BF16, 8): 8, (_BF16, 4): 8},
 }.get(_CAPABILITY, dict.fromkeys([(_F32, 8), (_F32, 4), (_BF16, 8), (_BF16, 4)], 0))
-"""Calls of at most this many tokens run the CPU quantized kernel, by compute dtype and bit width; larger ones (and
-any dtype or CPU not listed) the dense weight.
+"""The crossover of a quantized CPU projection, by compute dtype and bit width: calls of at most this many tokens
+(and at most ``spindle.kernels.cpu.MAX_INT8_TOKENS``) run the weight-only kernel
+(``spindle.kernels.cpu.int8_linear``, ``int4_linear``), larger ones the panel kernel
+(``spindle.kernels.cpu.quant_gemm``); neither needs a dense copy. bench/results/quant_linear.md has the tables.
 
-Measured on 2 cores over SmolLM2's 30 layers of projections, weights streamed from memory as in a real step (ms per
-step, medians). On an AVX-512 bf16 EPYC (Zen 4), bf16 in our kernel (``spindle.kernels.cpu.bf16_linear``) / int8
-``spindle.kernels.cpu.int8_linear`` / int4 torch's kernel, group 32, two runs: 1 token 8.9, 7.4 / 6.5, 7.4 / 8.1,
-10.0; 2 tokens 10.0, 6.9 / 10.2, 8.4 / 11.0, 10.2; 4 tokens 9.4, 7.6 / 18.8, 14.9 / 14.2, 12.4; 8 tokens 8.9 / 33.6 /
-21.1; 16 tokens 12.9 / 47.2 / 34.6. One token stays quantized: the lm head's int8 copy reads half the bytes of its
-bf16 one. With oneDNN's packed matmul for the dense copy (AVX-512 without bf16, or before our kernel):
-bf16 oneDNN-packed / int8 / int4: 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2,
-8 tokens 16.6 / 30.8 / 20.0, 16 tokens 32.1 / - / 31.9. (torch's own int8 kernel took 14.2 ms for one token and 111
-for 16.) On an
-AVX2-only EPYC (Zen 3, no bf16: float32 dense / int8 ours / int4 ours): 1 token 40.6 / 12.5 / 12.5, 2 tokens 76.1 /
-14.8 / 13.3, 4 tokens 75.5 / 20.1 / 19.1, 8 tokens 67.9 / 39.3 / 40.1; torch's int4 kernel there: 140, 262, 523 and
-1,024 ms, which is why int4 runs ours on AVX2, and int8 a hand-written AVX2 loop (gcc left the generic one at 46 ms
-for one token).
-A float32 model on the AVX-512 bf16 EPYC (its dense copy oneDNN-packed float32): float32 dense / int8 / int4 ours:
-1 token 23.1, 20.6 / 5.7 / 8.3, 2 tokens 24.3, 23.1 / 7.4 / 8.9, 4 tokens 19.8, 20.2 / 12.2 / 11.0, 8 tokens 22.2,
-23.3 / 26.8 / 19.6; AVX-512 CPUs without bf16 get the same limits for float32 (the same oneDNN kernel), unmeasured.
-Other CPUs (no AVX2) are unmeasured: their projections run dense.
+AVX2-only EPYC (Zen 3), float32, 2 cores, SmolLM2's 30 layers of projections streamed as in a step, ms per step
+(medians of 3; the machine was loaded by other jobs, times 10-70x a quiet one's), dense packed float32 / int8
+weight-only, panel / int4 weight-only, panel: 1 token 57.4 / 40.3, 97.0 / 24.1, 131.3; 8 tokens 611 / 563, 1554 /
+1660, 2202; 64 tokens 1568 / 1692 / 2122; 512 tokens 4756 / 6632 / 5994. The weight-only kernels won up to their
+8 tokens in two runs; past them the panel kernel took 1.1-1.6x the dense weight's time. bf16 activations on AVX2
+compute in float32 in both kernels: the same limits.
+The AVX-512 limits are those measured against the dense bf16 copy, before the panel kernel existed (an AVX-512 bf16
+EPYC, Zen 4, 2 cores, ms per step, dense bf16 ours / int8 / int4 torch's: 1 token 8.9 / 6.5 / 8.1, 2 tokens 10.0 /
+10.2 / 11.0, 4 tokens 9.4 / 18.8 / 14.2, 8 tokens 8.9 / 33.6 / 21.1); the panel kernel is unmeasured there, its
+limits too. Other CPUs (no AVX2) run the panel kernel at every size, unmeasured. The weight-only kernels against
+dense weights on quiet machines, same steps: with oneDNN's packed bf16 (AVX-512 without bf16) bf16 / int8 / int4
+torch's: 1 token 20.6 / 6.1 / 7.7, 2 tokens 23.6 / 11.2 / 7.9, 4 tokens 16.0 / 17.2 / 9.2, 8 tokens 16.6 / 30.8 /
+20.0; a float32 model on the AVX-512 bf16 EPYC (oneDNN-packed float32 / int8 / int4 ours): 1 token 23.1 / 5.7 /
+8.3, 4 tokens 19.8 / 12.2 / 11.0, 8 tokens 22.2 / 26.8 / 19.6; the AVX2 Zen 3 (float32 / int8 / int4 ours): 1 token
+40.6 / 12.5 / 12.5, 2 tokens 76.1 / 14.8 / 13.3, 4 tokens 75.5 / 20.1 / 19.1, 8 tokens 67.9 / 39.3 / 40.1.
+
+torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) is no longer used: on the AVX-512 bf16 EPYC it took 5.5 ms
+for one token with bf16 activations against 8.8 for ours (13.9 against 22.2 for 8), but it reads a layout of its own
+(``_convert_weight_to_int4pack_for_cpu``) that nothing else reads, and keeping it beside ours for larger batches
+would double the int4 weights' memory; with float32 activations it was 12x slower than ours (100.7 ms against 8.3).
 """
 
 
@@ -119,21 +119,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class Projection:
     """One projection's weight in the forms its forward may take, and the choice between them per call.
 
-    One built within ``spindle.kernels.eager`` (``--enforce-eager``) runs torch's ops alone on the CPU: no tiles
-    for our bf16 kernel (a weight oneDNN runs is still packed for it), and a quantized projection with a dense copy
-    runs that copy at every size (the quantized kernels there are ours, or need a layout repacked by one of ours).
-    One built within ``spindle.kernels.force_triton`` runs its quantized form through the dispatched
-    ``quantized_linear`` at every size, as on CUDA (the tests' device under Triton's interpreter); one built within
-    :func:`weight_only` never runs W8A8.
+    A quantized projection keeps its quantized form alone, on every device and CPU. On the CPU a call of few tokens
+    runs the weight-only kernel and a larger one the panel kernel, by the crossover :data:`MAX_QUANTIZED_TOKENS`
+    (int8 with one scale per row runs W8A8 instead where the CPU has AVX-512 VNNI). One built within
+    ``spindle.kernels.eager`` (``--enforce-eager``) runs torch's ops alone on the CPU: no tiles for our bf16 kernel
+    (a weight oneDNN runs is still packed for it), and a quantized projection multiplies by its weight dequantized
+    :data:`EAGER_PANEL_ROWS` output rows at a time. One built within ``spindle.kernels.force_triton`` runs its
+    quantized form through the dispatched ``quantized_linear`` at every size, as on CUDA (the tests' device under
+    Triton's interpreter); one built within :func:`weight_only` never runs W8A8.
 
     Args:
-        weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is kept.
-            On the CPU it is laid out for our bf16 kernel where :func:`can_tile` says so, else pre-packed for oneDNN
-            where :func:`can_pack` does (:func:`pack_weight`).
+        weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is given.
+            Given with a quantized form, only its dtype is read (the activations' on the CPU; float32 without it).
+            Alone, on the CPU it is laid out for our bf16 kernel where :func:`can_tile` says so, else pre-packed for
+            oneDNN where :func:`can_pack` does (:func:`pack_weight`).
         bias: ``[out]`` or None.
-        quantized: the weight-only quantized form, or None. On the CPU int4 is repacked into the layout of torch's
-            kernel and int8 stays as it is, for ours, or is laid out for the W8A8 kernel where that runs (then no
-            dense copy is kept); on CUDA both stay as they are, for the Triton kernel.
+        quantized: the weight-only quantized form, or None. On the CPU it is used as it is stored, or laid out for
+            the W8A8 kernel where that runs; on CUDA it stays as it is, for the Triton kernel.
 
     Raises:
         ValueError: when neither form is given.
@@ -146,13 +148,13 @@ class Projection:
         if weight is None and quantized is None:
             raise ValueError("a projection needs a dense or a quantized weight")
         self.bias = bias
-        self.out_features, self.in_features = quantized.shape if weight is None else weight.shape
+        self.out_features, self.in_features = quantized.shape if quantized is not None else weight.shape
         self.eager = is_eager()
         as_on_cuda = is_forced_triton()
         self.dtype = torch.float32 if weight is None else weight.dtype  # of the activations, on the CPU
+        if quantized is not None:
+            weight = None  # the quantized form serves every batch size: no dense copy is kept
         self.w8a8 = None if self.eager or as_on_cuda or _weight_only else _w8a8_form(quantized, self.dtype)
-        if self.w8a8 is not None:
-            weight = None  # the W8A8 kernel beats the dense copy at every batch size: none is kept
         self.dense = weight
         self.tiled = cpu.bf16_pack(weight) if weight is not None and not self.eager and can_tile(weight) else None
         usable = weight is not None and self.tiled is None and can_pack(weight)
@@ -161,48 +163,69 @@ class Projection:
             self.dense = None  # the laid-out copy stands in for it; keeping both would double the memory
         self.quantized = quantized
         self.bits = 0 if quantized is None else quantized.bits
-        self.torch_int4 = TORCH_INT4 and self.dtype == torch.bfloat16
-        self._cpu_quantized: tuple[torch.Tensor, ...] | None = None
-        on_cpu = quantized is not None and quantized.qweight.device.type == "cpu" and not as_on_cuda
-        if on_cpu and not self.eager and self.w8a8 is None:
-            self._cpu_quantized = _repack_for_cpu(quantized, self.torch_int4)
+        self.on_cpu = quantized is not None and quantized.qweight.device.type == "cpu" and not as_on_cuda
+        self._cpu_quantized: tuple[torch.Tensor | None, ...] | None = None
+        if self.on_cpu and not self.eager and self.w8a8 is None:
+            self._cpu_quantized = _repack_for_cpu(quantized)
 
-    def uses_quantized(self, num_tokens: int) -> bool:
-        """Whether a call over ``num_tokens`` rows runs the quantized kernel (else the dense weight)."""
-        if self.quantized is None:
-            return False
-        if self.w8a8 is not None or (self.dense is None and self.packed is None and self.tiled is None):
-            return True
-        limit = MAX_QUANTIZED_TOKENS.get((self.dtype, self.bits), 0)
-        return not self.eager and (self._cpu_quantized is None or num_tokens <= limit)
+    def runs_weight_only(self, num_tokens: int) -> bool:
+        """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).
+
+        False for W8A8, eager and non-CPU projections, which have one path at every size.
+        """
+        limit = min(MAX_QUANTIZED_TOKENS.get((self.dtype, self.bits), 0), cpu.MAX_INT8_TOKENS)
+        return self._cpu_quantized is not None and num_tokens <= limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``."""
         if self.w8a8 is not None:
             return cpu.w8a8_linear(_dense_rows(x), *self.w8a8, self.bias).view(*x.shape[:-1], -1)
-        if not self.uses_quantized(x.numel() // x.shape[-1]):
+        if self.quantized is None:
             if self.tiled is not None:
                 return cpu.bf16_linear(_dense_rows(x), self.tiled, self.out_features, self.bias).view(*x.shape[:-1], -1)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return F.linear(x, self.dense, self.bias)  # type: ignore[arg-type]
         if self._cpu_quantized is None:
-            return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
-        rows = x.reshape(-1, x.shape[-1])
-        qweight, scales = self._cpu_quantized[:2]
-        group_size = self.quantized.group_size  # type: ignore[union-attr]
-        if self.bits == 4 and self.torch_int4:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, qweight, group_size, scales.to(x.dtype))
-        elif rows.shape[0] <= cpu.MAX_INT8_TOKENS and x.dtype in (torch.float32, torch.bfloat16):
-            kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
-            out = kernel(rows, *self._cpu_quantized, group_size)
-        elif self.bits == 8 and scales.shape[1] == 1:
-            out = torch._weight_int8pack_mm(rows, qweight, scales[:, 0].to(x.dtype))
-        else:  # past our kernels' token count, where torch has no kernel for the layout (Q8_0 groups, our int4)
-            return quantized_linear(x, self.quantized, self.bias)  # type: ignore[arg-type]
+            if self.on_cpu:  # eager
+                return _panel_linear(x, self.quantized, self.bias)
+            return quantized_linear(x, self.quantized, self.bias)
+        rows = _dense_rows(x)
+        if not self.runs_weight_only(rows.shape[0]):
+            out = cpu.quant_gemm(rows, *self._cpu_quantized, self.quantized.group_size, self.bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        group_size = self.quantized.group_size
+        kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
+        out = kernel(rows, *self._cpu_quantized, group_size)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+EAGER_PANEL_ROWS = 1024
+"""Output rows of a quantized weight that an eager CPU projection dequantizes at a time (a transient float panel
+of ``1024 x in`` values, 2.4 MB for SmolLM2's 576 inputs in float32), never the whole matrix."""
+
+
+def _panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` by torch's ops, :data:`EAGER_PANEL_ROWS` output rows at a time."""
+    outputs = weight.shape[0]
+    parts = [
+        F.linear(x, dequantize(weight.narrow(0, start, min(EAGER_PANEL_ROWS, outputs - start)), x.dtype))
+        for start in range(0, outputs, EAGER_PANEL_ROWS)
+    ]
+    out = torch.cat(parts, dim=-1)
+    return out if bias is None else out + bias
+
+
+def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (``[T]``) of the matrix ``weight`` stands for, dequantized to ``dtype``: ``[T, in]``.
+
+    An embedding lookup that gathers the quantized rows alone, where a model keeps its table quantized (a tied LM
+    head), the same values as a lookup in the dequantized table.
+    """
+    zeros = None if weight.zeros is None else weight.zeros[ids]
+    return dequantize(QuantizedWeight(weight.qweight[ids], weight.scales[ids], zeros, weight.group_size), dtype)
 
 
 def _dense_rows(x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +241,7 @@ def _w8a8_form(weight: QuantizedWeight | None, dtype: torch.dtype) -> tuple[torc
     scale per 32 inputs and the weight-only kernel), float32 or bf16 activations, ``out % 16 == 0`` and ``in`` a
     multiple of :data:`~spindle.kernels.quant.ACTIVATION_GROUP_SIZE`, on a CPU with AVX-512 VNNI and bf16.
     """
-    if weight is None or weight.bits != 8 or weight.qweight.device.type != "cpu":
+    if weight is None or weight.bits != 8 or weight.zeros is not None or weight.qweight.device.type != "cpu":
         return None
     outputs, inputs = weight.shape
     if weight.group_size != inputs or outputs % 16 or inputs % ACTIVATION_GROUP_SIZE:
@@ -229,24 +252,14 @@ def _w8a8_form(weight: QuantizedWeight | None, dtype: torch.dtype) -> tuple[torc
     return tiles, sums, weight.scales.float().reshape(-1).contiguous()
 
 
-def _repack_for_cpu(weight: QuantizedWeight, torch_int4: bool) -> tuple[torch.Tensor | None, ...]:
-    """The tensors the CPU kernel of ``weight`` takes (torch's int4 one only ever sees bf16 activations).
+def _repack_for_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor | None, ...]:
+    """The tensors the CPU kernels of ``weight`` take, as they are stored.
 
-    int8: the int8 matrix, the float32 scales and offsets (None where it has none) as they are
-    (``spindle.kernels.cpu.int8_linear`` takes them so).
-    int4 for ours (``torch_int4`` false): the packed matrix, scales and offsets as they are. int4 for torch's: the
-    matrix repacked by ``aten._convert_weight_to_int4pack_for_cpu`` and scales and offsets interleaved
-    ``[in // group, out, 2]``, in bf16.
+    The matrix, the float32 scales and the float32 offsets (None for an int8 matrix without them), for
+    ``spindle.kernels.cpu.int8_linear``, ``int4_linear`` and ``quant_gemm``.
     """
-    if weight.bits == 8:
-        zeros = None if weight.zeros is None else weight.zeros.float().contiguous()
-        return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
-    if not torch_int4:
-        zeros = weight.zeros.float().contiguous()  # type: ignore[union-attr]
-        return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked().contiguous(), 1)
-    scales_and_zeros = torch.stack([weight.scales.T, weight.zeros.T], dim=-1)  # type: ignore[union-attr]
-    return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
+    zeros = None if weight.zeros is None else weight.zeros.float().contiguous()
+    return weight.qweight.contiguous(), weight.scales.float().contiguous(), zeros
 
 
 def linear(

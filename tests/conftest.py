@@ -181,17 +181,15 @@ def cpu_side_without_cpp_kernels() -> Iterator[None]:
 def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:
     """Make the unprepared ``reference`` compute, in torch, what ``served``'s quantized projections compute.
 
-    Each projection's weight becomes its dequantized ``weights[name]``; where ``served`` runs it W8A8 (int8 per row
-    on a CPU with VNNI), the reference quantizes that projection's activations too (``quant.w8a8_linear``). Quantized
-    experts become their dequantized stacks.
+    Each projection's weight (a tied lm head's: the embedding table) becomes its dequantized ``weights[name]``;
+    where ``served`` runs it W8A8 (int8 per row on a CPU with VNNI), the reference quantizes that projection's
+    activations too (``quant.w8a8_linear``). Quantized experts become their dequantized stacks.
     """
     served_projections = served.projections()
     for name, (module, attr) in reference.projections().items():
         key = name.rsplit(".", 1)[-1]  # the lm head's module is the decoder model, which keeps it as "lm_head"
-        if attr == "embed_tokens":  # a tied lm head: the embedding table it shares is served unquantized
-            module.prepared[key] = functools.partial(nn.functional.linear, weight=quant.dequantize(weights[name]))
-        else:
-            getattr(module, attr).data = quant.dequantize(weights[name])
+        # A tied lm head's table too: the served embedding looks its rows up in the quantized form.
+        getattr(module, attr).data = quant.dequantize(weights[name])
         if served_projections[name][0].prepared[key].w8a8 is not None:
             bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
             module.prepared[key] = functools.partial(quant.w8a8_linear, weight=weights[name], bias=bias)

@@ -25,7 +25,8 @@ from spindle.kernels import (
     rotary_embedding,
     silu_and_mul,
 )
-from spindle.kernels.linear import MAX_QUANTIZED_TOKENS, Projection, linear
+from spindle.kernels import linear as linear_module
+from spindle.kernels.linear import MAX_QUANTIZED_TOKENS, Projection, linear, quantized_embedding
 
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
@@ -380,25 +381,35 @@ def test_prepared_linear_equals_plain(outputs: int, rows: int, dtype: torch.dtyp
 
 @pytest.mark.parametrize("bits", [0, 8, 4], ids=["dense", "int8", "int4"])
 def test_a_projection_built_within_eager_runs_torch_alone(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--enforce-eager``: no tiles for our bf16 kernel and no quantized kernel, whatever the CPU and batch size."""
+    """``--enforce-eager``: no tiles for our bf16 kernel and no quantized kernel, whatever the CPU and batch size.
+
+    A quantized one multiplies by its weight dequantized a panel of output rows at a time (two panels here).
+    """
 
     def refuse(*args: object) -> None:
         raise AssertionError("a C++ op of ours ran")
 
-    for name in ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear"):
+    kernels = ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear")
+    for name in (*kernels, "quant_gemm"):
         monkeypatch.setattr(cpu, name, refuse)
+    monkeypatch.setattr(linear_module, "EAGER_PANEL_ROWS", 64)
     generator = torch.Generator().manual_seed(bits)
     weight = torch.randn(96, 128, generator=generator).to(torch.bfloat16)
     bias = torch.randn(96, generator=generator).to(torch.bfloat16)
+    quantized = quant.quantize(weight.float(), bits) if bits else None
     with eager():
-        projection = Projection(weight, bias, quant.quantize(weight.float(), bits) if bits else None)
+        projection = Projection(weight, bias, quantized)
 
     assert projection.tiled is None and projection.w8a8 is None
+    assert (projection.dense is None and projection.packed is None) if bits else True
     for rows in (1, 5, 40):
         x = torch.randn(rows, 128, generator=generator).to(torch.bfloat16)
-        assert not projection.uses_quantized(rows)
-        # oneDNN's packed bf16 matmul where it runs bf16 is the kernel F.linear runs: the same result.
-        assert torch.equal(projection(x), F.linear(x, weight, bias))
+        assert not projection.runs_weight_only(rows)
+        if quantized is None:  # oneDNN's packed bf16 matmul where it runs bf16 is the kernel F.linear runs
+            assert torch.equal(projection(x), F.linear(x, weight, bias))
+        else:  # torch's bf16 matmul of the bf16-rounded weights: a bf16 rounding or two from the float32 reference
+            want = quant.quantized_linear(x.float(), quantized, bias.float())
+            torch.testing.assert_close(projection(x).float(), want, atol=2e-2 * float(want.abs().max()), rtol=2e-2)
 
 
 def test_tiled_linear_takes_batched_and_strided_inputs() -> None:
@@ -468,54 +479,111 @@ def test_quantized_kernels_match_the_reference_for_every_token_count(
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
+def layout(bits: int, group_size: int, zeros: bool, outputs: int, inputs: int, seed: int) -> quant.QuantizedWeight:
+    """A random weight in one of the layouts: int4 in groups, int8 per row or per group, with or without offsets."""
+    generator = torch.Generator().manual_seed(seed)
+    quantized = quant.quantize(torch.randn(outputs, inputs, generator=generator) * 0.1, bits, group_size)
+    if bits == 8 and group_size != inputs:  # a scale (and an offset) per group, as GGUF's Q8_0, Q6_K and Q5_K have
+        groups = inputs // group_size
+        quantized.scales = torch.rand(outputs, groups, generator=generator) * 1e-3 + 1e-4
+        quantized.zeros = torch.randn(outputs, groups, generator=generator) * 0.05 if zeros else None
+        quantized.group_size = group_size
+    return quantized
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "zeros"),
+    [(4, 32, True), (8, 96, False), (8, 32, False), (8, 16, False), (8, 32, True)],
+    ids=["int4_g32", "int8_per_row", "int8_g32", "int8_g16", "int8_g32_zeros"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group_size: int, zeros: bool) -> None:
+    """Row counts on both sides of the crossover (and blocks of 4 rows with 1-3 left), panels of 32 columns with
+    blocks of 3 and 1 or 2 left over (97 outputs), with a bias."""
+    quantized = layout(bits, group_size, zeros, 97, 96, bits + group_size)
+    generator = torch.Generator().manual_seed(group_size)
+    bias = torch.randn(97, generator=generator)
+    for rows in (1, 3, 8, 9, 14, 64, 130):
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        want = quant.quantized_linear(x.float(), quantized, bias)
+        out = cpu.quant_gemm(x, quantized.qweight, quantized.scales, quantized.zeros, group_size, bias)
+        assert out.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16, fp16: the output rounded once
+        torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+
+
+def test_panel_kernel_refuses_what_it_cannot_run() -> None:
+    quantized = quant.quantize(torch.randn(16, 96), 4)
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="int4 weights need their zeros"):
+        cpu.quant_gemm(x, quantized.qweight, quantized.scales, None, 32, None)
+    with pytest.raises(RuntimeError, match="group_size must be a multiple of 16"):
+        cpu.quant_gemm(x, quantized.qweight, torch.zeros(16, 12), torch.zeros(16, 12), 8, None)
+    with pytest.raises(RuntimeError, match=r"x must be \[tokens, 96\]"):
+        cpu.quant_gemm(torch.randn(2, 64), quantized.qweight, quantized.scales, quantized.zeros, 32, None)
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "zeros"), [(4, 32, True), (8, 64, False), (8, 16, True)], ids=["int4", "int8", "int8_g16"]
+)
+def test_an_embedding_lookup_from_quantized_rows_equals_the_dequantized_tables(
+    bits: int, group_size: int, zeros: bool
+) -> None:
+    quantized = layout(bits, group_size, zeros, 50, 64, bits)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(
+            quantized_embedding(ids, quantized, dtype), F.embedding(ids, quant.dequantize(quantized, dtype))
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_projection_runs_the_quantized_kernel_up_to_its_batch_limit(
-    bits: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+def test_projection_runs_the_weight_only_kernel_up_to_the_crossover_then_the_panel_kernel(
+    bits: int, dtype: torch.dtype
 ) -> None:
-    if dtype == torch.float32:  # torch's int4 kernel is 12x slower than ours with float32 activations (linear.py)
-
-        def refuse(*args: object) -> None:
-            raise AssertionError("float32 activations reached torch's int4 kernel")
-
-        monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", refuse)
     generator = torch.Generator().manual_seed(bits)
     weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
     quantized = quant.quantize(weight, bits)
     projection = Projection(weight, bias, quantized)
-    # int8 with a scale per row runs W8A8 at every size where the CPU has VNNI, and keeps no dense copy.
+    # int8 with a scale per row runs W8A8 at every size where the CPU has VNNI.
     w8a8 = bits == 8 and cpu.w8a8_supported()
     assert (projection.w8a8 is not None) == w8a8
-    limit = 1 << 30 if w8a8 else MAX_QUANTIZED_TOKENS[dtype, bits]
+    limit = 0 if w8a8 else min(MAX_QUANTIZED_TOKENS[dtype, bits], cpu.MAX_INT8_TOKENS)
 
-    for rows in sorted({1, limit, limit + 1, 40} - {0, 1 << 30, (1 << 30) + 1}):  # limit 0: dense at every size
+    for rows in sorted({1, limit, limit + 1, 40} - {0}):
         x = torch.randn(rows, 128, generator=generator).to(dtype)
         out = projection(x)
         assert out.shape == (rows, 96) and out.dtype == dtype
-        if rows > limit:
-            assert not projection.uses_quantized(rows)
-            # The dense weight: oneDNN's packed float32 GEMM sums in another order than F.linear's MKL; bf16 runs
-            # oneDNN's own kernel, or ours with AVX-512 bf16 (another order again: a bf16 rounding apart at most).
-            if projection.tiled is not None:
-                torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-2, rtol=2**-8)
-            else:
-                exact = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {}
-                torch.testing.assert_close(out, F.linear(x, weight, bias), **exact)
-            continue
-        assert projection.uses_quantized(rows)
+        assert projection.runs_weight_only(rows) == (rows <= limit)
         reference = quant.w8a8_linear if w8a8 else quant.quantized_linear
         want = reference(x.float(), quantized, bias.float())
         # fp32: summation order only (W8A8: and an activation at a rounding tie, one level either way). bf16: the
-        # kernel rounds its scales (and int4 offsets) to bf16 and the output once; measured worst 0.4% of the range.
+        # output rounded once (W8A8: its scales and the int4 offsets in bf16 too; measured worst 0.4% of the range).
         tolerance = 1e-5 if dtype == torch.float32 and not w8a8 else 1e-2
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
-    if w8a8:
-        assert projection.dense is None and projection.tiled is None and projection.packed is None
+    assert projection.dense is None and projection.tiled is None and projection.packed is None
+
+
+@pytest.mark.parametrize("eager_mode", [False, True], ids=["compiled", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_projection_holds_no_dense_weight(bits: int, dtype: torch.dtype, eager_mode: bool) -> None:
+    """No attribute (nor tuple of them) holds a float tensor of the weight's size: only the quantized form."""
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    with eager(eager_mode):
+        projection = Projection(weight, None, quant.quantize(weight.float(), bits))
+
+    held = [v for value in vars(projection).values() for v in (value if isinstance(value, tuple) else (value,))]
+    held += [v for value in held if isinstance(value, quant.QuantizedWeight) for v in vars(value).values()]
+    tensors = [t for t in held if isinstance(t, torch.Tensor)]
+    assert any(t.dtype in (torch.int8, torch.uint8) for t in tensors)  # the walk reaches the quantized form
+    assert not [t.shape for t in tensors if t.is_floating_point() and t.numel() >= weight.numel()]
 
 
 def test_w8a8_takes_only_what_its_kernel_runs() -> None:
-    """Shapes the kernel cannot tile and GGUF's Q8_0 groups keep the weight-only kernel and the dense copy."""
+    """Shapes the kernel cannot tile and GGUF's Q8_0 groups keep the weight-only kernel and the panel kernel."""
     if not cpu.w8a8_supported():
         pytest.skip("the W8A8 kernel needs AVX-512 VNNI")
     with pytest.raises(RuntimeError, match="out % 16 == 0 and in % 64 == 0"):
@@ -527,7 +595,7 @@ def test_w8a8_takes_only_what_its_kernel_runs() -> None:
         if group_size != inputs:  # a scale per 32 inputs, as GGUF's Q8_0 blocks have
             quantized.scales, quantized.group_size = quantized.scales.repeat(1, inputs // group_size), group_size
         projection = Projection(weight, None, quantized)
-        assert projection.w8a8 is None and projection.uses_quantized(1) and not projection.uses_quantized(40)
+        assert projection.w8a8 is None and projection.runs_weight_only(1) and not projection.runs_weight_only(40)
     assert Projection(weight, None, quant.quantize(weight.float(), 4)).w8a8 is None
 
 

@@ -255,7 +255,7 @@ def test_smollm2_matches_transformers_on_the_gguf(
 ) -> None:
     """Unquantized, and int4 from the file's own blocks (the weights transformers dequantizes) or int8 requantized.
 
-    The decode steps (one token) run the quantized kernels; the prompt's prefill the dense copy.
+    The decode steps (one token) run the weight-only kernels; the prompt's prefill the panel kernel (no dense copy).
     """
     prompt_len, tokens, reference = smollm2_reference
     model = load_model(smollm2.model_dir, dtype, torch.device("cpu"))

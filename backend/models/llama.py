@@ -18,7 +18,7 @@ from spindle.kernels import (
     rms_norm,
     silu_and_mul,
 )
-from spindle.kernels.linear import Projection, linear
+from spindle.kernels.linear import Projection, linear, quantized_embedding
 from spindle.kernels.lora import LoraSlots, current_lora_mapping
 from spindle.kernels.quant import QuantizedWeight
 
@@ -218,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.prepared: dict[str, Projection] = {}
+        self.embed_quantized: QuantizedWeight | None = None
 
     def projections(self) -> dict[str, tuple[nn.Module, str]]:
         """Every projection by name (``layers.3.self_attn.qkv_proj``, ``lm_head``): ``(module, attribute)``.
@@ -238,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
         """Give every projection its :class:`~spindle.kernels.linear.Projection`, built from the loaded weights.
 
         Plain weights that the projection no longer reads are released (a packed or quantized-only copy stands in
-        for them), so load weights before preparing; the embedding table always stays.
+        for them), so load weights before preparing. The embedding table stays, unless it is a tied LM head given a
+        quantized form: then lookups gather and dequantize its quantized rows (``embed_quantized``).
 
         Args:
             quantized: weight-only quantized forms by :meth:`projections` name (all, some or none of them).
@@ -254,7 +256,9 @@ class LlamaForCausalLM(nn.Module):
             projection = Projection(dense, bias, form)
             target = self if name == "lm_head" else module
             target.prepared[name.rsplit(".", 1)[-1]] = projection
-            if projection.dense is None and attr != "embed_tokens":
+            if attr == "embed_tokens" and form is not None:
+                self.embed_quantized = form
+            if projection.dense is None and (attr != "embed_tokens" or form is not None):
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(
@@ -298,12 +302,18 @@ class LlamaForCausalLM(nn.Module):
         are summed.
         """
         if self.shard.size == 1:
-            return F.embedding(input_ids, self.embed_tokens)
+            return self._rows(input_ids)
         start = self.shard.rank * self.shard.vocab_size
         local = input_ids - start
         outside = (local < 0) | (local >= self.shard.vocab_size)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        hidden = self._rows(local.masked_fill(outside, 0))
         return parallel.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's embedding table, from its quantized form where only that is kept."""
+        if self.embed_quantized is None:
+            return F.embedding(ids, self.embed_tokens)
+        return quantized_embedding(ids, self.embed_quantized, self.embed_tokens.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Project hidden states ``[N, hidden_size]`` to float32 logits ``[N, vocab_size]``.

@@ -50,6 +50,7 @@ _SOURCES = [
         "elementwise.cpp",
         "bf16_linear.cpp",
         "quant_linear.cpp",
+        "quant_gemm.cpp",
         "w8a8_linear.cpp",
         "lora.cpp",
         "argmax.cpp",
@@ -267,6 +268,36 @@ def int4_linear(
 
     """
     return cpu_ops().int4_linear(x, qweight, scales, zeros, group_size)
+
+
+def quant_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` for any number of rows, from the quantized weight alone.
+
+    Each OpenMP work item dequantizes a panel of output columns into float32 scratch and runs every row of ``x``
+    against it (``quant_gemm.cpp`` has the design): the large-batch partner of :func:`int8_linear` and
+    :func:`int4_linear`.
+
+    Args:
+        x: ``[tokens, in]``, float32, bfloat16 or float16, dense rows.
+        qweight: int8 ``[out, in]``, or uint8 ``[out, in // 2]`` holding int4 two values a byte.
+        scales: float32 ``[out, in // group_size]``.
+        zeros: float32 ``[out, in // group_size]`` (required for int4: ``w = (q - 8) * scale + zero``; int8
+            ``w = q * scale + zero``), or None for symmetric int8.
+        group_size: inputs per scale, a multiple of 8 (16 for int4) that divides ``in``.
+        bias: ``[out]`` or None, added in float32.
+
+    Returns:
+        ``[tokens, out]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().quant_gemm(x, qweight, scales, zeros, group_size, bias)
 
 
 def lora_add_(

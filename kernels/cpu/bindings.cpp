@@ -29,6 +29,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& zeros, int64_t group_size);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 bool w8a8_supported();
 std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& qweight);
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sums, const at::Tensor& scales,
@@ -73,6 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T for 1-8 tokens, W int8 with a scale (and an offset) per row or group.");
   m.def("int4_linear", &int4_linear, ReleaseGil(),
         "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
+  m.def("quant_gemm", &quant_gemm, ReleaseGil(),
+        "x @ W.T + b for any number of tokens, W int8 or int4 dequantized a panel of columns at a time.");
   m.def("w8a8_supported", &w8a8_supported, ReleaseGil(), "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");
   m.def("int8_pack", &int8_pack, ReleaseGil(), "An int8 [out, in] weight in w8a8_linear's tiles, and its group sums.");
   m.def("w8a8_linear", &w8a8_linear, ReleaseGil(),

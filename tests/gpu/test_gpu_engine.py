@@ -153,8 +153,8 @@ def test_tiny_llama_quantized_and_speculating_device_matches_cpu(
 ) -> None:
     """The Triton quantized GEMM (every call on the device) and speculative steps give the CPU's greedy tokens.
 
-    The CPU runs its weight-only quantized kernels for every call too (not W8A8, and not the dense copy it keeps for
-    large batches), so both sides compute with the same weights and unquantized activations.
+    The CPU runs its weight-only quantized kernels for every call too (not W8A8: the weight-only kernels up to 8
+    tokens, the panel kernel past them), so both sides compute with the same weights and unquantized activations.
     """
     for key in MAX_QUANTIZED_TOKENS:
         monkeypatch.setitem(MAX_QUANTIZED_TOKENS, key, 10**9)
