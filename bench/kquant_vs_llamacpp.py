@@ -9,7 +9,7 @@ round-trips a text and greedy generation produces text.
 
 - Memory: a fresh process imports torch and Spindle, reads its resident set (``VmRSS``), builds ``LLM(file)`` (the
   GGUF converted into Spindle's cache beforehand) and reads it again: the difference, next to the file's size and the
-  KV cache's bytes, and its ratio to file + KV. llama.cpp's resident memory is its processes' peak (``ru_maxrss``):
+  KV cache's bytes, and its ratio to file + KV. llama.cpp's resident memory is its processes' peak (GNU time's):
   ``llama-bench`` on the file (a small context), and ``llama-batched-bench`` at batch 1 and ``--batch`` (with a KV
   cache of ``--batch`` sequences, as Spindle's).
 - Decode: generated tokens per second, prefill excluded, of one sequence (``--single-tokens`` greedy tokens) and
@@ -26,7 +26,6 @@ round-trips a text and greedy generation produces text.
 
 import argparse
 import json
-import os
 import random
 import shlex
 import statistics
@@ -101,16 +100,23 @@ def spindle_memory(gguf: Path, kv_cache_memory: int, max_model_len: int, threads
     return {"before": before, "after": after, "kv": core.num_blocks * core.runner.block_bytes}
 
 
+GNU_TIME = Path("/usr/bin/time")
+
+
 def peak_resident(command: list[str]) -> tuple[int, str]:
-    """Run ``command``; its peak resident bytes (``ru_maxrss``) and its standard output. Raises on failure."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(process.pid, 0)  # reaped here, for its rusage: Popen never waits on it
-        process.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        if process.returncode:
-            raise RuntimeError(f"{shlex.join(command)} failed ({process.returncode}):\n{err.read()[-3000:]}")
-        return usage.ru_maxrss * 1024, out.read()
+    """Run ``command``; its peak resident bytes and its standard output. Raises on failure.
+
+    GNU time measures it: a child of this process starts as a copy of it (gigabytes once a model is loaded), and its
+    peak (``ru_maxrss``) would count those pages; ``time``'s own child starts as a copy of a small program.
+    """
+    if not GNU_TIME.is_file():
+        raise FileNotFoundError(f"{GNU_TIME} (GNU time, Debian's `time` package) measures llama.cpp's peak memory")
+    with tempfile.NamedTemporaryFile("r") as report:
+        timed = [str(GNU_TIME), "--format", "%M", "--output", report.name, *command]
+        result = subprocess.run(timed, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{shlex.join(command)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+        return int(report.read().split()[-1]) * 1024, result.stdout
 
 
 def batched_bench(
