@@ -6,7 +6,12 @@ one shard). The tokenizer is made here, so nothing beyond ``tokenizers`` is need
 SmolLM2's package can write it): byte-level, every text encodes byte by byte, and the rest of the vocabulary is
 padding pieces that decode to their bytes, so that every token the random model samples has a text.
 ``--config small`` writes a ~125M-parameter model (SmolLM2's vocabulary size, 49,152) whose heads tensor parallel 2
-and 4 divide; ``--config tiny`` writes a two-layer model in a second, to try a script anywhere.
+and 4 divide; ``--config medium`` a ~0.5B-parameter one of Llama 2's vocabulary size (32,000), quantized by
+``bench.kquant_vs_llamacpp``; ``--config tiny`` writes a two-layer model in a second, to try a script anywhere.
+
+``--tokenizer byte-fallback`` writes Llama 2's kind of tokenizer instead (a BPE over characters whose other bytes fall
+back to byte pieces): llama.cpp's ``convert_hf_to_gguf.py`` converts it, where it refuses the byte-level one, whose
+pre-tokenizer is none of the real models' it recognizes.
 
 The weights are drawn on the device (CUDA when there is one) one tensor at a time and streamed into the file behind
 a header computed from the shapes, so the host never holds the whole model (16 GB for the 8B shapes)::
@@ -22,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 CONFIGS = {
     "llama3-8b": dict(
@@ -42,6 +47,15 @@ CONFIGS = {
         num_attention_heads=8,
         num_key_value_heads=4,
     ),
+    # ~0.5B parameters (501M, untied lm head), heads of 128; every row a multiple of 256, as K-quant blocks need.
+    "medium": dict(
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
     "tiny": dict(
         vocab_size=1024,
         hidden_size=256,
@@ -51,7 +65,7 @@ CONFIGS = {
         num_key_value_heads=2,
     ),
 }
-BOS, EOS = "<s>", "</s>"
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 
 
 def write_tokenizer(out_dir: Path, vocab_size: int) -> tuple[int, int]:
@@ -71,6 +85,34 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> tuple[int, int]:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
     return len(alphabet), len(alphabet) + 1
+
+
+def write_byte_fallback_tokenizer(out_dir: Path, vocab_size: int) -> tuple[int, int]:
+    """Write a Llama-2-style tokenizer of ``vocab_size`` tokens into ``out_dir``; returns its (bos, eos) ids.
+
+    Ids 0-2 are unk, bos and eos, 3-258 the byte pieces ``<0x00>``-``<0xFF>``, then the word-start mark and the
+    printable ASCII characters, then padding pieces of two to four letters. There are no merges: ASCII text
+    encodes character by character, any other byte as its byte piece, and every piece decodes to its text.
+    """
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    padding = ("".join(chars) for n in (2, 3, 4) for chars in itertools.product(letters, repeat=n))
+    pieces = [UNK, BOS, EOS, *(f"<0x{b:02X}>" for b in range(256)), "\u2581", *map(chr, range(0x21, 0x7F))]
+    pieces += itertools.islice(padding, vocab_size - len(pieces))
+    model = models.BPE(vocab={piece: i for i, piece in enumerate(pieces)}, merges=[], unk_token=UNK, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.add_special_tokens([UNK, BOS, EOS])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return 1, 2
+
+
+TOKENIZERS = {"byte-level": write_tokenizer, "byte-fallback": write_byte_fallback_tokenizer}
+"""``--tokenizer`` names and their writers."""
 
 
 def tensor_shapes(shapes: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -115,14 +157,15 @@ def write_weights(path: Path, tensors: dict[str, tuple[int, ...]], device: torch
             f.write(weight.cpu().view(torch.int16).numpy().data)
 
 
-def write(out_dir: Path, name: str, device: str | None = None) -> None:
+def write(out_dir: Path, name: str, device: str | None = None, tokenizer: str = "byte-level") -> None:
     """Write ``config.json``, ``model.safetensors`` and the tokenizer files of a random ``name`` model.
 
-    ``device`` draws the weights (default: CUDA when there is one, else the CPU).
+    ``device`` draws the weights (default: CUDA when there is one, else the CPU); ``tokenizer`` names the
+    tokenizer's kind (:data:`TOKENIZERS`).
     """
     shapes = CONFIGS[name]
     out_dir.mkdir(parents=True, exist_ok=True)
-    bos, eos = write_tokenizer(out_dir, shapes["vocab_size"])
+    bos, eos = TOKENIZERS[tokenizer](out_dir, shapes["vocab_size"])
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -146,9 +189,10 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--config", choices=CONFIGS, default="llama3-8b")
     parser.add_argument("--device", help="where the weights are drawn (default: cuda when available, else cpu)")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="byte-level")
     args = parser.parse_args()
     start = time.perf_counter()
-    write(args.out_dir, args.config, args.device)
+    write(args.out_dir, args.config, args.device, args.tokenizer)
     size = (args.out_dir / "model.safetensors").stat().st_size
     print(
         f"wrote a random {args.config} checkpoint ({size / 1e9:.2f} GB) to {args.out_dir} in "
