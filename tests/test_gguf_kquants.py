@@ -21,6 +21,7 @@ from test_gguf_families import tokens_of_both, write_gguf
 
 from spindle.backend import parallel
 from spindle.backend.models import gguf_blocks, load_model
+from spindle.backend.models.llama import EMBEDDING_TABLE
 from spindle.backend.models.loader import MIXED, QUANTIZATION_FILE, quantized_weights, resolve_quantization
 from spindle.backend.parallel import TensorParallel
 from spindle.kernels.quant import cat_rows, dequantize
@@ -219,3 +220,12 @@ def test_kquant_files_serve_their_own_blocks(
             want = dequantize(kept[name]).index_select(dim, torch.tensor(index))
             assert torch.equal(dequantize(ours[name]), want), name
     assert torch.equal(dequantize(ours["lm_head"]), dequantize(kept["lm_head"])[128:])
+    # The untied embedding table is the file's blocks too where its type is kept (the rank's vocabulary rows),
+    # looked up from them: the prepared model then holds no dense table.
+    if gguf_type_of(file_type, "token_embd") not in gguf_blocks.BITS:
+        assert EMBEDDING_TABLE not in kept
+        return
+    torch.testing.assert_close(dequantize(kept[EMBEDDING_TABLE]), dense.embed_tokens, rtol=0, atol=1e-6)
+    assert torch.equal(dequantize(ours[EMBEDDING_TABLE]), dequantize(kept[EMBEDDING_TABLE])[128:])
+    dense.prepare_weights(kept)
+    assert dense.embed_tokens.numel() == 0 and dense.embed_quantized is kept[EMBEDDING_TABLE]

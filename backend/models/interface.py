@@ -78,7 +78,11 @@ class CausalLM(Protocol):
         """Fill the parameters from the checkpoint's ``(name, tensor)`` pairs (every safetensors shard)."""
 
     def prepare_weights(self, quantized: dict[str, QuantizedWeight] | None = None) -> None:
-        """Ready the weights for the forward, once, after loading; ``quantized`` is None unless quantizing."""
+        """Ready the weights for the forward, once, after loading; ``quantized`` is None unless quantizing.
+
+        Its keys are :meth:`projections` names, and :data:`~spindle.backend.models.llama.EMBEDDING_TABLE` for an
+        untied embedding table kept quantized (a class without one ignores it).
+        """
 
     def eval(self) -> nn.Module:
         """Switch to inference mode and return the model (``nn.Module`` provides it)."""

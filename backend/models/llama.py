@@ -40,6 +40,11 @@ def _with_lora(y: torch.Tensor, x: torch.Tensor, lora: LoraSlots | None) -> torc
     return y
 
 
+EMBEDDING_TABLE = "embed_tokens"
+"""The key of :meth:`LlamaForCausalLM.prepare_weights`' ``quantized`` under which an untied embedding table's
+quantized form goes (a GGUF file's ``token_embd`` blocks), looked up row by row instead of a dense table."""
+
+
 class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, rotary, cache write, paged attention, output projection.
 
@@ -240,13 +245,19 @@ class LlamaForCausalLM(nn.Module):
 
         Plain weights that the projection no longer reads are released (a packed or quantized-only copy stands in
         for them), so load weights before preparing. The embedding table stays, unless it is a tied LM head given a
-        quantized form: then lookups gather and dequantize its quantized rows (``embed_quantized``).
+        quantized form, or an untied table given one under :data:`EMBEDDING_TABLE`: then lookups gather and
+        dequantize its quantized rows (``embed_quantized``).
 
         Args:
-            quantized: weight-only quantized forms by :meth:`projections` name (all, some or none of them).
+            quantized: weight-only quantized forms by :meth:`projections` name (all, some or none of them), and an
+                untied embedding table's under :data:`EMBEDDING_TABLE`.
 
         """
         quantized = quantized or {}
+        table = quantized.get(EMBEDDING_TABLE)
+        if table is not None and self.lm_head is not None:
+            self.embed_quantized = table
+            self.embed_tokens.data = torch.empty(0, dtype=self.embed_tokens.dtype, device=self.embed_tokens.device)
         for name, (module, attr) in self.projections().items():
             weight = getattr(module, attr)
             form = quantized.get(name)

@@ -18,6 +18,7 @@ from spindle.backend import parallel
 from spindle.backend.models import gguf_blocks
 from spindle.backend.models.checkpoint_config import SUPPORTED_ARCHITECTURES, CheckpointConfig
 from spindle.backend.models.interface import CausalLM, model_class
+from spindle.backend.models.llama import EMBEDDING_TABLE
 from spindle.kernels.cache_entry import build_entry, is_complete
 from spindle.kernels.quant import QuantizedWeight, cat_rows, quantize, widen
 
@@ -345,7 +346,9 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     dense beside quantized ones). Under tensor parallelism the stored ones are cut to the rank's shard
     (:meth:`~spindle.backend.models.llama.LlamaForCausalLM.shard_range`), inputs along whole groups only. The lm
     head is 8-bit in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
-    files keep it at 6 bits or more for the same reason (a 4-bit one is widened exactly under :data:`MIXED`).
+    files keep it at 6 bits or more for the same reason (a 4-bit one is widened exactly under :data:`MIXED`). An
+    untied embedding table the file keeps goes under
+    :data:`~spindle.backend.models.llama.EMBEDDING_TABLE`, at its own width.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
@@ -385,6 +388,13 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
         else:
             weights[name] = quantize(dense, wanted)
             at_load.append(name)
+    head = model.projections().get("lm_head")
+    table = [w for _, w in sorted(stored.get("embed_tokens", []), key=lambda p: p[0])]
+    if head is not None and head[1] == "lm_head" and table:
+        # An untied table kept in the file: looked up from its blocks (a 32k x 1536 float32 table is 196 MiB).
+        dense = head[0].embed_tokens
+        if sum(w.shape[0] for w in table) == len(dense):
+            weights[EMBEDDING_TABLE] = cat_rows(table).to(dense.device)
     if bits == MIXED and at_load:
         logger.info("%d projections not kept from the GGUF file, quantized to int8 at load: %s", len(at_load), at_load)
     return weights

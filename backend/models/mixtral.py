@@ -102,14 +102,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """Prepare the projections as the parent does, and each MoE layer's experts for the fused MoE path.
 
         The experts are quantized to the bits of the layers' quantized projections (the LM head, int8 whatever
-        ``--quantization`` says, aside), and stay in the model dtype when those are not quantized.
+        ``--quantization`` says, and an embedding table aside), and stay in the model dtype when those are not
+        quantized.
 
         Raises:
             ValueError: when the layers' projections are quantized to more than one bit width.
 
         """
         super().prepare_weights(quantized)
-        widths = {weight.bits for name, weight in (quantized or {}).items() if name != "lm_head"}
+        layers = {name: weight for name, weight in (quantized or {}).items() if name.startswith("layers.")}
+        widths = {weight.bits for weight in layers.values()}
         if len(widths) > 1:
             raise ValueError(f"the layers' projections are quantized to {sorted(widths)} bits: the experts take one")
         bits = widths.pop() if widths else None
