@@ -182,7 +182,8 @@ def test_a_truncated_converted_model_is_converted_again(gguf_file, damage):
 def test_the_kernel_cache_key_holds_the_instruction_sets(monkeypatch, feature, changes_key):
     capabilities = torch.cpu.get_capabilities()
     here = cpu.cache_key()
-    flipped = capabilities[feature] + 1 if isinstance(capabilities[feature], int) else not capabilities[feature]
+    value = capabilities[feature]
+    flipped = not value if isinstance(value, bool) else value + 1  # bool first: it is an int too
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**capabilities, feature: flipped})
     assert (cpu.cache_key() != here) == changes_key
 

@@ -80,8 +80,8 @@ class CausalLM(Protocol):
     def prepare_weights(self, quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """Ready the weights for the forward, once, after loading; ``quantized`` is None unless quantizing.
 
-        Its keys are :meth:`projections` names, and :data:`~spindle.backend.models.llama.EMBEDDING_TABLE` for an
-        untied embedding table kept quantized (a class without one ignores it).
+        Its keys are :meth:`projections` names, and ``"embed_tokens"`` (``spindle.backend.models.llama``'s
+        ``EMBEDDING_TABLE``) for an untied embedding table kept quantized (a class without one ignores it).
         """
 
     def eval(self) -> nn.Module:

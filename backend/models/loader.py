@@ -348,7 +348,7 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     head is 8-bit in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
     files keep it at 6 bits or more for the same reason (a 4-bit one is widened exactly under :data:`MIXED`). An
     untied embedding table the file keeps goes under
-    :data:`~spindle.backend.models.llama.EMBEDDING_TABLE`, at its own width.
+    ``spindle.backend.models.llama.EMBEDDING_TABLE``, at its own width.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
