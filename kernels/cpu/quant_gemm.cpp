@@ -99,12 +99,12 @@ inline void block(const float* x, int64_t inputs, const float* w, const float* b
 template <typename T, int M>
 void rows_block(const float* x, int64_t inputs, const float* panel, int64_t width, const float* bias, T* out,
                 int64_t outputs) {
-  int64_t c = 0;
-  for (; c + COLUMNS <= width; c += COLUMNS)
-    block<T, M, COLUMNS>(x, inputs, panel + c * inputs, bias ? bias + c : nullptr, out + c, outputs);
-  const float* b = bias ? bias + c : nullptr;
-  if (width - c == 2) block<T, M, 2>(x, inputs, panel + c * inputs, b, out + c, outputs);
-  if (width - c == 1) block<T, M, 1>(x, inputs, panel + c * inputs, b, out + c, outputs);
+  static_assert(COLUMNS == 3, "with_vectors (common.h) dispatches blocks of 1 to 3 columns");
+  for (int64_t c = 0; c < width; c += COLUMNS) {
+    with_vectors(std::min<int64_t>(COLUMNS, width - c), [&](auto columns) {
+      block<T, M, decltype(columns)::value>(x, inputs, panel + c * inputs, bias ? bias + c : nullptr, out + c, outputs);
+    });
+  }
 }
 
 template <typename T>
