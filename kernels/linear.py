@@ -224,8 +224,7 @@ def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch
     An embedding lookup that gathers the quantized rows alone, where a model keeps its table quantized (a tied LM
     head), the same values as a lookup in the dequantized table.
     """
-    zeros = None if weight.zeros is None else weight.zeros[ids]
-    return dequantize(QuantizedWeight(weight.qweight[ids], weight.scales[ids], zeros, weight.group_size), dtype)
+    return dequantize(weight.select(ids), dtype)
 
 
 def _dense_rows(x: torch.Tensor) -> torch.Tensor:

@@ -68,10 +68,7 @@ def expert_matrix(weights: torch.Tensor | QuantizedWeight, expert: int, dtype: t
     """Expert ``expert``'s dense ``[out, in]`` matrix of a stack, dequantized (in float32, rounded to ``dtype``)."""
     if isinstance(weights, torch.Tensor):
         return weights[expert]
-    zeros = None if weights.zeros is None else weights.zeros[expert]
-    return dequantize(
-        QuantizedWeight(weights.qweight[expert], weights.scales[expert], zeros, weights.group_size), dtype
-    )
+    return dequantize(weights.select(expert), dtype)
 
 
 def fused_moe_reference(

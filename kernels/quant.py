@@ -92,6 +92,14 @@ class QuantizedWeight:
             self.group_size,
         )
 
+    def select(self, index: int | torch.Tensor) -> "QuantizedWeight":
+        """The entries ``index`` of the leading dimension, with their scales and offsets.
+
+        Output rows of a matrix (an embedding lookup's ids), or one matrix of a stack (an expert).
+        """
+        zeros = None if self.zeros is None else self.zeros[index]
+        return QuantizedWeight(self.qweight[index], self.scales[index], zeros, self.group_size)
+
     def to(self, device: torch.device | str) -> "QuantizedWeight":
         """The same weight with its tensors on ``device``."""
         zeros = None if self.zeros is None else self.zeros.to(device)
