@@ -3,13 +3,15 @@
 On the CPU a dense bf16 weight runs our kernel where the CPU has AVX-512 bf16 (``spindle.kernels.cpu.bf16_linear``,
 its weight laid out once by :func:`~spindle.kernels.cpu.bf16_pack`: :func:`can_tile`), and any other float32 or bf16
 weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized projection
-(:class:`~spindle.kernels.quant.QuantizedWeight`) keeps no dense copy anywhere. On the CPU it runs a weight-only
-kernel (``spindle.kernels.cpu.int8_linear``, ``int4_linear``: the weights read once, every token's products in
-registers) for a few tokens and the panel kernel (``spindle.kernels.cpu.quant_gemm``: a panel of columns dequantized
-per work item, then multiplied by every row) for more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. An int8 weight
-with one scale per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``: the activations quantized per group
-of inputs on the fly) at every batch size where the CPU has AVX-512 VNNI (outside :func:`weight_only`): it beats the
-bf16 kernel 1.3-1.9x from 1 to 512 rows. On CUDA the Triton kernel dequantizes in registers at every batch size; one
+(:class:`~spindle.kernels.quant.QuantizedWeight`) keeps no dense copy anywhere. On a CPU with AVX2 it runs with int8
+activations by default, as llama.cpp does: ``spindle.kernels.cpu.a8_linear`` (each call's rows quantized per 32
+inputs, integer dot products with the weight as stored) at every batch size (:func:`_runs_a8`); an int8 weight with
+one scale per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``, activations quantized per group of 64) where
+the CPU has AVX-512 VNNI: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. Within :func:`weight_only`, and where
+neither applies, the activations stay float: a weight-only kernel (``spindle.kernels.cpu.int8_linear``,
+``int4_linear``: the weights read once, every token's products in registers) for a few tokens and the panel kernel
+(``spindle.kernels.cpu.quant_gemm``: a panel of columns dequantized per work item, then multiplied by every row) for
+more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. On CUDA the Triton kernel dequantizes in registers at every batch size; one
 built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
 """
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from spindle.kernels import cpu, is_eager, is_forced_triton, quantized_linear
-from spindle.kernels.quant import ACTIVATION_GROUP_SIZE, QuantizedWeight, dequantize
+from spindle.kernels.quant import A8_BLOCK, ACTIVATION_GROUP_SIZE, QuantizedWeight, dequantize
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
 if _CAPABILITY == "AVX512" and torch.cpu._is_avx512_bf16_supported():
@@ -66,7 +68,7 @@ _weight_only = False
 
 @contextmanager
 def weight_only(enabled: bool = True) -> Iterator[None]:
-    """Within the block, int8 projections built on the CPU run weight-only, never W8A8.
+    """Within the block, quantized projections built on the CPU run weight-only, never W8A8 nor ``a8_linear``.
 
     Their activations then stay unquantized, as in the Triton kernel, which the GPU tests compare them with.
     """
@@ -119,14 +121,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class Projection:
     """One projection's weight in the forms its forward may take, and the choice between them per call.
 
-    A quantized projection keeps its quantized form alone, on every device and CPU. On the CPU a call of few tokens
-    runs the weight-only kernel and a larger one the panel kernel, by the crossover :data:`MAX_QUANTIZED_TOKENS`
-    (int8 with one scale per row runs W8A8 instead where the CPU has AVX-512 VNNI). One built within
+    A quantized projection keeps its quantized form alone, on every device and CPU. On the CPU it runs with int8
+    activations where the CPU allows (``a8_linear`` on AVX2, W8A8 for int8 per row on AVX-512 VNNI); else a call of
+    few tokens runs the weight-only kernel and a larger one the panel kernel, by the crossover
+    :data:`MAX_QUANTIZED_TOKENS`. One built within
     ``spindle.kernels.eager`` (``--enforce-eager``) runs torch's ops alone on the CPU: no tiles for our bf16 kernel
     (a weight oneDNN runs is still packed for it), and a quantized projection multiplies by its weight dequantized
     :data:`EAGER_PANEL_ROWS` output rows at a time. One built within ``spindle.kernels.force_triton`` runs its
     quantized form through the dispatched ``quantized_linear`` at every size, as on CUDA (the tests' device under
-    Triton's interpreter); one built within :func:`weight_only` never runs W8A8.
+    Triton's interpreter); one built within :func:`weight_only` never quantizes its activations.
 
     Args:
         weight: the dense ``[out, in]`` weight in the compute dtype, or None when only the quantized form is given.
@@ -167,12 +170,16 @@ class Projection:
         self._cpu_quantized: tuple[torch.Tensor | None, ...] | None = None
         if self.on_cpu and not self.eager and self.w8a8 is None:
             self._cpu_quantized = _repack_for_cpu(quantized)
+        self.a8 = self._cpu_quantized is not None and not _weight_only and _runs_a8(quantized, self.dtype)
 
     def runs_weight_only(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).
 
-        False for W8A8, eager and non-CPU projections, which have one path at every size.
+        False for W8A8, int8-activation (:func:`_runs_a8`), eager and non-CPU projections, which have one path at
+        every size.
         """
+        if self.a8:
+            return False
         limit = min(MAX_QUANTIZED_TOKENS.get((self.dtype, self.bits), 0), cpu.MAX_INT8_TOKENS)
         return self._cpu_quantized is not None and num_tokens <= limit
 
@@ -191,6 +198,11 @@ class Projection:
                 return _panel_linear(x, self.quantized, self.bias)
             return quantized_linear(x, self.quantized, self.bias)
         rows = _dense_rows(x)
+        if self.a8:
+            out = cpu.a8_linear(rows, *self._cpu_quantized, self.quantized.group_size)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.view(*x.shape[:-1], out.shape[-1])
         if not self.runs_weight_only(rows.shape[0]):
             out = cpu.quant_gemm(rows, *self._cpu_quantized, self.quantized.group_size, self.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -249,6 +261,22 @@ def _w8a8_form(weight: QuantizedWeight | None, dtype: torch.dtype) -> tuple[torc
         return None
     tiles, sums = cpu.int8_pack(weight.qweight)
     return tiles, sums, weight.scales.float().reshape(-1).contiguous()
+
+
+def _runs_a8(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether a CPU projection of ``weight`` runs ``spindle.kernels.cpu.a8_linear`` (int8 activations) at every size.
+
+    It does where the CPU has AVX2, the activations are float32 or bf16 and the layout suits the kernel (``in`` a multiple of
+    :data:`~spindle.kernels.quant.A8_BLOCK`, groups of 16 int8 inputs or of a multiple of 32): the quantized formats'
+    default, as llama.cpp's, unless built within :func:`weight_only`. Measured on an AVX2 EPYC (Zen 3), one thread,
+    a 0.5B Llama's four projection shapes as int4 per 32 (Q4_K) and int8 per 16 (Q6_K), against the weight-only kernel
+    and the panel kernel: 1 token 9.3 / 18.0 ms (int8: 10.5 / 20.6), 8 tokens 30.1 / 49.5 (28.9 / 48.7), 64 tokens
+    321 against the panel kernel's 325 (257 / 310), 256 tokens 1179 / 1143 (1045 / 1214): bench/results/a8_linear.md.
+    """
+    _, inputs = weight.shape
+    if inputs % A8_BLOCK or dtype not in (torch.float32, torch.bfloat16) or not cpu.a8_linear_supported():
+        return False
+    return weight.group_size % A8_BLOCK == 0 or (weight.bits == 8 and weight.group_size == 16)
 
 
 def _repack_for_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor | None, ...]:

@@ -26,7 +26,7 @@ from spindle.kernels import (
     silu_and_mul,
 )
 from spindle.kernels import linear as linear_module
-from spindle.kernels.linear import MAX_QUANTIZED_TOKENS, Projection, linear, quantized_embedding
+from spindle.kernels.linear import MAX_QUANTIZED_TOKENS, Projection, linear, quantized_embedding, weight_only
 
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
@@ -389,7 +389,7 @@ def test_a_projection_built_within_eager_runs_torch_alone(bits: int, monkeypatch
     def refuse(*args: object) -> None:
         raise AssertionError("a C++ op of ours ran")
 
-    kernels = ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear")
+    kernels = ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear", "a8_linear")
     for name in (*kernels, "quant_gemm"):
         monkeypatch.setattr(cpu, name, refuse)
     monkeypatch.setattr(linear_module, "EAGER_PANEL_ROWS", 64)
@@ -512,6 +512,44 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
+@pytest.mark.parametrize(
+    ("bits", "group_size", "zeros"),
+    [(4, 32, True), (4, 64, True), (8, 192, False), (8, 32, False), (8, 16, False), (8, 16, True)],
+    ids=["int4_g32", "int4_g64", "int8_per_row", "int8_g32", "int8_g16", "int8_g16_zeros"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a8_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group_size: int, zeros: bool) -> None:
+    """Blocks of 1-8 tokens and their remainders, row tiles of 16 with 1 left over (97 outputs), activation blocks
+    of very different magnitudes (as outlier channels make them)."""
+    if not cpu.a8_linear_supported():
+        pytest.skip("a8_linear needs AVX2")
+    quantized = layout(bits, group_size, zeros, 97, 192, bits + group_size)
+    generator = torch.Generator().manual_seed(group_size)
+    magnitudes = torch.tensor([0.01, 1.0, 30.0, 0.5, 2.0, 0.0]).repeat_interleave(quant.A8_BLOCK)
+    for rows in (1, 3, 8, 9, 20):
+        x = (torch.randn(rows, 192, generator=generator) * magnitudes).to(dtype)
+        want = quant.a8_linear(x.float(), quantized)
+        out = cpu.a8_linear(x, quantized.qweight, quantized.scales, quantized.zeros, group_size)
+        assert out.dtype == dtype and out.shape == (rows, 97)
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
+        torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+
+
+def test_a8_kernel_refuses_what_it_cannot_run() -> None:
+    if not cpu.a8_linear_supported():
+        pytest.skip("a8_linear needs AVX2")
+    int4 = quant.quantize(torch.randn(16, 64), 4)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="an int4 weight needs its offsets"):
+        cpu.a8_linear(x, int4.qweight, int4.scales, None, 32)
+    with pytest.raises(RuntimeError, match="a multiple of 32 that divides in_features"):
+        cpu.a8_linear(x, int4.qweight, torch.zeros(16, 4), torch.zeros(16, 4), 16)
+    with pytest.raises(RuntimeError, match="in_features must be a multiple of 32"):
+        cpu.a8_linear(torch.randn(2, 48), torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 3), None, 16)
+    with pytest.raises(RuntimeError, match=r"x must be \[tokens, in_features\]"):
+        cpu.a8_linear(torch.randn(2, 96), int4.qweight, int4.scales, int4.zeros, 32)
+
+
 def test_panel_kernel_refuses_what_it_cannot_run() -> None:
     quantized = quant.quantize(torch.randn(16, 96), 4)
     x = torch.randn(2, 96)
@@ -542,28 +580,53 @@ def test_an_embedding_lookup_from_quantized_rows_equals_the_dequantized_tables(
 def test_projection_runs_the_weight_only_kernel_up_to_the_crossover_then_the_panel_kernel(
     bits: int, dtype: torch.dtype
 ) -> None:
+    """Within weight_only: the activations stay float (their default, int8 activations, is tested below)."""
     generator = torch.Generator().manual_seed(bits)
     weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
     quantized = quant.quantize(weight, bits)
-    projection = Projection(weight, bias, quantized)
-    # int8 with a scale per row runs W8A8 at every size where the CPU has VNNI.
-    w8a8 = bits == 8 and cpu.w8a8_supported()
-    assert (projection.w8a8 is not None) == w8a8
-    limit = 0 if w8a8 else min(MAX_QUANTIZED_TOKENS[dtype, bits], cpu.MAX_INT8_TOKENS)
+    with weight_only():
+        projection = Projection(weight, bias, quantized)
+    assert projection.w8a8 is None and not projection.a8
+    limit = min(MAX_QUANTIZED_TOKENS[dtype, bits], cpu.MAX_INT8_TOKENS)
 
     for rows in sorted({1, limit, limit + 1, 40} - {0}):
         x = torch.randn(rows, 128, generator=generator).to(dtype)
         out = projection(x)
         assert out.shape == (rows, 96) and out.dtype == dtype
         assert projection.runs_weight_only(rows) == (rows <= limit)
-        reference = quant.w8a8_linear if w8a8 else quant.quantized_linear
-        want = reference(x.float(), quantized, bias.float())
-        # fp32: summation order only (W8A8: and an activation at a rounding tie, one level either way). bf16: the
-        # output rounded once (W8A8: its scales and the int4 offsets in bf16 too; measured worst 0.4% of the range).
-        tolerance = 1e-5 if dtype == torch.float32 and not w8a8 else 1e-2
+        want = quant.quantized_linear(x.float(), quantized, bias.float())
+        # fp32: summation order only. bf16: the output rounded once, and the int4 offsets in bf16 too.
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
     assert projection.dense is None and projection.tiled is None and projection.packed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_projection_quantizes_its_activations_by_default(bits: int, dtype: torch.dtype) -> None:
+    """int8 per row runs W8A8 where the CPU has AVX-512 VNNI, every quantized layout ``a8_linear`` where it has
+    AVX2, at every batch size; the result is the reference of the kernel that ran."""
+    generator = torch.Generator().manual_seed(bits)
+    weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    quantized = quant.quantize(weight, bits)
+    projection = Projection(weight, bias, quantized)
+    w8a8 = bits == 8 and cpu.w8a8_supported()
+    assert (projection.w8a8 is not None) == w8a8
+    assert projection.a8 == (not w8a8 and cpu.a8_linear_supported())
+    if projection.w8a8 is None and not projection.a8:
+        pytest.skip("this CPU has neither AVX2 nor AVX-512 VNNI")
+    reference = quant.w8a8_linear if w8a8 else quant.a8_linear
+    for rows in (1, 9, 40):
+        x = torch.randn(rows, 128, generator=generator).to(dtype)
+        out = projection(x)
+        assert out.shape == (rows, 96) and out.dtype == dtype and not projection.runs_weight_only(rows)
+        want = reference(x.float(), quantized, bias.float())
+        # fp32: summation order, and an activation at a rounding tie, one level either way. bf16: the output
+        # rounded once (W8A8: its scales and the int4 offsets in bf16 too; measured worst 0.4% of the range).
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
 @pytest.mark.parametrize("eager_mode", [False, True], ids=["compiled", "eager"])

@@ -51,6 +51,7 @@ _SOURCES = [
         "bf16_linear.cpp",
         "quant_linear.cpp",
         "quant_gemm.cpp",
+        "a8_linear.cpp",
         "w8a8_linear.cpp",
         "lora.cpp",
         "argmax.cpp",
@@ -268,6 +269,35 @@ def int4_linear(
 
     """
     return cpu_ops().int4_linear(x, qweight, scales, zeros, group_size)
+
+
+def a8_linear_supported() -> bool:
+    """Whether :func:`a8_linear` runs on this CPU: the kernels were built for one with AVX2."""
+    return bool(cpu_ops().a8_linear_supported())
+
+
+def a8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` of an int8 or int4 weight, ``x`` quantized to int8 on the fly, any number of rows.
+
+    Each row of ``x`` is quantized per block of 32 inputs (one scale a block, its largest magnitude / 127, rounded
+    to nearest even), as ``spindle.kernels.quant.a8_linear``, the reference, does, and multiplied by the stored weight with
+    integer dot products (``a8_linear.cpp`` has the design).
+
+    Args:
+        x: ``[tokens, in]``, float32 or bfloat16, dense rows; ``in`` a multiple of 32.
+        qweight: int8 ``[out, in]``, or uint8 ``[out, in // 2]`` holding int4 two values a byte.
+        scales: float32 ``[out, in // group_size]``.
+        zeros: float32 ``[out, in // group_size]`` (required for int4: ``w = (q - 8) * scale + zero``; int8
+            ``w = q * scale + zero``), or None for symmetric int8.
+        group_size: inputs per scale: a multiple of 32 that divides ``in``, or 16 for int8.
+
+    Returns:
+        ``[tokens, out]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().a8_linear(x, qweight, scales, zeros, group_size)
 
 
 def quant_gemm(

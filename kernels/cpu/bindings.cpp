@@ -29,6 +29,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& zeros, int64_t group_size);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
+bool a8_linear_supported();
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& zeros, int64_t group_size);
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 bool w8a8_supported();
@@ -75,6 +78,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T for 1-8 tokens, W int8 with a scale (and an offset) per row or group.");
   m.def("int4_linear", &int4_linear, ReleaseGil(),
         "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
+  m.def("a8_linear_supported", &a8_linear_supported, ReleaseGil(), "Whether a8_linear runs here (AVX2).");
+  m.def("a8_linear", &a8_linear, ReleaseGil(),
+        "x @ W.T, W int8 or int4 per group, x quantized to int8 per 32 inputs on the fly.");
   m.def("quant_gemm", &quant_gemm, ReleaseGil(),
         "x @ W.T + b for any number of tokens, W int8 or int4 dequantized a panel of columns at a time.");
   m.def("w8a8_supported", &w8a8_supported, ReleaseGil(), "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");
