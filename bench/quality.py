@@ -7,7 +7,9 @@ token ids:
 
 - Spindle, once per ``--quantization``: ``none`` (bf16), ``int8`` (quantized at load, per row), ``auto`` (the
   GGUF's own Q4_1 blocks as int4). A quantized projection computes with its quantized weights at every batch size
-  (``spindle.kernels.linear``), the prompt windows included, which is what a decode step computes with.
+  (``spindle.kernels.linear``), the prompt windows included, which is what a decode step computes with; by default
+  with its activations quantized to int8 where the CPU allows (``a8_linear``, W8A8), and with a ``:weight-only``
+  suffix (``auto:weight-only``) with float activations, so that the activations' share of the loss shows.
 - llama.cpp on the same GGUF file (``llama-cpp-python``, the ``bench`` extra), as the file's reference.
 
 Then each Spindle variant's greedy continuation of a few prompts, printed under bf16's:
@@ -23,6 +25,7 @@ import numpy as np
 
 from spindle import LLM, SamplingParams
 from spindle.backend.models.loader import embedded_gguf
+from spindle.kernels.linear import weight_only
 
 TEXT = Path(__file__).parent / "data" / "ruth_kjv.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
@@ -49,9 +52,12 @@ def perplexity(llm: LLM, chunks: list[list[int]]) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-def spindle_run(quantization: str, window: int, max_tokens: int) -> tuple[float, int, list[str]]:
-    """(perplexity, scored tokens, greedy continuations of PROMPTS)."""
-    llm = LLM(kv_cache_memory="1GiB", quantization=quantization)
+def spindle_run(variant: str, window: int, max_tokens: int) -> tuple[float, int, list[str]]:
+    """(perplexity, scored tokens, greedy continuations of PROMPTS) of a ``--quantization`` value, with
+    ``:weight-only`` its projections built within ``spindle.kernels.linear.weight_only`` (float activations)."""
+    quantization, _, mode = variant.partition(":")
+    with weight_only(mode == "weight-only"):
+        llm = LLM(kv_cache_memory="1GiB", quantization=quantization)
     chunks = windows(llm, window)
     score = perplexity(llm, chunks)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
@@ -77,23 +83,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "auto"])
+    parser.add_argument(
+        "--quantization", nargs="+", default=["none", "int8:weight-only", "int8", "auto:weight-only", "auto"]
+    )
     args = parser.parse_args()
 
     results = {q: spindle_run(q, args.window, args.max_tokens) for q in args.quantization}
     base, scored, _ = results[args.quantization[0]]
     print(f"Perplexity on {TEXT.name} ({scored} scored tokens, windows of {args.window}):")
     for quantization, (perplexity, _, _) in results.items():
-        print(f"  spindle --quantization {quantization:<5} {perplexity:8.3f}  ({perplexity / base - 1:+.2%})")
+        print(f"  spindle --quantization {quantization:<16} {perplexity:8.3f}  ({perplexity / base - 1:+.2%})")
     # Only its tokenizer is used: a context of one window keeps the cache small (float32 where bf16 is slow).
     chunks = windows(LLM(kv_cache_memory="256MiB", max_model_len=args.window), args.window)
     peer = llama_cpp_perplexity(chunks, args.window)
-    print(f"  llama.cpp (Q4_1 file)          {peer:8.3f}  ({peer / base - 1:+.2%})")
+    print(f"  llama.cpp (Q4_1 file)                     {peer:8.3f}  ({peer / base - 1:+.2%})")
     print("Greedy continuations:")
     for i, prompt in enumerate(PROMPTS):
         print(f"  {prompt!r}")
         for quantization, (_, _, texts) in results.items():
-            print(f"    {quantization:<5} {texts[i]!r}")
+            print(f"    {quantization:<16} {texts[i]!r}")
 
 
 if __name__ == "__main__":

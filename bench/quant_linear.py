@@ -1,12 +1,13 @@
 """Quantized CPU projections against the dense packed weight, per batch size: where the crossover lies.
 
-Times one step's projections over SmolLM2-135M's shapes (per layer: fused q/k/v, o, fused gate/up, down) with 30
-layers of distinct random weights, so that each call streams its weight from memory as in a model's step. Per token
-count it runs, in turn: the dense float32 weight packed for oneDNN (what a model without quantization runs), and
-for int8 (one scale per row) and int4 (groups of 32) the weight-only kernel (up to
-``spindle.kernels.cpu.MAX_INT8_TOKENS``) and the panel kernel, both through
-:class:`~spindle.kernels.linear.Projection` with its crossover forced. Prints the median ms per step of each
-variant and the ratio of each quantized one to the dense one (measured in the same rounds, interleaved)::
+Times one step's projections over SmolLM2-135M's shapes (per layer: fused q/k/v, o, fused gate/up, down) with 30 layers
+of distinct random weights, so that each call streams its weight from memory as in a model's step. Per token count it
+runs, in turn: the dense float32 weight packed for oneDNN (what a model without quantization runs), and for int8 (one
+scale per row) and int4 (groups of 32) the weight-only kernel (up to ``spindle.kernels.cpu.MAX_INT8_TOKENS``) and the
+panel kernel, both through :class:`~spindle.kernels.linear.Projection` built within ``weight_only`` with its crossover
+forced, and the default projection, which quantizes its activations (``a8_linear`` on AVX2, W8A8 for int8 on AVX-512
+VNNI). Prints the median ms per step of each variant and the ratio of each quantized one to the dense one (measured in
+the same rounds, interleaved)::
 
     .venv/bin/python -m bench.quant_linear                  # 1 to 512 tokens, 5 rounds
     .venv/bin/python -m bench.quant_linear --tokens 1 8 64 --rounds 3 --dtype bfloat16
@@ -52,9 +53,12 @@ def main() -> None:
     weights = [torch.randn(out, inputs, generator=generator) * 0.05 for _ in range(LAYERS) for out, inputs in SHAPES]
     variants: dict[str, tuple[list[Projection], int]] = {"dense": ([Projection(w.to(dtype)) for w in weights], 0)}
     for bits in (8, 4):
-        quantized = [Projection(torch.empty(0, dtype=dtype), None, quant.quantize(w, bits)) for w in weights]
+        forms = [quant.quantize(w, bits) for w in weights]
+        with linear.weight_only():
+            quantized = [Projection(torch.empty(0, dtype=dtype), None, form) for form in forms]
         variants[f"int{bits} weight-only"] = (quantized, cpu.MAX_INT8_TOKENS)
         variants[f"int{bits} panel"] = (quantized, 0)
+        variants[f"int{bits} default"] = ([Projection(torch.empty(0, dtype=dtype), None, form) for form in forms], 0)
     del weights
     print(f"{torch.get_num_threads()} threads, {args.dtype}, ms per step of {LAYERS} layers (median of {args.rounds})")
     names = list(variants)

@@ -1,18 +1,18 @@
 """Projections (``x @ W.T + b``) as the forward runs them: dense, pre-packed, or quantized.
 
-On the CPU a dense bf16 weight runs our kernel where the CPU has AVX-512 bf16 (``spindle.kernels.cpu.bf16_linear``,
-its weight laid out once by :func:`~spindle.kernels.cpu.bf16_pack`: :func:`can_tile`), and any other float32 or bf16
-weight is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized projection
+On the CPU a dense bf16 weight runs our kernel where the CPU has AVX-512 bf16 (``spindle.kernels.cpu.bf16_linear``, its
+weight laid out once by :func:`~spindle.kernels.cpu.bf16_pack`: :func:`can_tile`), and any other float32 or bf16 weight
+is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized projection
 (:class:`~spindle.kernels.quant.QuantizedWeight`) keeps no dense copy anywhere. On a CPU with AVX2 it runs with int8
-activations by default, as llama.cpp does: ``spindle.kernels.cpu.a8_linear`` (each call's rows quantized per 32
-inputs, integer dot products with the weight as stored) at every batch size (:func:`_runs_a8`); an int8 weight with
-one scale per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``, activations quantized per group of 64) where
-the CPU has AVX-512 VNNI: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. Within :func:`weight_only`, and where
-neither applies, the activations stay float: a weight-only kernel (``spindle.kernels.cpu.int8_linear``,
-``int4_linear``: the weights read once, every token's products in registers) for a few tokens and the panel kernel
+activations by default, as llama.cpp does: ``spindle.kernels.cpu.a8_linear`` (each call's rows quantized per 32 inputs,
+integer dot products with the weight as stored) at every batch size (:func:`_runs_a8`); an int8 weight with one scale
+per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``, activations quantized per group of 64) where the CPU has
+AVX-512 VNNI: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. Within :func:`weight_only`, and where neither
+applies, the activations stay float: a weight-only kernel (``spindle.kernels.cpu.int8_linear``, ``int4_linear``: the
+weights read once, every token's products in registers) for a few tokens and the panel kernel
 (``spindle.kernels.cpu.quant_gemm``: a panel of columns dequantized per work item, then multiplied by every row) for
-more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. On CUDA the Triton kernel dequantizes in registers at every batch size; one
-built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
+more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. On CUDA the Triton kernel dequantizes in registers at every batch
+size; one built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
 """
 
 from collections.abc import Iterator
@@ -266,12 +266,13 @@ def _w8a8_form(weight: QuantizedWeight | None, dtype: torch.dtype) -> tuple[torc
 def _runs_a8(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     """Whether a CPU projection of ``weight`` runs ``spindle.kernels.cpu.a8_linear`` (int8 activations) at every size.
 
-    It does where the CPU has AVX2, the activations are float32 or bf16 and the layout suits the kernel (``in`` a multiple of
-    :data:`~spindle.kernels.quant.A8_BLOCK`, groups of 16 int8 inputs or of a multiple of 32): the quantized formats'
-    default, as llama.cpp's, unless built within :func:`weight_only`. Measured on an AVX2 EPYC (Zen 3), one thread,
-    a 0.5B Llama's four projection shapes as int4 per 32 (Q4_K) and int8 per 16 (Q6_K), against the weight-only kernel
-    and the panel kernel: 1 token 9.3 / 18.0 ms (int8: 10.5 / 20.6), 8 tokens 30.1 / 49.5 (28.9 / 48.7), 64 tokens
-    321 against the panel kernel's 325 (257 / 310), 256 tokens 1179 / 1143 (1045 / 1214): bench/results/a8_linear.md.
+    It does where the CPU has AVX2, the activations are float32 or bf16 and the layout suits the kernel (``in`` a
+    multiple of :data:`~spindle.kernels.quant.A8_BLOCK`, groups of 16 int8 inputs or of a multiple of 32): the quantized
+    formats' default, as llama.cpp's, unless built within :func:`weight_only`. Measured on an AVX2 EPYC (Zen 3), one
+    thread, a 0.5B Llama's four projection shapes as int4 per 32 (Q4_K) and int8 per 16 (Q6_K), against the weight-only
+    kernel and the panel kernel: 1 token 9.3 / 18.0 ms (int8: 10.5 / 20.6), 8 tokens 30.1 / 49.5 (28.9 / 48.7), 64
+    tokens 321 against the panel kernel's 325 (257 / 310), 256 tokens 1179 / 1143 (1045 / 1214):
+    bench/results/a8_linear.md.
     """
     _, inputs = weight.shape
     if inputs % A8_BLOCK or dtype not in (torch.float32, torch.bfloat16) or not cpu.a8_linear_supported():

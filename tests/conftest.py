@@ -182,18 +182,21 @@ def cpu_side_without_cpp_kernels() -> Iterator[None]:
 def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str, quant.QuantizedWeight]) -> None:
     """Make the unprepared ``reference`` compute, in torch, what ``served``'s quantized projections compute.
 
-    Each projection's weight (a tied lm head's: the embedding table) becomes its dequantized ``weights[name]``;
-    where ``served`` runs it W8A8 (int8 per row on a CPU with VNNI), the reference quantizes that projection's
-    activations too (``quant.w8a8_linear``). Quantized experts become their dequantized stacks.
+    Each projection's weight (a tied lm head's: the embedding table) becomes its dequantized ``weights[name]``; where
+    ``served`` quantizes its activations (W8A8: int8 per row on a CPU with VNNI; ``a8_linear`` on AVX2), the reference
+    quantizes that projection's activations too (``quant.w8a8_linear``, ``quant.a8_linear``). Quantized experts become
+    their dequantized stacks.
     """
     served_projections = served.projections()
     for name, (module, attr) in reference.projections().items():
         key = name.rsplit(".", 1)[-1]  # the lm head's module is the decoder model, which keeps it as "lm_head"
         # A tied lm head's table too: the served embedding looks its rows up in the quantized form.
         getattr(module, attr).data = quant.dequantize(weights[name])
-        if served_projections[name][0].prepared[key].w8a8 is not None:
+        projection = served_projections[name][0].prepared[key]
+        if projection.w8a8 is not None or projection.a8:
             bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
-            module.prepared[key] = functools.partial(quant.w8a8_linear, weight=weights[name], bias=bias)
+            reference_linear = quant.w8a8_linear if projection.w8a8 is not None else quant.a8_linear
+            module.prepared[key] = functools.partial(reference_linear, weight=weights[name], bias=bias)
     # Quantized experts (Mixtral, Qwen3-MoE): the reference's run their dequantized stacks through the dense op.
     for served_layer, layer in zip(getattr(served, "layers", []), getattr(reference, "layers", []), strict=True):
         experts = getattr(served_layer, "experts", None)

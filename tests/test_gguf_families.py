@@ -23,6 +23,7 @@ from spindle.backend.models.gguf_blocks import BITS
 from spindle.backend.models.interface import CausalLM
 from spindle.backend.models.loader import gguf_read_once, quantized_weights
 from spindle.kernels import cpu
+from spindle.kernels.linear import weight_only
 from spindle.kernels.quant import dequantize
 
 GGUF_ARCHITECTURES = {
@@ -121,7 +122,11 @@ def tokens_of_both(
     file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[list[int]], list[list[int]], CausalLM, Path]:
     """transformers' greedy tokens on ``file`` and Spindle's (``--quantization auto``) on three random prompts, then
-    Spindle's dense model and the directory it converted the file into, under a cache beside the file."""
+    Spindle's dense model and the directory it converted the file into, under a cache beside the file.
+
+    Spindle's projections run weight-only, their activations float as transformers' are: the default, int8
+    activations, is checked against its own reference (test_model_families' quantized tokens).
+    """
     cpu.cpu_ops()  # the C++ kernels from the usual cache, not built again (minutes) into the file's
     monkeypatch.setenv("SPINDLE_CACHE_DIR", str(file.parent / "cache"))
     generator = torch.Generator().manual_seed(5)
@@ -136,7 +141,8 @@ def tokens_of_both(
 
     model_dir = resolve_model(file)
     dense = load_model(model_dir, torch.float32, torch.device("cpu"))
-    core = tiny_core(model_dir, quantization="auto", max_num_batched_tokens=16)
+    with weight_only():
+        core = tiny_core(model_dir, quantization="auto", max_num_batched_tokens=16)
     got, _ = generate(core, [(ids, None) for ids in prompts])
     return expected, got, dense, model_dir
 

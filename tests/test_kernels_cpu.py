@@ -389,8 +389,8 @@ def test_a_projection_built_within_eager_runs_torch_alone(bits: int, monkeypatch
     def refuse(*args: object) -> None:
         raise AssertionError("a C++ op of ours ran")
 
-    kernels = ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear", "a8_linear")
-    for name in (*kernels, "quant_gemm"):
+    kernels = ("bf16_linear_supported", "bf16_pack", "bf16_linear", "int8_linear", "int4_linear", "w8a8_linear")
+    for name in (*kernels, "quant_gemm", "a8_linear"):
         monkeypatch.setattr(cpu, name, refuse)
     monkeypatch.setattr(linear_module, "EAGER_PANEL_ROWS", 64)
     generator = torch.Generator().manual_seed(bits)

@@ -281,8 +281,8 @@ def a8_linear(
 ) -> torch.Tensor:
     """``x @ dequantize(weight).T`` of an int8 or int4 weight, ``x`` quantized to int8 on the fly, any number of rows.
 
-    Each row of ``x`` is quantized per block of 32 inputs (one scale a block, its largest magnitude / 127, rounded
-    to nearest even), as ``spindle.kernels.quant.a8_linear``, the reference, does, and multiplied by the stored weight with
+    Each row of ``x`` is quantized per block of 32 inputs (one scale a block, its largest magnitude / 127, rounded to
+    nearest even), as ``spindle.kernels.quant.a8_linear``, the reference, does, and multiplied by the stored weight with
     integer dot products (``a8_linear.cpp`` has the design).
 
     Args:
