@@ -5,11 +5,11 @@ weight laid out once by :func:`~spindle.kernels.cpu.bf16_pack`: :func:`can_tile`
 is pre-packed into oneDNN's blocked layout (:func:`pack_weight`). A quantized projection
 (:class:`~spindle.kernels.quant.QuantizedWeight`) keeps no dense copy anywhere. On a CPU with AVX2 it runs with int8
 activations by default, as llama.cpp does: ``spindle.kernels.cpu.a8_linear`` (each call's rows quantized per 32 inputs,
-integer dot products with the weight as stored) at every batch size (:func:`_runs_a8`); an int8 weight with one scale
-per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``, activations quantized per group of 64) where the CPU has
-AVX-512 VNNI: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. Within :func:`weight_only`, and where neither
-applies, the activations stay float: a weight-only kernel (``spindle.kernels.cpu.int8_linear``, ``int4_linear``: the
-weights read once, every token's products in registers) for a few tokens and the panel kernel
+integer dot products with the weight as stored) at every batch size where its layout suits the kernel; an int8 weight
+with one scale per row runs W8A8 instead (``spindle.kernels.cpu.w8a8_linear``, activations quantized per group of 64)
+where the CPU has AVX-512 VNNI: it beats the bf16 kernel 1.3-1.9x from 1 to 512 rows. Within :func:`weight_only`, and
+where neither applies, the activations stay float: a weight-only kernel (``spindle.kernels.cpu.int8_linear``,
+``int4_linear``: the weights read once, every token's products in registers) for a few tokens and the panel kernel
 (``spindle.kernels.cpu.quant_gemm``: a panel of columns dequantized per work item, then multiplied by every row) for
 more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. On CUDA the Triton kernel dequantizes in registers at every batch
 size; one built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
@@ -175,8 +175,7 @@ class Projection:
     def runs_weight_only(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).
 
-        False for W8A8, int8-activation (:func:`_runs_a8`), eager and non-CPU projections, which have one path at
-        every size.
+        False for W8A8, ``a8_linear``, eager and non-CPU projections, which have one path at every size.
         """
         if self.a8:
             return False
