@@ -1,5 +1,9 @@
 """End to end on the embedded SmolLM2-135M-Instruct (fp32): greedy parity with transformers and the text-level
-sampling parameters (stop strings, special tokens, eos handling, logprobs)."""
+sampling parameters (stop strings, special tokens, eos handling, logprobs).
+
+The parity engines run their quantized projections weight-only (float activations, as transformers' forward on the
+file's dequantized weights); the default, int8 activations, is held to transformers' log-probabilities within a
+measured bound (its quality: ``python -m bench.quality``)."""
 
 import msgspec
 import pytest
@@ -8,6 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from spindle import LLM, SamplingParams
 from spindle.backend.models.loader import resolve_model
+from spindle.kernels import cpu
+from spindle.kernels.linear import weight_only
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +32,15 @@ RAW = [
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
+def parity_llm(**engine_args: object) -> LLM:
+    """A float32 engine on the embedded model whose projections keep float activations."""
+    with weight_only():
+        return LLM(dtype="float32", **{"max_model_len": 2048, **engine_args})
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+    return parity_llm(kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +73,7 @@ def expected(hf_model, prompt_ids) -> list[list[int]]:
 @pytest.mark.parametrize("speculative", [0, 4], ids=["plain", "ngram4"])
 def test_greedy_matches_transformers(engine_args, speculative, llm, prompt_ids, expected):
     """Also with n-gram speculation, whose drafts the repetitive prompts accept: the same tokens."""
-    engine = llm if not engine_args else LLM(dtype="float32", **{"max_model_len": 2048, **engine_args})
+    engine = llm if not engine_args else parity_llm(**engine_args)
     core = engine.llm_engine.engine_core
     accepted_before = core.stats().num_accepted_draft_tokens
     params = msgspec.structs.replace(GREEDY, num_speculative_tokens=speculative)
@@ -153,3 +165,26 @@ def test_logprobs_match_transformers(llm, hf_model, prompt_ids, expected):
         target = ids[position]
         assert entry[target].logprob == pytest.approx(reference[position - 1, target].item(), abs=1e-3)
         assert set(reference[position - 1].topk(2).indices.tolist()) <= set(entry)
+
+
+def test_default_int8_activations_stay_close_to_transformers(hf_model, prompt_ids):
+    """The default engine quantizes its activations (``a8_linear`` on AVX2): each prompt token's log-probability
+    within 0.15 of transformers' (mean |difference| measured 0.0xx on a Zen 3), the same greedy first token."""
+    if not cpu.a8_linear_supported():
+        pytest.skip("int8 activations are the default on AVX2 CPUs")
+    engine = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    differences, agreeing = [], 0
+    for ids, out in zip(prompt_ids, outputs, strict=True):
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        agreeing += out.outputs[0].token_ids == [int(reference[-1].argmax())]
+        differences += [
+            abs(entry[ids[position]].logprob - reference[position - 1, ids[position]].item())
+            for position, entry in enumerate(out.prompt_logprobs[1:], start=1)
+        ]
+    print(f"mean |logprob difference| {sum(differences) / len(differences):.4f}, largest {max(differences):.4f}")
+    print(f"greedy first tokens agreeing {agreeing} of {len(prompt_ids)}")
+    assert sum(differences) / len(differences) < 0.15
+    assert agreeing >= len(prompt_ids) - 2
