@@ -42,6 +42,13 @@ from torch import nn
 from spindle.kernels import quant
 from spindle.kernels.moe import Experts, expert_matrix
 
+# Modules are byte-compiled as they are first imported (the venvs are installed with pip's --no-compile), also where
+# PYTHONDONTWRITEBYTECODE is set, as on our 2-core test machine: without that, every process the suite starts
+# (backends, servers, tensor-parallel workers, the packaging venvs' checks) compiled torch's and transformers' sources
+# again, ~3 s a process there. The processes the tests start inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # Triton decides once, when it is first imported (transformers imports it early), whether its kernels run compiled
 # or in its interpreter; without a GPU the kernel tests run them interpreted on CPU tensors. torch asks the driver
 # (importing torch does not import Triton); a binary on PATH, such as nvidia-smi, may be missing where CUDA works.
