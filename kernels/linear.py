@@ -15,6 +15,7 @@ more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. On CUDA the Triton kernel d
 size; one built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
 """
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -65,12 +66,19 @@ would double the int4 weights' memory; with float32 activations it was 12x slowe
 
 _weight_only = False
 
+FLOAT_ACTIVATIONS = "SPINDLE_FLOAT_ACTIVATIONS"
+"""The environment variable that, set to ``1``, keeps every quantized CPU projection's activations float (as
+:func:`weight_only` does within a block): for exact comparisons with a float reference, at the speed of the
+weight-only kernels."""
+
 
 @contextmanager
 def weight_only(enabled: bool = True) -> Iterator[None]:
     """Within the block, quantized projections built on the CPU run weight-only, never W8A8 nor ``a8_linear``.
 
-    Their activations then stay unquantized, as in the Triton kernel, which the GPU tests compare them with.
+    Their activations then stay unquantized, as in the Triton kernel, which the GPU tests compare them with. The
+    environment variable :data:`FLOAT_ACTIVATIONS` set to ``1`` does the same for a whole process and the processes
+    it starts (tensor-parallel workers).
     """
     global _weight_only
     previous, _weight_only = _weight_only, enabled
@@ -157,7 +165,8 @@ class Projection:
         self.dtype = torch.float32 if weight is None else weight.dtype  # of the activations, on the CPU
         if quantized is not None:
             weight = None  # the quantized form serves every batch size: no dense copy is kept
-        self.w8a8 = None if self.eager or as_on_cuda or _weight_only else _w8a8_form(quantized, self.dtype)
+        float_activations = _weight_only or os.environ.get(FLOAT_ACTIVATIONS) == "1"
+        self.w8a8 = None if self.eager or as_on_cuda or float_activations else _w8a8_form(quantized, self.dtype)
         self.dense = weight
         self.tiled = cpu.bf16_pack(weight) if weight is not None and not self.eager and can_tile(weight) else None
         usable = weight is not None and self.tiled is None and can_pack(weight)
@@ -170,7 +179,7 @@ class Projection:
         self._cpu_quantized: tuple[torch.Tensor | None, ...] | None = None
         if self.on_cpu and not self.eager and self.w8a8 is None:
             self._cpu_quantized = _repack_for_cpu(quantized)
-        self.a8 = self._cpu_quantized is not None and not _weight_only and _runs_a8(quantized, self.dtype)
+        self.a8 = self._cpu_quantized is not None and not float_activations and _runs_a8(quantized, self.dtype)
 
     def runs_weight_only(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).

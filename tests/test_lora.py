@@ -25,6 +25,7 @@ from spindle.backend.models.loader import resolve_model
 from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.sequence import Sequence
 from spindle.kernels import lora as lora_kernels
+from spindle.kernels.linear import FLOAT_ACTIVATIONS
 from spindle.kernels.lora import LoraMapping, LoraSlots
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
@@ -496,8 +497,10 @@ def test_lora_mapping_groups_tokens_by_slot():
 
 
 @pytest.mark.slow
-def test_smollm2_with_random_rank8_adapters_matches_peft(tmp_path: Path) -> None:
-    """Two random rank-8 adapters on all seven projections and the base model, in one batch (fp32)."""
+def test_smollm2_with_random_rank8_adapters_matches_peft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two random rank-8 adapters on all seven projections and the base model, in one batch (fp32), the quantized
+    base projections' activations float as PEFT's are."""
+    monkeypatch.setenv(FLOAT_ACTIVATIONS, "1")
     base_dir = resolve_model(None)
     paths = {
         name: save_random_adapter(base_dir, tmp_path / name, 8, 16, ALL_TARGETS, seed=i, std=0.05)

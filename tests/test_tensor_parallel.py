@@ -31,6 +31,7 @@ from spindle.backend.parallel import TensorParallel
 from spindle.backend.worker import Workers
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import EngineDeadError
+from spindle.kernels.linear import FLOAT_ACTIVATIONS
 from spindle.kernels.quant import dequantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -162,7 +163,10 @@ def serve(model: Path | None, args: dict, prompts: list) -> Served:
     ],
     ids=["tiny-tp2", "tiny-tp4-two-nodes", "smollm2-tp3"],
 )
-def test_outputs_equal_one_rank(model, size, make_args, make_prompts, request):
+def test_outputs_equal_one_rank(model, size, make_args, make_prompts, request, monkeypatch):
+    """SmolLM2's int4 projections keep float activations: quantized, a value at a rounding boundary moves a level
+    on the ranks' other summation order, and greedy tokens may part."""
+    monkeypatch.setenv(FLOAT_ACTIVATIONS, "1")
     model_dir = request.getfixturevalue("tiny_tp_llm_dir") if model == "tiny" else None
     expected = serve(model_dir, make_args(1), make_prompts())
     served = serve(model_dir, make_args(size), make_prompts())
