@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t BLOCK = 32;       // inputs per activation scale
 constexpr int64_t TOKEN_BLOCK = 8;  // tokens run against a weight row together (accumulators in registers)
 constexpr int64_t ROW_TILE = 16;    // weight rows a work item runs every token block against (kept in L1)
+constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
 
 // Each row of x as int8 blocks of BLOCK inputs with one scale each, the int4 order permuted (nibble_order); and, for
 // offsets, the sums of the quantized x over each weight group.
@@ -128,10 +129,12 @@ template <typename T, bool INT4, bool SIXTEEN>
 void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* qweight, const float* scales,
          const float* zeros, int64_t group_size, int64_t outputs, T* out) {
   const int64_t groups = inputs / group_size, row_bytes = INT4 ? inputs / 2 : inputs;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel
+  for (int64_t panel = 0; panel < tokens; panel += TOKEN_PANEL) {
+#pragma omp for schedule(static) nowait
   for (int64_t first = 0; first < outputs; first += ROW_TILE) {
     const int64_t last = std::min(first + ROW_TILE, outputs);
-    for (int64_t m0 = 0; m0 < tokens; m0 += TOKEN_BLOCK) {
+    for (int64_t m0 = panel; m0 < std::min(panel + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
       with_tokens(std::min(TOKEN_BLOCK, tokens - m0), [&](auto block) {
         constexpr int M = decltype(block)::value;
         for (int64_t n = first; n < last; ++n) {
@@ -150,6 +153,7 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* qw
         }
       });
     }
+  }
   }
 }
 #endif
