@@ -275,12 +275,10 @@ def _runs_a8(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     """Whether a CPU projection of ``weight`` runs ``spindle.kernels.cpu.a8_linear`` (int8 activations) at every size.
 
     It does where the CPU has AVX2, the activations are float32 or bf16 and the layout suits the kernel (``in`` a
-    multiple of :data:`~spindle.kernels.quant.A8_BLOCK`, groups of 16 int8 inputs or of a multiple of 32): the quantized
-    formats' default, as llama.cpp's, unless built within :func:`weight_only`. Measured on an AVX2 EPYC (Zen 3), one
-    thread, a 0.5B Llama's four projection shapes as int4 per 32 (Q4_K) and int8 per 16 (Q6_K), against the weight-only
-    kernel and the panel kernel: 1 token 9.3 / 18.0 ms (int8: 10.5 / 20.6), 8 tokens 30.1 / 49.5 (28.9 / 48.7), 64
-    tokens 321 against the panel kernel's 325 (257 / 310), 256 tokens 1179 / 1143 (1045 / 1214):
-    bench/results/a8_linear.md.
+    multiple of :data:`~spindle.kernels.quant.A8_BLOCK`, groups of 16 int8 inputs or of a multiple of 32): the
+    quantized formats' default, as llama.cpp's, unless the activations are kept float (:func:`weight_only`,
+    :data:`FLOAT_ACTIVATIONS`). On a Zen 3 it ran one token 1.6x faster than the weight-only kernels and about even
+    with the panel kernel from 64 tokens (bench/results/a8_linear.md).
     """
     _, inputs = weight.shape
     if inputs % A8_BLOCK or dtype not in (torch.float32, torch.bfloat16) or not cpu.a8_linear_supported():

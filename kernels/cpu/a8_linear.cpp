@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common.h"
+#include "quant_rows.h"
 
 namespace {
 
@@ -79,11 +80,7 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
 }
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
+using quant_rows::hsum;
 
 // 32 unsigned weights by 32 signed activations: 8 int32 sums, lanes 0-3 over bytes 0-15, lanes 4-7 over 16-31.
 inline __m256i dot32(__m256i unsigned_weights, __m256i activations) {
