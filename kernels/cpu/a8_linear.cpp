@@ -34,6 +34,7 @@ constexpr int64_t BLOCK = 32;       // inputs per activation scale
 constexpr int64_t TOKEN_BLOCK = 8;  // tokens run against a weight row together (accumulators in registers)
 constexpr int64_t ROW_TILE = 16;    // weight rows a work item runs every token block against (kept in L1)
 constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
+static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0, "a block of tokens never crosses a panel");
 
 // Each row of x as int8 blocks of BLOCK inputs with one scale each, the int4 order permuted (nibble_order); and, for
 // offsets, the sums of the quantized x over each weight group.
@@ -49,7 +50,6 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
   const int64_t blocks = inputs / BLOCK, groups = inputs / group_size;
   Activations a{std::vector<int8_t>(tokens * inputs), std::vector<float>(tokens * blocks),
                 std::vector<float>(with_sums ? tokens * groups : 0, 0.f)};
-
   for (int64_t m = 0; m < tokens; ++m) {
     const T* row = x + m * stride;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -129,28 +129,28 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* qw
 #pragma omp parallel
   for (int64_t panel = 0; panel < tokens; panel += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
-  for (int64_t first = 0; first < outputs; first += ROW_TILE) {
-    const int64_t last = std::min(first + ROW_TILE, outputs);
-    for (int64_t m0 = panel; m0 < std::min(panel + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
-      with_tokens(std::min(TOKEN_BLOCK, tokens - m0), [&](auto block) {
-        constexpr int M = decltype(block)::value;
-        for (int64_t n = first; n < last; ++n) {
-          float totals[M];
-          row_dots<M, INT4, SIXTEEN>(a, m0, inputs, qweight + n * row_bytes, scales + n * groups, group_size, totals);
-          for (int m = 0; m < M; ++m) {
-            float offset = 0.f;  // the offsets' share: sum_g (z_g - 8 s_g for int4) * sum of the group's inputs
-            if (zeros != nullptr) {
-              for (int64_t g = 0; g < groups; ++g) {
-                const float z = INT4 ? zeros[n * groups + g] - 8.f * scales[n * groups + g] : zeros[n * groups + g];
-                offset += z * a.sums[(m0 + m) * groups + g];
+    for (int64_t first = 0; first < outputs; first += ROW_TILE) {
+      const int64_t last = std::min(first + ROW_TILE, outputs);
+      for (int64_t m0 = panel; m0 < std::min(panel + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
+        with_tokens(std::min(TOKEN_BLOCK, tokens - m0), [&](auto block) {
+          constexpr int M = decltype(block)::value;
+          for (int64_t n = first; n < last; ++n) {
+            float totals[M];
+            row_dots<M, INT4, SIXTEEN>(a, m0, inputs, qweight + n * row_bytes, scales + n * groups, group_size, totals);
+            for (int m = 0; m < M; ++m) {
+              float offset = 0.f;  // the offsets' share: sum_g (z_g - 8 s_g for int4) * sum of the group's inputs
+              if (zeros != nullptr) {
+                for (int64_t g = 0; g < groups; ++g) {
+                  const float z = INT4 ? zeros[n * groups + g] - 8.f * scales[n * groups + g] : zeros[n * groups + g];
+                  offset += z * a.sums[(m0 + m) * groups + g];
+                }
               }
+              out[(m0 + m) * outputs + n] = from_float<T>(totals[m] + offset);
             }
-            out[(m0 + m) * outputs + n] = from_float<T>(totals[m] + offset);
           }
-        }
-      });
+        });
+      }
     }
-  }
   }
 }
 #endif
