@@ -137,16 +137,14 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* qw
           for (int64_t n = first; n < last; ++n) {
             float totals[M];
             row_dots<M, INT4, SIXTEEN>(a, m0, inputs, qweight + n * row_bytes, scales + n * groups, group_size, totals);
-            for (int m = 0; m < M; ++m) {
-              float offset = 0.f;  // the offsets' share: sum_g (z_g - 8 s_g for int4) * sum of the group's inputs
-              if (zeros != nullptr) {
-                for (int64_t g = 0; g < groups; ++g) {
-                  const float z = INT4 ? zeros[n * groups + g] - 8.f * scales[n * groups + g] : zeros[n * groups + g];
-                  offset += z * a.sums[(m0 + m) * groups + g];
-                }
+            float offsets[M] = {};  // the offsets' share: sum_g (z_g - 8 s_g for int4) * sum of the group's inputs
+            if (zeros != nullptr) {
+              for (int64_t g = 0; g < groups; ++g) {
+                const float z = INT4 ? zeros[n * groups + g] - 8.f * scales[n * groups + g] : zeros[n * groups + g];
+                for (int m = 0; m < M; ++m) offsets[m] += z * a.sums[(m0 + m) * groups + g];
               }
-              out[(m0 + m) * outputs + n] = from_float<T>(totals[m] + offset);
             }
+            for (int m = 0; m < M; ++m) out[(m0 + m) * outputs + n] = from_float<T>(totals[m] + offsets[m]);
           }
         });
       }
@@ -196,7 +194,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     run<T, decltype(int4_flag)::value, decltype(sixteen_flag)::value>(
         a, x.size(0), inputs, q, scales.data_ptr<float>(), zero_data, group_size, outputs, out.data_ptr<T>());
   };
-  auto with_layout = [&](auto* type) {
+  with_dtype(x, [&](auto* type) {
     if (int4) {
       go(type, std::true_type{}, std::false_type{});
     } else if (sixteen) {
@@ -204,12 +202,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     } else {
       go(type, std::false_type{}, std::false_type{});
     }
-  };
-  if (x.scalar_type() == at::kFloat) {
-    with_layout(static_cast<float*>(nullptr));
-  } else {
-    with_layout(static_cast<c10::BFloat16*>(nullptr));
-  }
+  });
 #endif
   return out;
 }

@@ -81,6 +81,16 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 }
 #endif
 
+// Calls fn with a null pointer of x's element type (float or bfloat16), to pick the template instance.
+template <typename F>
+void with_dtype(const at::Tensor& x, F&& fn) {
+  if (x.scalar_type() == at::kFloat) {
+    fn(static_cast<float*>(nullptr));
+  } else {
+    fn(static_cast<c10::BFloat16*>(nullptr));
+  }
+}
+
 // Calls fn(std::integral_constant<int, tokens>{}) for 1 to 7 tokens, and with 8 for any more: the token count as a
 // compile-time constant, so that per-token accumulators live in registers.
 template <typename F>

@@ -50,16 +50,6 @@ void int4_rows(const std::vector<float>& x, const std::vector<float>& xsums, int
   }
 }
 
-// Calls fn with a null pointer of x's element type (float or bfloat16), to pick the template instance.
-template <typename F>
-void with_dtype(const at::Tensor& x, F&& fn) {
-  if (x.scalar_type() == at::kFloat) {
-    fn(static_cast<float*>(nullptr));
-  } else {
-    fn(static_cast<c10::BFloat16*>(nullptr));
-  }
-}
-
 void check_input(const at::Tensor& x, int64_t inputs) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == inputs, "x must be [tokens, in_features], dense rows");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_TOKENS, "the quantized CPU kernels take 1 to 8 tokens");
