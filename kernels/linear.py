@@ -206,16 +206,14 @@ class Projection:
                 return _panel_linear(x, self.quantized, self.bias)
             return quantized_linear(x, self.quantized, self.bias)
         rows = _dense_rows(x)
-        if self.a8:
-            out = cpu.a8_linear(rows, *self._cpu_quantized, self.quantized.group_size)
-            if self.bias is not None:
-                out = out + self.bias
-            return out.view(*x.shape[:-1], out.shape[-1])
-        if not self.runs_weight_only(rows.shape[0]):
-            out = cpu.quant_gemm(rows, *self._cpu_quantized, self.quantized.group_size, self.bias)
-            return out.view(*x.shape[:-1], out.shape[-1])
         group_size = self.quantized.group_size
-        kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
+        if not self.a8 and not self.runs_weight_only(rows.shape[0]):
+            out = cpu.quant_gemm(rows, *self._cpu_quantized, group_size, self.bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if self.a8:
+            kernel = cpu.a8_linear
+        else:
+            kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
         out = kernel(rows, *self._cpu_quantized, group_size)
         if self.bias is not None:
             out = out + self.bias
