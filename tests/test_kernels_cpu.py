@@ -575,16 +575,23 @@ def test_an_embedding_lookup_from_quantized_rows_equals_the_dequantized_tables(
         )
 
 
+def projection_case(
+    bits: int, dtype: torch.dtype
+) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, quant.QuantizedWeight]:
+    """A random 96x128 weight in ``dtype``, its bias and its ``bits`` quantized form, and the generator for inputs."""
+    generator = torch.Generator().manual_seed(bits)
+    weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    return generator, weight, bias, quant.quantize(weight, bits)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_projection_runs_the_weight_only_kernel_up_to_the_crossover_then_the_panel_kernel(
     bits: int, dtype: torch.dtype
 ) -> None:
     """Within weight_only: the activations stay float (their default, int8 activations, is tested below)."""
-    generator = torch.Generator().manual_seed(bits)
-    weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
-    bias = torch.randn(96, generator=generator).to(dtype)
-    quantized = quant.quantize(weight, bits)
+    generator, weight, bias, quantized = projection_case(bits, dtype)
     with weight_only():
         projection = Projection(weight, bias, quantized)
     assert projection.w8a8 is None and not projection.a8
@@ -607,10 +614,7 @@ def test_projection_runs_the_weight_only_kernel_up_to_the_crossover_then_the_pan
 def test_a_quantized_projection_quantizes_its_activations_by_default(bits: int, dtype: torch.dtype) -> None:
     """int8 per row runs W8A8 where the CPU has AVX-512 VNNI, every quantized layout ``a8_linear`` where it has
     AVX2, at every batch size; the result is the reference of the kernel that ran."""
-    generator = torch.Generator().manual_seed(bits)
-    weight = (torch.randn(96, 128, generator=generator) * 0.1).to(dtype)
-    bias = torch.randn(96, generator=generator).to(dtype)
-    quantized = quant.quantize(weight, bits)
+    generator, weight, bias, quantized = projection_case(bits, dtype)
     projection = Projection(weight, bias, quantized)
     w8a8 = bits == 8 and cpu.w8a8_supported()
     assert (projection.w8a8 is not None) == w8a8
