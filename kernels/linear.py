@@ -175,11 +175,17 @@ class Projection:
             self.dense = None  # the laid-out copy stands in for it; keeping both would double the memory
         self.quantized = quantized
         self.bits = 0 if quantized is None else quantized.bits
+        self.group_size = 0 if quantized is None else quantized.group_size
         self.on_cpu = quantized is not None and quantized.qweight.device.type == "cpu" and not as_on_cuda
         self._cpu_quantized: tuple[torch.Tensor | None, ...] | None = None
+        self.a8 = False
         if self.on_cpu and not self.eager and self.w8a8 is None:
-            self._cpu_quantized = _repack_for_cpu(quantized)
-        self.a8 = self._cpu_quantized is not None and not float_activations and _runs_a8(quantized, self.dtype)
+            self.a8 = not float_activations and _runs_a8(quantized, self.dtype)
+            if self.a8:  # the interleaved copy replaces the weight's own tensors: no second copy is kept
+                self._cpu_quantized = cpu.a8_pack(*_repack_for_cpu(quantized), quantized.group_size)
+                self.quantized = None
+            else:
+                self._cpu_quantized = _repack_for_cpu(quantized)
 
     def runs_weight_only(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).
@@ -195,6 +201,9 @@ class Projection:
         """``x [..., in]`` -> ``[..., out]``."""
         if self.w8a8 is not None:
             return cpu.w8a8_linear(_dense_rows(x), *self.w8a8, self.bias).view(*x.shape[:-1], -1)
+        if self.a8:
+            out = cpu.a8_linear(_dense_rows(x), *self._cpu_quantized, self.group_size, self.out_features)
+            return self._finish(out, x)
         if self.quantized is None:
             if self.tiled is not None:
                 return cpu.bf16_linear(_dense_rows(x), self.tiled, self.out_features, self.bias).view(*x.shape[:-1], -1)
@@ -206,15 +215,14 @@ class Projection:
                 return _panel_linear(x, self.quantized, self.bias)
             return quantized_linear(x, self.quantized, self.bias)
         rows = _dense_rows(x)
-        group_size = self.quantized.group_size
-        if not self.a8 and not self.runs_weight_only(rows.shape[0]):
-            out = cpu.quant_gemm(rows, *self._cpu_quantized, group_size, self.bias)
+        if not self.runs_weight_only(rows.shape[0]):
+            out = cpu.quant_gemm(rows, *self._cpu_quantized, self.group_size, self.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
-        if self.a8:
-            kernel = cpu.a8_linear
-        else:
-            kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
-        out = kernel(rows, *self._cpu_quantized, group_size)
+        kernel = cpu.int4_linear if self.bits == 4 else cpu.int8_linear
+        return self._finish(kernel(rows, *self._cpu_quantized, self.group_size), x)
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A kernel's ``[tokens, out]`` result with the bias added, shaped as ``x``'s leading dimensions."""
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])

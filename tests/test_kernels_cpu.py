@@ -519,17 +519,18 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a8_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group_size: int, zeros: bool) -> None:
-    """Blocks of 1-8 tokens and their remainders, row tiles of 16 with 1 left over (97 outputs), activation blocks
-    of very different magnitudes (as outlier channels make them)."""
+    """Blocks of 1-4 tokens and their remainders, panels of 8 rows with 1 left over (97 outputs), activation blocks
+    of very different magnitudes (as outlier channels make them), more tokens than one panel of 64."""
     if not cpu.a8_linear_supported():
         pytest.skip("a8_linear needs AVX2")
     quantized = layout(bits, group_size, zeros, 97, 192, bits + group_size)
+    packed = cpu.a8_pack(quantized.qweight, quantized.scales, quantized.zeros, group_size)
     generator = torch.Generator().manual_seed(group_size)
     magnitudes = torch.tensor([0.01, 1.0, 30.0, 0.5, 2.0, 0.0]).repeat_interleave(quant.A8_BLOCK)
-    for rows in (1, 3, 8, 9, 20):
+    for rows in (1, 3, 4, 9, 70):
         x = (torch.randn(rows, 192, generator=generator) * magnitudes).to(dtype)
         want = quant.a8_linear(x.float(), quantized)
-        out = cpu.a8_linear(x, quantized.qweight, quantized.scales, quantized.zeros, group_size)
+        out = cpu.a8_linear(x, *packed, group_size, 97)
         assert out.dtype == dtype and out.shape == (rows, 97)
         tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
@@ -539,15 +540,17 @@ def test_a8_kernel_refuses_what_it_cannot_run() -> None:
     if not cpu.a8_linear_supported():
         pytest.skip("a8_linear needs AVX2")
     int4 = quant.quantize(torch.randn(16, 64), 4)
-    x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="an int4 weight needs its offsets"):
-        cpu.a8_linear(x, int4.qweight, int4.scales, None, 32)
+        cpu.a8_pack(int4.qweight, int4.scales, None, 32)
     with pytest.raises(RuntimeError, match="a multiple of 32 that divides in_features"):
-        cpu.a8_linear(x, int4.qweight, torch.zeros(16, 4), torch.zeros(16, 4), 16)
+        cpu.a8_pack(int4.qweight, torch.zeros(16, 4), torch.zeros(16, 4), 16)
     with pytest.raises(RuntimeError, match="in_features must be a multiple of 32"):
-        cpu.a8_linear(torch.randn(2, 48), torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 3), None, 16)
-    with pytest.raises(RuntimeError, match=r"x must be \[tokens, in_features\]"):
-        cpu.a8_linear(torch.randn(2, 96), int4.qweight, int4.scales, int4.zeros, 32)
+        cpu.a8_pack(torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 3), None, 16)
+    packed = cpu.a8_pack(int4.qweight, int4.scales, int4.zeros, 32)
+    with pytest.raises(RuntimeError, match="packed must be a8_pack's tensor"):
+        cpu.a8_linear(torch.randn(2, 96), *packed, 32, 16)
+    with pytest.raises(RuntimeError, match="scales must be a8_pack's"):
+        cpu.a8_linear(torch.randn(2, 64), packed[0], torch.ones(3), packed[2], 32, 16)
 
 
 def test_panel_kernel_refuses_what_it_cannot_run() -> None:

@@ -276,28 +276,57 @@ def a8_linear_supported() -> bool:
     return bool(cpu_ops().a8_linear_supported())
 
 
-def a8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
-) -> torch.Tensor:
-    """``x @ dequantize(weight).T`` of an int8 or int4 weight, ``x`` quantized to int8 on the fly, any number of rows.
+def a8_pack(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An int8 or int4 weight (``spindle.kernels.quant``'s layout) laid out for :func:`a8_linear`: 8 rows interleaved.
 
-    Each row of ``x`` is quantized per block of 32 inputs (one scale a block, its largest magnitude / 127, rounded to
-    nearest even), as ``spindle.kernels.quant.a8_linear``, the reference, does, and multiplied by the stored weight with
-    integer dot products (``a8_linear.cpp`` has the design).
+    Output rows go in panels of 8 (the last padded with zero rows); within a panel each block of 32 inputs is held
+    as 32-byte chunks whose 32-bit lane ``j`` holds 4 consecutive inputs of row ``j`` (int4: the low nibbles inputs
+    ``4c..4c+3`` of the block, the high ones ``16+4c..``). Scales and offsets go ``[panels, groups, 8]``; an int4
+    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``). The same bytes as the weight, rearranged.
 
     Args:
-        x: ``[tokens, in]``, float32 or bfloat16, dense rows; ``in`` a multiple of 32.
         qweight: int8 ``[out, in]``, or uint8 ``[out, in // 2]`` holding int4 two values a byte.
         scales: float32 ``[out, in // group_size]``.
         zeros: float32 ``[out, in // group_size]`` (required for int4: ``w = (q - 8) * scale + zero``; int8
             ``w = q * scale + zero``), or None for symmetric int8.
-        group_size: inputs per scale: a multiple of 32 that divides ``in``, or 16 for int8.
+        group_size: inputs per scale: a multiple of 32 that divides ``in`` (a multiple of 32), or 16 for int8.
 
     Returns:
-        ``[tokens, out]`` in ``x``'s dtype.
+        ``(packed, scales, offsets)`` for :func:`a8_linear` (``offsets`` None where ``zeros`` is).
 
     """
-    return cpu_ops().a8_linear(x, qweight, scales, zeros, group_size)
+    return cpu_ops().a8_pack(qweight, scales, zeros, group_size)
+
+
+def a8_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    group_size: int,
+    out_features: int,
+) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` of an int8 or int4 weight laid out by :func:`a8_pack`, ``x`` quantized on the fly.
+
+    Each row of ``x`` is quantized to int8 per block of 32 inputs (one scale a block, its largest magnitude / 127,
+    rounded to nearest even), as ``spindle.kernels.quant.a8_linear``, the reference, does, and multiplied by the
+    weight with integer dot products, 8 output rows at a time (``a8_linear.cpp`` has the design). Any number of rows.
+
+    Args:
+        x: ``[tokens, in]``, float32 or bfloat16, dense rows; ``in`` a multiple of 32.
+        packed: :func:`a8_pack`'s weight.
+        scales: :func:`a8_pack`'s scales.
+        offsets: :func:`a8_pack`'s offsets (None for symmetric int8).
+        group_size: the weight's inputs per scale.
+        out_features: the weight's output rows (before padding).
+
+    Returns:
+        ``[tokens, out_features]`` in ``x``'s dtype.
+
+    """
+    return cpu_ops().a8_linear(x, packed, scales, offsets, group_size, out_features)
 
 
 def quant_gemm(

@@ -1,19 +1,24 @@
-// Grouped int8 and int4 projections with int8 activations on AVX2: x @ W.T, W in spindle.kernels.quant's layout as
-// stored (the weight-only kernels' input: GGUF's Q4_K/Q4_0/Q4_1 as int4 per 32, Q6_K/Q8_0/Q5_K as int8 per 16 or
-// 32), each call's rows quantized to int8 per block of 32 inputs on the fly (one scale per block, its largest
-// magnitude / 127), as llama.cpp quantizes activations for its K-quant dot products.
+// Grouped int8 and int4 projections with int8 activations on AVX2: x @ W.T, W in spindle.kernels.quant's layout
+// (GGUF's Q4_K/Q4_0/Q4_1 as int4 per 32, Q6_K/Q8_0/Q5_K as int8 per 16 or 32), laid out once by a8_pack, each call's
+// rows quantized to int8 per block of 32 inputs on the fly (one scale per block, its largest magnitude / 127), as
+// llama.cpp quantizes activations for its K-quant dot products.
 //
 // The weight-only kernels (quant_rows.h) widen each weight to float and run one FMA per weight and token: on AVX2 that
-// is the limit, not reading the weights. Here 32 weights and 32 activations of one block meet in vpmaddubsw (unsigned
-// by signed bytes, pairs summed into int16) and vpmaddwd (pairs into int32), then one conversion and one FMA scale the
-// block's 8 int32 sums by weight scale x activation scale. int4 values 0..15 are unsigned as they are; signed int8
-// weights go in as |w| with the activation's sign flipped where w < 0 (vpsignb). A pair sum is at most 2 x 128 x 127
-// and fits int16. The activations are permuted within each block as the weights' bytes hold them: for int4 the
-// 16 low nibbles' inputs (even ones), then the 16 high ones'.
+// is the limit, not reading the weights. Here weights and activations meet in vpmaddubsw (unsigned by signed bytes,
+// pairs summed into int16) and vpmaddwd (pairs into int32). int4 values 0..15 are unsigned as they are; signed int8
+// weights go in as |w| with the activation's sign flipped where w < 0 (vpsignb).
 //
-// Offsets (w = q s + z, or (q - 8) s + z for int4) add z x sum(x) per group, the sum of the quantized x: the result is
-// the exact product of the quantized activations and the weight (spindle.kernels.quant.a8_linear, the reference).
+// a8_pack interleaves 8 output rows: one 32-byte register holds 4 consecutive inputs of each of the 8 rows, so a
+// broadcast of the token's 4 activations and one vpmaddubsw give 8 rows' partial sums at once, in the lanes where they
+// stay. A block of 32 inputs adds its 8 partial sums in int16 (int4: at most 8 x 2 x 15 x 127) or int32 (int8), then
+// one conversion and one FMA by the 8 rows' scales x the token's block scale finish 8 rows' blocks: the float work per
+// block is shared by 8 rows, where a row at a time spent it per row and a horizontal sum per row at the end.
+//
+// Offsets (w = q s + z, or (q - 8) s + z for int4) add z' x sum(x) per group (z' = z - 8 s for int4, packed so), the
+// sum of the quantized x: the result is the exact product of the quantized activations and the weight
+// (spindle.kernels.quant.a8_linear, the reference).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -21,35 +26,38 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
-#include "quant_rows.h"
 
 namespace {
 
-constexpr int64_t BLOCK = 32;       // inputs per activation scale
-constexpr int64_t TOKEN_BLOCK = 8;  // tokens run against a weight row together (accumulators in registers)
-constexpr int64_t ROW_TILE = 16;    // weight rows a work item runs every token block against (kept in L1)
+constexpr int64_t BLOCK = 32;        // inputs per activation scale
+constexpr int64_t ROWS = 8;          // output rows a packed panel interleaves (one float lane each)
+constexpr int64_t CHUNK = 4;         // consecutive inputs of a row in one 32-bit lane
+constexpr int64_t TOKEN_BLOCK = 4;   // tokens run against a panel together (accumulators in registers)
 constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
 static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0, "a block of tokens never crosses a panel");
 
-// Each row of x as int8 blocks of BLOCK inputs with one scale each, the int4 order permuted (nibble_order); and, for
-// offsets, the sums of the quantized x over each weight group.
+// Each row of x as int8 blocks of BLOCK inputs with one scale each; and, for offsets, the sums of the quantized x
+// over each weight group.
 struct Activations {
-  std::vector<int8_t> values;   // [tokens][inputs]
-  std::vector<float> scales;    // [tokens][inputs / BLOCK]
-  std::vector<float> sums;      // [tokens][inputs / group_size], empty without offsets
+  std::vector<int8_t> values;  // [tokens][inputs]
+  std::vector<float> scales;   // [tokens][inputs / BLOCK]
+  std::vector<float> sums;     // [tokens][inputs / group_size], empty without offsets
 };
 
 template <typename T>
-Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int64_t inputs, bool nibble_order,
-                                 int64_t group_size, bool with_sums) {
+Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int64_t inputs, int64_t group_size,
+                                 bool with_sums) {
   const int64_t blocks = inputs / BLOCK, groups = inputs / group_size;
   Activations a{std::vector<int8_t>(tokens * inputs), std::vector<float>(tokens * blocks),
                 std::vector<float>(with_sums ? tokens * groups : 0, 0.f)};
+#pragma omp parallel for if (tokens >= 16)
   for (int64_t m = 0; m < tokens; ++m) {
     const T* row = x + m * stride;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -58,15 +66,12 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
         values[i] = to_float(row[b * BLOCK + i]);
         largest = std::max(largest, std::abs(values[i]));
       }
-      const float scale = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+      const float scale = largest / 127.f;
       a.scales[m * blocks + b] = scale;
       int8_t* q = a.values.data() + m * inputs + b * BLOCK;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        // Input i goes where the weight's byte holds it: int4 input 2j is byte j's low nibble, 2j + 1 its high one.
-        const int64_t at = nibble_order ? (i % 2) * (BLOCK / 2) + i / 2 : i;
-        q[at] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
-      }
-      if (with_sums) {  // per group, or per half block for groups of 16 (int8 only: its values are in order)
+      // x / scale as the reference divides (x * (127 / largest) can round a tie the other way).
+      for (int64_t i = 0; i < BLOCK; ++i) q[i] = largest > 0.f ? static_cast<int8_t>(std::nearbyint(values[i] / scale)) : 0;
+      if (with_sums) {  // per group, or per half block for groups of 16
         const int64_t part = std::min(group_size, BLOCK);
         for (int64_t start = 0; start < BLOCK; start += part) {
           int32_t sum = 0;
@@ -80,71 +85,119 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
 }
 
 #ifdef __AVX2__
-using quant_rows::hsum;
-
-// 32 unsigned weights by 32 signed activations: 8 int32 sums, lanes 0-3 over bytes 0-15, lanes 4-7 over 16-31.
-inline __m256i dot32(__m256i unsigned_weights, __m256i activations) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_weights, activations), _mm256_set1_epi16(1));
+// The token's 4 activations at x, in every 32-bit lane.
+inline __m256i broadcast4(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, sizeof(four));
+  return _mm256_set1_epi32(four);
 }
 
-// One weight row's dot products with M tokens (rows of a, starting at token m0), without offsets: totals[m].
-// INT4: q holds inputs / 2 bytes (values 0..15, w = (q - 8) s + z); else inputs int8 values. SIXTEEN: a scale per 16
-// inputs (GGUF's Q6_K), which splits each block's sums in halves; else group_size is a multiple of 32.
+// One block of 32 inputs of a packed panel (q: its 128 bytes for int4, 256 for int8) against M tokens' blocks
+// (x: token m0's, the others a row of inputs after it): acc[m] += the 8 rows' dot products x scale x token scale.
+// SIXTEEN: scales holds the block's two halves' scales, 8 rows each; else the block's group's.
 template <int M, bool INT4, bool SIXTEEN>
-inline void row_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const float* scales,
-                     int64_t group_size, float* totals) {
-  const int64_t blocks = inputs / BLOCK;
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i weights, signs;
-    if constexpr (INT4) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * BLOCK / 2));
-      const __m128i nibble = _mm_set1_epi8(0x0F);
-      weights = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
-    } else {
-      signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * BLOCK));
-      weights = _mm256_abs_epi8(signs);
+inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const float* token_scales, int64_t blocks,
+                       const float* scales, __m256 acc[M]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i* chunks = reinterpret_cast<const __m256i*>(q);
+  __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4 unpacked; int8 as |w|)
+  if constexpr (INT4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(chunks + c);
+      w[c] = _mm256_and_si256(raw, nibble);
+      w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
     }
-    __m256 scale;
-    if constexpr (SIXTEEN) {
-      scale = _mm256_set_m128(_mm_set1_ps(scales[2 * b + 1]), _mm_set1_ps(scales[2 * b]));
+  } else {
+    for (int k = 0; k < 8; ++k) w[k] = _mm256_abs_epi8(_mm256_loadu_si256(chunks + k));
+  }
+  for (int m = 0; m < M; ++m) {
+    const int8_t* xm = x + m * inputs;
+    const __m256 token_scale = _mm256_set1_ps(token_scales[m * blocks]);
+    if constexpr (INT4) {  // 8 x 2 x 15 x 127 fits int16
+      __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(xm));
+      for (int k = 1; k < 8; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], broadcast4(xm + 4 * k)));
+      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales), token_scale);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[m]);
     } else {
-      scale = _mm256_set1_ps(scales[b * BLOCK / group_size]);
-    }
-    for (int m = 0; m < M; ++m) {
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.values.data() + (m0 + m) * inputs + b * BLOCK));
-      if constexpr (!INT4) x = _mm256_sign_epi8(x, signs);
-      const __m256 block_scale = _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[(m0 + m) * blocks + b]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(weights, x)), block_scale, acc[m]);
+      __m256i halves[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int k = 0; k < 8; ++k) {
+        const __m256i x4 = _mm256_sign_epi8(broadcast4(xm + 4 * k), _mm256_loadu_si256(chunks + k));
+        halves[k / 4] = _mm256_add_epi32(halves[k / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], x4), ones));
+      }
+      if constexpr (SIXTEEN) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + h * ROWS), token_scale);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[h]), scale, acc[m]);
+        }
+      } else {
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales), token_scale);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(halves[0], halves[1])), scale, acc[m]);
+      }
     }
   }
-  for (int m = 0; m < M; ++m) totals[m] = hsum(acc[m]);
+}
+
+// One packed panel's dot products with M tokens (rows of a, from token m0): acc[m] (lane j: row j).
+// q: the panel's blocks; scales, offsets: the panel's [groups][ROWS]. Groups of 16 split each block; larger ones
+// span blocks, their scale and offset loaded once. The offsets gather in their own accumulators, so that they do
+// not lengthen the chain of FMAs into acc.
+template <int M, bool INT4, bool SIXTEEN>
+inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const float* scales,
+                       const float* offsets, int64_t group_size, __m256 acc[M]) {
+  const int64_t blocks = inputs / BLOCK, block_bytes = (INT4 ? BLOCK / 2 : BLOCK) * ROWS;
+  const int8_t* x = a.values.data() + m0 * inputs;
+  const float* token_scales = a.scales.data() + m0 * blocks;
+  if constexpr (SIXTEEN) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_dots<M, INT4, true>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks,
+                                scales + 2 * b * ROWS, acc);
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; b += group_size / BLOCK) {
+      const float* group_scales = scales + b * BLOCK / group_size * ROWS;
+      for (int64_t i = b; i < b + group_size / BLOCK; ++i) {
+        block_dots<M, INT4, false>(q + i * block_bytes, x + i * BLOCK, inputs, token_scales + i, blocks, group_scales,
+                                   acc);
+      }
+    }
+  }
+  if (offsets != nullptr) {
+    const int64_t groups = inputs / group_size;
+    __m256 shift[M];
+    for (int m = 0; m < M; ++m) shift[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 z = _mm256_loadu_ps(offsets + g * ROWS);
+      for (int m = 0; m < M; ++m) {
+        shift[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), shift[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_add_ps(acc[m], shift[m]);
+  }
 }
 
 template <typename T, bool INT4, bool SIXTEEN>
-void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* qweight, const float* scales,
-         const float* zeros, int64_t group_size, int64_t outputs, T* out) {
-  const int64_t groups = inputs / group_size, row_bytes = INT4 ? inputs / 2 : inputs;
+void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* packed, const float* scales,
+         const float* offsets, int64_t group_size, int64_t outputs, T* out) {
+  const int64_t groups = inputs / group_size, panels = (outputs + ROWS - 1) / ROWS;
+  const int64_t panel_bytes = (INT4 ? inputs / 2 : inputs) * ROWS;
 #pragma omp parallel
-  for (int64_t panel = 0; panel < tokens; panel += TOKEN_PANEL) {
+  for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
-    for (int64_t first = 0; first < outputs; first += ROW_TILE) {
-      const int64_t last = std::min(first + ROW_TILE, outputs);
-      for (int64_t m0 = panel; m0 < std::min(panel + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t rows = std::min(ROWS, outputs - p * ROWS);
+      for (int64_t m0 = first_token; m0 < std::min(first_token + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
         with_tokens(std::min(TOKEN_BLOCK, tokens - m0), [&](auto block) {
           constexpr int M = decltype(block)::value;
-          for (int64_t n = first; n < last; ++n) {
-            float totals[M];
-            row_dots<M, INT4, SIXTEEN>(a, m0, inputs, qweight + n * row_bytes, scales + n * groups, group_size, totals);
-            float offsets[M] = {};  // the offsets' share: sum_g (z_g - 8 s_g for int4) * sum of the group's inputs
-            if (zeros != nullptr) {
-              for (int64_t g = 0; g < groups; ++g) {
-                const float z = INT4 ? zeros[n * groups + g] - 8.f * scales[n * groups + g] : zeros[n * groups + g];
-                for (int m = 0; m < M; ++m) offsets[m] += z * a.sums[(m0 + m) * groups + g];
-              }
-            }
-            for (int m = 0; m < M; ++m) out[(m0 + m) * outputs + n] = from_float<T>(totals[m] + offsets[m]);
+          __m256 acc[M];
+          for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+          panel_dots<M, INT4, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales + p * groups * ROWS,
+                                       offsets == nullptr ? nullptr : offsets + p * groups * ROWS, group_size, acc);
+          for (int m = 0; m < M; ++m) {
+            alignas(32) float totals[ROWS];
+            _mm256_store_ps(totals, acc[m]);
+            T* row = out + (m0 + m) * outputs + p * ROWS;
+            for (int64_t j = 0; j < rows; ++j) row[j] = from_float<T>(totals[j]);
           }
         });
       }
@@ -152,6 +205,26 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* qw
   }
 }
 #endif
+
+// Checks a weight in spindle.kernels.quant's layout for the kernel; returns (int4, inputs, groups).
+std::tuple<bool, int64_t, int64_t> check_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                                                const std::optional<at::Tensor>& zeros, int64_t group_size) {
+  const bool int4 = qweight.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
+  const int64_t outputs = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
+  TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK((group_size == 16 && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
+              "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
+  const int64_t groups = inputs / group_size;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs * groups,
+              "scales must be dense float32 [out, in / group_size]");
+  TORCH_CHECK(!int4 || zeros, "an int4 weight needs its offsets");
+  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
+                         zeros->numel() == outputs * groups),
+              "zeros must be None or dense float32 [out, in / group_size]");
+  return {int4, inputs, groups};
+}
 
 }  // namespace
 
@@ -163,41 +236,84 @@ bool a8_linear_supported() {
 #endif
 }
 
-at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& zeros, int64_t group_size) {
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> a8_pack(const at::Tensor& qweight,
+                                                                      const at::Tensor& scales,
+                                                                      const std::optional<at::Tensor>& zeros,
+                                                                      int64_t group_size) {
+  const auto [int4, inputs, groups] = check_weight(qweight, scales, zeros, group_size);
+  const int64_t outputs = qweight.size(0), panels = (outputs + ROWS - 1) / ROWS, blocks = inputs / BLOCK;
+  const int64_t row_bytes = qweight.size(1), block_bytes = (int4 ? BLOCK / 2 : BLOCK) * ROWS;
+  at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options());
+  at::Tensor panel_scales = at::zeros({panels, groups, ROWS}, scales.options());
+  std::optional<at::Tensor> panel_offsets;
+  if (zeros) panel_offsets = at::zeros({panels, groups, ROWS}, scales.options());
+  const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  auto* to = static_cast<uint8_t*>(packed.data_ptr());
+  const float* s = scales.data_ptr<float>();
+  float* to_scales = panel_scales.data_ptr<float>();
+#pragma omp parallel for
+  for (int64_t n = 0; n < outputs; ++n) {
+    const int64_t p = n / ROWS, j = n % ROWS;
+    const uint8_t* row = q + n * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* block = to + p * blocks * block_bytes + b * block_bytes;
+      for (int64_t k = 0; k < (int4 ? 4 : 8); ++k) {
+        for (int64_t t = 0; t < CHUNK; ++t) {
+          const int64_t i = b * BLOCK + k * CHUNK + t;  // int4: the low nibble's input, the high one's is i + 16
+          block[k * 32 + j * CHUNK + t] =
+              int4 ? static_cast<uint8_t>(((row[i / 2] >> (4 * (i % 2))) & 0xF) |
+                                          (((row[(i + 16) / 2] >> (4 * ((i + 16) % 2))) & 0xF) << 4))
+                   : row[i];
+        }
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      to_scales[(p * groups + g) * ROWS + j] = s[n * groups + g];
+      if (zeros) {  // int4 stores q - 8: its offset absorbs the 8
+        const float z = zeros->data_ptr<float>()[n * groups + g];
+        panel_offsets->data_ptr<float>()[(p * groups + g) * ROWS + j] = int4 ? z - 8.f * s[n * groups + g] : z;
+      }
+    }
+  }
+  return {packed, panel_scales, panel_offsets};
+}
+
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& offsets, int64_t group_size, int64_t outputs) {
   TORCH_CHECK(a8_linear_supported(), "a8_linear needs AVX2");
-  const bool int4 = qweight.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
-  const int64_t outputs = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == inputs, "x must be [tokens, in_features], dense rows");
+  const bool int4 = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || packed.scalar_type() == at::kChar, "packed must be a8_pack's int8 or uint8 tensor");
+  const int64_t panels = (outputs + ROWS - 1) / ROWS, inputs = x.size(-1);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features], dense rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
-  const bool sixteen = group_size == 16;
-  TORCH_CHECK((sixteen && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) == panels &&
+                  packed.size(1) == (int4 ? inputs / 2 : inputs) * ROWS,
+              "packed must be a8_pack's tensor for [outputs, in_features]");
+  TORCH_CHECK((group_size == 16 && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
               "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
   const int64_t groups = inputs / group_size;
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs * groups,
-              "scales must be dense float32 [out, in / group_size]");
-  TORCH_CHECK(!int4 || zeros, "an int4 weight needs its offsets");
-  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
-                         zeros->numel() == outputs * groups),
-              "zeros must be None or dense float32 [out, in / group_size]");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == panels * groups * ROWS,
+              "scales must be a8_pack's [panels, groups, 8] float32");
+  TORCH_CHECK(!int4 || offsets, "an int4 weight needs its offsets");
+  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == at::kFloat &&
+                           offsets->numel() == panels * groups * ROWS),
+              "offsets must be None or a8_pack's [panels, groups, 8] float32");
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
 #ifdef __AVX2__
-  const float* zero_data = zeros ? zeros->data_ptr<float>() : nullptr;
-  const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* offset_data = offsets ? offsets->data_ptr<float>() : nullptr;
+  const auto* q = static_cast<const uint8_t*>(packed.data_ptr());
   auto go = [&](auto* type, auto int4_flag, auto sixteen_flag) {
     using T = std::remove_pointer_t<decltype(type)>;
-    const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), x.size(0), inputs, int4, group_size,
-                                               zeros.has_value());
+    const Activations a =
+        quantize_activations(x.data_ptr<T>(), x.stride(0), x.size(0), inputs, group_size, offsets.has_value());
     run<T, decltype(int4_flag)::value, decltype(sixteen_flag)::value>(
-        a, x.size(0), inputs, q, scales.data_ptr<float>(), zero_data, group_size, outputs, out.data_ptr<T>());
+        a, x.size(0), inputs, q, scales.data_ptr<float>(), offset_data, group_size, outputs, out.data_ptr<T>());
   };
   with_dtype(x, [&](auto* type) {
     if (int4) {
       go(type, std::true_type{}, std::false_type{});
-    } else if (sixteen) {
+    } else if (group_size == 16) {
       go(type, std::false_type{}, std::true_type{});
     } else {
       go(type, std::false_type{}, std::false_type{});

@@ -30,8 +30,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
 bool a8_linear_supported();
-at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& zeros, int64_t group_size);
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> a8_pack(const at::Tensor& qweight,
+                                                                      const at::Tensor& scales,
+                                                                      const std::optional<at::Tensor>& zeros,
+                                                                      int64_t group_size);
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& offsets, int64_t group_size, int64_t outputs);
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 bool w8a8_supported();
@@ -79,6 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, ReleaseGil(),
         "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
   m.def("a8_linear_supported", &a8_linear_supported, ReleaseGil(), "Whether a8_linear runs here (AVX2).");
+  m.def("a8_pack", &a8_pack, ReleaseGil(), "An int8 or int4 weight laid out for a8_linear, 8 rows interleaved.");
   m.def("a8_linear", &a8_linear, ReleaseGil(),
         "x @ W.T, W int8 or int4 per group, x quantized to int8 per 32 inputs on the fly.");
   m.def("quant_gemm", &quant_gemm, ReleaseGil(),
