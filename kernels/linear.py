@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from spindle.kernels import cpu, is_eager, is_forced_triton, quantized_linear
-from spindle.kernels.quant import A8_BLOCK, ACTIVATION_GROUP_SIZE, QuantizedWeight, dequantize
+from spindle.kernels.quant import A8_BLOCK, ACTIVATION_GROUP_SIZE, SUPER_BLOCK, QuantizedWeight, dequantize
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
 if _CAPABILITY == "AVX512" and torch.cpu._is_avx512_bf16_supported():
@@ -182,7 +182,9 @@ class Projection:
         if self.on_cpu and not self.eager and self.w8a8 is None:
             self.a8 = not float_activations and _runs_a8(quantized, self.dtype)
             if self.a8:  # the interleaved copy replaces the weight's own tensors: no second copy is kept
-                self._cpu_quantized = cpu.a8_pack(*_repack_for_cpu(quantized), quantized.group_size)
+                self._cpu_quantized = cpu.a8_pack(
+                    *_repack_for_cpu(quantized), quantized.group_size, _compact_factors(quantized)
+                )
                 self.quantized = None
             else:
                 self._cpu_quantized = _repack_for_cpu(quantized)
@@ -290,6 +292,16 @@ def _runs_a8(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     if inputs % A8_BLOCK or dtype not in (torch.float32, torch.bfloat16) or not cpu.a8_linear_supported():
         return False
     return weight.group_size % A8_BLOCK == 0 or (weight.bits == 8 and weight.group_size == 16)
+
+
+def _compact_factors(weight: QuantizedWeight) -> torch.Tensor | None:
+    """``weight``'s super-block factors where ``a8_pack`` can keep its scales compact with them, else None.
+
+    That is groups of 16 or 32 and ``in`` a multiple of 256; without them the kernel reads float32 scales and offsets.
+    """
+    if weight.super_scales is None or weight.group_size not in (16, 32) or weight.shape[1] % SUPER_BLOCK:
+        return None
+    return weight.super_scales.float().contiguous()
 
 
 def _repack_for_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor | None, ...]:

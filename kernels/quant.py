@@ -30,6 +30,9 @@ ACTIVATION_GROUP_SIZE = 64
 SmolLM2-135M's perplexity on ``bench.quality``'s text with every projection's activations and weights (int8 per row)
 quantized: one scale per token +4.1%, per 192 inputs +1.3%, per 64 +0.6%; the int8 weights alone +0.6%."""
 
+SUPER_BLOCK = 256
+"""Inputs per super-block of GGUF's K-quants: the span of :attr:`QuantizedWeight.super_scales`' factors."""
+
 A8_BLOCK = 32
 """Inputs per scale when activations are quantized to int8 for the grouped int8/int4 kernel
 (``spindle.kernels.cpu.a8_linear``), as llama.cpp does for its K-quant dot products."""
@@ -44,6 +47,12 @@ class QuantizedWeight:
         scales: float32 ``[out, in // group_size]``.
         zeros: float32 ``[out, in // group_size]`` for 4 bits; for 8 bits None (symmetric) or the groups' offsets.
         group_size: inputs per scale; ``in_features`` for int8 quantized at load (one scale per row).
+        super_scales: float32 ``[out, in // 256, 2]`` or None: for a weight from GGUF's K-quants (Q4_K, Q5_K, Q6_K),
+            the super-block factors ``(d, dmin)`` its group scales and offsets are integer multiples of: ``scale =
+            d * sc`` and the offset past ``q * scale`` (int4: ``zero - 8 * scale``; int8: ``zero``) ``= -dmin * m``,
+            ``sc`` and ``m`` integers per group (``sc`` in -128..127, ``m`` in 0..255), as the file stores them. The
+            CPU kernel keeps those integers in place of float32 scales (``spindle.kernels.cpu.a8_pack``); nothing
+            else reads them.
 
     """
 
@@ -51,6 +60,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     zeros: torch.Tensor | None
     group_size: int
+    super_scales: torch.Tensor | None = None
 
     @property
     def bits(self) -> int:
@@ -80,34 +90,37 @@ class QuantizedWeight:
 
         """
         if dim == 0:
-            zeros = None if self.zeros is None else self.zeros[start : start + length]
-            return QuantizedWeight(
-                self.qweight[start : start + length], self.scales[start : start + length], zeros, self.group_size
-            )
+            return self.select(slice(start, start + length))
         if start % self.group_size or length % self.group_size:
             raise ValueError(f"inputs [{start}, {start + length}) do not fall on groups of {self.group_size}")
         per_byte = 1 if self.bits == 8 else 2
         groups = slice(start // self.group_size, (start + length) // self.group_size)
         zeros = None if self.zeros is None else self.zeros[:, groups]
+        supers = None  # kept where the cut falls on whole super-blocks
+        if self.super_scales is not None and not (start % SUPER_BLOCK or length % SUPER_BLOCK):
+            supers = self.super_scales[:, start // SUPER_BLOCK : (start + length) // SUPER_BLOCK]
         return QuantizedWeight(
             self.qweight[:, start // per_byte : (start + length) // per_byte],
             self.scales[:, groups],
             zeros,
             self.group_size,
+            supers,
         )
 
-    def select(self, index: int | torch.Tensor) -> "QuantizedWeight":
+    def select(self, index: int | slice | torch.Tensor) -> "QuantizedWeight":
         """The entries ``index`` of the leading dimension, with their scales and offsets.
 
-        Output rows of a matrix (an embedding lookup's ids), or one matrix of a stack (an expert).
+        Output rows of a matrix (an embedding lookup's ids, a shard's rows), or one matrix of a stack (an expert).
         """
         zeros = None if self.zeros is None else self.zeros[index]
-        return QuantizedWeight(self.qweight[index], self.scales[index], zeros, self.group_size)
+        supers = None if self.super_scales is None else self.super_scales[index]
+        return QuantizedWeight(self.qweight[index], self.scales[index], zeros, self.group_size, supers)
 
     def to(self, device: torch.device | str) -> "QuantizedWeight":
         """The same weight with its tensors on ``device``."""
         zeros = None if self.zeros is None else self.zeros.to(device)
-        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size)
+        supers = None if self.super_scales is None else self.super_scales.to(device)
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size, supers)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -177,19 +190,23 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
     Matrices of one bit width and group size stack as they are. Others (a GGUF Q4_K_M file's int4 q and k beside
     its Q6_K v, int8 in groups of 16) are first widened exactly to int8 at the largest group size dividing all of
-    theirs (:func:`widen`). Offsets are kept where any part has them (zero for the parts without).
+    theirs (:func:`widen`). Offsets are kept where any part has them (zero for the parts without), super-block
+    factors where every part has them.
     """
     if any(w.bits != weights[0].bits or w.group_size != weights[0].group_size for w in weights):
         group_size = math.gcd(*(w.group_size for w in weights))
         weights = [widen(w, group_size) for w in weights]
-    zeros = None
+    zeros = supers = None
     if any(w.zeros is not None for w in weights):
         zeros = torch.cat([torch.zeros_like(w.scales) if w.zeros is None else w.zeros for w in weights])
+    if all(w.super_scales is not None for w in weights):
+        supers = torch.cat([w.super_scales for w in weights])  # type: ignore[misc]
     return QuantizedWeight(
         torch.cat([w.qweight for w in weights]),
         torch.cat([w.scales for w in weights]),
         zeros,
         weights[0].group_size,
+        supers,
     )
 
 

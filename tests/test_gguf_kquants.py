@@ -24,6 +24,8 @@ from spindle.backend.models import gguf_blocks, load_model
 from spindle.backend.models.llama import EMBEDDING_TABLE
 from spindle.backend.models.loader import MIXED, QUANTIZATION_FILE, quantized_weights, resolve_quantization
 from spindle.backend.parallel import TensorParallel
+from spindle.kernels import cpu, quant
+from spindle.kernels.linear import Projection
 from spindle.kernels.quant import cat_rows, dequantize
 
 FP16_FIELDS = {
@@ -97,6 +99,28 @@ def test_blocks_decode_as_gguf_does(gguf_type: str) -> None:
 def test_decode_rejects_what_it_cannot_keep(gguf_type: str, raw: torch.Tensor, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         gguf_blocks.decode(gguf_type, raw)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_projections_keep_compact_scales(gguf_type: str) -> None:
+    """A K-quant matrix carries its super-block factors, and the default CPU projection keeps its scales as the
+    file's integers (int8 sub-scales, uint8 sub-minimums): the same products as the reference, 2 bytes a group and
+    row. Factors that do not give the scales as integer multiples are refused."""
+    if not cpu.a8_linear_supported():
+        pytest.skip("a8_linear needs AVX2")
+    weight = gguf_blocks.decode(gguf_type, torch.from_numpy(random_blocks(gguf_type, 36, 512, seed=5)))
+    assert weight.super_scales is not None and weight.super_scales.shape == (36, 2, 2)
+    projection = Projection(torch.empty(0), None, weight)
+    packed, scales, offsets, supers = projection._cpu_quantized
+    assert supers is not None and scales.dtype == torch.int8
+    assert (offsets is None) == (weight.zeros is None) and (offsets is None or offsets.dtype == torch.uint8)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(0))
+    want = quant.a8_linear(x, weight)
+    torch.testing.assert_close(projection(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    wrong = weight.super_scales.clone()
+    wrong[3, 1, 0] *= 1.5
+    with pytest.raises(RuntimeError, match="row 3's scales and offsets"):
+        cpu.a8_pack(weight.qweight, weight.scales, weight.zeros, weight.group_size, wrong)
 
 
 def test_parts_of_different_layouts_stack_exactly() -> None:

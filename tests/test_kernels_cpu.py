@@ -550,7 +550,7 @@ def test_a8_kernel_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="packed must be a8_pack's tensor"):
         cpu.a8_linear(torch.randn(2, 96), *packed, 32, 16)
     with pytest.raises(RuntimeError, match="scales must be a8_pack's"):
-        cpu.a8_linear(torch.randn(2, 64), packed[0], torch.ones(3), packed[2], 32, 16)
+        cpu.a8_linear(torch.randn(2, 64), packed[0], torch.ones(3), packed[2], None, 32, 16)
 
 
 def test_panel_kernel_refuses_what_it_cannot_run() -> None:

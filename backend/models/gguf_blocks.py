@@ -111,11 +111,16 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), m.float()
 
 
-def _k_header(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K super-blocks ``[out, blocks, bytes]`` -> ``(d sc, dmin m)`` per sub-block of 32, ``[out, groups]``."""
+def _k_header(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K super-blocks ``[out, blocks, bytes]`` -> ``(d sc, dmin m, supers)``.
+
+    ``d sc`` and ``dmin m`` per sub-block of 32, ``[out, groups]``; ``supers`` the super-blocks' ``(d, dmin)``,
+    ``[out, blocks, 2]`` (:attr:`~spindle.kernels.quant.QuantizedWeight.super_scales`).
+    """
     sc, m = _k_scales(blocks[..., 4:16])
     out = blocks.shape[0]
-    return (fp16_field(blocks, 0)[..., None] * sc).view(out, -1), (fp16_field(blocks, 2)[..., None] * m).view(out, -1)
+    d, dmin = fp16_field(blocks, 0), fp16_field(blocks, 2)
+    return (d[..., None] * sc).view(out, -1), (dmin[..., None] * m).view(out, -1), torch.stack([d, dmin], dim=-1)
 
 
 def decode_q4_k(raw: torch.Tensor) -> QuantizedWeight:
@@ -126,9 +131,9 @@ def decode_q4_k(raw: torch.Tensor) -> QuantizedWeight:
     """
     out = raw.shape[0]
     blocks = raw.view(out, -1, 144)
-    scales, minimums = _k_header(blocks)
+    scales, minimums, supers = _k_header(blocks)
     q = _nibbles(blocks[..., 16:].unflatten(-1, (4, 32)))
-    return QuantizedWeight(pack_int4(q.view(out, -1)), scales, 8 * scales - minimums, 32)
+    return QuantizedWeight(pack_int4(q.view(out, -1)), scales, 8 * scales - minimums, 32, supers)
 
 
 def decode_q5_k(raw: torch.Tensor) -> QuantizedWeight:
@@ -139,10 +144,10 @@ def decode_q5_k(raw: torch.Tensor) -> QuantizedWeight:
     """
     out = raw.shape[0]
     blocks = raw.view(out, -1, 176)
-    scales, minimums = _k_header(blocks)
+    scales, minimums, supers = _k_header(blocks)
     low = _nibbles(blocks[..., 48:].unflatten(-1, (4, 32))).flatten(-2)
     q = low | (_bit_planes(blocks[..., 16:48], 1).flatten(-2) << 4)
-    return QuantizedWeight(q.to(torch.int8).view(out, -1), scales, -minimums, 32)
+    return QuantizedWeight(q.to(torch.int8).view(out, -1), scales, -minimums, 32, supers)
 
 
 def decode_q6_k(raw: torch.Tensor) -> QuantizedWeight:
@@ -158,7 +163,9 @@ def decode_q6_k(raw: torch.Tensor) -> QuantizedWeight:
     high = _bit_planes(blocks[..., 128:192].unflatten(-1, (2, 32)), 2).flatten(-2)
     values = (low | (high << 4)).to(torch.int8) - 32
     sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    return QuantizedWeight(values.view(out, -1), (fp16_field(blocks, 208)[..., None] * sc).view(out, -1), None, 16)
+    d = fp16_field(blocks, 208)
+    supers = torch.stack([d, torch.zeros_like(d)], dim=-1)
+    return QuantizedWeight(values.view(out, -1), (d[..., None] * sc).view(out, -1), None, 16, supers)
 
 
 def decode_q8_0(raw: torch.Tensor) -> QuantizedWeight:

@@ -42,9 +42,10 @@ GGUF_HEADER_BYTES = 2**20
 GGUF_SAMPLES, GGUF_SAMPLE_BYTES = 64, 2**16
 """How many evenly spaced pieces of a GGUF file, of how many bytes each, its converted entry's key hashes too."""
 
-CONVERSION_VERSION = 4
+CONVERSION_VERSION = 5
 """Part of a converted GGUF's cache key, bumped when a conversion gains files: 2 kept the file's 4-bit blocks, 3 its
-8-bit ones too, 4 its K-quant and 5-bit ones and the projections of files that mix types."""
+8-bit ones too, 4 its K-quant and 5-bit ones and the projections of files that mix types, 5 the K-quants' super-block
+factors."""
 
 QUANTIZED_FILE = "quantized.safetensors"
 """In a converted GGUF directory: the matrices as the file quantized them, each of a type of
@@ -254,9 +255,7 @@ def _save_gguf_quantization(
         weight = gguf_blocks.decode(kind, torch.from_numpy(np.array(tensor.data)))
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name.split(".")[-2])
         if heads is not None and permuted:
-            rows = _unpermute_rows(weight.qweight.shape[0], heads)
-            zeros = None if weight.zeros is None else weight.zeros[rows]
-            weight = QuantizedWeight(weight.qweight[rows], weight.scales[rows], zeros, weight.group_size)
+            weight = weight.select(_unpermute_rows(weight.qweight.shape[0], heads))
         reference = dequantized[hf_name].float()
         if not torch.allclose(dequantize(weight), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max())):
             raise ValueError(f"{gguf_file}: {tensor.name} does not decode to transformers' copy of {hf_name}")
@@ -264,6 +263,8 @@ def _save_gguf_quantization(
             kept |= {f"{part_name}.qweight": part.qweight, f"{part_name}.scales": part.scales}
             if part.zeros is not None:
                 kept[f"{part_name}.zeros"] = part.zeros
+            if part.super_scales is not None:
+                kept[f"{part_name}.super_scales"] = part.super_scales
     if kept:
         save_file({name: t.contiguous() for name, t in kept.items()}, out_dir / QUANTIZED_FILE)
     if len(types) == 1 and next(iter(types)) in gguf_blocks.BITS:
@@ -360,9 +361,12 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
                     continue
                 hf_name = key.removesuffix(".qweight")
                 qweight, scales = f.get_tensor(key), f.get_tensor(f"{hf_name}.scales")
-                zeros = f.get_tensor(f"{hf_name}.zeros") if f"{hf_name}.zeros" in names else None
+                zeros, supers = (
+                    f.get_tensor(f"{hf_name}.{t}") if f"{hf_name}.{t}" in names else None
+                    for t in ("zeros", "super_scales")
+                )
                 inputs = qweight.shape[1] * (1 if qweight.dtype == torch.int8 else 2)
-                weight = QuantizedWeight(qweight, scales, zeros, inputs // scales.shape[1])
+                weight = QuantizedWeight(qweight, scales, zeros, inputs // scales.shape[1], supers)
                 spec = model.shard_range(hf_name) if parallel.current().size > 1 else None
                 if spec is not None:
                     dim, start, length = spec

@@ -277,14 +277,22 @@ def a8_linear_supported() -> bool:
 
 
 def a8_pack(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    super_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """An int8 or int4 weight (``spindle.kernels.quant``'s layout) laid out for :func:`a8_linear`: 8 rows interleaved.
 
     Output rows go in panels of 8 (the last padded with zero rows); within a panel each block of 32 inputs is held
     as 32-byte chunks whose 32-bit lane ``j`` holds 4 consecutive inputs of row ``j`` (int4: the low nibbles inputs
     ``4c..4c+3`` of the block, the high ones ``16+4c..``). Scales and offsets go ``[panels, groups, 8]``; an int4
-    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``). The same bytes as the weight, rearranged.
+    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``).
+
+    With ``super_scales`` (GGUF's K-quants: :attr:`~spindle.kernels.quant.QuantizedWeight.super_scales`) the scales
+    and offsets pack compact: int8 sub-scales ``scale / d`` and uint8 sub-minimums ``-offset / dmin`` per group,
+    and ``(d, dmin)`` per 256 inputs, 2 bytes a group and row where float32 takes 8.
 
     Args:
         qweight: int8 ``[out, in]``, or uint8 ``[out, in // 2]`` holding int4 two values a byte.
@@ -292,12 +300,18 @@ def a8_pack(
         zeros: float32 ``[out, in // group_size]`` (required for int4: ``w = (q - 8) * scale + zero``; int8
             ``w = q * scale + zero``), or None for symmetric int8.
         group_size: inputs per scale: a multiple of 32 that divides ``in`` (a multiple of 32), or 16 for int8.
+        super_scales: float32 ``[out, in // 256, 2]`` or None; needs groups of 16 or 32.
 
     Returns:
-        ``(packed, scales, offsets)`` for :func:`a8_linear` (``offsets`` None where ``zeros`` is).
+        ``(packed, scales, offsets, supers)`` for :func:`a8_linear` (``offsets`` None where ``zeros`` is, ``supers``
+        where ``super_scales`` is).
+
+    Raises:
+        RuntimeError: for a layout the kernel cannot run, or ``super_scales`` whose integer multiples are not the
+            scales and offsets (to rounding of the offsets).
 
     """
-    return cpu_ops().a8_pack(qweight, scales, zeros, group_size)
+    return cpu_ops().a8_pack(qweight, scales, zeros, group_size, super_scales)
 
 
 def a8_linear(
@@ -305,6 +319,7 @@ def a8_linear(
     packed: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
+    supers: torch.Tensor | None,
     group_size: int,
     out_features: int,
 ) -> torch.Tensor:
@@ -317,8 +332,9 @@ def a8_linear(
     Args:
         x: ``[tokens, in]``, float32 or bfloat16, dense rows; ``in`` a multiple of 32.
         packed: :func:`a8_pack`'s weight.
-        scales: :func:`a8_pack`'s scales.
-        offsets: :func:`a8_pack`'s offsets (None for symmetric int8).
+        scales: :func:`a8_pack`'s scales (float32, or int8 sub-scales).
+        offsets: :func:`a8_pack`'s offsets (float32, or uint8 sub-minimums), None for symmetric int8.
+        supers: :func:`a8_pack`'s super-block factors, None for float32 scales.
         group_size: the weight's inputs per scale.
         out_features: the weight's output rows (before padding).
 
@@ -326,7 +342,7 @@ def a8_linear(
         ``[tokens, out_features]`` in ``x``'s dtype.
 
     """
-    return cpu_ops().a8_linear(x, packed, scales, offsets, group_size, out_features)
+    return cpu_ops().a8_linear(x, packed, scales, offsets, supers, group_size, out_features)
 
 
 def quant_gemm(

@@ -17,6 +17,11 @@
 // Offsets (w = q s + z, or (q - 8) s + z for int4) add z' x sum(x) per group (z' = z - 8 s for int4, packed so), the
 // sum of the quantized x: the result is the exact product of the quantized activations and the weight
 // (spindle.kernels.quant.a8_linear, the reference).
+//
+// A weight from GGUF's K-quants packs compact: its group scales are d x sc and its offsets z' = -dmin x m with sc an
+// int8 and m a uint8 per group and d, dmin float32 per super-block of 256 inputs (QuantizedWeight.super_scales), so
+// the panel keeps 2 bytes a group and row where float32 scales and offsets took 8: a Q4_K weight reads 4.75 bits a
+// weight instead of 6, and single-stream decode reads its weights at memory speed.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -27,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -92,12 +98,38 @@ inline __m256i broadcast4(const int8_t* x) {
   return _mm256_set1_epi32(four);
 }
 
+// A panel's scales and offsets per group, 8 rows each: float32 [groups][8] as packed.
+struct FloatScales {
+  const float* scales;
+  const float* offsets;  // null without offsets
+  __m256 scale(int64_t g, int64_t) const { return _mm256_loadu_ps(scales + g * ROWS); }
+  __m256 offset(int64_t g, int64_t) const { return _mm256_loadu_ps(offsets + g * ROWS); }
+};
+
+// The compact form: int8 sub-scales and uint8 sub-minimums [groups][8], float32 (d, dmin) [supers][2][8].
+struct CompactScales {
+  const int8_t* sub_scales;
+  const uint8_t* offsets;  // the sub-minimums; null without offsets
+  const float* supers;
+  __m256 scale(int64_t g, int64_t super) const {
+    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub_scales + g * ROWS)));
+    return _mm256_mul_ps(_mm256_loadu_ps(supers + super * 2 * ROWS), _mm256_cvtepi32_ps(sc));
+  }
+  __m256 offset(int64_t g, int64_t super) const {  // -dmin m
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offsets + g * ROWS)));
+    const __m256 dmin = _mm256_loadu_ps(supers + (super * 2 + 1) * ROWS);
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), _mm256_cvtepi32_ps(m));
+  }
+};
+
+constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
+
 // One block of 32 inputs of a packed panel (q: its 128 bytes for int4, 256 for int8) against M tokens' blocks
 // (x: token m0's, the others a row of inputs after it): acc[m] += the 8 rows' dot products x scale x token scale.
-// SIXTEEN: scales holds the block's two halves' scales, 8 rows each; else the block's group's.
+// SIXTEEN: scales are the block's two halves' scales, 8 rows each; else scales[0] is the block's group's.
 template <int M, bool INT4, bool SIXTEEN>
 inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const float* token_scales, int64_t blocks,
-                       const float* scales, __m256 acc[M]) {
+                       const __m256 scales[2], __m256 acc[M]) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i* chunks = reinterpret_cast<const __m256i*>(q);
   __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4 unpacked; int8 as |w|)
@@ -117,7 +149,7 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
     if constexpr (INT4) {  // 8 x 2 x 15 x 127 fits int16
       __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(xm));
       for (int k = 1; k < 8; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], broadcast4(xm + 4 * k)));
-      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales), token_scale);
+      const __m256 scale = _mm256_mul_ps(scales[0], token_scale);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[m]);
     } else {
       __m256i halves[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -127,11 +159,11 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
       }
       if constexpr (SIXTEEN) {
         for (int h = 0; h < 2; ++h) {
-          const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + h * ROWS), token_scale);
+          const __m256 scale = _mm256_mul_ps(scales[h], token_scale);
           acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves[h]), scale, acc[m]);
         }
       } else {
-        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales), token_scale);
+        const __m256 scale = _mm256_mul_ps(scales[0], token_scale);
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(halves[0], halves[1])), scale, acc[m]);
       }
     }
@@ -139,35 +171,37 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
 }
 
 // One packed panel's dot products with M tokens (rows of a, from token m0): acc[m] (lane j: row j).
-// q: the panel's blocks; scales, offsets: the panel's [groups][ROWS]. Groups of 16 split each block; larger ones
-// span blocks, their scale and offset loaded once. The offsets gather in their own accumulators, so that they do
-// not lengthen the chain of FMAs into acc.
-template <int M, bool INT4, bool SIXTEEN>
-inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const float* scales,
-                       const float* offsets, int64_t group_size, __m256 acc[M]) {
+// q: the panel's blocks; scales: its groups' (FloatScales or CompactScales). Groups of 16 split each block; larger
+// ones span blocks, their scale computed once. The offsets gather in their own accumulators, so that they do not
+// lengthen the chain of FMAs into acc.
+template <int M, bool INT4, bool SIXTEEN, typename Scales>
+inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
+                       int64_t group_size, __m256 acc[M]) {
   const int64_t blocks = inputs / BLOCK, block_bytes = (INT4 ? BLOCK / 2 : BLOCK) * ROWS;
+  const int64_t per_super = SUPER_BLOCK / BLOCK;
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
   if constexpr (SIXTEEN) {
     for (int64_t b = 0; b < blocks; ++b) {
-      block_dots<M, INT4, true>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks,
-                                scales + 2 * b * ROWS, acc);
+      const __m256 halves[2] = {scales.scale(2 * b, b / per_super), scales.scale(2 * b + 1, b / per_super)};
+      block_dots<M, INT4, true>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks, halves, acc);
     }
   } else {
-    for (int64_t b = 0; b < blocks; b += group_size / BLOCK) {
-      const float* group_scales = scales + b * BLOCK / group_size * ROWS;
-      for (int64_t i = b; i < b + group_size / BLOCK; ++i) {
-        block_dots<M, INT4, false>(q + i * block_bytes, x + i * BLOCK, inputs, token_scales + i, blocks, group_scales,
+    const int64_t group_blocks = group_size / BLOCK;
+    for (int64_t b = 0, g = 0; b < blocks; b += group_blocks, ++g) {
+      const __m256 group_scale[2] = {scales.scale(g, b / per_super), _mm256_setzero_ps()};
+      for (int64_t i = b; i < b + group_blocks; ++i) {
+        block_dots<M, INT4, false>(q + i * block_bytes, x + i * BLOCK, inputs, token_scales + i, blocks, group_scale,
                                    acc);
       }
     }
   }
-  if (offsets != nullptr) {
+  if (scales.offsets != nullptr) {
     const int64_t groups = inputs / group_size;
     __m256 shift[M];
     for (int m = 0; m < M; ++m) shift[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 z = _mm256_loadu_ps(offsets + g * ROWS);
+      const __m256 z = scales.offset(g, g * group_size / SUPER_BLOCK);
       for (int m = 0; m < M; ++m) {
         shift[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), shift[m]);
       }
@@ -176,23 +210,23 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
   }
 }
 
-template <typename T, bool INT4, bool SIXTEEN>
-void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* packed, const float* scales,
-         const float* offsets, int64_t group_size, int64_t outputs, T* out) {
-  const int64_t groups = inputs / group_size, panels = (outputs + ROWS - 1) / ROWS;
-  const int64_t panel_bytes = (INT4 ? inputs / 2 : inputs) * ROWS;
+// All panels against every token. panel_scales(p): panel p's scales (FloatScales or CompactScales).
+template <typename T, bool INT4, bool SIXTEEN, typename PanelScales>
+void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* packed, PanelScales panel_scales,
+         int64_t group_size, int64_t outputs, T* out) {
+  const int64_t panels = (outputs + ROWS - 1) / ROWS, panel_bytes = (INT4 ? inputs / 2 : inputs) * ROWS;
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t rows = std::min(ROWS, outputs - p * ROWS);
+      const auto scales = panel_scales(p);
       for (int64_t m0 = first_token; m0 < std::min(first_token + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
         with_tokens(std::min(TOKEN_BLOCK, tokens - m0), [&](auto block) {
           constexpr int M = decltype(block)::value;
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          panel_dots<M, INT4, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales + p * groups * ROWS,
-                                       offsets == nullptr ? nullptr : offsets + p * groups * ROWS, group_size, acc);
+          panel_dots<M, INT4, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, acc);
           for (int m = 0; m < M; ++m) {
             alignas(32) float totals[ROWS];
             _mm256_store_ps(totals, acc[m]);
@@ -236,21 +270,32 @@ bool a8_linear_supported() {
 #endif
 }
 
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> a8_pack(const at::Tensor& qweight,
-                                                                      const at::Tensor& scales,
-                                                                      const std::optional<at::Tensor>& zeros,
-                                                                      int64_t group_size) {
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> a8_pack(
+    const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t group_size,
+    const std::optional<at::Tensor>& super_scales) {
   const auto [int4, inputs, groups] = check_weight(qweight, scales, zeros, group_size);
   const int64_t outputs = qweight.size(0), panels = (outputs + ROWS - 1) / ROWS, blocks = inputs / BLOCK;
   const int64_t row_bytes = qweight.size(1), block_bytes = (int4 ? BLOCK / 2 : BLOCK) * ROWS;
+  const bool compact = super_scales.has_value(), offsets = zeros.has_value();
+  const int64_t supers = inputs / SUPER_BLOCK;
+  if (compact) {
+    TORCH_CHECK((group_size == 16 || group_size == 32) && inputs % SUPER_BLOCK == 0,
+                "super_scales need groups of 16 or 32 and in_features a multiple of 256");
+    TORCH_CHECK(super_scales->is_contiguous() && super_scales->scalar_type() == at::kFloat &&
+                    super_scales->numel() == outputs * supers * 2,
+                "super_scales must be dense float32 [out, in / 256, 2]");
+  }
   at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options());
-  at::Tensor panel_scales = at::zeros({panels, groups, ROWS}, scales.options());
-  std::optional<at::Tensor> panel_offsets;
-  if (zeros) panel_offsets = at::zeros({panels, groups, ROWS}, scales.options());
+  at::Tensor panel_scales = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kChar : at::kFloat));
+  std::optional<at::Tensor> panel_offsets, panel_supers;
+  if (offsets) panel_offsets = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kByte : at::kFloat));
+  if (compact) panel_supers = at::zeros({panels, supers, 2, ROWS}, scales.options());
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   auto* to = static_cast<uint8_t*>(packed.data_ptr());
   const float* s = scales.data_ptr<float>();
-  float* to_scales = panel_scales.data_ptr<float>();
+  const float* z = offsets ? zeros->data_ptr<float>() : nullptr;
+  const float* factors = compact ? super_scales->data_ptr<float>() : nullptr;
+  int64_t inexact = -1;  // a row whose scales or offsets the super-block factors do not give exactly
 #pragma omp parallel for
   for (int64_t n = 0; n < outputs; ++n) {
     const int64_t p = n / ROWS, j = n % ROWS;
@@ -268,20 +313,42 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> a8_pack(const at::
       }
     }
     for (int64_t g = 0; g < groups; ++g) {
-      to_scales[(p * groups + g) * ROWS + j] = s[n * groups + g];
-      if (zeros) {  // int4 stores q - 8: its offset absorbs the 8
-        const float z = zeros->data_ptr<float>()[n * groups + g];
-        panel_offsets->data_ptr<float>()[(p * groups + g) * ROWS + j] = int4 ? z - 8.f * s[n * groups + g] : z;
+      const int64_t at = (p * groups + g) * ROWS + j;
+      const float scale = s[n * groups + g];
+      // The offset w takes past q x scale: int4 stores q - 8, so its offset absorbs the 8.
+      const float offset = offsets ? (int4 ? z[n * groups + g] - 8.f * scale : z[n * groups + g]) : 0.f;
+      if (!compact) {
+        panel_scales.data_ptr<float>()[at] = scale;
+        if (offsets) panel_offsets->data_ptr<float>()[at] = offset;
+        continue;
+      }
+      const int64_t super = g * group_size / SUPER_BLOCK;
+      const float d = factors[(n * supers + super) * 2], dmin = factors[(n * supers + super) * 2 + 1];
+      const float sc = d != 0.f ? std::nearbyint(scale / d) : 0.f, m = dmin != 0.f ? std::nearbyint(-offset / dmin) : 0.f;
+      // The offset was rounded once where it was computed (z = 8 scale - dmin m for int4): a few ulps.
+      const float slack = 8.f * std::numeric_limits<float>::epsilon() * std::max(std::abs(offset), 8.f * std::abs(scale));
+      if (sc < -128.f || sc > 127.f || sc * d != scale || m < 0.f || m > 255.f || std::abs(m * dmin + offset) > slack) {
+#pragma omp critical
+        inexact = n;
+      }
+      panel_scales.data_ptr<int8_t>()[at] = static_cast<int8_t>(sc);
+      if (offsets) panel_offsets->data_ptr<uint8_t>()[at] = static_cast<uint8_t>(m);
+      if (g * group_size % SUPER_BLOCK == 0) {
+        float* factor = panel_supers->data_ptr<float>() + (p * supers + super) * 2 * ROWS + j;
+        factor[0] = d;
+        factor[ROWS] = dmin;
       }
     }
   }
-  return {packed, panel_scales, panel_offsets};
+  TORCH_CHECK(inexact < 0, "super_scales do not give row ", inexact, "'s scales and offsets as integer multiples");
+  return {packed, panel_scales, panel_offsets, panel_supers};
 }
 
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& offsets, int64_t group_size, int64_t outputs) {
+                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                     int64_t group_size, int64_t outputs) {
   TORCH_CHECK(a8_linear_supported(), "a8_linear needs AVX2");
-  const bool int4 = packed.scalar_type() == at::kByte;
+  const bool int4 = packed.scalar_type() == at::kByte, compact = supers.has_value();
   TORCH_CHECK(int4 || packed.scalar_type() == at::kChar, "packed must be a8_pack's int8 or uint8 tensor");
   const int64_t panels = (outputs + ROWS - 1) / ROWS, inputs = x.size(-1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features], dense rows");
@@ -293,22 +360,42 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK((group_size == 16 && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
               "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
   const int64_t groups = inputs / group_size;
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == panels * groups * ROWS,
-              "scales must be a8_pack's [panels, groups, 8] float32");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (compact ? at::kChar : at::kFloat) &&
+                  scales.numel() == panels * groups * ROWS,
+              "scales must be a8_pack's [panels, groups, 8] (float32, or int8 with super_scales)");
   TORCH_CHECK(!int4 || offsets, "an int4 weight needs its offsets");
-  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == at::kFloat &&
+  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == (compact ? at::kByte : at::kFloat) &&
                            offsets->numel() == panels * groups * ROWS),
-              "offsets must be None or a8_pack's [panels, groups, 8] float32");
+              "offsets must be None or a8_pack's [panels, groups, 8] (float32, or uint8 with super_scales)");
+  TORCH_CHECK(!compact || (inputs % SUPER_BLOCK == 0 && supers->is_contiguous() &&
+                           supers->scalar_type() == at::kFloat && supers->numel() == panels * inputs / SUPER_BLOCK * 2 * ROWS),
+              "supers must be a8_pack's [panels, in / 256, 2, 8] float32");
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
 #ifdef __AVX2__
-  const float* offset_data = offsets ? offsets->data_ptr<float>() : nullptr;
   const auto* q = static_cast<const uint8_t*>(packed.data_ptr());
+  const int64_t panel_groups = groups * ROWS, panel_supers = inputs / SUPER_BLOCK * 2 * ROWS;
   auto go = [&](auto* type, auto int4_flag, auto sixteen_flag) {
     using T = std::remove_pointer_t<decltype(type)>;
+    constexpr bool INT4 = decltype(int4_flag)::value, SIXTEEN = decltype(sixteen_flag)::value;
     const Activations a =
         quantize_activations(x.data_ptr<T>(), x.stride(0), x.size(0), inputs, group_size, offsets.has_value());
-    run<T, decltype(int4_flag)::value, decltype(sixteen_flag)::value>(
-        a, x.size(0), inputs, q, scales.data_ptr<float>(), offset_data, group_size, outputs, out.data_ptr<T>());
+    if (compact) {
+      const auto* sub_scales = scales.data_ptr<int8_t>();
+      const uint8_t* sub_mins = offsets ? offsets->data_ptr<uint8_t>() : nullptr;
+      const float* factors = supers->data_ptr<float>();
+      auto panel_scales = [&](int64_t p) {
+        return CompactScales{sub_scales + p * panel_groups, sub_mins ? sub_mins + p * panel_groups : nullptr,
+                             factors + p * panel_supers};
+      };
+      run<T, INT4, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, out.data_ptr<T>());
+    } else {
+      const float* float_scales = scales.data_ptr<float>();
+      const float* float_offsets = offsets ? offsets->data_ptr<float>() : nullptr;
+      auto panel_scales = [&](int64_t p) {
+        return FloatScales{float_scales + p * panel_groups, float_offsets ? float_offsets + p * panel_groups : nullptr};
+      };
+      run<T, INT4, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, out.data_ptr<T>());
+    }
   };
   with_dtype(x, [&](auto* type) {
     if (int4) {

@@ -30,12 +30,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
 bool a8_linear_supported();
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> a8_pack(const at::Tensor& qweight,
-                                                                      const at::Tensor& scales,
-                                                                      const std::optional<at::Tensor>& zeros,
-                                                                      int64_t group_size);
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> a8_pack(
+    const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t group_size,
+    const std::optional<at::Tensor>& super_scales);
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& offsets, int64_t group_size, int64_t outputs);
+                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                     int64_t group_size, int64_t outputs);
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 bool w8a8_supported();
