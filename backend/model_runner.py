@@ -24,7 +24,7 @@ from spindle.backend import parallel
 from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.input_buffers import InputBuffers, StepInputs
 from spindle.backend.lora_manager import LoraManager
-from spindle.backend.memory import KVBudget, MemoryMeter, kv_cache_budget
+from spindle.backend.memory import KVBudget, MemoryMeter, kv_cache_budget, release_freed_heap
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.loader import (
     MIXED,
@@ -431,6 +431,7 @@ class ModelRunner:
             self._warm_up_kernels()
             if self._captures_graphs:
                 self._capture_decode_graphs(max_model_len)
+        release_freed_heap()  # what loading (dense weights replaced by their quantized forms) and the profile freed
         return num_blocks
 
     @torch.inference_mode()
