@@ -11,6 +11,7 @@ the same rounds, interleaved)::
 
     .venv/bin/python -m bench.quant_linear                  # 1 to 512 tokens, 5 rounds
     .venv/bin/python -m bench.quant_linear --tokens 1 8 64 --rounds 3 --dtype bfloat16
+    .venv/bin/python -m bench.quant_linear --threads 1 --cpu-time   # on a shared machine
 
 Run it as a module: as a script, bench/ comes first on sys.path and this file would shadow the kernels package.
 """
@@ -47,7 +48,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per token count (medians)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, help="torch's threads (default: torch's own)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time this process' CPU seconds (with --threads 1: others' load aside)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inputs, generator=generator) * 0.05 for _ in range(LAYERS) for out, inputs in SHAPES]
@@ -60,7 +68,9 @@ def main() -> None:
         variants[f"int{bits} panel"] = (quantized, 0)
         variants[f"int{bits} default"] = ([Projection(torch.empty(0, dtype=dtype), None, form) for form in forms], 0)
     del weights
-    print(f"{torch.get_num_threads()} threads, {args.dtype}, ms per step of {LAYERS} layers (median of {args.rounds})")
+    what = "CPU ms" if args.cpu_time else "ms"
+    threads = torch.get_num_threads()
+    print(f"{threads} threads, {args.dtype}, {what} per step of {LAYERS} layers (median of {args.rounds})")
     names = list(variants)
     print(f"{'tokens':>6} " + " ".join(f"{name:>17}" for name in names) + "   ratios to dense")
     for tokens in args.tokens:
@@ -73,10 +83,10 @@ def main() -> None:
                 for key in linear.MAX_QUANTIZED_TOKENS:
                     linear.MAX_QUANTIZED_TOKENS[key] = limit
                 run = step(projections, inputs)
-                start = time.perf_counter()
+                start = clock()
                 run()
                 if round_:  # the first round warms up
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(clock() - start)
         medians = {name: 1e3 * statistics.median(times[name]) for name in runnable}
         cells = " ".join(f"{medians[name]:17.1f}" if name in medians else f"{'-':>17}" for name in names)
         ratios = " ".join(f"{medians[name] / medians['dense']:.2f}" for name in runnable[1:])
