@@ -1,0 +1,185 @@
+"""GGUF mixture-of-experts files (Mixtral as llama.cpp writes it, Qwen3-MoE) served with their experts' blocks kept.
+
+Each test writes a tiny random MoE checkpoint as a GGUF file the way llama.cpp's converter lays it out (a Mixtral is
+architecture ``llama`` with expert counts; every layer's experts are ``[experts, out, in]`` stacks), in float32, in
+Q8_0 blocks (``gguf``'s quantizer) or in random K-quant blocks, then serves it with ``--quantization auto``.
+
+transformers' GGUF reader maps a Qwen3-MoE file but not its experts' intermediate size (``moe_intermediate_size``
+stays at its default), and reads a Mixtral file as a dense Llama without experts; so the reference of a Qwen3-MoE
+file is transformers' reader given that size, and of a Mixtral file transformers' Mixtral holding the values the file
+holds (``gguf``'s dequantization of what was written).
+"""
+
+import zlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import TINY_COMMON
+from test_gguf_families import Encoder, gguf_read_once, tokens_of_both, write_gguf
+from test_gguf_kquants import random_blocks
+
+from spindle.backend import parallel
+from spindle.backend.models import load_model
+from spindle.backend.models.checkpoint_config import CheckpointConfig
+from spindle.backend.models.loader import quantized_weights, resolve_quantization
+from spindle.backend.models.mixtral import MixtralDecoderLayer
+from spindle.backend.parallel import TensorParallel
+from spindle.kernels.quant import QuantizedWeight, dequantize
+
+MOE_COMMON = {**TINY_COMMON, "hidden_size": 256, "tie_word_embeddings": False, "num_experts_per_tok": 2}
+"""Matrices of whole K-quant super-blocks (256 inputs), 4 heads of 64, untied."""
+
+FAMILIES = {
+    "mixtral": (
+        "llama",
+        transformers.MixtralConfig,
+        {
+            "intermediate_size": 256,
+            "num_local_experts": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
+    "qwen3_moe": (
+        "qwen3moe",
+        transformers.Qwen3MoeConfig,
+        {"head_dim": 64, "num_experts": 4, "moe_intermediate_size": 256, "norm_topk_prob": True},
+    ),
+}
+"""Our tiny family -> its llama.cpp architecture, transformers config class and fields. llama.cpp's Qwen3-MoE
+renormalises the top-k weights (transformers' reader says ``norm_topk_prob``) and has experts in every layer."""
+
+FILE_TYPES = {
+    "F32": {},
+    "Q8_0": {"": "Q8_0"},
+    "Q4_K_M": {"": "Q4_K", "blk.0.ffn_down_exps": "Q6_K", "output": "Q6_K"},
+}
+"""Each file's types: of every matrix (``""``), and of those whose GGUF name is another key (a Q4_K_M's first
+layer's down experts Q6_K, which the fused MoE kernels do not run: quantized to int8 at load); none: float32."""
+
+ROLES = {"ffn_gate_exps": ("w13", 0), "ffn_up_exps": ("w13", 1), "ffn_down_exps": ("w2", 0)}
+"""A GGUF expert stack -> the Spindle stack it goes into and its part there (gate rows, then up rows)."""
+
+
+def gguf_type(file_type: str, name: str) -> str | None:
+    """The GGUF type of the matrix ``name`` (``blk.0.ffn_down_exps``, ``output``) in a file of ``file_type``."""
+    types = FILE_TYPES[file_type]
+    return types.get(name, types.get(""))
+
+
+def encoder(file_type: str) -> Encoder:
+    """Each matrix in its type's blocks: Q8_0 by ``gguf``'s quantizer, K-quants random ones, float32 as it is."""
+
+    def encode(name: str, data: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        kind = gguf_type(file_type, name.removesuffix(".weight"))
+        if kind is None:
+            return data, gguf.GGMLQuantizationType.F32
+        if kind == "Q8_0":
+            return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        rows = data.reshape(-1, data.shape[-1])
+        blocks = random_blocks(kind, *rows.shape, seed=zlib.crc32(name.encode()))
+        return blocks.reshape(*data.shape[:-1], -1), gguf.GGMLQuantizationType[kind]
+
+    return encode
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each family's tiny random checkpoint, saved with transformers v5's fused expert stacks."""
+    saved = {}
+    for family, (_, config_class, fields) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config_class(**{**MOE_COMMON, **fields}), dtype=torch.float32
+        )
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
+        saved[family] = tmp_path_factory.mktemp(family)
+        model.save_pretrained(saved[family], save_original_format=False)
+    return saved
+
+
+def reference_of(
+    family: str, checkpoint: Path, file: Path, held: dict[str, torch.Tensor]
+) -> transformers.PreTrainedModel:
+    """transformers' model of the file: its GGUF reader's (Qwen3-MoE, given the experts' size its reader does not
+    map), else its Mixtral holding the file's values."""
+    if family == "qwen3_moe":
+        with gguf_read_once(file):
+            config = transformers.AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+            config.moe_intermediate_size = FAMILIES[family][2]["moe_intermediate_size"]
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                file.parent, gguf_file=file.name, config=config, dtype=torch.float32
+            ).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.load_state_dict(held)
+    return model
+
+
+@pytest.mark.parametrize("file_type", list(FILE_TYPES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_moe_serves_its_experts_blocks(
+    family: str, file_type: str, moe_checkpoint: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file converts to its MoE family and gives transformers' greedy tokens; under ``--quantization auto``
+    each layer's experts are the file's blocks, stacked, where their type is kept and the fused MoE kernels run its
+    layout (else quantized to int8 at load), and the prepared model holds no dense copy of them. A tensor-parallel
+    rank keeps its share of every expert's intermediate dimension from the same blocks."""
+    held: dict[str, torch.Tensor] = {}
+    architecture = FAMILIES[family][0]
+    file = write_gguf(moe_checkpoint[family], architecture, tmp_path / f"{family}.gguf", encoder(file_type), held)
+
+    expected, got, dense, model_dir = tokens_of_both(
+        file, monkeypatch, reference_of(family, moe_checkpoint[family], file, held)
+    )
+
+    assert got == expected
+    config = CheckpointConfig.from_dir(model_dir)
+    assert config.architecture == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    served = resolve_quantization("auto", model_dir)
+    if served is None:
+        assert file_type == "F32"
+        return
+    kept = quantized_weights(dense, model_dir, served)
+    from_file = set()
+    for tensor in gguf.GGUFReader(file).tensors:
+        role = ROLES.get(tensor.name.split(".")[-2])
+        if role is None:
+            continue
+        name, part = f"layers.{tensor.name.split('.')[1]}.{role[0]}", role[1]
+        weight = kept[name]
+        if tensor.tensor_type.name == "Q6_K":  # int8 per row, quantized at load from the file's values
+            assert (weight.bits, weight.group_size) == (8, weight.qweight.shape[-1])
+            continue
+        from_file.add(name)
+        file_values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        rows = file_values.shape[1]
+        ours = experts_values(weight)[:, part * rows : (part + 1) * rows]
+        torch.testing.assert_close(ours, file_values, rtol=0, atol=1e-6)
+    # Rank 1 of 2: every expert's gate and up rows 128-255 and down columns 128-255 of the same blocks.
+    assert from_file
+    parallel.set_current(TensorParallel(rank=1, size=2, local_rank=1, local_size=2))
+    try:
+        ours = quantized_weights(load_model(model_dir, torch.float32, torch.device("cpu")), model_dir, served)
+    finally:
+        parallel.destroy_group()
+    half = torch.arange(128, 256)
+    for name in from_file:
+        dim, index = (2, half) if name.endswith("w2") else (1, torch.cat([half, half + 256]))
+        assert torch.equal(experts_values(ours[name]), experts_values(kept[name]).index_select(dim, index)), name
+    # The prepared model runs the stacks alone.
+    dense.prepare_weights(kept)
+    for i, layer in enumerate(dense.layers):
+        assert isinstance(layer, MixtralDecoderLayer)
+        assert layer.w13.numel() == 0 and layer.w2.numel() == 0
+        assert layer.experts.w13 is kept[f"layers.{i}.w13"] and layer.experts.w2 is kept[f"layers.{i}.w2"]
+
+
+def experts_values(stack: QuantizedWeight) -> torch.Tensor:
+    """The float ``[experts, out, in]`` values of a quantized stack of experts."""
+    return torch.stack([dequantize(stack.select(e)) for e in range(stack.qweight.shape[0])])
