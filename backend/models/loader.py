@@ -474,9 +474,10 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     head is 8-bit in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
     files keep it at 6 bits or more for the same reason (a 4-bit one is widened exactly under :data:`MIXED`). An
     untied embedding table the file keeps goes under
-    ``spindle.backend.models.llama.EMBEDDING_TABLE``, at its own width. A MoE model's expert stacks go under
-    ``layers.N.w13`` / ``layers.N.w2`` as ``[experts, out, in]`` stacks, from the file's blocks by the same rule
-    where the fused MoE kernels run their layout (:func:`_runs_as_experts`), else quantized at load.
+    ``spindle.backend.models.llama.EMBEDDING_TABLE``, at its own width. For a converted GGUF file, a MoE model's
+    expert stacks go under ``layers.N.w13`` / ``layers.N.w2`` as ``[experts, out, in]`` stacks, from the file's
+    blocks by the same rule where the fused MoE kernels run their layout (:func:`_runs_as_experts`), else quantized
+    at load.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
@@ -517,7 +518,9 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
         if name == "lm_head" and weight.bits == 4:  # under MIXED only
             weight = widen(weight, weight.group_size)
         weights[name] = weight.to(dense.device)
-    for name, (dense, experts) in _expert_stacks(model).items():
+    # Stacks only for a GGUF file that kept blocks: a checkpoint's experts are quantized layer by layer as the model
+    # prepares them (MixtralForCausalLM.prepare_weights), each dense stack released before the next is quantized.
+    for name, (dense, experts) in _expert_stacks(model).items() if stored else ():
         wanted = 8 if bits == MIXED else bits
         weight = _from_file([w for _, w in sorted(stored.get(name, []), key=lambda p: p[0])], len(dense), bits, wanted)
         if weight is None or not _runs_as_experts(weight):
