@@ -23,7 +23,7 @@ from test_gguf_families import Encoder, gguf_read_once, tokens_of_both, write_gg
 from test_gguf_kquants import random_blocks
 
 from spindle.backend import parallel
-from spindle.backend.models import load_model
+from spindle.backend.models import load_model, resolve_model
 from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import quantized_weights, resolve_quantization
 from spindle.backend.models.mixtral import MixtralDecoderLayer
@@ -183,3 +183,17 @@ def test_gguf_moe_serves_its_experts_blocks(
 def experts_values(stack: QuantizedWeight) -> torch.Tensor:
     """The float ``[experts, out, in]`` values of a quantized stack of experts."""
     return torch.stack([dequantize(stack.select(e)) for e in range(stack.qweight.shape[0])])
+
+
+def test_a_file_that_says_it_has_experts_but_stacks_none_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``llama`` file with ``expert_count`` whose layers hold dense MLPs (or experts one by one, as llama.cpp's
+    early Mixtral files) fails its conversion, naming what is missing, instead of converting into a broken entry."""
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
+    config = transformers.LlamaConfig(**TINY_COMMON, num_local_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    file = write_gguf(tmp_path / "llama", "llama", tmp_path / "llama.gguf", encoder("F32"))
+
+    with pytest.raises(ValueError, match=r"layer 0 lacks stacked ones: \['blk.0.ffn_gate_inp.weight'"):
+        resolve_model(file)

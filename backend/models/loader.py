@@ -232,7 +232,7 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(read)
         tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
-        tensors |= _gguf_moe_tensors(reader, tensors)
+        tensors |= _gguf_moe_tensors(gguf_file, reader, config)
         dense = {name: t.contiguous() for name, t in tensors.items()}
         save_file(dense, out_dir / "model.safetensors", {"format": "pt"})
         _save_gguf_quantization(gguf_file, config, tensors, out_dir)
@@ -274,15 +274,24 @@ def _gguf_moe_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "
     return config
 
 
-def _gguf_moe_tensors(reader: "gguf.GGUFReader", tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The routers and experts of the layers transformers' reader left out (a Mixtral's), dequantized by ``gguf``.
+def _gguf_moe_tensors(
+    gguf_file: Path, reader: "gguf.GGUFReader", config: "PretrainedConfig"
+) -> dict[str, torch.Tensor]:
+    """A Mixtral file's routers and experts, which transformers' reader leaves out, dequantized by ``gguf``.
 
     They get transformers v5's names, which the MoE families load: ``model.layers.N.mlp.gate.weight`` (the router,
     ``blk.N.ffn_gate_inp``), ``mlp.experts.gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` (each expert's
-    gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[experts, hidden, intermediate]``.
+    gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[experts, hidden, intermediate]``. Other files
+    add nothing (transformers reads a Qwen3-MoE's).
+
+    Raises:
+        ValueError: when a layer has no stacked experts (llama.cpp's early Mixtral files kept each expert apart).
+
     """
     from gguf import dequantize
 
+    if config.model_type != "mixtral":
+        return {}
     by_name = {tensor.name: tensor for tensor in reader.tensors}
 
     def read(name: str) -> torch.Tensor:
@@ -290,15 +299,14 @@ def _gguf_moe_tensors(reader: "gguf.GGUFReader", tensors: dict[str, torch.Tensor
         return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32"))
 
     added = {}
-    layers = sorted({int(found[1]) for found in map(GGUF_EXPERTS.fullmatch, by_name) if found is not None})
-    for layer in layers:
+    for layer in range(config.num_hidden_layers):
         prefix, blk = f"model.layers.{layer}.mlp.", f"blk.{layer}."
-        if f"{prefix}experts.down_proj" in tensors:
-            continue
-        added[f"{prefix}gate.weight"] = read(f"{blk}ffn_gate_inp.weight")
-        gate, up = read(f"{blk}ffn_gate_exps.weight"), read(f"{blk}ffn_up_exps.weight")
-        added[f"{prefix}experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        added[f"{prefix}experts.down_proj"] = read(f"{blk}ffn_down_exps.weight")
+        wanted = [f"{blk}ffn_gate_inp.weight", *(f"{blk}ffn_{role}_exps.weight" for role in ("gate", "up", "down"))]
+        if any(name not in by_name for name in wanted):
+            raise ValueError(f"{gguf_file} says it has experts, but its layer {layer} lacks stacked ones: {wanted}")
+        added[f"{prefix}gate.weight"] = read(wanted[0])
+        added[f"{prefix}experts.gate_up_proj"] = torch.cat([read(wanted[1]), read(wanted[2])], dim=1)
+        added[f"{prefix}experts.down_proj"] = read(wanted[3])
     return added
 
 
