@@ -20,14 +20,16 @@ import torch
 import transformers
 from conftest import TINY_COMMON
 from test_gguf_families import Encoder, gguf_read_once, tokens_of_both, write_gguf
-from test_gguf_kquants import random_blocks
+from test_gguf_kquants import LAYOUTS, random_blocks
 
 from spindle.backend import parallel
-from spindle.backend.models import load_model, resolve_model
+from spindle.backend.models import gguf_blocks, load_model, resolve_model
 from spindle.backend.models.checkpoint_config import CheckpointConfig
-from spindle.backend.models.loader import quantized_weights, resolve_quantization
+from spindle.backend.models.loader import _runs_as_experts, _stacked, quantized_weights, resolve_quantization
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.parallel import TensorParallel
+from spindle.kernels import force_triton
+from spindle.kernels.moe import Experts, fused_moe_reference, route
 from spindle.kernels.quant import QuantizedWeight, dequantize
 
 MOE_COMMON = {**TINY_COMMON, "hidden_size": 256, "tie_word_embeddings": False, "num_experts_per_tok": 2}
@@ -197,3 +199,30 @@ def test_a_file_that_says_it_has_experts_but_stacks_none_is_refused(
 
     with pytest.raises(ValueError, match=r"layer 0 lacks stacked ones: \['blk.0.ffn_gate_inp.weight'"):
         resolve_model(file)
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("gguf_type", list(LAYOUTS))
+def test_the_fused_moe_op_runs_the_stacks_the_loader_keeps(gguf_type: str, path: str) -> None:
+    """A kept type's expert stacks run on the fused MoE op the loader serves them to (the C++ op on the CPU, the
+    Triton grouped GEMM, interpreted here, on CUDA) as the per-expert torch loop runs them; the ones the loader
+    quantizes at load instead (on the CPU: Q5_1, Q5_K, Q6_K) are refused by the C++ op."""
+    experts, hidden, intermediate = 4, 256, 256
+    w13, w2 = (
+        _stacked(
+            gguf_blocks.decode(gguf_type, torch.from_numpy(random_blocks(gguf_type, experts * rows, inputs, seed))),
+            experts,
+        )
+        for rows, inputs, seed in ((2 * intermediate, hidden, 1), (hidden, intermediate, 2))
+    )
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, hidden, generator=generator)
+    topk_weights, topk_ids = route(torch.randn(7, experts, generator=generator), 2)
+    if not _runs_as_experts(w13, torch.device("cuda" if path == "triton" else "cpu")):
+        with pytest.raises(RuntimeError, match="int8 ones none|group_size 16"):
+            Experts(w13, w2)(x, topk_weights, topk_ids)
+        return
+    with force_triton(path == "triton"):
+        out = Experts(w13, w2)(x, topk_weights, topk_ids)
+    expected = fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -484,8 +484,8 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     untied embedding table the file keeps goes under
     ``spindle.backend.models.llama.EMBEDDING_TABLE``, at its own width. For a converted GGUF file, a MoE model's
     expert stacks go under ``layers.N.w13`` / ``layers.N.w2`` as ``[experts, out, in]`` stacks, from the file's
-    blocks by the same rule where the fused MoE kernels run their layout (:func:`_runs_as_experts`), else quantized
-    at load.
+    blocks by the same rule where the device's fused MoE kernel runs their layout (:func:`_runs_as_experts`), else
+    quantized at load.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
@@ -531,7 +531,7 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     for name, (dense, experts) in _expert_stacks(model).items() if stored else ():
         wanted = 8 if bits == MIXED else bits
         weight = _from_file([w for _, w in sorted(stored.get(name, []), key=lambda p: p[0])], len(dense), bits, wanted)
-        if weight is None or not _runs_as_experts(weight):
+        if weight is None or not _runs_as_experts(weight, dense.device):
             weight = quantize(dense, wanted)
             at_load.append(name)
         weights[name] = _stacked(weight.to(dense.device), experts)
@@ -570,13 +570,14 @@ def _expert_stacks(model: CausalLM) -> dict[str, tuple[torch.Tensor, int]]:
     }
 
 
-def _runs_as_experts(weight: QuantizedWeight) -> bool:
-    """Whether the fused MoE kernels run a stack of this layout: int4, or int8 without offsets, in groups of 32n.
+def _runs_as_experts(weight: QuantizedWeight, device: torch.device) -> bool:
+    """Whether the fused MoE kernel of ``device`` runs a stack of this layout.
 
-    The C++ op's micro-kernels step 32 inputs at a time and read no offsets for int8, so a file's Q5_1/Q5_K/Q6_K
-    experts are quantized to int8 at load instead.
+    On CUDA the Triton grouped GEMM runs every layout. On the CPU the C++ op runs int4, and int8 without offsets,
+    in groups of a multiple of 32 inputs (its micro-kernels step 32 inputs at a time and read no offsets for int8):
+    a file's Q5_1/Q5_K/Q6_K experts are quantized to int8 at load there instead.
     """
-    return weight.group_size % 32 == 0 and (weight.bits == 4 or weight.zeros is None)
+    return device.type == "cuda" or (weight.group_size % 32 == 0 and (weight.bits == 4 or weight.zeros is None))
 
 
 def _stacked(weight: QuantizedWeight, experts: int) -> QuantizedWeight:
