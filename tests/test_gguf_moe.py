@@ -19,13 +19,19 @@ import pytest
 import torch
 import transformers
 from conftest import TINY_COMMON
-from test_gguf_families import Encoder, gguf_read_once, tokens_of_both, write_gguf
+from test_gguf_families import Encoder, tokens_of_both, write_gguf
 from test_gguf_kquants import LAYOUTS, random_blocks
 
 from spindle.backend import parallel
 from spindle.backend.models import gguf_blocks, load_model, resolve_model
 from spindle.backend.models.checkpoint_config import CheckpointConfig
-from spindle.backend.models.loader import _runs_as_experts, _stacked, quantized_weights, resolve_quantization
+from spindle.backend.models.loader import (
+    _runs_as_experts,
+    _stacked,
+    gguf_read_once,
+    quantized_weights,
+    resolve_quantization,
+)
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.parallel import TensorParallel
 from spindle.kernels import force_triton
@@ -60,7 +66,7 @@ FILE_TYPES = {
     "Q4_K_M": {"": "Q4_K", "blk.0.ffn_down_exps": "Q6_K", "output": "Q6_K"},
 }
 """Each file's types: of every matrix (``""``), and of those whose GGUF name is another key (a Q4_K_M's first
-layer's down experts Q6_K, which the fused MoE kernels do not run: quantized to int8 at load); none: float32."""
+layer's down experts Q6_K, which the CPU's fused MoE op does not run: quantized to int8 at load); none: float32."""
 
 ROLES = {"ffn_gate_exps": ("w13", 0), "ffn_up_exps": ("w13", 1), "ffn_down_exps": ("w2", 0)}
 """A GGUF expert stack -> the Spindle stack it goes into and its part there (gate rows, then up rows)."""
@@ -129,7 +135,7 @@ def test_gguf_moe_serves_its_experts_blocks(
     family: str, file_type: str, moe_checkpoint: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The file converts to its MoE family and gives transformers' greedy tokens; under ``--quantization auto``
-    each layer's experts are the file's blocks, stacked, where their type is kept and the fused MoE kernels run its
+    each layer's experts are the file's blocks, stacked, where their type is kept and the CPU's fused MoE op runs its
     layout (else quantized to int8 at load), and the prepared model holds no dense copy of them. A tensor-parallel
     rank keeps its share of every expert's intermediate dimension from the same blocks."""
     held: dict[str, torch.Tensor] = {}
