@@ -582,12 +582,12 @@ def _runs_as_experts(weight: QuantizedWeight, device: torch.device) -> bool:
 
 def _stacked(weight: QuantizedWeight, experts: int) -> QuantizedWeight:
     """A flat ``[experts * out, in]`` weight as the ``[experts, out, in]`` stack the MoE kernels take."""
-    zeros = None if weight.zeros is None else weight.zeros.view(experts, -1, weight.zeros.shape[-1])
+
+    def split(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(experts, -1, *t.shape[1:])
+
     return QuantizedWeight(
-        weight.qweight.view(experts, -1, weight.qweight.shape[-1]),
-        weight.scales.view(experts, -1, weight.scales.shape[-1]),
-        zeros,
-        weight.group_size,
+        split(weight.qweight), split(weight.scales), split(weight.zeros), weight.group_size, split(weight.super_scales)
     )
 
 
