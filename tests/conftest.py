@@ -91,6 +91,7 @@ TIERS = {
     "test_model_families": "engine",
     "test_gguf_families": "engine",
     "test_gguf_kquants": "engine",
+    "test_gguf_moe": "engine",
     "test_model_parity": "engine",
     "test_moe": "engine",
     "test_priority": "engine",

@@ -53,9 +53,17 @@ def quantized_as(qtype: gguf.GGMLQuantizationType) -> Encoder:
     return encode
 
 
-def write_gguf(model_dir: Path, architecture: str, path: Path, encode: Encoder) -> Path:
+def write_gguf(
+    model_dir: Path, architecture: str, path: Path, encode: Encoder, held: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write the checkpoint in ``model_dir`` as a GGUF of ``architecture``: its matrices as ``encode`` gives them
-    (by their GGUF names), the norms in float32, and a byte-level vocabulary of its 256 tokens."""
+    (by their GGUF names), the norms and MoE routers in float32, and a byte-level vocabulary of its 256 tokens.
+
+    As llama.cpp's converter does, a ``llama`` file's q and k rows are permuted for its rotary, a mixture of experts
+    says its expert counts, and transformers v5's fused ``gate_up_proj`` experts (``save_original_format=False``)
+    are written as the ``ffn_gate_exps`` and ``ffn_up_exps`` stacks. ``held``, when given, receives the values the
+    file holds by the checkpoint's names (``gguf``'s dequantization of what was written, in the checkpoint's order).
+    """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     tensors = safetensors.torch.load_file(model_dir / "model.safetensors")
     writer = gguf.GGUFWriter(path, architecture)
@@ -68,6 +76,12 @@ def write_gguf(model_dir: Path, architecture: str, path: Path, encode: Encoder) 
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
     writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
@@ -78,19 +92,46 @@ def write_gguf(model_dir: Path, architecture: str, path: Path, encode: Encoder) 
     arch = next(arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items() if arch_name == architecture)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in tensors.items():
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        data = tensor.float().numpy()
-        if data.ndim == 2:
-            blocks, kind = encode(name, data)
-            writer.add_tensor(name, blocks, raw_dtype=kind)
-        else:
-            writer.add_tensor(name, data)
+        parts = [(hf_name, tensor.float())]
+        if hf_name.endswith(".gate_up_proj"):
+            gate, up = tensor.float().chunk(2, dim=1)
+            parts = [
+                (hf_name.replace("gate_up_proj", "gate_proj"), gate),
+                (hf_name.replace("gate_up_proj", "up_proj"), up),
+            ]
+        values = []
+        for part_name, part in parts:
+            name = names.get_name(part_name, try_suffixes=(".weight", ".bias"))
+            assert name is not None, part_name
+            name = name if name.endswith((".weight", ".bias")) else f"{name}.weight"
+            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(
+                name.split(".")[-2]
+            )
+            data = part.numpy()
+            if heads is not None and architecture == "llama":
+                data = rotary_permuted(data, heads)
+            if data.ndim >= 2 and "ffn_gate_inp" not in name:
+                blocks, kind = encode(name, data)
+                writer.add_tensor(name, blocks, raw_dtype=kind)
+                data = gguf.quants.dequantize(blocks, kind)
+            else:
+                writer.add_tensor(name, data)
+            if heads is not None and architecture == "llama":
+                data = rotary_permuted(data, heads, inverse=True)
+            values.append(torch.from_numpy(data.copy()))
+        if held is not None:
+            held[hf_name] = torch.cat(values, dim=1) if len(values) > 1 else values[0]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def rotary_permuted(rows: np.ndarray, heads: int, inverse: bool = False) -> np.ndarray:
+    """q or k rows in llama.cpp's order for its rotary (each head's two halves interleaved), or back (``inverse``)."""
+    split = (heads, 2, rows.shape[0] // heads // 2) if not inverse else (heads, rows.shape[0] // heads // 2, 2)
+    return rows.reshape(*split, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 @pytest.fixture(scope="module")
@@ -119,22 +160,24 @@ def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
 
 def tokens_of_both(
-    file: Path, monkeypatch: pytest.MonkeyPatch
+    file: Path, monkeypatch: pytest.MonkeyPatch, reference: transformers.PreTrainedModel | None = None
 ) -> tuple[list[list[int]], list[list[int]], CausalLM, Path]:
     """transformers' greedy tokens on ``file`` and Spindle's (``--quantization auto``) on three random prompts, then
     Spindle's dense model and the directory it converted the file into, under a cache beside the file.
 
-    Spindle's projections run weight-only, their activations float as transformers' are: the default, int8
-    activations, is checked against its own reference (test_model_families' quantized tokens).
+    transformers' model is its GGUF reader's, unless a ``reference`` model is given. Spindle's projections run
+    weight-only, their activations float as transformers' are: the default, int8 activations, is checked against
+    its own reference (test_model_families' quantized tokens).
     """
     cpu.cpu_ops()  # the C++ kernels from the usual cache, not built again (minutes) into the file's
     monkeypatch.setenv("SPINDLE_CACHE_DIR", str(file.parent / "cache"))
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (22, 5, 17)]
-    with gguf_read_once(file):
-        reference = transformers.AutoModelForCausalLM.from_pretrained(
-            file.parent, gguf_file=file.name, dtype=torch.float32
-        ).eval()
+    if reference is None:
+        with gguf_read_once(file):
+            reference = transformers.AutoModelForCausalLM.from_pretrained(
+                file.parent, gguf_file=file.name, dtype=torch.float32
+            ).eval()
     kwargs = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     with torch.inference_mode():
         expected = [reference.generate(torch.tensor([ids]), **kwargs)[0, len(ids) :].tolist() for ids in prompts]

@@ -7,9 +7,11 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -19,8 +21,13 @@ from spindle.backend.models import gguf_blocks
 from spindle.backend.models.checkpoint_config import SUPPORTED_ARCHITECTURES, CheckpointConfig
 from spindle.backend.models.interface import CausalLM, model_class
 from spindle.backend.models.llama import EMBEDDING_TABLE
+from spindle.backend.models.mixtral import MixtralDecoderLayer, MixtralForCausalLM
 from spindle.kernels.cache_entry import build_entry, is_complete
 from spindle.kernels.quant import QuantizedWeight, cat_rows, quantize, widen
+
+if TYPE_CHECKING:
+    import gguf
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +81,19 @@ GGUF_FUSED_PROJECTIONS = {
 """llama.cpp's names of Phi-3's fused projections -> Hugging Face's fused name and the parts it stacks, in order (a
 Llama's ``ffn_up`` is its ``up_proj`` alone: the fused name applies where transformers' copy holds it)."""
 
-GGUF_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "Qwen3ForCausalLM", "Phi3ForCausalLM")
-"""The architectures a GGUF file is converted for: the Llama family, and the two built-in dense families past it that
-transformers' GGUF reader maps (``qwen3``, ``phi3``)."""
+GGUF_ARCHITECTURES = (
+    *SUPPORTED_ARCHITECTURES,
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+"""The architectures a GGUF file is converted for: the Llama family, the two built-in dense families past it that
+transformers' GGUF reader maps (``qwen3``, ``phi3``), and the mixture-of-experts ones: Mixtral (which llama.cpp
+writes as ``llama`` with an ``expert_count``) and Qwen3-MoE (``qwen3moe``)."""
+
+GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+"""llama.cpp's name of a layer's stacked experts' matrices, ``[experts, out, in]`` (``ne`` reversed), by role."""
 
 GGUF_PERMUTED_QK = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp interleaves for its rotary, which transformers un-permutes (its
@@ -199,20 +216,26 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     with gguf_read_once(gguf_file):
-        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        import gguf
+
+        reader = gguf.GGUFReader(gguf_file)
+        read = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        config = _gguf_moe_config(reader, read)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"{gguf_file} holds a {config.model_type!r} model; Spindle converts {', '.join(GGUF_ARCHITECTURES)}"
             )
         config.architectures = [architecture]
-        # The name map from GGUF to HF tensor names (q/k un-permuted) is read off a weightless skeleton of the model.
+        # The name map from GGUF to HF tensor names (q/k un-permuted) is read off a weightless skeleton of the model
+        # as transformers reads it (a Mixtral as the Llama it reads, whose experts are added below).
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
+            skeleton = AutoModelForCausalLM.from_config(read)
         tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tensors |= _gguf_moe_tensors(gguf_file, reader, config)
         dense = {name: t.contiguous() for name, t in tensors.items()}
         save_file(dense, out_dir / "model.safetensors", {"format": "pt"})
-        _save_gguf_quantization(gguf_file, config.num_attention_heads, config.num_key_value_heads, tensors, out_dir)
+        _save_gguf_quantization(gguf_file, config, tensors, out_dir)
         config.save_pretrained(out_dir)
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -220,46 +243,117 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(out_dir, save_jinja_files=False)
 
 
+def _gguf_field(reader: "gguf.GGUFReader", key: str) -> str | int | None:
+    """The GGUF metadata value ``key`` (a string or an integer), None where the file has none."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types[0].name == "STRING" else int(value[0])
+
+
+def _gguf_moe_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "PretrainedConfig":
+    """The config transformers reads off a GGUF file, completed where it maps a mixture-of-experts file short.
+
+    llama.cpp writes a Mixtral as architecture ``llama`` with ``llama.expert_count`` / ``expert_used_count``, which
+    transformers reads as a dense Llama: the config becomes a Mixtral one with the same fields and those two. For
+    ``qwen3moe`` transformers maps no ``expert_feed_forward_length``, leaving ``moe_intermediate_size`` at its
+    default: it is read here. Other configs are returned as they are.
+    """
+    from transformers import MixtralConfig
+
+    architecture = _gguf_field(reader, "general.architecture")
+    experts = _gguf_field(reader, f"{architecture}.expert_count")
+    if config.model_type in ("llama", "mistral") and experts:
+        skipped = ("model_type", "architectures", "transformers_version")
+        fields = {key: value for key, value in config.to_dict().items() if key not in skipped}
+        used = _gguf_field(reader, f"{architecture}.expert_used_count")
+        return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used)
+    if config.model_type == "qwen3_moe":
+        config.moe_intermediate_size = _gguf_field(reader, f"{architecture}.expert_feed_forward_length")
+    return config
+
+
+def _gguf_moe_tensors(
+    gguf_file: Path, reader: "gguf.GGUFReader", config: "PretrainedConfig"
+) -> dict[str, torch.Tensor]:
+    """A Mixtral file's routers and experts, which transformers' reader leaves out, dequantized by ``gguf``.
+
+    They get transformers v5's names, which the MoE families load: ``model.layers.N.mlp.gate.weight`` (the router,
+    ``blk.N.ffn_gate_inp``), ``mlp.experts.gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` (each expert's
+    gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[experts, hidden, intermediate]``. Other files
+    add nothing (transformers reads a Qwen3-MoE's).
+
+    Raises:
+        ValueError: when a layer has no stacked experts (llama.cpp's early Mixtral files kept each expert apart).
+
+    """
+    from gguf import dequantize
+
+    if config.model_type != "mixtral":
+        return {}
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+
+    def read(name: str) -> torch.Tensor:
+        tensor = by_name[name]
+        return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32"))
+
+    added = {}
+    for layer in range(config.num_hidden_layers):
+        prefix, blk = f"model.layers.{layer}.mlp.", f"blk.{layer}."
+        wanted = [f"{blk}ffn_gate_inp.weight", *(f"{blk}ffn_{role}_exps.weight" for role in ("gate", "up", "down"))]
+        if any(name not in by_name for name in wanted):
+            raise ValueError(f"{gguf_file} says it has experts, but its layer {layer} lacks stacked ones: {wanted}")
+        added[f"{prefix}gate.weight"] = read(wanted[0])
+        added[f"{prefix}experts.gate_up_proj"] = torch.cat([read(wanted[1]), read(wanted[2])], dim=1)
+        added[f"{prefix}experts.down_proj"] = read(wanted[3])
+    return added
+
+
 def _save_gguf_quantization(
-    gguf_file: Path, num_heads: int, num_kv_heads: int, dequantized: dict[str, torch.Tensor], out_dir: Path
+    gguf_file: Path, config: "PretrainedConfig", dequantized: dict[str, torch.Tensor], out_dir: Path
 ) -> None:
     """Keep the GGUF's matrices of the kept types in Spindle's layout, and record what ``auto`` serves.
 
-    The projections, the embedding and the output matrix are kept where their type is one of
+    The projections, the experts, the embedding and the output matrix are kept where their type is one of
     :data:`~spindle.backend.models.gguf_blocks.BITS`, each at its own precision (a Q4_K_M file's Q4_K matrices as
     int4, its Q6_K ones as int8). Each kept matrix is checked against transformers' dequantized copy of the same
     tensor (``dequantized``), so a layout mistake fails the conversion instead of serving wrong weights. q and k rows
     get the same un-permutation transformers applies (:data:`GGUF_PERMUTED_QK`); Phi-3's fused q/k/v and gate/up
-    matrices are cut into their parts' rows (whole rows of blocks: exactly), which is how Spindle loads them too.
+    matrices are cut into their parts' rows (whole rows of blocks: exactly), and a stack of experts into each
+    expert's matrix under the family's checkpoint name, which is how Spindle loads them too.
     """
     import numpy as np
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
-    from spindle.kernels.quant import dequantize
-
+    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
     kept: dict[str, torch.Tensor] = {}
     types: Counter[str] = Counter()
     reader = GGUFReader(gguf_file)
-    field = reader.fields["general.architecture"]
-    permuted = bytes(field.parts[field.data[0]]).decode() in GGUF_PERMUTED_QK
+    permuted = _gguf_field(reader, "general.architecture") in GGUF_PERMUTED_QK
     for tensor in reader.tensors:
+        experts = GGUF_EXPERTS.fullmatch(tensor.name)
         hf_name = _gguf_hf_name(tensor.name, dequantized)
         kind = tensor.tensor_type.name
-        if hf_name is None:
+        if hf_name is None and experts is None:
             continue
-        if ".layers." in hf_name:
+        if experts is not None or ".layers." in hf_name:
             types[kind] += 1
         if kind not in gguf_blocks.BITS:
             continue
-        weight = gguf_blocks.decode(kind, torch.from_numpy(np.array(tensor.data)))
-        heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name.split(".")[-2])
-        if heads is not None and permuted:
-            weight = weight.select(_unpermute_rows(weight.qweight.shape[0], heads))
-        reference = dequantized[hf_name].float()
-        if not torch.allclose(dequantize(weight), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max())):
-            raise ValueError(f"{gguf_file}: {tensor.name} does not decode to transformers' copy of {hf_name}")
-        for part_name, part in _gguf_parts(hf_name, weight, num_heads, num_kv_heads):
+        raw = torch.from_numpy(np.array(tensor.data))
+        if experts is not None:
+            family = model_class(config.architectures[0])
+            parts = _gguf_experts(gguf_file, raw, kind, experts, dequantized, family)
+        else:
+            weight = gguf_blocks.decode(kind, raw)
+            heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name.split(".")[-2])
+            if heads is not None and permuted:
+                weight = weight.select(_unpermute_rows(weight.qweight.shape[0], heads))
+            _check_kept(gguf_file, tensor.name, weight, dequantized[hf_name])
+            parts = _gguf_parts(hf_name, weight, num_heads, num_kv_heads)
+        for part_name, part in parts:
             kept |= {f"{part_name}.qweight": part.qweight, f"{part_name}.scales": part.scales}
             if part.zeros is not None:
                 kept[f"{part_name}.zeros"] = part.zeros
@@ -275,6 +369,45 @@ def _save_gguf_quantization(
     else:  # no projection of a kept type (F16, Q2_K...): served dequantized unless --quantization says otherwise
         return
     (out_dir / QUANTIZATION_FILE).write_text(json.dumps(served))
+
+
+def _check_kept(gguf_file: Path, gguf_name: str, weight: QuantizedWeight, reference: torch.Tensor) -> None:
+    """Fail the conversion unless a kept matrix decodes to transformers' dequantized copy of it, to rounding."""
+    from spindle.kernels.quant import dequantize
+
+    reference = reference.float()
+    if not torch.allclose(dequantize(weight), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max())):
+        raise ValueError(f"{gguf_file}: {gguf_name} does not decode to transformers' copy of it")
+
+
+def _gguf_experts(
+    gguf_file: Path,
+    raw: torch.Tensor,
+    kind: str,
+    found: re.Match[str],
+    dequantized: dict[str, torch.Tensor],
+    family: type[MixtralForCausalLM],
+) -> Iterator[tuple[str, QuantizedWeight]]:
+    """A stack of experts' blocks (uint8 ``[experts, out, blocks x bytes]``) as each expert's matrix, by its name.
+
+    The stack decodes at once and is checked against its part of transformers' v5 tensors (``gate_up_proj``: gate
+    rows then up rows; ``down_proj``), then cut into experts under the checkpoint names of ``family`` (a
+    :class:`~spindle.backend.models.mixtral.MixtralForCausalLM`: ``block_sparse_moe.experts.E.w1``, Qwen3-MoE's
+    ``mlp.experts.E.gate_proj``), whose loader places and shards them.
+    """
+    layer, role = int(found[1]), found[2]
+    experts, rows = raw.shape[:2]
+    stack = gguf_blocks.decode(kind, raw.view(experts * rows, -1))
+    prefix = f"model.layers.{layer}.mlp.experts."
+    if role == "down":
+        reference = dequantized[f"{prefix}down_proj"]
+    else:
+        reference = dequantized[f"{prefix}gate_up_proj"].narrow(1, rows if role == "up" else 0, rows)
+    _check_kept(gguf_file, found.string, stack, reference.reshape(experts * rows, -1))
+    names = {matrix_role: name for name, matrix_role in family.expert_matrices.items()}
+    for expert in range(experts):
+        name = f"model.layers.{layer}.{family.moe_block}.experts.{expert}.{names[role]}.weight"
+        yield name, stack.narrow(0, expert * rows, rows)
 
 
 def _gguf_hf_name(gguf_name: str, dequantized: dict[str, torch.Tensor]) -> str | None:
@@ -349,7 +482,10 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     head is 8-bit in either case: 4-bit logits cost quality that its share of the work does not repay, and GGUF
     files keep it at 6 bits or more for the same reason (a 4-bit one is widened exactly under :data:`MIXED`). An
     untied embedding table the file keeps goes under
-    ``spindle.backend.models.llama.EMBEDDING_TABLE``, at its own width.
+    ``spindle.backend.models.llama.EMBEDDING_TABLE``, at its own width. For a converted GGUF file, a MoE model's
+    expert stacks go under ``layers.N.w13`` / ``layers.N.w2`` as ``[experts, out, in]`` stacks, from the file's
+    blocks by the same rule where the device's fused MoE kernel runs their layout (:func:`_runs_as_experts`), else
+    quantized at load.
     """
     stored: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     path = Path(model_dir) / QUANTIZED_FILE
@@ -381,17 +517,24 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     for name, (module, attr) in model.projections().items():
         wanted = 8 if name == "lm_head" or bits == MIXED else bits
         found = sorted(stored.get("embed_tokens" if attr == "embed_tokens" else name, []), key=lambda p: p[0])
-        parts = [w for _, w in found]
         dense = getattr(module, attr)
-        whole = bool(parts) and sum(w.shape[0] for w in parts) == len(dense)
-        if whole and (bits == MIXED or all(w.bits == wanted for w in parts)):
-            weight = cat_rows(parts)
-            if name == "lm_head" and weight.bits == 4:  # under MIXED only
-                weight = widen(weight, weight.group_size)
-            weights[name] = weight.to(dense.device)
-        else:
+        weight = _from_file([w for _, w in found], len(dense), bits, wanted)
+        if weight is None:
             weights[name] = quantize(dense, wanted)
             at_load.append(name)
+            continue
+        if name == "lm_head" and weight.bits == 4:  # under MIXED only
+            weight = widen(weight, weight.group_size)
+        weights[name] = weight.to(dense.device)
+    # Stacks only for a GGUF file that kept blocks: a checkpoint's experts are quantized layer by layer as the model
+    # prepares them (MixtralForCausalLM.prepare_weights), each dense stack released before the next is quantized.
+    for name, (dense, experts) in _expert_stacks(model).items() if stored else ():
+        wanted = 8 if bits == MIXED else bits
+        weight = _from_file([w for _, w in sorted(stored.get(name, []), key=lambda p: p[0])], len(dense), bits, wanted)
+        if weight is None or not _runs_as_experts(weight, dense.device):
+            weight = quantize(dense, wanted)
+            at_load.append(name)
+        weights[name] = _stacked(weight.to(dense.device), experts)
     head = model.projections().get("lm_head")
     table = [w for _, w in sorted(stored.get("embed_tokens", []), key=lambda p: p[0])]
     if head is not None and head[1] == "lm_head" and table:
@@ -402,6 +545,50 @@ def quantized_weights(model: CausalLM, model_dir: Path, bits: int | str) -> dict
     if bits == MIXED and at_load:
         logger.info("%d projections not kept from the GGUF file, quantized to int8 at load: %s", len(at_load), at_load)
     return weights
+
+
+def _from_file(parts: list[QuantizedWeight], rows: int, bits: int | str, wanted: int) -> QuantizedWeight | None:
+    """A matrix's parts kept from the GGUF file, stacked by rows, where they cover its ``rows`` at served bits.
+
+    ``bits`` :data:`MIXED` serves parts of any width, else all must be ``wanted`` bits; else None (the matrix is then
+    quantized at load).
+    """
+    if not parts or sum(w.shape[0] for w in parts) != rows:
+        return None
+    return cat_rows(parts) if bits == MIXED or all(w.bits == wanted for w in parts) else None
+
+
+def _expert_stacks(model: CausalLM) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each MoE layer's flat expert stacks (``layers.3.w13``, ``layers.3.w2``) and its number of experts."""
+    if not isinstance(model, MixtralForCausalLM):
+        return {}
+    return {
+        f"layers.{i}.{attr}": (getattr(layer, attr), layer.num_experts)
+        for i, layer in enumerate(model.layers)
+        if isinstance(layer, MixtralDecoderLayer)
+        for attr in ("w13", "w2")
+    }
+
+
+def _runs_as_experts(weight: QuantizedWeight, device: torch.device) -> bool:
+    """Whether the fused MoE kernel of ``device`` runs a stack of this layout.
+
+    On CUDA the Triton grouped GEMM runs every layout. On the CPU the C++ op runs int4, and int8 without offsets,
+    in groups of a multiple of 32 inputs (its micro-kernels step 32 inputs at a time and read no offsets for int8):
+    a file's Q5_1/Q5_K/Q6_K experts are quantized to int8 at load there instead.
+    """
+    return device.type == "cuda" or (weight.group_size % 32 == 0 and (weight.bits == 4 or weight.zeros is None))
+
+
+def _stacked(weight: QuantizedWeight, experts: int) -> QuantizedWeight:
+    """A flat ``[experts * out, in]`` weight as the ``[experts, out, in]`` stack the MoE kernels take."""
+
+    def split(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(experts, -1, *t.shape[1:])
+
+    return QuantizedWeight(
+        split(weight.qweight), split(weight.scales), split(weight.zeros), weight.group_size, split(weight.super_scales)
+    )
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:

@@ -50,18 +50,24 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         hf = config.hf_config
         return hf["num_local_experts"], hf["num_experts_per_tok"], True, config.intermediate_size
 
-    def prepare_experts(self, bits: int | None = None) -> None:
+    def prepare_experts(
+        self, bits: int | None = None, stacks: tuple[QuantizedWeight, QuantizedWeight] | None = None
+    ) -> None:
         """Build the :class:`~spindle.kernels.moe.Experts` the forward runs; release the stacks it no longer reads.
 
         Args:
             bits: 8 or 4 to quantize the experts (:func:`~spindle.kernels.moe.quantize_experts`), which then hold
                 their quantized form alone; None to run them in the model dtype.
+            stacks: the experts' ``w13`` and ``w2`` already quantized (a GGUF file's blocks), ``[experts, out, in]``
+                stacks held alone; ``bits`` is then not read.
 
         """
         hidden = self.w13.shape[1]
         w13 = self.w13.data.view(self.num_experts, 2 * self.intermediate, hidden)
         w2 = self.w2.data.view(self.num_experts, hidden, self.intermediate)
-        if bits is None:
+        if stacks is not None:
+            self.experts = Experts(*stacks)
+        elif bits is None:
             self.experts = Experts(w13, w2)
         else:
             self.experts = Experts(quantize_experts(w13, bits), quantize_experts(w2, bits))
@@ -101,23 +107,31 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def prepare_weights(self, quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """Prepare the projections as the parent does, and each MoE layer's experts for the fused MoE path.
 
-        The experts are quantized to the bits of the layers' quantized projections (the LM head, int8 whatever
-        ``--quantization`` says, and an embedding table aside), and stay in the model dtype when those are not
-        quantized.
+        Experts given as stacks (``layers.N.w13`` and ``layers.N.w2`` in ``quantized``, as
+        :func:`~spindle.backend.models.loader.quantized_weights` gives them) are run as they are. Others are
+        quantized to the bits of the layers' quantized projections (the LM head, int8 whatever ``--quantization``
+        says, and an embedding table aside), and stay in the model dtype when those are not quantized.
 
         Raises:
-            ValueError: when the layers' projections are quantized to more than one bit width.
+            ValueError: when experts are to take the projections' bits and those are more than one width.
 
         """
         super().prepare_weights(quantized)
-        layers = {name: weight for name, weight in (quantized or {}).items() if name.startswith("layers.")}
-        widths = {weight.bits for weight in layers.values()}
-        if len(widths) > 1:
-            raise ValueError(f"the layers' projections are quantized to {sorted(widths)} bits: the experts take one")
-        bits = widths.pop() if widths else None
-        for layer in self.layers:
-            if isinstance(layer, MixtralDecoderLayer):
-                layer.prepare_experts(bits)
+        quantized = quantized or {}
+        projections = self.projections()
+        widths = {w.bits for name, w in quantized.items() if name.startswith("layers.") and name in projections}
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, MixtralDecoderLayer):
+                continue
+            w13, w2 = quantized.get(f"layers.{i}.w13"), quantized.get(f"layers.{i}.w2")
+            if w13 is not None and w2 is not None:
+                layer.prepare_experts(stacks=(w13, w2))
+                continue
+            if len(widths) > 1:
+                raise ValueError(
+                    f"the layers' projections are quantized to {sorted(widths)} bits: the experts take one"
+                )
+            layer.prepare_experts(next(iter(widths), None))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load as the parent does; transformers v5's fused expert tensors are first split into this family's names.
