@@ -15,7 +15,7 @@ from spindle.backend.models import load_model
 from spindle.backend.models.loader import quantized_weights
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
-from spindle.kernels import eager, force_triton
+from spindle.kernels import cpu, eager, force_triton
 from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
 from spindle.kernels.quant import QuantizedWeight
 
@@ -80,6 +80,8 @@ def test_fused_moe_matches_a_per_expert_loop(case: str, bits: int | None, path: 
     with force_triton(path == "triton"):
         experts = Experts(w13, w2)
         out = experts(x, topk_weights, topk_ids)
+    # Dense float32 experts run the op's float tiles on any CPU (every case's outputs are multiples of 16).
+    assert experts.tiled == (path == "cpu" and bits is None and (dtype == torch.float32 or cpu.bf16_linear_supported()))
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
 
@@ -93,9 +95,10 @@ def test_quantized_experts_on_the_cpu_need_sizes_in_steps_of_32() -> None:
         Experts(quantize_experts(w13, 8), w2)
 
 
-def test_fused_moe_does_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     """The C++ op's work items are handed out dynamically; each output value still has one fixed summation order."""
-    x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", torch.bfloat16)
+    x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", dtype)
     experts = Experts(w13, w2)
     threads = torch.get_num_threads()
     try:
