@@ -39,11 +39,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
         ``(weights, ids)``: float32 ``[tokens, top_k]`` and int64 ``[tokens, top_k]``, by descending weight.
 
     """
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    logits = router_logits.float()
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        # The top-k of the softmax, renormalised, is the softmax of the top-k logits: two small ops instead of four.
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    return torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
 
 
 def quantize_experts(weights: torch.Tensor, bits: int) -> QuantizedWeight:

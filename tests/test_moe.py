@@ -28,9 +28,12 @@ CASES = {
     "odd_shapes": (19, 6, 3, 80, 112, None),
     # ~150 rows an expert, several work items each: the C++ op on AMX (hidden and intermediate multiples of 32).
     "many_rows": (300, 4, 2, 64, 96, None),
+    # Over 256 inputs a projection: the float32 tiles' work items run their inputs in parts of 256 (the last shorter).
+    "deep_inputs": (23, 4, 2, 288, 320, None),
 }
-QUANTIZED_CASES = [case for case in CASES if case != "odd_shapes"]
-"""int4 quantizes groups of 32 inputs, and the C++ op's quantized micro-kernels step 32 inputs at a time."""
+QUANTIZED_CASES = [case for case in CASES if case not in ("odd_shapes", "deep_inputs")]
+"""int4 quantizes groups of 32 inputs, and the C++ op's quantized micro-kernels step 32 inputs at a time (odd_shapes);
+deep_inputs is for the float32 tiles, and would only slow the interpreted Triton runs of the quantized ones."""
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
@@ -56,6 +59,25 @@ def test_route_renormalises_over_the_top_k_as_mixtral_and_keeps_probabilities_wi
     torch.testing.assert_close(weights, torch.softmax(top, dim=-1))
     raw, _ = route(logits, 2, renormalize=False)  # Qwen3-MoE without norm_topk_prob
     torch.testing.assert_close(raw, torch.softmax(logits, dim=-1).gather(1, ids))
+
+
+@pytest.mark.parametrize(
+    ("top_k", "renormalize"),
+    [(2, True), (4, True), (2, False), (4, False)],
+    ids=["mixtral-top2", "qwen3_moe-norm_topk_prob-top4", "qwen3_moe-top2", "qwen3_moe-top4"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_route_matches_transformers_routing(top_k: int, renormalize: bool, dtype: torch.dtype) -> None:
+    """As transformers' Mixtral and Qwen3-MoE blocks route: a float32 softmax over all the experts, its top-k, and
+    those divided by their sum where the family (or ``norm_topk_prob``) renormalises."""
+    logits = torch.randn(67, 16, generator=torch.Generator().manual_seed(top_k)).to(dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    expected, expected_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    weights, ids = route(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected)
 
 
 @pytest.mark.parametrize(

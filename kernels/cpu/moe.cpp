@@ -195,9 +195,13 @@ Routing sort_by_expert(const at::Tensor& x, const at::Tensor& topk_weights, cons
 }
 
 // float32 experts: tiles of FLOAT_TILE output columns, each [inputs][FLOAT_TILE], read by a micro-kernel of up to
-// FLOAT_ROWS grouped rows: 12 accumulator vectors, 2 weight vectors and a broadcast input, of AVX2's 16 registers.
+// FLOAT_ROWS grouped rows: 12 accumulator vectors, 2 weight vectors and a broadcast input, of AVX2's 16 registers. A
+// work item runs its rows against FLOAT_DEPTH inputs of its tile at a time (16 KB of weights, which stay in L1 for all
+// its row blocks: a whole down-projection tile of 512 inputs and the rows beside it would not), the partial sums
+// carried in its output rows.
 constexpr int64_t FLOAT_TILE = 16;
 constexpr int FLOAT_ROWS = 6;
+constexpr int64_t FLOAT_DEPTH = 256;
 
 inline f8 load8(const float* p) {
   f8 v;
@@ -207,18 +211,24 @@ inline f8 load8(const float* p) {
 
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [0, M) of x (`inputs` apart) against one packed tile: out[m][0, FLOAT_TILE), each value summed over the inputs
-// in order. Fetches the next tile in memory (the next work item's, usually) meanwhile: at decode sizes a tile serves
-// a few row blocks, and the first of them would otherwise wait on memory.
+// Rows [0, M) of x (`x_stride` apart) against `depth` inputs of a packed tile, added to out[m][0, FLOAT_TILE) when
+// `accumulate`, else stored there; each value summed over the inputs in order. `prefetch`, when not null, is fetched
+// meanwhile (the weights that come next in memory): at decode sizes a tile serves a block or two of rows, and the
+// first would otherwise wait on memory.
 template <int M>
-void float_block(const float* x, int64_t inputs, const float* tile, float* out, int64_t out_stride) {
+void float_block(const float* x, int64_t x_stride, int64_t depth, const float* tile, const float* prefetch,
+                 bool accumulate, float* out, int64_t out_stride) {
   f8 acc[M][2] = {};
-  const float* next = tile + inputs * FLOAT_TILE;
-  for (int64_t k = 0; k < inputs; ++k) {
-    __builtin_prefetch(next + k * FLOAT_TILE);
+  if (accumulate)
+    for (int m = 0; m < M; ++m) {
+      acc[m][0] = load8(out + m * out_stride);
+      acc[m][1] = load8(out + m * out_stride + 8);
+    }
+  for (int64_t k = 0; k < depth; ++k) {
+    if (prefetch != nullptr) __builtin_prefetch(prefetch + k * FLOAT_TILE);
     const f8 w0 = load8(tile + k * FLOAT_TILE), w1 = load8(tile + k * FLOAT_TILE + 8);
     for (int m = 0; m < M; ++m) {
-      const float a = x[m * inputs + k];
+      const float a = x[m * x_stride + k];
       acc[m][0] += a * w0;
       acc[m][1] += a * w1;
     }
@@ -239,12 +249,19 @@ void run_float_items(const std::vector<Item>& items, const float* in, int64_t in
     const Item& item = items[i];
     // Tile column / FLOAT_TILE of the expert starts column * inputs floats in.
     const float* tile = stack + (item.expert * outputs + item.column) * inputs;
-    for (int64_t r = 0; r < item.rows; r += FLOAT_ROWS) {
-      const int64_t row = item.row + r;
-      with_tokens(std::min<int64_t>(FLOAT_ROWS, item.rows - r), [&](auto tokens) {
-        constexpr int M = std::min<int>(decltype(tokens)::value, FLOAT_ROWS);  // with_tokens' 7 and 8 never come
-        float_block<M>(in + row * inputs, inputs, tile, out + row * outputs + item.column, outputs);
-      });
+    for (int64_t k = 0; k < inputs; k += FLOAT_DEPTH) {
+      const int64_t depth = std::min(FLOAT_DEPTH, inputs - k);
+      const float* part = tile + k * FLOAT_TILE;
+      for (int64_t r = 0; r < item.rows; r += FLOAT_ROWS) {
+        const int64_t row = item.row + r;
+        // The first row block fetches the weights that follow; the later ones would only evict this part from L1.
+        const float* prefetch = r == 0 ? part + depth * FLOAT_TILE : nullptr;
+        with_tokens(std::min<int64_t>(FLOAT_ROWS, item.rows - r), [&](auto tokens) {
+          constexpr int M = std::min<int>(decltype(tokens)::value, FLOAT_ROWS);  // with_tokens' 7 and 8 never come
+          float_block<M>(in + row * inputs + k, inputs, depth, part, prefetch, k > 0, out + row * outputs + item.column,
+                         outputs);
+        });
+      }
     }
   }
 }
