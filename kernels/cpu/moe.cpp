@@ -194,6 +194,24 @@ Routing sort_by_expert(const at::Tensor& x, const at::Tensor& topk_weights, cons
   return routing;
 }
 
+// Within an OpenMP region, this thread's share of the tokens: each token's outputs, its assignments' grouped rows of
+// `down` (`hidden` wide) times their routing weights, summed in float32 in assignment order.
+template <typename D, typename T>
+void weighted_sums(const D* down, const float* weight, const Routing& routing, int64_t tokens, int64_t top_k,
+                   int64_t hidden, T* out) {
+  std::vector<float> sum(hidden);
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int64_t k = 0; k < top_k; ++k) {
+      const D* row = down + routing.slot_of[t * top_k + k] * hidden;
+      const float w = weight[t * top_k + k];
+      for (int64_t c = 0; c < hidden; ++c) sum[c] += w * to_float(row[c]);
+    }
+    for (int64_t c = 0; c < hidden; ++c) out[t * hidden + c] = from_float<T>(sum[c]);
+  }
+}
+
 // float32 experts: tiles of FLOAT_TILE output columns, each [inputs][FLOAT_TILE], read by a micro-kernel of up to
 // FLOAT_ROWS grouped rows: 12 accumulator vectors, 2 weight vectors and a broadcast input, of AVX2's 16 registers. A
 // work item runs its rows against FLOAT_DEPTH inputs of its tile at a time (16 KB of weights, which stay in L1 for all
@@ -300,17 +318,7 @@ at::Tensor grouped_moe(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 #pragma omp parallel
   {
     run_items(down_items, act.data_ptr<T>(), intermediate, w2, hidden, d);
-    std::vector<float> sum(hidden);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t k = 0; k < top_k; ++k) {
-        const T* row = d + routing.slot_of[t * top_k + k] * hidden;
-        const float w = weight[t * top_k + k];
-        for (int64_t c = 0; c < hidden; ++c) sum[c] += w * to_float(row[c]);
-      }
-      for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = from_float<T>(sum[c]);
-    }
+    weighted_sums(d, weight, routing, tokens, top_k, hidden, o);
   }
   return out;
 }
@@ -440,17 +448,7 @@ at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const Quant
         w2.input_row(a + s * intermediate, ar + s * intermediate, as + s * down_groups);
     }
     w2.run_items(down_items, ar, as, d);
-    std::vector<float> sum(hidden);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t k = 0; k < top_k; ++k) {
-        const float* row = d + routing.slot_of[t * top_k + k] * hidden;
-        const float w = weight[t * top_k + k];
-        for (int64_t c = 0; c < hidden; ++c) sum[c] += w * row[c];
-      }
-      for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = from_float<T>(sum[c]);
-    }
+    weighted_sums(d, weight, routing, tokens, top_k, hidden, o);
   }
   return out;
 }
