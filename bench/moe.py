@@ -6,15 +6,17 @@ The checkpoint is written here (transformers' ``MixtralForCausalLM`` of random w
 ``--num-prompts`` prompts of random token ids (lengths 16-64); transformers runs them as one left-padded batch,
 Spindle as its scheduler batches them. The kernel part times one MoE layer of the model's shapes at several token
 counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles where the CPU has
-AVX-512 bf16), the same op on int8 and int4 experts (``quantize_experts``, dequantized in registers), and
-``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as transformers' ``MixtralExperts``
-runs)::
+AVX-512 bf16, float32 ones in the op's own tiles), the same op on int8 and int4 experts (``quantize_experts``,
+dequantized in registers), and ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as
+transformers' ``MixtralExperts`` runs)::
 
     python -m bench.moe --dtype bfloat16 --threads 1
     python -m bench.moe --dtype float32 --threads 1 --kernels-only
 
 ``--threads`` sets torch's threads (and so the C++ op's OpenMP threads); on a machine whose cores other jobs share,
-one thread keeps OpenMP's barriers from waiting on descheduled threads.
+one thread keeps OpenMP's barriers from waiting on descheduled threads. The kernel part calls one layer's experts
+over and over: where they fit the last-level cache, a model's decode steps, which read every layer's in turn, run
+them slower than it says (bench/results/moe.md).
 """
 
 import argparse

@@ -5,8 +5,9 @@ expert weights and runs them: the tokens' expert assignments are grouped by expe
 one GEMM per projection (gate/up fused, SiLU-and-mul, down), and the results come back to their tokens weighted by
 the routing weights. On CUDA (or under :func:`~spindle.kernels.force_triton`) that is a Triton grouped GEMM
 (:mod:`spindle.kernels.triton.moe`); on the CPU a C++ op (``kernels/cpu/moe.cpp``): with bf16 weights in
-``bf16_linear``'s tiles, one OpenMP region over (expert, rows, column tile) work items, on AMX in blocks of 16 rows
-where the CPU has it; else ATen's matmul per expert. Within :func:`~spindle.kernels.eager` the torch loop over the
+``bf16_linear``'s tiles, or float32 ones in tiles of 16 outputs, OpenMP regions over (expert, rows, column tile)
+work items, bf16 on AMX in blocks of 16 rows where the CPU has it, float32 on an 8-float-vector micro-kernel (AVX2
+and FMA on x86); else ATen's matmul per expert. Within :func:`~spindle.kernels.eager` the torch loop over the
 experts of :func:`fused_moe_reference`, which the tests hold the other two to.
 
 Experts may be weight-only quantized (``--quantization int8`` / ``int4``, :func:`quantize_experts`): each expert's
@@ -38,11 +39,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
         ``(weights, ids)``: float32 ``[tokens, top_k]`` and int64 ``[tokens, top_k]``, by descending weight.
 
     """
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    logits = router_logits.float()
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        # The top-k of the softmax, renormalised, is the softmax of the top-k logits: two small ops instead of four.
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    return torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
 
 
 def quantize_experts(weights: torch.Tensor, bits: int) -> QuantizedWeight:
@@ -107,8 +109,8 @@ class Experts:
 
     Built within :func:`~spindle.kernels.eager` it runs :func:`fused_moe_reference`; on CUDA tensors (or within
     :func:`~spindle.kernels.force_triton`) the Triton grouped GEMM; else the C++ op, with bf16 weights laid out once
-    in ``bf16_linear``'s tiles where that kernel runs (the dense stacks are then dropped: :attr:`keeps_dense`), and
-    quantized ones as they are.
+    in ``bf16_linear``'s tiles where that kernel runs and float32 ones in the op's tiles of 16 outputs (the dense
+    stacks are then dropped: :attr:`keeps_dense`), and quantized ones as they are.
 
     Args:
         w13: ``[num_experts, 2 * intermediate, hidden]``, gate rows then up rows per expert; or its
@@ -161,6 +163,8 @@ class Experts:
 
 
 def _can_tile(weight: torch.Tensor) -> bool:
-    """Whether each expert's ``[out, in]`` matrix of the bf16 stack ``weight`` runs ``bf16_linear``."""
+    """Whether the stack ``weight`` runs the C++ op's tiles: bf16 where ``bf16_linear`` runs, float32 in 16 outputs."""
     _, outputs, inputs = weight.shape
+    if weight.dtype == torch.float32:
+        return outputs % 16 == 0
     return weight.dtype == torch.bfloat16 and outputs % 16 == 0 and inputs % 2 == 0 and cpu.bf16_linear_supported()

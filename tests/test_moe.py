@@ -15,7 +15,7 @@ from spindle.backend.models import load_model
 from spindle.backend.models.loader import quantized_weights
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
-from spindle.kernels import eager, force_triton
+from spindle.kernels import cpu, eager, force_triton
 from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
 from spindle.kernels.quant import QuantizedWeight
 
@@ -28,9 +28,12 @@ CASES = {
     "odd_shapes": (19, 6, 3, 80, 112, None),
     # ~150 rows an expert, several work items each: the C++ op on AMX (hidden and intermediate multiples of 32).
     "many_rows": (300, 4, 2, 64, 96, None),
+    # Over 256 inputs a projection: the float32 tiles' work items run their inputs in parts of 256 (the last shorter).
+    "deep_inputs": (23, 4, 2, 288, 320, None),
 }
-QUANTIZED_CASES = [case for case in CASES if case != "odd_shapes"]
-"""int4 quantizes groups of 32 inputs, and the C++ op's quantized micro-kernels step 32 inputs at a time."""
+QUANTIZED_CASES = [case for case in CASES if case not in ("odd_shapes", "deep_inputs")]
+"""int4 quantizes groups of 32 inputs, and the C++ op's quantized micro-kernels step 32 inputs at a time (odd_shapes);
+deep_inputs is for the float32 tiles, and would only slow the interpreted Triton runs of the quantized ones."""
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
@@ -59,6 +62,25 @@ def test_route_renormalises_over_the_top_k_as_mixtral_and_keeps_probabilities_wi
 
 
 @pytest.mark.parametrize(
+    ("top_k", "renormalize"),
+    [(2, True), (4, True), (2, False), (4, False)],
+    ids=["mixtral-top2", "qwen3_moe-norm_topk_prob-top4", "qwen3_moe-top2", "qwen3_moe-top4"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_route_matches_transformers_routing(top_k: int, renormalize: bool, dtype: torch.dtype) -> None:
+    """As transformers' Mixtral and Qwen3-MoE blocks route: a float32 softmax over all the experts, its top-k, and
+    those divided by their sum where the family (or ``norm_topk_prob``) renormalises."""
+    logits = torch.randn(67, 16, generator=torch.Generator().manual_seed(top_k)).to(dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    expected, expected_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    weights, ids = route(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected)
+
+
+@pytest.mark.parametrize(
     ("path", "dtype"),
     [("cpu", torch.float32), ("cpu", torch.bfloat16), ("triton", torch.float32), ("triton", torch.bfloat16)],
     ids=["cpu-fp32", "cpu-bf16", "triton-fp32", "triton-bf16"],
@@ -80,6 +102,8 @@ def test_fused_moe_matches_a_per_expert_loop(case: str, bits: int | None, path: 
     with force_triton(path == "triton"):
         experts = Experts(w13, w2)
         out = experts(x, topk_weights, topk_ids)
+    # Dense float32 experts run the op's float tiles on any CPU (every case's outputs are multiples of 16).
+    assert experts.tiled == (path == "cpu" and bits is None and (dtype == torch.float32 or cpu.bf16_linear_supported()))
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
 
@@ -93,9 +117,10 @@ def test_quantized_experts_on_the_cpu_need_sizes_in_steps_of_32() -> None:
         Experts(quantize_experts(w13, 8), w2)
 
 
-def test_fused_moe_does_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     """The C++ op's work items are handed out dynamically; each output value still has one fixed summation order."""
-    x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", torch.bfloat16)
+    x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", dtype)
     experts = Experts(w13, w2)
     threads = torch.get_num_threads()
     try:

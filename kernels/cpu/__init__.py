@@ -415,7 +415,10 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_pack(weights: torch.Tensor) -> torch.Tensor:
-    """Each matrix of a bf16 ``[experts, out, in]`` stack in :func:`bf16_pack`'s layout, as ``[experts, out * in]``."""
+    """Each matrix of an ``[experts, out, in]`` stack in the fused MoE op's tiles, as ``[experts, out * in]``.
+
+    bf16 in :func:`bf16_pack`'s layout; float32 in tiles of 16 outputs, each ``[in][16]``.
+    """
     return cpu_ops().moe_pack(weights)
 
 
@@ -439,7 +442,8 @@ def fused_moe(
         topk_ids: int64 ``[tokens, top_k]`` expert ids.
         num_experts: the experts in ``w13`` and ``w2``.
         intermediate: each expert's intermediate size.
-        tiled: whether the weights are :func:`moe_pack` ones (x then bf16), run on AMX or ``bf16_linear``'s kernel.
+        tiled: whether the weights are :func:`moe_pack` ones (x then of their dtype): bf16 ones run on AMX or
+            ``bf16_linear``'s kernel, float32 ones on the op's float micro-kernel.
 
     Returns:
         ``[tokens, hidden]`` in ``x``'s dtype.

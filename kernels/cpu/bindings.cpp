@@ -94,7 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T + b, W int8 per row, x quantized to int8 per group on the fly.");
   m.def("lora_add_", &lora_add_, ReleaseGil(),
         "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
-  m.def("moe_pack", &moe_pack, ReleaseGil(), "Each expert's bf16 [out, in] matrix in bf16_pack's tiles, stacked.");
+  m.def("moe_pack", &moe_pack, ReleaseGil(),
+        "Each expert's [out, in] matrix in the fused MoE op's tiles (bf16_pack's for bf16), stacked.");
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
   m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
         "fused_moe of int8 (per row) or int4 (per group) experts, dequantized in registers.");

@@ -8,7 +8,9 @@
 // so the result does not depend on the thread count or the schedule. Blocks of 8 to 16 rows run on AMX where the CPU
 // and the OS allow it and the inputs are a multiple of 32 (tdpbf16ps reads bf16_linear's tiles as they are: each
 // tile's [pairs][16 columns][2] rows are AMX's pair-interleaved B layout), else on bf16_linear's AVX-512 bf16
-// micro-kernel. Other dtypes and CPUs run ATen's matmul per expert.
+// micro-kernel. float32 weights laid out by moe_pack (tiles of 16 output columns, each [inputs][16]) run the same
+// two regions on a 6-row x 16-column micro-kernel in 8-float vectors (AVX2 + FMA here, whatever gcc's vector extension
+// maps to elsewhere). Other dtypes and shapes run ATen's matmul per expert.
 //
 // Quantized experts (spindle.kernels.quant's int8 per row or int4 per group, stacked [experts, out, in]) run the same
 // sort and the same kind of work items in float32: the grouped rows are turned into float once (in int4_row's nibble
@@ -134,76 +136,28 @@ void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_
   });
 }
 
-// The tiled path: x bf16 [tokens, hidden], `slot_token[s]` the token of the s-th grouped row, `slot_of[a]` the grouped
-// row of assignment a. Returns the per-token weighted sums, bf16 [tokens, hidden].
-at::Tensor tiled_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const float* weight,
-                     const std::vector<int64_t>& starts, const std::vector<int64_t>& slot_token,
-                     const std::vector<int64_t>& slot_of, int64_t top_k, int64_t intermediate) {
-  const int64_t tokens = x.size(0), hidden = x.size(1), assignments = tokens * top_k;
-  const at::Tensor xc = x.contiguous();
-  const auto options = x.options();
-  // AMX reads x in blocks of 16 rows: the last block of the last expert reads up to 15 rows past the grouped ones.
-  at::Tensor grouped = at::empty({assignments + 15, hidden}, options);
-  at::Tensor gate_up = at::empty({assignments + 15, 2 * intermediate}, options);
-  // The SiLU runs over the padding rows too: zeros, not leftover bits, which may be denormals (slow to compute on).
-  gate_up.narrow(0, assignments, 15).zero_();
-  at::Tensor down = at::empty({assignments, hidden}, options), out = at::empty({tokens, hidden}, options);
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  auto* g = reinterpret_cast<uint16_t*>(grouped.data_ptr<c10::BFloat16>());
-  c10::BFloat16* d = down.data_ptr<c10::BFloat16>();
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const auto* w13s = reinterpret_cast<const uint32_t*>(w13.data_ptr<c10::BFloat16>());
-  const auto* w2s = reinterpret_cast<const uint32_t*>(w2.data_ptr<c10::BFloat16>());
-  const std::vector<Item> up_items = items_of(starts, 2 * intermediate, TILE),
-                          down_items = items_of(starts, hidden, TILE);
-  const int64_t w13_size = intermediate * hidden, w2_size = hidden * intermediate / 2;  // uint32 pairs per expert
+// Runs this thread's share of a projection's work items (within an OpenMP region) on bf16 tiles, dynamically:
+// experts' row counts differ. `w` is the packed stack, `in` and `out` the grouped rows.
+void run_bf16_items(const std::vector<Item>& items, const c10::BFloat16* in, int64_t inputs, const at::Tensor& w,
+                    int64_t outputs, c10::BFloat16* out) {
 #ifdef SPINDLE_AMX_BF16
-  const bool amx_up = amx_permitted() && hidden % 32 == 0, amx_down = amx_permitted() && intermediate % 32 == 0;
+  const bool amx = amx_permitted() && inputs % 32 == 0;
 #else
-  const bool amx_up = false, amx_down = false;
+  const bool amx = false;
 #endif
-
-  // Runs a projection's work items on this thread's share, dynamically: experts' row counts differ.
-  const auto run_items = [&](const std::vector<Item>& items, const uint16_t* in, int64_t inputs, const uint32_t* w,
-                             int64_t w_size, int64_t outputs, bool amx, c10::BFloat16* result) {
-    float scratch[16 * TILE];
+  const auto* x = reinterpret_cast<const uint16_t*>(in);
+  const auto* stack = reinterpret_cast<const uint32_t*>(w.data_ptr<c10::BFloat16>());
+  const int64_t expert_size = outputs * inputs / 2;  // uint32 pairs per expert
+  float scratch[16 * TILE];
 #ifdef SPINDLE_AMX_BF16
-    if (amx) configure_amx();
+  if (amx) configure_amx();
 #endif
 #pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < items.size(); ++i)
-      run_item(items[i], in, inputs, w + items[i].expert * w_size, outputs, amx, scratch, result);
+  for (size_t i = 0; i < items.size(); ++i)
+    run_item(items[i], x, inputs, stack + items[i].expert * expert_size, outputs, amx, scratch, out);
 #ifdef SPINDLE_AMX_BF16
-    if (amx) _tile_release();
+  if (amx) _tile_release();
 #endif
-  };
-
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int64_t s = 0; s < assignments; ++s)
-      std::memcpy(g + s * hidden, xs + slot_token[s] * hidden, hidden * sizeof(uint16_t));
-    run_items(up_items, g, hidden, w13s, w13_size, 2 * intermediate, amx_up, gate_up.data_ptr<c10::BFloat16>());
-  }
-  // elementwise.cpp's vectorised SiLU, rounded as torch's ops round; its padding rows are the down projection's.
-  const at::Tensor act = silu_and_mul(gate_up);
-  const auto* a = reinterpret_cast<const uint16_t*>(act.data_ptr<c10::BFloat16>());
-#pragma omp parallel
-  {
-    run_items(down_items, a, intermediate, w2s, w2_size, hidden, amx_down, d);
-    std::vector<float> sum(hidden);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t k = 0; k < top_k; ++k) {
-        const int64_t slot = slot_of[t * top_k + k];
-        const float w = weight[t * top_k + k];
-        for (int64_t c = 0; c < hidden; ++c) sum[c] += w * to_float(d[slot * hidden + c]);
-      }
-      for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = from_float<c10::BFloat16>(sum[c]);
-    }
-  }
-  return out;
 }
 #endif
 
@@ -238,6 +192,135 @@ Routing sort_by_expert(const at::Tensor& x, const at::Tensor& topk_weights, cons
     routing.slot_of[a] = slot;
   }
   return routing;
+}
+
+// Within an OpenMP region, this thread's share of the tokens: each token's outputs, its assignments' grouped rows of
+// `down` (`hidden` wide) times their routing weights, summed in float32 in assignment order.
+template <typename D, typename T>
+void weighted_sums(const D* down, const float* weight, const Routing& routing, int64_t tokens, int64_t top_k,
+                   int64_t hidden, T* out) {
+  std::vector<float> sum(hidden);
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int64_t k = 0; k < top_k; ++k) {
+      const D* row = down + routing.slot_of[t * top_k + k] * hidden;
+      const float w = weight[t * top_k + k];
+      for (int64_t c = 0; c < hidden; ++c) sum[c] += w * to_float(row[c]);
+    }
+    for (int64_t c = 0; c < hidden; ++c) out[t * hidden + c] = from_float<T>(sum[c]);
+  }
+}
+
+// float32 experts: tiles of FLOAT_TILE output columns, each [inputs][FLOAT_TILE], read by a micro-kernel of up to
+// FLOAT_ROWS grouped rows: 12 accumulator vectors, 2 weight vectors and a broadcast input, of AVX2's 16 registers. A
+// work item runs its rows against FLOAT_DEPTH inputs of its tile at a time (16 KB of weights, which stay in L1 for all
+// its row blocks: a whole down-projection tile of 512 inputs and the rows beside it would not), the partial sums
+// carried in its output rows.
+constexpr int64_t FLOAT_TILE = 16;
+constexpr int FLOAT_ROWS = 6;
+constexpr int64_t FLOAT_DEPTH = 256;
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [0, M) of x (`x_stride` apart) against `depth` inputs of a packed tile, added to out[m][0, FLOAT_TILE) when
+// `accumulate`, else stored there; each value summed over the inputs in order. `prefetch`, when not null, is fetched
+// meanwhile (the weights that come next in memory): at decode sizes a tile serves a block or two of rows, and the
+// first would otherwise wait on memory.
+template <int M>
+void float_block(const float* x, int64_t x_stride, int64_t depth, const float* tile, const float* prefetch,
+                 bool accumulate, float* out, int64_t out_stride) {
+  f8 acc[M][2] = {};
+  if (accumulate)
+    for (int m = 0; m < M; ++m) {
+      acc[m][0] = load8(out + m * out_stride);
+      acc[m][1] = load8(out + m * out_stride + 8);
+    }
+  for (int64_t k = 0; k < depth; ++k) {
+    if (prefetch != nullptr) __builtin_prefetch(prefetch + k * FLOAT_TILE);
+    const f8 w0 = load8(tile + k * FLOAT_TILE), w1 = load8(tile + k * FLOAT_TILE + 8);
+    for (int m = 0; m < M; ++m) {
+      const float a = x[m * x_stride + k];
+      acc[m][0] += a * w0;
+      acc[m][1] += a * w1;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    store8(out + m * out_stride, acc[m][0]);
+    store8(out + m * out_stride + 8, acc[m][1]);
+  }
+}
+
+// Runs this thread's share of a projection's work items (within an OpenMP region) on float32 tiles, dynamically:
+// experts' row counts differ. `w` is the packed stack, `in` and `out` the grouped rows.
+void run_float_items(const std::vector<Item>& items, const float* in, int64_t inputs, const at::Tensor& w,
+                     int64_t outputs, float* out) {
+  const float* stack = w.data_ptr<float>();
+#pragma omp for schedule(dynamic, 1)
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& item = items[i];
+    // Tile column / FLOAT_TILE of the expert starts column * inputs floats in.
+    const float* tile = stack + (item.expert * outputs + item.column) * inputs;
+    for (int64_t k = 0; k < inputs; k += FLOAT_DEPTH) {
+      const int64_t depth = std::min(FLOAT_DEPTH, inputs - k);
+      const float* part = tile + k * FLOAT_TILE;
+      for (int64_t r = 0; r < item.rows; r += FLOAT_ROWS) {
+        const int64_t row = item.row + r;
+        // The first row block fetches the weights that follow; the later ones would only evict this part from L1.
+        const float* prefetch = r == 0 ? part + depth * FLOAT_TILE : nullptr;
+        with_tokens(std::min<int64_t>(FLOAT_ROWS, item.rows - r), [&](auto tokens) {
+          constexpr int M = std::min<int>(decltype(tokens)::value, FLOAT_ROWS);  // with_tokens' 7 and 8 never come
+          float_block<M>(in + row * inputs + k, inputs, depth, part, prefetch, k > 0, out + row * outputs + item.column,
+                         outputs);
+        });
+      }
+    }
+  }
+}
+
+// The packed paths (bf16 tiles, float32 tiles): the assignments' rows of x gathered by expert, their gate/up
+// projection, elementwise.cpp's vectorised SiLU-and-mul (rounded as torch's ops round), the down projection, and each
+// token's outputs weighted and summed in float32 in assignment order. Every output value is computed by one work item
+// in a fixed order, so the result does not depend on the thread count or the schedule. `run_items(items, in, inputs,
+// w, outputs, out)` runs this thread's share of a projection's work items of `tile` columns; it may read `padding`
+// rows past the grouped ones (zeros after the SiLU: leftover bits may be denormals, slow to compute on).
+template <typename T, typename RunItems>
+at::Tensor grouped_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const float* weight,
+                       const Routing& routing, int64_t top_k, int64_t intermediate, int64_t tile, int64_t padding,
+                       const RunItems& run_items) {
+  const int64_t tokens = x.size(0), hidden = x.size(1), assignments = tokens * top_k;
+  const at::Tensor xc = x.contiguous();
+  const auto options = x.options();
+  at::Tensor grouped = at::empty({assignments + padding, hidden}, options);
+  at::Tensor gate_up = at::empty({assignments + padding, 2 * intermediate}, options);
+  gate_up.narrow(0, assignments, padding).zero_();
+  at::Tensor down = at::empty({assignments, hidden}, options), out = at::empty({tokens, hidden}, options);
+  const T* xs = xc.data_ptr<T>();
+  T* g = grouped.data_ptr<T>();
+  T* d = down.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const std::vector<Item> up_items = items_of(routing.starts, 2 * intermediate, tile),
+                          down_items = items_of(routing.starts, hidden, tile);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < assignments; ++s)
+      std::memcpy(g + s * hidden, xs + routing.slot_token[s] * hidden, hidden * sizeof(T));
+    run_items(up_items, g, hidden, w13, 2 * intermediate, gate_up.data_ptr<T>());
+  }
+  const at::Tensor act = silu_and_mul(gate_up);  // its padding rows are the down projection's
+#pragma omp parallel
+  {
+    run_items(down_items, act.data_ptr<T>(), intermediate, w2, hidden, d);
+    weighted_sums(d, weight, routing, tokens, top_k, hidden, o);
+  }
+  return out;
 }
 
 // Weight rows (output columns) per quantized work item: 32 KiB of int8 weights at 1024 inputs, re-read from L2 for
@@ -365,17 +448,7 @@ at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const Quant
         w2.input_row(a + s * intermediate, ar + s * intermediate, as + s * down_groups);
     }
     w2.run_items(down_items, ar, as, d);
-    std::vector<float> sum(hidden);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t k = 0; k < top_k; ++k) {
-        const float* row = d + routing.slot_of[t * top_k + k] * hidden;
-        const float w = weight[t * top_k + k];
-        for (int64_t c = 0; c < hidden; ++c) sum[c] += w * row[c];
-      }
-      for (int64_t c = 0; c < hidden; ++c) o[t * hidden + c] = from_float<T>(sum[c]);
-    }
+    weighted_sums(d, weight, routing, tokens, top_k, hidden, o);
   }
   return out;
 }
@@ -384,6 +457,14 @@ at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const Quant
 
 at::Tensor moe_pack(const at::Tensor& weights) {
   TORCH_CHECK(weights.dim() == 3, "weights must be [experts, out, in]");
+  if (weights.scalar_type() == at::kFloat) {
+    const int64_t experts = weights.size(0), outputs = weights.size(1), inputs = weights.size(2);
+    TORCH_CHECK(outputs % FLOAT_TILE == 0, "float32 experts pack in tiles of ", FLOAT_TILE, " outputs, not ", outputs);
+    return weights.reshape({experts, outputs / FLOAT_TILE, FLOAT_TILE, inputs})
+        .transpose(2, 3)
+        .contiguous()
+        .view({experts, outputs * inputs});
+  }
   std::vector<at::Tensor> packed;
   packed.reserve(weights.size(0));
   for (int64_t e = 0; e < weights.size(0); ++e) packed.push_back(bf16_pack(weights[e]));
@@ -398,14 +479,21 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   const std::vector<int64_t>&starts = routing.starts, &slot_token = routing.slot_token, &slot_of = routing.slot_of;
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1), assignments = tokens * top_k;
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
-#ifdef SPINDLE_AVX512_BF16
   if (tiled) {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the tiled experts take bf16 x");
-    return tiled_moe(x, w13, w2, weights.data_ptr<float>(), starts, slot_token, slot_of, top_k, intermediate);
-  }
+    TORCH_CHECK(x.scalar_type() == w13.scalar_type() && x.scalar_type() == w2.scalar_type(),
+                "the tiled experts take x of their dtype");
+    if (x.scalar_type() == at::kFloat)
+      return grouped_moe<float>(x, w13, w2, weights.data_ptr<float>(), routing, top_k, intermediate, FLOAT_TILE, 0,
+                                run_float_items);
+#ifdef SPINDLE_AVX512_BF16
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the tiled experts are bf16 or float32");
+    // AMX reads x in blocks of 16 rows: the last block of the last expert reads up to 15 rows past the grouped ones.
+    return grouped_moe<c10::BFloat16>(x, w13, w2, weights.data_ptr<float>(), routing, top_k, intermediate, TILE, 15,
+                                      run_bf16_items);
 #else
-  TORCH_CHECK(!tiled, "tiled experts need a CPU with AVX-512 bf16");
+    TORCH_CHECK(false, "tiled bf16 experts need a CPU with AVX-512 bf16");
 #endif
+  }
 
   // Other dtypes and CPUs: ATen's matmul per expert, the outputs weighted into one float32 row per assignment.
   const auto index = topk_ids.options();
