@@ -75,8 +75,11 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
       const float scale = largest / 127.f;
       a.scales[m * blocks + b] = scale;
       int8_t* q = a.values.data() + m * inputs + b * BLOCK;
-      // x / scale as the reference divides (x * (127 / largest) can round a tie the other way).
-      for (int64_t i = 0; i < BLOCK; ++i) q[i] = largest > 0.f ? static_cast<int8_t>(std::nearbyint(values[i] / scale)) : 0;
+      // x / scale, as the reference computes it (a value at a rounding tie may still land a level apart: the build
+      // takes -ffast-math, which lets the compiler multiply by a reciprocal; the tests allow such near ties).
+      for (int64_t i = 0; i < BLOCK; ++i) {
+        q[i] = largest > 0.f ? static_cast<int8_t>(std::nearbyint(values[i] / scale)) : 0;
+      }
       if (with_sums) {  // per group, or per half block for groups of 16
         const int64_t part = std::min(group_size, BLOCK);
         for (int64_t start = 0; start < BLOCK; start += part) {
@@ -288,7 +291,9 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options());
   at::Tensor panel_scales = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kChar : at::kFloat));
   std::optional<at::Tensor> panel_offsets, panel_supers;
-  if (offsets) panel_offsets = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kByte : at::kFloat));
+  if (offsets) {
+    panel_offsets = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kByte : at::kFloat));
+  }
   if (compact) panel_supers = at::zeros({panels, supers, 2, ROWS}, scales.options());
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   auto* to = static_cast<uint8_t*>(packed.data_ptr());
@@ -324,9 +329,11 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
       }
       const int64_t super = g * group_size / SUPER_BLOCK;
       const float d = factors[(n * supers + super) * 2], dmin = factors[(n * supers + super) * 2 + 1];
-      const float sc = d != 0.f ? std::nearbyint(scale / d) : 0.f, m = dmin != 0.f ? std::nearbyint(-offset / dmin) : 0.f;
+      const float sc = d != 0.f ? std::nearbyint(scale / d) : 0.f;
+      const float m = dmin != 0.f ? std::nearbyint(-offset / dmin) : 0.f;
       // The offset was rounded once where it was computed (z = 8 scale - dmin m for int4): a few ulps.
-      const float slack = 8.f * std::numeric_limits<float>::epsilon() * std::max(std::abs(offset), 8.f * std::abs(scale));
+      const float slack =
+          8.f * std::numeric_limits<float>::epsilon() * std::max(std::abs(offset), 8.f * std::abs(scale));
       if (sc < -128.f || sc > 127.f || sc * d != scale || m < 0.f || m > 255.f || std::abs(m * dmin + offset) > slack) {
 #pragma omp critical
         inexact = n;
@@ -368,7 +375,8 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
                            offsets->numel() == panels * groups * ROWS),
               "offsets must be None or a8_pack's [panels, groups, 8] (float32, or uint8 with super_scales)");
   TORCH_CHECK(!compact || (inputs % SUPER_BLOCK == 0 && supers->is_contiguous() &&
-                           supers->scalar_type() == at::kFloat && supers->numel() == panels * inputs / SUPER_BLOCK * 2 * ROWS),
+                           supers->scalar_type() == at::kFloat &&
+                           supers->numel() == panels * inputs / SUPER_BLOCK * 2 * ROWS),
               "supers must be a8_pack's [panels, in / 256, 2, 8] float32");
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
 #ifdef __AVX2__
