@@ -59,9 +59,7 @@ def bound_host_memory() -> None:
     process, before oneDNN reads its environment. Other C libraries are left alone.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    mallopt = getattr(libc, "mallopt", None)
+    mallopt = getattr(_libc(), "mallopt", None)
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
     if mallopt is None or not (mallopt(m_mmap_threshold, MMAP_THRESHOLD) and mallopt(m_trim_threshold, TRIM_THRESHOLD)):
         logger.info("Not glibc's malloc: leaving the host allocator's settings alone")
@@ -75,10 +73,15 @@ def release_freed_heap() -> None:
     file of a 0.5B model (``bench.kquant_vs_llamacpp``) held 190 MiB more after ``LLM()`` than after this call. Does
     nothing where the C library has no ``malloc_trim``.
     """
-    name = ctypes.util.find_library("c")
-    malloc_trim = getattr(ctypes.CDLL(name) if name else None, "malloc_trim", None)
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
     if malloc_trim is not None:
         malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library this process runs on, None where ctypes cannot find it."""
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
 
 class CudaMemoryApi(Protocol):

@@ -243,6 +243,13 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 }
 #endif
 
+// Checks the inputs and groups the kernel runs: in_features a multiple of 32, groups of 16 (int8) or a multiple of 32.
+void check_layout(bool int4, int64_t inputs, int64_t group_size) {
+  TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK((group_size == 16 && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
+              "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
+}
+
 // Checks a weight in spindle.kernels.quant's layout for the kernel; returns (int4, inputs, groups).
 std::tuple<bool, int64_t, int64_t> check_weight(const at::Tensor& qweight, const at::Tensor& scales,
                                                 const std::optional<at::Tensor>& zeros, int64_t group_size) {
@@ -250,9 +257,7 @@ std::tuple<bool, int64_t, int64_t> check_weight(const at::Tensor& qweight, const
   TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
   const int64_t outputs = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
-  TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK((group_size == 16 && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
-              "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
+  check_layout(int4, inputs, group_size);
   const int64_t groups = inputs / group_size;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs * groups,
               "scales must be dense float32 [out, in / group_size]");
@@ -300,6 +305,9 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   const float* s = scales.data_ptr<float>();
   const float* z = offsets ? zeros->data_ptr<float>() : nullptr;
   const float* factors = compact ? super_scales->data_ptr<float>() : nullptr;
+  void* to_scales = panel_scales.data_ptr();  // float32, or int8 sub-scales
+  void* to_offsets = offsets ? panel_offsets->data_ptr() : nullptr;  // float32, or uint8 sub-minimums
+  float* to_supers = compact ? panel_supers->data_ptr<float>() : nullptr;
   int64_t inexact = -1;  // a row whose scales or offsets the super-block factors do not give exactly
 #pragma omp parallel for
   for (int64_t n = 0; n < outputs; ++n) {
@@ -323,8 +331,8 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
       // The offset w takes past q x scale: int4 stores q - 8, so its offset absorbs the 8.
       const float offset = offsets ? (int4 ? z[n * groups + g] - 8.f * scale : z[n * groups + g]) : 0.f;
       if (!compact) {
-        panel_scales.data_ptr<float>()[at] = scale;
-        if (offsets) panel_offsets->data_ptr<float>()[at] = offset;
+        static_cast<float*>(to_scales)[at] = scale;
+        if (offsets) static_cast<float*>(to_offsets)[at] = offset;
         continue;
       }
       const int64_t super = g * group_size / SUPER_BLOCK;
@@ -338,10 +346,10 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
 #pragma omp critical
         inexact = n;
       }
-      panel_scales.data_ptr<int8_t>()[at] = static_cast<int8_t>(sc);
-      if (offsets) panel_offsets->data_ptr<uint8_t>()[at] = static_cast<uint8_t>(m);
+      static_cast<int8_t*>(to_scales)[at] = static_cast<int8_t>(sc);
+      if (offsets) static_cast<uint8_t*>(to_offsets)[at] = static_cast<uint8_t>(m);
       if (g * group_size % SUPER_BLOCK == 0) {
-        float* factor = panel_supers->data_ptr<float>() + (p * supers + super) * 2 * ROWS + j;
+        float* factor = to_supers + (p * supers + super) * 2 * ROWS + j;
         factor[0] = d;
         factor[ROWS] = dmin;
       }
@@ -360,12 +368,10 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t panels = (outputs + ROWS - 1) / ROWS, inputs = x.size(-1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features], dense rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
+  check_layout(int4, inputs, group_size);
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) == panels &&
                   packed.size(1) == (int4 ? inputs / 2 : inputs) * ROWS,
               "packed must be a8_pack's tensor for [outputs, in_features]");
-  TORCH_CHECK((group_size == 16 && !int4) || (group_size > 0 && group_size % BLOCK == 0 && inputs % group_size == 0),
-              "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
   const int64_t groups = inputs / group_size;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (compact ? at::kChar : at::kFloat) &&
                   scales.numel() == panels * groups * ROWS,
