@@ -15,6 +15,7 @@ more, at the crossover :data:`MAX_QUANTIZED_TOKENS`. On CUDA the Triton kernel d
 size; one built within ``spindle.kernels.force_triton`` runs that kernel on CPU tensors too.
 """
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -178,16 +179,26 @@ class Projection:
         self.group_size = 0 if quantized is None else quantized.group_size
         self.on_cpu = quantized is not None and quantized.qweight.device.type == "cpu" and not as_on_cuda
         self._cpu_quantized: tuple[torch.Tensor | None, ...] | None = None
+        # Per part: a8_pack's tensors, its output rows and group size.
+        self._a8_parts: list[tuple[tuple[torch.Tensor | None, ...], int, int]] = []
         self.a8 = False
         if self.on_cpu and not self.eager and self.w8a8 is None:
-            self.a8 = not float_activations and _runs_a8(quantized, self.dtype)
-            if self.a8:  # the interleaved copy replaces the weight's own tensors: no second copy is kept
-                self._cpu_quantized = cpu.a8_pack(
-                    *_repack_for_cpu(quantized), quantized.group_size, _compact_factors(quantized)
-                )
+            parts = quantized.parts or (quantized,)
+            self.a8 = not float_activations and all(_runs_a8(part, self.dtype) for part in parts)
+            if self.a8:  # the interleaved copies replace the weight's own tensors: no second copy is kept
+                self._a8_parts = [
+                    (
+                        cpu.a8_pack(*_repack_for_cpu(part), part.group_size, _compact_factors(part)),
+                        part.shape[0],
+                        part.group_size,
+                    )
+                    for part in parts
+                ]
                 self.quantized = None
             else:
                 self._cpu_quantized = _repack_for_cpu(quantized)
+        if self.quantized is not None and self.quantized.parts is not None:
+            self.quantized = dataclasses.replace(self.quantized, parts=None)  # only the a8 layout reads them
 
     def runs_weight_only(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).
@@ -203,8 +214,13 @@ class Projection:
         """``x [..., in]`` -> ``[..., out]``."""
         if self.w8a8 is not None:
             return cpu.w8a8_linear(_dense_rows(x), *self.w8a8, self.bias).view(*x.shape[:-1], -1)
-        if self.a8:
-            out = cpu.a8_linear(_dense_rows(x), *self._cpu_quantized, self.group_size, self.out_features)
+        if self.a8:  # each part into its columns (one part unless the weight stacks different layouts)
+            rows = _dense_rows(x)
+            out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+            start = 0
+            for packed, outputs, group_size in self._a8_parts:
+                cpu.a8_linear(rows, *packed, group_size, outputs, out[:, start : start + outputs])
+                start += outputs
             return self._finish(out, x)
         if self.quantized is None:
             if self.tiled is not None:

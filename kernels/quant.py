@@ -53,6 +53,10 @@ class QuantizedWeight:
             ``sc`` and ``m`` integers per group (``sc`` in -128..127, ``m`` in 0..255), as the file stores them. The
             CPU kernel keeps those integers in place of float32 scales (``spindle.kernels.cpu.a8_pack``); nothing
             else reads them.
+        parts: for a matrix :func:`cat_rows` stacked from parts of different layouts (and so widened), those parts
+            as they were, in row order, or None. The CPU kernel lays each out as it is (a Q4_K_M layer's q and k at
+            4 bits beside its Q6_K v at 6), where one layout would widen q and k to int8; the others read the
+            widened matrix. Cut off by :meth:`narrow`, :meth:`select` and :func:`widen`.
 
     """
 
@@ -61,6 +65,7 @@ class QuantizedWeight:
     zeros: torch.Tensor | None
     group_size: int
     super_scales: torch.Tensor | None = None
+    parts: tuple["QuantizedWeight", ...] | None = None
 
     @property
     def bits(self) -> int:
@@ -120,7 +125,8 @@ class QuantizedWeight:
         """The same weight with its tensors on ``device``."""
         zeros = None if self.zeros is None else self.zeros.to(device)
         supers = None if self.super_scales is None else self.super_scales.to(device)
-        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size, supers)
+        parts = None if self.parts is None else tuple(part.to(device) for part in self.parts)
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.group_size, supers, parts)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -191,9 +197,13 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     Matrices of one bit width and group size stack as they are. Others (a GGUF Q4_K_M file's int4 q and k beside
     its Q6_K v, int8 in groups of 16) are first widened exactly to int8 at the largest group size dividing all of
     theirs (:func:`widen`). Offsets are kept where any part has them (zero for the parts without), super-block
-    factors where every part has them.
+    factors where every part has them; the widened matrix keeps the parts as they were (:attr:`QuantizedWeight.parts`).
     """
-    if any(w.bits != weights[0].bits or w.group_size != weights[0].group_size for w in weights):
+    differ = any(w.bits != weights[0].bits or w.group_size != weights[0].group_size for w in weights)
+    parts = (
+        tuple(part for w in weights for part in (w.parts or (w,))) if differ or any(w.parts for w in weights) else None
+    )
+    if differ:
         group_size = math.gcd(*(w.group_size for w in weights))
         weights = [widen(w, group_size) for w in weights]
     zeros = supers = None
@@ -207,6 +217,7 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
         zeros,
         weights[0].group_size,
         supers,
+        parts,
     )
 
 

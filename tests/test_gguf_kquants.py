@@ -111,7 +111,7 @@ def test_kquant_projections_keep_compact_scales(gguf_type: str) -> None:
     weight = gguf_blocks.decode(gguf_type, torch.from_numpy(random_blocks(gguf_type, 36, 512, seed=5)))
     assert weight.super_scales is not None and weight.super_scales.shape == (36, 2, 2)
     projection = Projection(torch.empty(0), None, weight)
-    packed, scales, offsets, supers = projection._cpu_quantized
+    [((packed, scales, offsets, supers), _, _)] = projection._a8_parts
     assert supers is not None and scales.dtype == torch.int8
     assert (offsets is None) == (weight.zeros is None) and (offsets is None or offsets.dtype == torch.uint8)
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(0))
@@ -119,22 +119,34 @@ def test_kquant_projections_keep_compact_scales(gguf_type: str) -> None:
     torch.testing.assert_close(projection(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     wrong = weight.super_scales.clone()
     wrong[3, 1, 0] *= 1.5
-    with pytest.raises(RuntimeError, match="row 3's scales and offsets"):
+    with pytest.raises(RuntimeError, match="row 3.s scales and offsets as integer multiples of float16"):
         cpu.a8_pack(weight.qweight, weight.scales, weight.zeros, weight.group_size, wrong)
 
 
 def test_parts_of_different_layouts_stack_exactly() -> None:
     """A fused projection whose parts differ (Q4_K q beside Q6_K v, a Q5_K part with offsets) is widened to int8 at
-    the finest group without changing a value; parts of one layout stack as they are."""
+    the finest group without changing a value, and keeps its parts, which the default CPU projection lays out each
+    as it is (Q6_K in 6 bits, Q4_K in 4, beside the widened int8's 8): the reference's products. Parts of one layout
+    stack as they are."""
     parts = [gguf_blocks.decode(t, torch.from_numpy(random_blocks(t, 8, 256, seed=i))) for i, t in enumerate(LAYOUTS)]
 
     mixed = cat_rows(parts)
 
     assert (mixed.bits, mixed.group_size, mixed.zeros is not None) == (8, 16, True)
     torch.testing.assert_close(dequantize(mixed), torch.cat([dequantize(p) for p in parts]), rtol=0, atol=1e-6)
+    assert mixed.parts is not None and [p.qweight for p in mixed.parts] == [p.qweight for p in parts]
     same = cat_rows(parts[:3])  # Q4_0, Q4_1, Q4_K: int4 in groups of 32
-    assert (same.bits, same.group_size) == (4, 32)
+    assert (same.bits, same.group_size, same.parts) == (4, 32, None)
     assert torch.equal(same.qweight, torch.cat([p.qweight for p in parts[:3]]))
+    if cpu.a8_linear_supported():
+        projection = Projection(torch.empty(0), None, mixed)
+        six_bits = [p.bits == 8 and p.zeros is None and -32 <= p.qweight.min() and p.qweight.max() < 32 for p in parts]
+        stored_bits = [packed[0].numel() / 256 for packed, _, _ in projection._a8_parts]  # one panel of 8 rows
+        assert stored_bits == [4 if p.bits == 4 else 6 if six else 8 for p, six in zip(parts, six_bits, strict=True)]
+        assert any(six_bits)
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+        want = quant.a8_linear(x, mixed)
+        torch.testing.assert_close(projection(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 KQUANT_CONFIG = {**TINY_COMMON, **TINY_VARIANTS["llama"][1], "hidden_size": 256, "intermediate_size": 512}

@@ -514,24 +514,33 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
 
 @pytest.mark.parametrize(
     ("bits", "group_size", "zeros"),
-    [(4, 32, True), (4, 64, True), (8, 192, False), (8, 32, False), (8, 16, False), (8, 16, True)],
-    ids=["int4_g32", "int4_g64", "int8_per_row", "int8_g32", "int8_g16", "int8_g16_zeros"],
+    [(4, 32, True), (4, 64, True), (8, 192, False), (8, 32, False), (8, 16, False), (8, 16, True), (6, 16, False)]
+    + [(6, 32, False)],
+    ids=["int4_g32", "int4_g64", "int8_per_row", "int8_g32", "int8_g16", "int8_g16_zeros", "six_g16", "six_g32"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a8_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group_size: int, zeros: bool) -> None:
     """Blocks of 1-4 tokens and their remainders, panels of 8 rows with 1 left over (97 outputs), activation blocks
-    of very different magnitudes (as outlier channels make them), more tokens than one panel of 64."""
+    of very different magnitudes (as outlier channels make them), more tokens than one panel of 64. ``bits`` 6: int8
+    values in -32..31 (GGUF's Q6_K), which pack in 6 bits. Results also go into a column slice of a wider output."""
     if not cpu.a8_linear_supported():
         pytest.skip("a8_linear needs AVX2")
-    quantized = layout(bits, group_size, zeros, 97, 192, bits + group_size)
+    quantized = layout(8 if bits == 6 else bits, group_size, zeros, 97, 192, bits + group_size)
+    if bits == 6:
+        quantized.qweight = torch.randint(-32, 32, quantized.qweight.shape, dtype=torch.int8)
     packed = cpu.a8_pack(quantized.qweight, quantized.scales, quantized.zeros, group_size)
+    stored_bits = packed[0].numel() * 8 / (104 * 192)  # 13 panels of 8 rows
+    assert stored_bits == bits, stored_bits
     generator = torch.Generator().manual_seed(group_size)
     magnitudes = torch.tensor([0.01, 1.0, 30.0, 0.5, 2.0, 0.0]).repeat_interleave(quant.A8_BLOCK)
     for rows in (1, 3, 4, 9, 70):
         x = (torch.randn(rows, 192, generator=generator) * magnitudes).to(dtype)
         want = quant.a8_linear(x.float(), quantized)
         out = cpu.a8_linear(x, *packed, group_size, 97)
+        wide = torch.full((rows, 105), -1.0, dtype=dtype)
+        cpu.a8_linear(x, *packed, group_size, 97, wide[:, 3:100])
         assert out.dtype == dtype and out.shape == (rows, 97)
+        assert torch.equal(wide[:, 3:100], out) and (wide[:, :3] == -1).all() and (wide[:, 100:] == -1).all()
         tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output rounded once
         torch.testing.assert_close(out.float(), want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 

@@ -288,7 +288,9 @@ def a8_pack(
     Output rows go in panels of 8 (the last padded with zero rows); within a panel each block of 32 inputs is held
     as 32-byte chunks whose 32-bit lane ``j`` holds 4 consecutive inputs of row ``j`` (int4: the low nibbles inputs
     ``4c..4c+3`` of the block, the high ones ``16+4c..``). Scales and offsets go ``[panels, groups, 8]``; an int4
-    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``).
+    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``). An int8 weight without offsets whose values all lie in
+    -32..31 (GGUF's Q6_K) packs in 6 bits (uint8, 6 bytes per input and panel): ``q + 32``'s low nibbles as int4's,
+    its top 2 bits in two more chunks a block.
 
     With ``super_scales`` (GGUF's K-quants: :attr:`~spindle.kernels.quant.QuantizedWeight.super_scales`) the scales
     and offsets pack compact: int8 sub-scales ``scale / d`` and uint8 sub-minimums ``-offset / dmin`` per group,
@@ -300,7 +302,7 @@ def a8_pack(
         zeros: float32 ``[out, in // group_size]`` (required for int4: ``w = (q - 8) * scale + zero``; int8
             ``w = q * scale + zero``), or None for symmetric int8.
         group_size: inputs per scale: a multiple of 32 that divides ``in`` (a multiple of 32), or 16 for int8.
-        super_scales: float32 ``[out, in // 256, 2]`` or None; needs groups of 16 or 32.
+        super_scales: float32 ``[out, in // 256, 2]`` or None; needs groups of 16 or 32, factors that float16 holds.
 
     Returns:
         ``(packed, scales, offsets, supers)`` for :func:`a8_linear` (``offsets`` None where ``zeros`` is, ``supers``
@@ -308,7 +310,7 @@ def a8_pack(
 
     Raises:
         RuntimeError: for a layout the kernel cannot run, or ``super_scales`` whose integer multiples are not the
-            scales and offsets (to rounding of the offsets).
+            scales and offsets (to rounding of the offsets) or that float16 does not hold exactly.
 
     """
     return cpu_ops().a8_pack(qweight, scales, zeros, group_size, super_scales)
@@ -322,8 +324,9 @@ def a8_linear(
     supers: torch.Tensor | None,
     group_size: int,
     out_features: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ dequantize(weight).T`` of an int8 or int4 weight laid out by :func:`a8_pack`, ``x`` quantized on the fly.
+    """``x @ dequantize(weight).T`` of a weight laid out by :func:`a8_pack`, ``x`` quantized on the fly.
 
     Each row of ``x`` is quantized to int8 per block of 32 inputs (one scale a block, its largest magnitude / 127,
     rounded to nearest even), as ``spindle.kernels.quant.a8_linear``, the reference, does, and multiplied by the
@@ -337,12 +340,14 @@ def a8_linear(
         supers: :func:`a8_pack`'s super-block factors, None for float32 scales.
         group_size: the weight's inputs per scale.
         out_features: the weight's output rows (before padding).
+        out: where to write the result, ``[tokens, out_features]`` in ``x``'s dtype with dense rows (a column slice
+            of a larger output may be given), or None for a new tensor.
 
     Returns:
-        ``[tokens, out_features]`` in ``x``'s dtype.
+        ``[tokens, out_features]`` in ``x``'s dtype (``out`` where given).
 
     """
-    return cpu_ops().a8_linear(x, packed, scales, offsets, supers, group_size, out_features)
+    return cpu_ops().a8_linear(x, packed, scales, offsets, supers, group_size, out_features, out)
 
 
 def quant_gemm(

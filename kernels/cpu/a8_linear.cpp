@@ -19,13 +19,20 @@
 // (spindle.kernels.quant.a8_linear, the reference).
 //
 // A weight from GGUF's K-quants packs compact: its group scales are d x sc and its offsets z' = -dmin x m with sc an
-// int8 and m a uint8 per group and d, dmin float32 per super-block of 256 inputs (QuantizedWeight.super_scales), so
-// the panel keeps 2 bytes a group and row where float32 scales and offsets took 8: a Q4_K weight reads 4.75 bits a
-// weight instead of 6, and single-stream decode reads its weights at memory speed.
+// int8 and m a uint8 per group and d, dmin per super-block of 256 inputs (QuantizedWeight.super_scales; float16, as
+// the file stores them), so the panel keeps 2 bytes a group and row where float32 scales and offsets took 8: a Q4_K
+// weight reads 4.625 bits a weight instead of 6 (the file: 4.5), and single-stream decode reads its weights at memory
+// speed.
+//
+// An int8 weight without offsets whose values all lie in -32..31 (GGUF's Q6_K) packs in 6 bits: u = q + 32 in 0..63,
+// its low nibbles laid out as int4's and its top 2 bits in two more chunks a block, so it is read at 6.56 bits a
+// weight (the file's own size) instead of 8.56. vpmaddubsw takes u as it is; the -32 comes back as 32 x the token's integer sum over each 16 inputs.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__F16C__)  // every AVX2 CPU has F16C; the compact factors are float16
+#define SPINDLE_A8 1
 #include <immintrin.h>
 #endif
 
@@ -52,17 +59,27 @@ static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0, "a block of tokens never crosses a
 // Each row of x as int8 blocks of BLOCK inputs with one scale each; and, for offsets, the sums of the quantized x
 // over each weight group.
 struct Activations {
-  std::vector<int8_t> values;  // [tokens][inputs]
-  std::vector<float> scales;   // [tokens][inputs / BLOCK]
-  std::vector<float> sums;     // [tokens][inputs / group_size], empty without offsets
+  std::vector<int8_t> values;     // [tokens][inputs]
+  std::vector<float> scales;      // [tokens][inputs / BLOCK]
+  std::vector<float> sums;        // [tokens][inputs / group_size], empty without offsets
+  std::vector<int32_t> half_sums;  // [tokens][inputs / 16]: 32 x the sum of the quantized x, for 6-bit weights
 };
+
+// The packed weight's form: int4 (with offsets), 6-bit (u = q + 32, no offsets) or int8.
+enum class Format { INT4, INT6, INT8 };
+
+// Bytes a packed block of BLOCK inputs x ROWS rows takes.
+constexpr int64_t block_bytes_of(Format format) {
+  return format == Format::INT4 ? BLOCK / 2 * ROWS : format == Format::INT6 ? BLOCK * 3 / 4 * ROWS : BLOCK * ROWS;
+}
 
 template <typename T>
 Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int64_t inputs, int64_t group_size,
-                                 bool with_sums) {
-  const int64_t blocks = inputs / BLOCK, groups = inputs / group_size;
+                                 bool with_sums, bool with_half_sums) {
+  const int64_t blocks = inputs / BLOCK, groups = inputs / group_size, halves = inputs / (BLOCK / 2);
   Activations a{std::vector<int8_t>(tokens * inputs), std::vector<float>(tokens * blocks),
-                std::vector<float>(with_sums ? tokens * groups : 0, 0.f)};
+                std::vector<float>(with_sums ? tokens * groups : 0, 0.f),
+                std::vector<int32_t>(with_half_sums ? tokens * halves : 0)};
 #pragma omp parallel for if (tokens >= 16)
   for (int64_t m = 0; m < tokens; ++m) {
     const T* row = x + m * stride;
@@ -88,12 +105,19 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
           a.sums[m * groups + (b * BLOCK + start) / group_size] += scale * static_cast<float>(sum);
         }
       }
+      if (with_half_sums) {
+        for (int64_t h = 0; h < 2; ++h) {
+          int32_t sum = 0;
+          for (int64_t i = h * BLOCK / 2; i < (h + 1) * BLOCK / 2; ++i) sum += q[i];
+          a.half_sums[m * halves + 2 * b + h] = 32 * sum;
+        }
+      }
     }
   }
   return a;
 }
 
-#ifdef __AVX2__
+#ifdef SPINDLE_A8
 // The token's 4 activations at x, in every 32-bit lane.
 inline __m256i broadcast4(const int8_t* x) {
   int32_t four;
@@ -109,56 +133,84 @@ struct FloatScales {
   __m256 offset(int64_t g, int64_t) const { return _mm256_loadu_ps(offsets + g * ROWS); }
 };
 
-// The compact form: int8 sub-scales and uint8 sub-minimums [groups][8], float32 (d, dmin) [supers][2][8].
+// The compact form: int8 sub-scales and uint8 sub-minimums [groups][8], float16 d (and dmin, with offsets)
+// [supers][factors][8].
 struct CompactScales {
   const int8_t* sub_scales;
   const uint8_t* offsets;  // the sub-minimums; null without offsets
-  const float* supers;
+  const c10::Half* supers;
+  int64_t factors;  // 2 with offsets (d, dmin), else 1 (d)
+  __m256 factor(int64_t super, int64_t which) const {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(supers + (super * factors + which) * ROWS)));
+  }
   __m256 scale(int64_t g, int64_t super) const {
     const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub_scales + g * ROWS)));
-    return _mm256_mul_ps(_mm256_loadu_ps(supers + super * 2 * ROWS), _mm256_cvtepi32_ps(sc));
+    return _mm256_mul_ps(factor(super, 0), _mm256_cvtepi32_ps(sc));
   }
   __m256 offset(int64_t g, int64_t super) const {  // -dmin m
     const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offsets + g * ROWS)));
-    const __m256 dmin = _mm256_loadu_ps(supers + (super * 2 + 1) * ROWS);
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), _mm256_cvtepi32_ps(m));
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), factor(super, 1)), _mm256_cvtepi32_ps(m));
   }
 };
 
 constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
 
-// One block of 32 inputs of a packed panel (q: its 128 bytes for int4, 256 for int8) against M tokens' blocks
-// (x: token m0's, the others a row of inputs after it): acc[m] += the 8 rows' dot products x scale x token scale.
-// SIXTEEN: scales are the block's two halves' scales, 8 rows each; else scales[0] is the block's group's.
-template <int M, bool INT4, bool SIXTEEN>
+// One block of 32 inputs of a packed panel (q: its block_bytes_of(F) bytes) against M tokens' blocks (x: token m0's,
+// the others a row of inputs after it; half_sums: token m0's, for 6 bits): acc[m] += the 8 rows' dot products x
+// scale x token scale. SIXTEEN: scales are the block's two halves' scales, 8 rows each; else scales[0] is the
+// block's group's.
+template <int M, Format F, bool SIXTEEN>
 inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const float* token_scales, int64_t blocks,
-                       const __m256 scales[2], __m256 acc[M]) {
+                       const int32_t* half_sums, const __m256 scales[2], __m256 acc[M]) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i* chunks = reinterpret_cast<const __m256i*>(q);
-  __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4 unpacked; int8 as |w|)
-  if constexpr (INT4) {
+  __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4, 6-bit unpacked; int8 as |w|)
+  if constexpr (F == Format::INT8) {
+    for (int k = 0; k < 8; ++k) w[k] = _mm256_abs_epi8(_mm256_loadu_si256(chunks + k));
+  } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(chunks + c);
       w[c] = _mm256_and_si256(raw, nibble);
       w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
     }
-  } else {
-    for (int k = 0; k < 8; ++k) w[k] = _mm256_abs_epi8(_mm256_loadu_si256(chunks + k));
+  }
+  if constexpr (F == Format::INT6) {  // chunk 4h + t's top 2 bits: bits 2t, 2t + 1 of chunk 4 + h's bytes
+    const __m256i top = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i high = _mm256_loadu_si256(chunks + 4 + h);
+      w[4 * h] = _mm256_or_si256(w[4 * h], _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
+      w[4 * h + 1] = _mm256_or_si256(w[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
+      w[4 * h + 2] = _mm256_or_si256(w[4 * h + 2], _mm256_and_si256(high, top));
+      w[4 * h + 3] = _mm256_or_si256(w[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
+    }
   }
   for (int m = 0; m < M; ++m) {
     const int8_t* xm = x + m * inputs;
     const __m256 token_scale = _mm256_set1_ps(token_scales[m * blocks]);
-    if constexpr (INT4) {  // 8 x 2 x 15 x 127 fits int16
+    if constexpr (F == Format::INT4) {  // 8 x 2 x 15 x 127 fits int16
       __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(xm));
       for (int k = 1; k < 8; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], broadcast4(xm + 4 * k)));
       const __m256 scale = _mm256_mul_ps(scales[0], token_scale);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[m]);
     } else {
-      __m256i halves[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int k = 0; k < 8; ++k) {
-        const __m256i x4 = _mm256_sign_epi8(broadcast4(xm + 4 * k), _mm256_loadu_si256(chunks + k));
-        halves[k / 4] = _mm256_add_epi32(halves[k / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], x4), ones));
+      __m256i halves[2];
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (F == Format::INT6) {  // 2 x 2 x 63 x 127 fits int16; u - 32 by the token's half sums
+          __m256i sum = _mm256_set1_epi32(-half_sums[m * inputs / (BLOCK / 2) + h]);
+          for (int k = 4 * h; k < 4 * h + 4; k += 2) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w[k], broadcast4(xm + 4 * k)),
+                                                   _mm256_maddubs_epi16(w[k + 1], broadcast4(xm + 4 * k + 4)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+          }
+          halves[h] = sum;
+        } else {
+          halves[h] = _mm256_setzero_si256();
+          for (int k = 4 * h; k < 4 * h + 4; ++k) {
+            const __m256i x4 = _mm256_sign_epi8(broadcast4(xm + 4 * k), _mm256_loadu_si256(chunks + k));
+            halves[h] = _mm256_add_epi32(halves[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], x4), ones));
+          }
+        }
       }
       if constexpr (SIXTEEN) {
         for (int h = 0; h < 2; ++h) {
@@ -177,26 +229,28 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
 // q: the panel's blocks; scales: its groups' (FloatScales or CompactScales). Groups of 16 split each block; larger
 // ones span blocks, their scale computed once. The offsets gather in their own accumulators, so that they do not
 // lengthen the chain of FMAs into acc.
-template <int M, bool INT4, bool SIXTEEN, typename Scales>
+template <int M, Format F, bool SIXTEEN, typename Scales>
 inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
                        int64_t group_size, __m256 acc[M]) {
-  const int64_t blocks = inputs / BLOCK, block_bytes = (INT4 ? BLOCK / 2 : BLOCK) * ROWS;
+  const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
   const int64_t per_super = SUPER_BLOCK / BLOCK;
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
+  const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
+  auto block = [&](int64_t b, const __m256 block_scales[2]) {
+    block_dots<M, F, SIXTEEN>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks,
+                              half_sums ? half_sums + 2 * b : nullptr, block_scales, acc);
+  };
   if constexpr (SIXTEEN) {
     for (int64_t b = 0; b < blocks; ++b) {
       const __m256 halves[2] = {scales.scale(2 * b, b / per_super), scales.scale(2 * b + 1, b / per_super)};
-      block_dots<M, INT4, true>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks, halves, acc);
+      block(b, halves);
     }
   } else {
     const int64_t group_blocks = group_size / BLOCK;
     for (int64_t b = 0, g = 0; b < blocks; b += group_blocks, ++g) {
       const __m256 group_scale[2] = {scales.scale(g, b / per_super), _mm256_setzero_ps()};
-      for (int64_t i = b; i < b + group_blocks; ++i) {
-        block_dots<M, INT4, false>(q + i * block_bytes, x + i * BLOCK, inputs, token_scales + i, blocks, group_scale,
-                                   acc);
-      }
+      for (int64_t i = b; i < b + group_blocks; ++i) block(i, group_scale);
     }
   }
   if (scales.offsets != nullptr) {
@@ -214,10 +268,10 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
 }
 
 // All panels against every token. panel_scales(p): panel p's scales (FloatScales or CompactScales).
-template <typename T, bool INT4, bool SIXTEEN, typename PanelScales>
+template <typename T, Format F, bool SIXTEEN, typename PanelScales>
 void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* packed, PanelScales panel_scales,
-         int64_t group_size, int64_t outputs, T* out) {
-  const int64_t panels = (outputs + ROWS - 1) / ROWS, panel_bytes = (INT4 ? inputs / 2 : inputs) * ROWS;
+         int64_t group_size, int64_t outputs, T* out, int64_t out_stride) {
+  const int64_t panels = (outputs + ROWS - 1) / ROWS, panel_bytes = inputs / BLOCK * block_bytes_of(F);
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
@@ -229,11 +283,11 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
           constexpr int M = decltype(block)::value;
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          panel_dots<M, INT4, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, acc);
+          panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, acc);
           for (int m = 0; m < M; ++m) {
             alignas(32) float totals[ROWS];
             _mm256_store_ps(totals, acc[m]);
-            T* row = out + (m0 + m) * outputs + p * ROWS;
+            T* row = out + (m0 + m) * out_stride + p * ROWS;
             for (int64_t j = 0; j < rows; ++j) row[j] = from_float<T>(totals[j]);
           }
         });
@@ -268,10 +322,19 @@ std::tuple<bool, int64_t, int64_t> check_weight(const at::Tensor& qweight, const
   return {int4, inputs, groups};
 }
 
+// Whether every value of an int8 weight lies in -32..31 (GGUF's Q6_K): then it packs in 6 bits.
+bool fits_six_bits(const at::Tensor& qweight) {
+  const auto* q = qweight.data_ptr<int8_t>();
+  bool fits = true;
+#pragma omp parallel for reduction(&& : fits)
+  for (int64_t i = 0; i < qweight.numel(); ++i) fits = fits && q[i] >= -32 && q[i] < 32;
+  return fits;
+}
+
 }  // namespace
 
 bool a8_linear_supported() {
-#ifdef __AVX2__
+#ifdef SPINDLE_A8
   return true;
 #else
   return false;
@@ -282,9 +345,10 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
     const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t group_size,
     const std::optional<at::Tensor>& super_scales) {
   const auto [int4, inputs, groups] = check_weight(qweight, scales, zeros, group_size);
-  const int64_t outputs = qweight.size(0), panels = (outputs + ROWS - 1) / ROWS, blocks = inputs / BLOCK;
-  const int64_t row_bytes = qweight.size(1), block_bytes = (int4 ? BLOCK / 2 : BLOCK) * ROWS;
   const bool compact = super_scales.has_value(), offsets = zeros.has_value();
+  const Format format = int4 ? Format::INT4 : !offsets && fits_six_bits(qweight) ? Format::INT6 : Format::INT8;
+  const int64_t outputs = qweight.size(0), panels = (outputs + ROWS - 1) / ROWS, blocks = inputs / BLOCK;
+  const int64_t row_bytes = qweight.size(1), block_bytes = block_bytes_of(format);
   const int64_t supers = inputs / SUPER_BLOCK;
   if (compact) {
     TORCH_CHECK((group_size == 16 || group_size == 32) && inputs % SUPER_BLOCK == 0,
@@ -293,21 +357,22 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
                     super_scales->numel() == outputs * supers * 2,
                 "super_scales must be dense float32 [out, in / 256, 2]");
   }
-  at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options());
+  at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options().dtype(int4 || format == Format::INT6 ? at::kByte : at::kChar));
   at::Tensor panel_scales = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kChar : at::kFloat));
   std::optional<at::Tensor> panel_offsets, panel_supers;
   if (offsets) {
     panel_offsets = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kByte : at::kFloat));
   }
-  if (compact) panel_supers = at::zeros({panels, supers, 2, ROWS}, scales.options());
+  const int64_t factors = offsets ? 2 : 1;  // (d, dmin), or d alone
+  if (compact) panel_supers = at::zeros({panels, supers, factors, ROWS}, scales.options().dtype(at::kHalf));
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   auto* to = static_cast<uint8_t*>(packed.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* z = offsets ? zeros->data_ptr<float>() : nullptr;
-  const float* factors = compact ? super_scales->data_ptr<float>() : nullptr;
+  const float* given = compact ? super_scales->data_ptr<float>() : nullptr;  // (d, dmin) [out, supers]
   void* to_scales = panel_scales.data_ptr();  // float32, or int8 sub-scales
   void* to_offsets = offsets ? panel_offsets->data_ptr() : nullptr;  // float32, or uint8 sub-minimums
-  float* to_supers = compact ? panel_supers->data_ptr<float>() : nullptr;
+  c10::Half* to_supers = compact ? panel_supers->data_ptr<c10::Half>() : nullptr;
   int64_t inexact = -1;  // a row whose scales or offsets the super-block factors do not give exactly
 #pragma omp parallel for
   for (int64_t n = 0; n < outputs; ++n) {
@@ -315,13 +380,28 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
     const uint8_t* row = q + n * row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* block = to + p * blocks * block_bytes + b * block_bytes;
-      for (int64_t k = 0; k < (int4 ? 4 : 8); ++k) {
+      const int64_t first = b * BLOCK;
+      if (format == Format::INT8) {
+        for (int64_t k = 0; k < 8; ++k) std::memcpy(block + k * 32 + j * CHUNK, row + first + k * CHUNK, CHUNK);
+        continue;
+      }
+      // int4 and 6 bits: chunk c's low nibbles hold inputs 4c..4c+3, its high ones 16 + 4c.. (nibble(i): input i's)
+      const auto value = [&](int64_t i) {  // int4: q; 6 bits: u = q + 32
+        return int4 ? (row[i / 2] >> (4 * (i % 2))) & 0xF : static_cast<int8_t>(row[i]) + 32;
+      };
+      for (int64_t c = 0; c < 4; ++c) {
         for (int64_t t = 0; t < CHUNK; ++t) {
-          const int64_t i = b * BLOCK + k * CHUNK + t;  // int4: the low nibble's input, the high one's is i + 16
-          block[k * 32 + j * CHUNK + t] =
-              int4 ? static_cast<uint8_t>(((row[i / 2] >> (4 * (i % 2))) & 0xF) |
-                                          (((row[(i + 16) / 2] >> (4 * ((i + 16) % 2))) & 0xF) << 4))
-                   : row[i];
+          const int64_t i = first + c * CHUNK + t;
+          block[c * 32 + j * CHUNK + t] = static_cast<uint8_t>((value(i) & 0xF) | ((value(i + 16) & 0xF) << 4));
+        }
+      }
+      if (format == Format::INT6) {  // chunk 4 + h: bits 2t, 2t + 1 hold the top 2 bits of chunk 4h + t's inputs
+        for (int64_t h = 0; h < 2; ++h) {
+          for (int64_t t = 0; t < CHUNK; ++t) {
+            int top = 0;
+            for (int64_t k = 0; k < 4; ++k) top |= ((value(first + (4 * h + k) * CHUNK + t) >> 4) & 3) << (2 * k);
+            block[(4 + h) * 32 + j * CHUNK + t] = static_cast<uint8_t>(top);
+          }
         }
       }
     }
@@ -336,88 +416,109 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
         continue;
       }
       const int64_t super = g * group_size / SUPER_BLOCK;
-      const float d = factors[(n * supers + super) * 2], dmin = factors[(n * supers + super) * 2 + 1];
+      const float d = given[(n * supers + super) * 2], dmin = given[(n * supers + super) * 2 + 1];
       const float sc = d != 0.f ? std::nearbyint(scale / d) : 0.f;
       const float m = dmin != 0.f ? std::nearbyint(-offset / dmin) : 0.f;
       // The offset was rounded once where it was computed (z = 8 scale - dmin m for int4): a few ulps.
       const float slack =
           8.f * std::numeric_limits<float>::epsilon() * std::max(std::abs(offset), 8.f * std::abs(scale));
-      if (sc < -128.f || sc > 127.f || sc * d != scale || m < 0.f || m > 255.f || std::abs(m * dmin + offset) > slack) {
+      // GGUF stores d and dmin as float16: they pack as they are.
+      const bool halves = static_cast<float>(c10::Half(d)) == d && static_cast<float>(c10::Half(dmin)) == dmin;
+      if (sc < -128.f || sc > 127.f || sc * d != scale || m < 0.f || m > 255.f ||
+          std::abs(m * dmin + offset) > slack || !halves) {
 #pragma omp critical
         inexact = n;
       }
       static_cast<int8_t*>(to_scales)[at] = static_cast<int8_t>(sc);
       if (offsets) static_cast<uint8_t*>(to_offsets)[at] = static_cast<uint8_t>(m);
       if (g * group_size % SUPER_BLOCK == 0) {
-        float* factor = to_supers + (p * supers + super) * 2 * ROWS + j;
+        c10::Half* factor = to_supers + (p * supers + super) * factors * ROWS + j;
         factor[0] = d;
-        factor[ROWS] = dmin;
+        if (offsets) factor[ROWS] = dmin;
       }
     }
   }
-  TORCH_CHECK(inexact < 0, "super_scales do not give row ", inexact, "'s scales and offsets as integer multiples");
+  TORCH_CHECK(inexact < 0, "super_scales do not give row ", inexact,
+              "'s scales and offsets as integer multiples of float16 factors");
   return {packed, panel_scales, panel_offsets, panel_supers};
 }
 
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
-                     int64_t group_size, int64_t outputs) {
+                     int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out_) {
   TORCH_CHECK(a8_linear_supported(), "a8_linear needs AVX2");
-  const bool int4 = packed.scalar_type() == at::kByte, compact = supers.has_value();
-  TORCH_CHECK(int4 || packed.scalar_type() == at::kChar, "packed must be a8_pack's int8 or uint8 tensor");
+  const bool compact = supers.has_value();
   const int64_t panels = (outputs + ROWS - 1) / ROWS, inputs = x.size(-1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features], dense rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  check_layout(int4, inputs, group_size);
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) == panels &&
-                  packed.size(1) == (int4 ? inputs / 2 : inputs) * ROWS,
+  TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
+  // The form from the packed tensor: int8; uint8 of 4 (int4) or 6 bits (a8_pack's) a weight.
+  const int64_t panel_bytes = packed.dim() == 2 ? packed.size(1) : -1;
+  TORCH_CHECK(packed.scalar_type() == at::kChar || packed.scalar_type() == at::kByte,
+              "packed must be a8_pack's int8 or uint8 tensor");
+  const Format format = packed.scalar_type() == at::kChar ? Format::INT8
+                        : panel_bytes == inputs / BLOCK * block_bytes_of(Format::INT6) ? Format::INT6
+                                                                                       : Format::INT4;
+  check_layout(format == Format::INT4, inputs, group_size);
+  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == panels && panel_bytes == inputs / BLOCK * block_bytes_of(format),
               "packed must be a8_pack's tensor for [outputs, in_features]");
   const int64_t groups = inputs / group_size;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (compact ? at::kChar : at::kFloat) &&
                   scales.numel() == panels * groups * ROWS,
               "scales must be a8_pack's [panels, groups, 8] (float32, or int8 with super_scales)");
-  TORCH_CHECK(!int4 || offsets, "an int4 weight needs its offsets");
+  TORCH_CHECK(format != Format::INT4 || offsets, "an int4 weight needs its offsets");
+  TORCH_CHECK(format != Format::INT6 || !offsets, "a 6-bit weight has no offsets");
   TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == (compact ? at::kByte : at::kFloat) &&
                            offsets->numel() == panels * groups * ROWS),
               "offsets must be None or a8_pack's [panels, groups, 8] (float32, or uint8 with super_scales)");
+  const int64_t factors = offsets ? 2 : 1;
   TORCH_CHECK(!compact || (inputs % SUPER_BLOCK == 0 && supers->is_contiguous() &&
-                           supers->scalar_type() == at::kFloat &&
-                           supers->numel() == panels * inputs / SUPER_BLOCK * 2 * ROWS),
-              "supers must be a8_pack's [panels, in / 256, 2, 8] float32");
-  at::Tensor out = at::empty({x.size(0), outputs}, x.options());
-#ifdef __AVX2__
+                           supers->scalar_type() == at::kHalf &&
+                           supers->numel() == panels * inputs / SUPER_BLOCK * factors * ROWS),
+              "supers must be a8_pack's [panels, in / 256, 2 (1 without offsets), 8] float16");
+  at::Tensor out = out_ ? *out_ : at::empty({x.size(0), outputs}, x.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == outputs && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type(),
+              "out must be [tokens, out_features] in x's dtype, with dense rows");
+#ifdef SPINDLE_A8
   const auto* q = static_cast<const uint8_t*>(packed.data_ptr());
-  const int64_t panel_groups = groups * ROWS, panel_supers = inputs / SUPER_BLOCK * 2 * ROWS;
-  auto go = [&](auto* type, auto int4_flag, auto sixteen_flag) {
+  const int64_t panel_groups = groups * ROWS, panel_supers = inputs / SUPER_BLOCK * factors * ROWS;
+  auto go = [&](auto* type, auto format_tag, auto sixteen_flag) {
     using T = std::remove_pointer_t<decltype(type)>;
-    constexpr bool INT4 = decltype(int4_flag)::value, SIXTEEN = decltype(sixteen_flag)::value;
-    const Activations a =
-        quantize_activations(x.data_ptr<T>(), x.stride(0), x.size(0), inputs, group_size, offsets.has_value());
+    constexpr Format F = decltype(format_tag)::value;
+    constexpr bool SIXTEEN = decltype(sixteen_flag)::value;
+    const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), x.size(0), inputs, group_size,
+                                               offsets.has_value(), F == Format::INT6);
+    T* o = out.data_ptr<T>();
     if (compact) {
       const auto* sub_scales = scales.data_ptr<int8_t>();
       const uint8_t* sub_mins = offsets ? offsets->data_ptr<uint8_t>() : nullptr;
-      const float* factors = supers->data_ptr<float>();
+      const c10::Half* super_factors = supers->data_ptr<c10::Half>();
       auto panel_scales = [&](int64_t p) {
         return CompactScales{sub_scales + p * panel_groups, sub_mins ? sub_mins + p * panel_groups : nullptr,
-                             factors + p * panel_supers};
+                             super_factors + p * panel_supers, factors};
       };
-      run<T, INT4, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, out.data_ptr<T>());
+      run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
     } else {
       const float* float_scales = scales.data_ptr<float>();
       const float* float_offsets = offsets ? offsets->data_ptr<float>() : nullptr;
       auto panel_scales = [&](int64_t p) {
         return FloatScales{float_scales + p * panel_groups, float_offsets ? float_offsets + p * panel_groups : nullptr};
       };
-      run<T, INT4, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, out.data_ptr<T>());
+      run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
     }
   };
+  using Int4 = std::integral_constant<Format, Format::INT4>;
+  using Int6 = std::integral_constant<Format, Format::INT6>;
+  using Int8 = std::integral_constant<Format, Format::INT8>;
   with_dtype(x, [&](auto* type) {
-    if (int4) {
-      go(type, std::true_type{}, std::false_type{});
-    } else if (group_size == 16) {
-      go(type, std::false_type{}, std::true_type{});
+    const bool sixteen = group_size == 16;
+    if (format == Format::INT4) {
+      go(type, Int4{}, std::false_type{});
+    } else if (format == Format::INT6) {
+      sixteen ? go(type, Int6{}, std::true_type{}) : go(type, Int6{}, std::false_type{});
     } else {
-      go(type, std::false_type{}, std::false_type{});
+      sixteen ? go(type, Int8{}, std::true_type{}) : go(type, Int8{}, std::false_type{});
     }
   });
 #endif

@@ -35,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
     const std::optional<at::Tensor>& super_scales);
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
-                     int64_t group_size, int64_t outputs);
+                     int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out);
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 bool w8a8_supported();
@@ -83,9 +83,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, ReleaseGil(),
         "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
   m.def("a8_linear_supported", &a8_linear_supported, ReleaseGil(), "Whether a8_linear runs here (AVX2).");
-  m.def("a8_pack", &a8_pack, ReleaseGil(), "An int8 or int4 weight laid out for a8_linear, 8 rows interleaved.");
+  m.def("a8_pack", &a8_pack, ReleaseGil(), "An int8, 6-bit or int4 weight laid out for a8_linear, 8 rows interleaved.");
   m.def("a8_linear", &a8_linear, ReleaseGil(),
-        "x @ W.T, W int8 or int4 per group, x quantized to int8 per 32 inputs on the fly.");
+        "x @ W.T, W int8, 6-bit or int4 per group, x quantized to int8 per 32 inputs on the fly.");
   m.def("quant_gemm", &quant_gemm, ReleaseGil(),
         "x @ W.T + b for any number of tokens, W int8 or int4 dequantized a panel of columns at a time.");
   m.def("w8a8_supported", &w8a8_supported, ReleaseGil(), "Whether w8a8_linear runs here (AVX-512 VNNI and bf16).");
