@@ -266,8 +266,13 @@ def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch
     """Rows ``ids`` (``[T]``) of the matrix ``weight`` stands for, dequantized to ``dtype``: ``[T, in]``.
 
     An embedding lookup that gathers the quantized rows alone, where a model keeps its table quantized (a tied LM
-    head), the same values as a lookup in the dequantized table.
+    head), the same values as a lookup in the dequantized table. On the CPU one C++ pass
+    (``spindle.kernels.cpu.dequantize_rows``) does it, outside ``eager``.
     """
+    floats = weight.scales.dtype == torch.float32 and (weight.zeros is None or weight.zeros.dtype == torch.float32)
+    on_cpu = weight.qweight.device.type == "cpu" and not is_eager() and not is_forced_triton()
+    if on_cpu and floats and dtype in (torch.float32, torch.bfloat16):
+        return cpu.dequantize_rows(weight.qweight, weight.scales, weight.zeros, weight.group_size, ids, dtype)
     return dequantize(weight.select(ids), dtype)
 
 

@@ -579,12 +579,16 @@ def test_panel_kernel_refuses_what_it_cannot_run() -> None:
 def test_an_embedding_lookup_from_quantized_rows_equals_the_dequantized_tables(
     bits: int, group_size: int, zeros: bool
 ) -> None:
+    """The C++ lookup and the eager one (torch's ops on the gathered rows); a row out of range is refused."""
     quantized = layout(bits, group_size, zeros, 50, 64, bits)
     ids = torch.tensor([3, 0, 49, 3, 17])
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(
-            quantized_embedding(ids, quantized, dtype), F.embedding(ids, quant.dequantize(quantized, dtype))
-        )
+        want = F.embedding(ids, quant.dequantize(quantized, dtype))
+        assert torch.equal(quantized_embedding(ids, quantized, dtype), want)
+        with eager():
+            assert torch.equal(quantized_embedding(ids, quantized, dtype), want)
+    with pytest.raises(RuntimeError, match="row 50 out of range for 50 rows"):
+        quantized_embedding(torch.tensor([1, 50]), quantized, torch.float32)
 
 
 def projection_case(

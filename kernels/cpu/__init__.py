@@ -271,6 +271,36 @@ def int4_linear(
     return cpu_ops().int4_linear(x, qweight, scales, zeros, group_size)
 
 
+def dequantize_rows(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows ``ids`` of an int8 or int4 weight (``spindle.kernels.quant``'s layout) dequantized: ``[T, in]``.
+
+    One pass over the gathered rows, where ``spindle.kernels.quant.dequantize`` of the selected rows runs a dozen
+    torch ops: a quantized embedding table's lookup, once a step.
+
+    Args:
+        qweight: int8 ``[out, in]``, or uint8 ``[out, in // 2]`` holding int4 two values a byte.
+        scales: float32 ``[out, in // group_size]``.
+        zeros: float32 ``[out, in // group_size]`` or None (required for int4).
+        group_size: inputs per scale.
+        ids: int64 ``[T]``, rows in ``[0, out)``.
+        dtype: float32 or bfloat16, the result's.
+
+    Raises:
+        RuntimeError: for a row out of range or tensors not in that layout.
+
+    """
+    out = torch.empty(ids.shape[0], qweight.shape[1] * (1 if qweight.dtype == torch.int8 else 2), dtype=dtype)
+    cpu_ops().dequantize_rows(qweight, scales, zeros, group_size, ids, out)
+    return out
+
+
 def a8_linear_supported() -> bool:
     """Whether :func:`a8_linear` runs on this CPU: the kernels were built for one with AVX2."""
     return bool(cpu_ops().a8_linear_supported())

@@ -29,6 +29,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& zeros, int64_t group_size);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size);
+void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                     int64_t group_size, const at::Tensor& ids, const at::Tensor& out);
 bool a8_linear_supported();
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> a8_pack(
     const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t group_size,
@@ -82,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T for 1-8 tokens, W int8 with a scale (and an offset) per row or group.");
   m.def("int4_linear", &int4_linear, ReleaseGil(),
         "x @ W.T for 1-8 tokens, W int4 with a scale and an offset per group.");
+  m.def("dequantize_rows", &dequantize_rows, ReleaseGil(), "Rows ids of an int8 or int4 weight, dequantized into out.");
   m.def("a8_linear_supported", &a8_linear_supported, ReleaseGil(), "Whether a8_linear runs here (AVX2).");
   m.def("a8_pack", &a8_pack, ReleaseGil(), "An int8, 6-bit or int4 weight laid out for a8_linear, 8 rows interleaved.");
   m.def("a8_linear", &a8_linear, ReleaseGil(),

@@ -117,3 +117,47 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   });
   return out;
 }
+
+void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                     int64_t group_size, const at::Tensor& ids, const at::Tensor& out) {
+  const bool int4 = qweight.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
+  const int64_t rows = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
+  TORCH_CHECK(group_size > 0 && inputs % group_size == 0, "group_size must divide in_features");
+  const int64_t groups = inputs / group_size;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == rows * groups,
+              "scales must be dense float32 [out, in / group_size]");
+  TORCH_CHECK(!int4 || zeros, "an int4 weight needs its zeros");
+  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
+                         zeros->numel() == rows * groups),
+              "zeros must be None or dense float32 [out, in / group_size]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be dense int64 [T]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) && out.size(1) == inputs &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out must be dense float32 or bfloat16 [T, in_features]");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "row ", id[t], " out of range for ", rows, " rows");
+  }
+  const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* s = scales.data_ptr<float>();
+  const float* z = zeros ? zeros->data_ptr<float>() : nullptr;
+  with_dtype(out, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    T* o = out.data_ptr<T>();
+#pragma omp parallel for if (ids.size(0) >= 64)
+    for (int64_t t = 0; t < ids.size(0); ++t) {
+      const int64_t n = id[t];
+      for (int64_t k = 0; k < inputs; ++k) {
+        const int64_t g = n * groups + k / group_size;
+        // int4: input 2i in the low nibble, 2i + 1 in the high one, centred on 8 (spindle.kernels.quant's layout)
+        const float value = int4 ? static_cast<float>(((q[n * inputs / 2 + k / 2] >> (4 * (k % 2))) & 0xF) - 8)
+                                 : static_cast<float>(static_cast<int8_t>(q[n * inputs + k]));
+        float scaled = value * s[g];
+        asm("" : "+x"(scaled));  // rounded before the offset is added, as torch's ops do (no fused multiply-add)
+        o[t * inputs + k] = from_float<T>(scaled + (z ? z[g] : 0.f));
+      }
+    }
+  });
+}
