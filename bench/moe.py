@@ -7,7 +7,8 @@ The checkpoint is written here (transformers' ``MixtralForCausalLM`` of random w
 Spindle as its scheduler batches them. The kernel part times one MoE layer of the model's shapes at several token
 counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles where the CPU has
 AVX-512 bf16, float32 ones in the op's own tiles), the same op on int8 and int4 experts (``quantize_experts``,
-dequantized in registers), and ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as
+dequantized in registers) and on the layouts GGUF's Q5_K and Q6_K experts decode to (int8 with offsets per 32
+inputs; int8 per 16), and ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as
 transformers' ``MixtralExperts`` runs)::
 
     python -m bench.moe --dtype bfloat16 --threads 1
@@ -33,6 +34,7 @@ import transformers
 from bench.random_llama import write_tokenizer
 from spindle import LLM, SamplingParams
 from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
+from spindle.kernels.quant import QuantizedWeight, quantize, widen
 
 SHAPES = dict(
     vocab_size=1024,
@@ -103,6 +105,17 @@ def engines(model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: i
     return total / spindle_s, total / hf_s
 
 
+def gguf_layout(weights: torch.Tensor, gguf_type: str) -> QuantizedWeight:
+    """``weights [experts, out, in]`` in the layout a GGUF ``Q5_K`` or ``Q6_K`` expert stack decodes to: int4 widened
+    exactly to int8 per 32 inputs, offsets kept, resp. int8 per row regrouped per 16 (the values differ from real
+    blocks'; the kernel's work does not)."""
+    bits, group_size = {"Q5_K": (4, 32), "Q6_K": (8, 16)}[gguf_type]
+    experts, outputs, inputs = weights.shape
+    flat = widen(quantize(weights.reshape(experts * outputs, inputs), bits), group_size)
+    parts = (None if t is None else t.view(experts, outputs, -1) for t in (flat.qweight, flat.scales, flat.zeros))
+    return QuantizedWeight(*parts, group_size)
+
+
 def kernels(dtype: torch.dtype, token_counts: list[int]) -> list[tuple[int, dict[str, float]]]:
     """One MoE layer of :data:`SHAPES`: per token count, median us a call of each of :data:`KERNEL_COLUMNS`."""
     experts, hidden, inter = SHAPES["num_local_experts"], SHAPES["hidden_size"], SHAPES["intermediate_size"]
@@ -112,6 +125,8 @@ def kernels(dtype: torch.dtype, token_counts: list[int]) -> list[tuple[int, dict
     calls = {"fused": Experts(w13, w2)}
     for bits in (8, 4):
         calls[f"fused int{bits}"] = Experts(quantize_experts(w13, bits), quantize_experts(w2, bits))
+    for gguf_type in ("Q5_K", "Q6_K"):
+        calls[f"fused {gguf_type}"] = Experts(gguf_layout(w13, gguf_type), gguf_layout(w2, gguf_type))
     rows = []
     for tokens in token_counts:
         x = torch.randn(tokens, hidden, generator=generator).to(dtype)
@@ -125,9 +140,10 @@ def kernels(dtype: torch.dtype, token_counts: list[int]) -> list[tuple[int, dict
     return rows
 
 
-KERNEL_COLUMNS = ("fused", "fused int8", "fused int4", "loop")
-"""The calls :func:`kernels` times: the C++ op on the model-dtype experts, on int8 and on int4 ones (dequantized in
-registers), and the per-expert torch loop on the model-dtype experts."""
+KERNEL_COLUMNS = ("fused", "fused int8", "fused int4", "fused Q5_K", "fused Q6_K", "loop")
+"""The calls :func:`kernels` times: the C++ op on the model-dtype experts, on int8 and on int4 ones and on the layouts
+of GGUF's Q5_K and Q6_K experts (:func:`gguf_layout`; all dequantized in registers), and the per-expert torch loop on
+the model-dtype experts."""
 
 
 def main() -> None:

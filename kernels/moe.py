@@ -11,8 +11,10 @@ and FMA on x86); else ATen's matmul per expert. Within :func:`~spindle.kernels.e
 experts of :func:`fused_moe_reference`, which the tests hold the other two to.
 
 Experts may be weight-only quantized (``--quantization int8`` / ``int4``, :func:`quantize_experts`): each expert's
-matrices as :mod:`spindle.kernels.quant` quantizes a 2-D weight, stacked, and held in that form alone. Every path
-dequantizes them as it goes: the C++ op and the Triton kernel in registers, the reference one expert at a time.
+matrices as :mod:`spindle.kernels.quant` quantizes a 2-D weight, stacked, and held in that form alone; or a GGUF
+file's expert blocks, decoded exactly to the same layouts (int4 per group of 32; int8 per group of 32 or 16, with
+offsets for Q5_1 and Q5_K). Every path runs every such layout as it is stored and dequantizes it as it goes: the C++
+op and the Triton kernel in registers, the reference one expert at a time.
 """
 
 import importlib
@@ -119,8 +121,7 @@ class Experts:
 
     Raises:
         ValueError: when one of ``w13`` and ``w2`` is quantized and the other not, or when quantized experts are to
-            run the C++ op with a ``hidden`` or ``intermediate`` size that is not a multiple of 32 (its micro-kernels
-            step 32 inputs at a time).
+            run the C++ op in a layout it does not read (:func:`runs_on_cpu`).
 
     """
 
@@ -133,10 +134,10 @@ class Experts:
         self.hidden = w2.scales.shape[1] if self.quantized else w13.shape[2]
         self.eager = is_eager()
         self.triton = is_forced_triton() or (w13.qweight if self.quantized else w13).is_cuda
-        if self.quantized and not (self.eager or self.triton) and (self.hidden % 32 or self.intermediate % 32):
+        if self.quantized and not (self.eager or self.triton) and not (runs_on_cpu(w13) and runs_on_cpu(w2)):
             raise ValueError(
-                f"quantized experts run on the CPU with hidden and intermediate sizes that are multiples of 32, not "
-                f"{self.hidden} and {self.intermediate}"
+                f"quantized experts run on the CPU in groups of a multiple of 16 inputs (int8) or 32 (int4), not "
+                f"int{w13.bits} in groups of {w13.group_size} and int{w2.bits} in groups of {w2.group_size}"
             )
         tile = not (self.quantized or self.eager or self.triton) and _can_tile(w13) and _can_tile(w2)
         self.tiled = tile
@@ -160,6 +161,15 @@ class Experts:
         return cpu.fused_moe(
             x, self.w13, self.w2, topk_weights, topk_ids, self.num_experts, self.intermediate, self.tiled
         )
+
+
+def runs_on_cpu(stack: QuantizedWeight) -> bool:
+    """Whether the C++ op reads a quantized stack as it is stored.
+
+    It reads every layout whose groups are a multiple of the inputs its micro-kernels step under one scale: 16 for
+    int8 (per row or per group, with or without offsets), 32 for int4. Every kept GGUF type's decoding is one.
+    """
+    return stack.group_size % (16 if stack.bits == 8 else 32) == 0
 
 
 def _can_tile(weight: torch.Tensor) -> bool:

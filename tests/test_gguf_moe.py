@@ -64,9 +64,13 @@ FILE_TYPES = {
     "F32": {},
     "Q8_0": {"": "Q8_0"},
     "Q4_K_M": {"": "Q4_K", "blk.0.ffn_down_exps": "Q6_K", "output": "Q6_K"},
+    "Q5_K_M": {"": "Q5_K", "blk.0.ffn_down_exps": "Q6_K", "blk.1.ffn_up_exps": "Q6_K", "output": "Q6_K"},
+    "Q5_1": {"": "Q5_1"},
 }
-"""Each file's types: of every matrix (``""``), and of those whose GGUF name is another key (a Q4_K_M's first
-layer's down experts Q6_K, which the CPU's fused MoE op does not run: quantized to int8 at load); none: float32."""
+"""Each file's types: of every matrix (``""``), and of those whose GGUF name is another key; none: float32. A
+Q4_K_M's and a Q5_K_M's first layer's down experts are Q6_K (int8 per 16 inputs) beside int4, resp. int8 with offsets
+(Q5_K, Q5_1); the Q5_K_M's second layer has Q6_K up experts beside Q5_K gate ones, which its ``w13`` stack holds
+widened to int8 with offsets per 16 inputs."""
 
 ROLES = {"ffn_gate_exps": ("w13", 0), "ffn_up_exps": ("w13", 1), "ffn_down_exps": ("w2", 0)}
 """A GGUF expert stack -> the Spindle stack it goes into and its part there (gate rows, then up rows)."""
@@ -135,9 +139,9 @@ def test_gguf_moe_serves_its_experts_blocks(
     family: str, file_type: str, moe_checkpoint: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The file converts to its MoE family and gives transformers' greedy tokens; under ``--quantization auto``
-    each layer's experts are the file's blocks, stacked, where their type is kept and the CPU's fused MoE op runs its
-    layout (else quantized to int8 at load), and the prepared model holds no dense copy of them. A tensor-parallel
-    rank keeps its share of every expert's intermediate dimension from the same blocks."""
+    each layer's experts are the file's blocks, stacked, every kept type's as it is stored (the CPU's fused MoE op
+    runs them all), and the prepared model holds no dense copy of them. A tensor-parallel rank keeps its share of
+    every expert's intermediate dimension from the same blocks."""
     held: dict[str, torch.Tensor] = {}
     architecture = FAMILIES[family][0]
     file = write_gguf(moe_checkpoint[family], architecture, tmp_path / f"{family}.gguf", encoder(file_type), held)
@@ -160,17 +164,13 @@ def test_gguf_moe_serves_its_experts_blocks(
         if role is None:
             continue
         name, part = f"layers.{tensor.name.split('.')[1]}.{role[0]}", role[1]
-        weight = kept[name]
-        if tensor.tensor_type.name == "Q6_K":  # int8 per row, quantized at load from the file's values
-            assert (weight.bits, weight.group_size) == (8, weight.qweight.shape[-1])
-            continue
         from_file.add(name)
         file_values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
         rows = file_values.shape[1]
-        ours = experts_values(weight)[:, part * rows : (part + 1) * rows]
+        ours = experts_values(kept[name])[:, part * rows : (part + 1) * rows]
         torch.testing.assert_close(ours, file_values, rtol=0, atol=1e-6)
     # Rank 1 of 2: every expert's gate and up rows 128-255 and down columns 128-255 of the same blocks.
-    assert from_file
+    assert from_file == {f"layers.{i}.{stack}" for i in range(len(dense.layers)) for stack in ("w13", "w2")}
     parallel.set_current(TensorParallel(rank=1, size=2, local_rank=1, local_size=2))
     try:
         ours = quantized_weights(load_model(model_dir, torch.float32, torch.device("cpu")), model_dir, served)
@@ -210,9 +210,8 @@ def test_a_file_that_says_it_has_experts_but_stacks_none_is_refused(
 @pytest.mark.parametrize("path", ["cpu", "triton"])
 @pytest.mark.parametrize("gguf_type", list(LAYOUTS))
 def test_the_fused_moe_op_runs_the_stacks_the_loader_keeps(gguf_type: str, path: str) -> None:
-    """A kept type's expert stacks run on the fused MoE op the loader serves them to (the C++ op on the CPU, the
-    Triton grouped GEMM, interpreted here, on CUDA) as the per-expert torch loop runs them; the ones the loader
-    quantizes at load instead (on the CPU: Q5_1, Q5_K, Q6_K) are refused by the C++ op."""
+    """Every kept type's expert stacks are served as they are to the fused MoE op of either device, which runs them
+    (the C++ op on the CPU, the Triton grouped GEMM, interpreted here, on CUDA) as the per-expert torch loop does."""
     experts, hidden, intermediate = 4, 256, 256
     w13, w2 = (
         _stacked(
@@ -224,10 +223,8 @@ def test_the_fused_moe_op_runs_the_stacks_the_loader_keeps(gguf_type: str, path:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(7, hidden, generator=generator)
     topk_weights, topk_ids = route(torch.randn(7, experts, generator=generator), 2)
-    if not _runs_as_experts(w13, torch.device("cuda" if path == "triton" else "cpu")):
-        with pytest.raises(RuntimeError, match="int8 ones none|group_size 16"):
-            Experts(w13, w2)(x, topk_weights, topk_ids)
-        return
+    device = torch.device("cuda" if path == "triton" else "cpu")
+    assert _runs_as_experts(w13, device) and _runs_as_experts(w2, device)
     with force_triton(path == "triton"):
         out = Experts(w13, w2)(x, topk_weights, topk_ids)
     expected = fused_moe_reference(x, w13, w2, topk_weights, topk_ids)

@@ -12,12 +12,12 @@ from test_model_families import hf_greedy
 from test_model_parity import SCHEDULES, hf_logits, run_schedule
 
 from spindle.backend.models import load_model
-from spindle.backend.models.loader import quantized_weights
+from spindle.backend.models.loader import _stacked, quantized_weights
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
 from spindle.kernels import cpu, eager, force_triton
 from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
-from spindle.kernels.quant import QuantizedWeight
+from spindle.kernels.quant import QuantizedWeight, quantize, widen
 
 # (tokens, experts, top_k, hidden, intermediate, the experts the tokens may route to: None for all).
 CASES = {
@@ -32,8 +32,18 @@ CASES = {
     "deep_inputs": (23, 4, 2, 288, 320, None),
 }
 QUANTIZED_CASES = [case for case in CASES if case not in ("odd_shapes", "deep_inputs")]
-"""int4 quantizes groups of 32 inputs, and the C++ op's quantized micro-kernels step 32 inputs at a time (odd_shapes);
-deep_inputs is for the float32 tiles, and would only slow the interpreted Triton runs of the quantized ones."""
+"""int4 quantizes groups of 32 inputs, which odd_shapes' sizes are not; deep_inputs is for the float32 tiles, and would
+only slow the interpreted Triton runs of the quantized ones."""
+QUANTIZED_LAYOUTS = {
+    "int8": (8, None),
+    "int4": (4, None),
+    "int8_offsets": (4, 32),
+    "int8_g16": (8, 16),
+    "int8_offsets_g16": (4, 16),
+}
+"""Each quantized layout of experts: the bits they are quantized to (int8 per row, int4 per 32 inputs), and the group
+size they are then widened to exactly, as int8 (int4's offsets kept), or None. int8 with offsets per 32 inputs is
+GGUF's Q5_1 and Q5_K decoded, per 16 without them Q6_K, per 16 with them a Q4_K_M's Q4_K gate beside its Q6_K up."""
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
@@ -49,6 +59,15 @@ def random_moe(case: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         logits[:, [e for e in range(experts) if e not in allowed]] = -torch.inf
     topk_weights, topk_ids = route(logits, top_k)
     return x.to(dtype), w13.to(dtype), w2.to(dtype), topk_weights, topk_ids
+
+
+def quantized_experts(weights: torch.Tensor, layout: str) -> QuantizedWeight:
+    """A float ``[experts, out, in]`` stack in one of :data:`QUANTIZED_LAYOUTS`."""
+    bits, group_size = QUANTIZED_LAYOUTS[layout]
+    if group_size is None:
+        return quantize_experts(weights, bits)
+    experts, outputs, inputs = weights.shape
+    return _stacked(widen(quantize(weights.reshape(experts * outputs, inputs), bits), group_size), experts)
 
 
 def test_route_renormalises_over_the_top_k_as_mixtral_and_keeps_probabilities_without() -> None:
@@ -86,16 +105,17 @@ def test_route_matches_transformers_routing(top_k: int, renormalize: bool, dtype
     ids=["cpu-fp32", "cpu-bf16", "triton-fp32", "triton-bf16"],
 )
 @pytest.mark.parametrize(
-    ("case", "bits"),
-    [(case, None) for case in CASES] + [(case, bits) for bits in (8, 4) for case in QUANTIZED_CASES],
-    ids=[*CASES, *(f"{case}-int{bits}" for bits in (8, 4) for case in QUANTIZED_CASES)],
+    ("case", "layout"),
+    [(case, None) for case in CASES] + [(case, layout) for layout in QUANTIZED_LAYOUTS for case in QUANTIZED_CASES],
+    ids=[*CASES, *(f"{case}-{layout}" for layout in QUANTIZED_LAYOUTS for case in QUANTIZED_CASES)],
 )
-def test_fused_moe_matches_a_per_expert_loop(case: str, bits: int | None, path: str, dtype: torch.dtype) -> None:
+def test_fused_moe_matches_a_per_expert_loop(case: str, layout: str | None, path: str, dtype: torch.dtype) -> None:
     """The C++ op (bf16: ``bf16_linear``'s tiles where the CPU has them) and the Triton grouped GEMM (interpreted),
-    dense or on int8/int4 experts, against the torch loop over the same weights (quantized ones dequantized)."""
+    dense or on quantized experts of every layout, each run as it is stored, against the torch loop over the same
+    weights (quantized ones dequantized). The cases include experts that get no token and one that gets one."""
     x, w13, w2, topk_weights, topk_ids = random_moe(case, dtype)
-    if bits is not None:
-        w13, w2 = quantize_experts(w13, bits), quantize_experts(w2, bits)
+    if layout is not None:
+        w13, w2 = quantized_experts(w13, layout), quantized_experts(w2, layout)
         expected = fused_moe_reference(x.float(), w13, w2, topk_weights, topk_ids)
     else:
         expected = fused_moe_reference(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
@@ -103,18 +123,27 @@ def test_fused_moe_matches_a_per_expert_loop(case: str, bits: int | None, path: 
         experts = Experts(w13, w2)
         out = experts(x, topk_weights, topk_ids)
     # Dense float32 experts run the op's float tiles on any CPU (every case's outputs are multiples of 16).
-    assert experts.tiled == (path == "cpu" and bits is None and (dtype == torch.float32 or cpu.bf16_linear_supported()))
+    assert experts.tiled == (
+        path == "cpu" and layout is None and (dtype == torch.float32 or cpu.bf16_linear_supported())
+    )
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
 
 
-def test_quantized_experts_on_the_cpu_need_sizes_in_steps_of_32() -> None:
-    """int8 experts quantize at any size, but the C++ op's micro-kernels read 32 inputs at a time: a clear error."""
-    _, w13, w2, _, _ = random_moe("odd_shapes", torch.float32)
-    with pytest.raises(ValueError, match="multiples of 32, not 80 and 112"):
+def test_quantized_experts_on_the_cpu_need_groups_their_micro_kernels_step_through() -> None:
+    """int8 experts quantize at any size, but the C++ op's micro-kernels read 16 inputs under one scale (int4: 32): a
+    clear error from :class:`Experts`, and from the op itself for a layout it does not read."""
+    generator = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(2, 64, 72, generator=generator), torch.randn(2, 72, 32, generator=generator)
+    with pytest.raises(ValueError, match="not int8 in groups of 72 and int8 in groups of 32"):
         Experts(quantize_experts(w13, 8), quantize_experts(w2, 8))
     with pytest.raises(ValueError, match="both be quantized or both dense"):
         Experts(quantize_experts(w13, 8), w2)
+    x, w13, w2, topk_weights, topk_ids = random_moe("one_token", torch.float32)
+    int4 = quantize_experts(w13, 4)
+    halves = QuantizedWeight(int4.qweight, *(t.repeat_interleave(2, dim=-1) for t in (int4.scales, int4.zeros)), 16)
+    with pytest.raises(RuntimeError, match="group_size 16 of int4 experts must be a multiple of 32 that divides 64"):
+        cpu.fused_moe_quantized(x, halves, quantize_experts(w2, 4), topk_weights, topk_ids)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -23,6 +23,7 @@ from spindle.backend.models.interface import CausalLM, model_class
 from spindle.backend.models.llama import EMBEDDING_TABLE
 from spindle.backend.models.mixtral import MixtralDecoderLayer, MixtralForCausalLM
 from spindle.kernels.cache_entry import build_entry, is_complete
+from spindle.kernels.moe import runs_on_cpu
 from spindle.kernels.quant import QuantizedWeight, cat_rows, quantize, widen
 
 if TYPE_CHECKING:
@@ -573,11 +574,12 @@ def _expert_stacks(model: CausalLM) -> dict[str, tuple[torch.Tensor, int]]:
 def _runs_as_experts(weight: QuantizedWeight, device: torch.device) -> bool:
     """Whether the fused MoE kernel of ``device`` runs a stack of this layout.
 
-    On CUDA the Triton grouped GEMM runs every layout. On the CPU the C++ op runs int4, and int8 without offsets,
-    in groups of a multiple of 32 inputs (its micro-kernels step 32 inputs at a time and read no offsets for int8):
-    a file's Q5_1/Q5_K/Q6_K experts are quantized to int8 at load there instead.
+    On CUDA the Triton grouped GEMM runs every layout; on the CPU the C++ op every layout whose groups its
+    micro-kernels step through (:func:`~spindle.kernels.moe.runs_on_cpu`), which every kept GGUF type's is: int4, and
+    int8 with or without offsets in groups of 32 or 16 (Q5_1, Q5_K, Q6_K as they are stored). A stack of another
+    layout is quantized to int8 at load instead.
     """
-    return device.type == "cuda" or (weight.group_size % 32 == 0 and (weight.bits == 4 or weight.zeros is None))
+    return device.type == "cuda" or runs_on_cpu(weight)
 
 
 def _stacked(weight: QuantizedWeight, experts: int) -> QuantizedWeight:

@@ -101,5 +101,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Each expert's [out, in] matrix in the fused MoE op's tiles (bf16_pack's for bf16), stacked.");
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
   m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
-        "fused_moe of int8 (per row) or int4 (per group) experts, dequantized in registers.");
+        "fused_moe of int8 (per row or group, with or without offsets) or int4 experts, dequantized in registers.");
 }

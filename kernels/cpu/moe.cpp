@@ -12,10 +12,12 @@
 // two regions on a 6-row x 16-column micro-kernel in 8-float vectors (AVX2 + FMA here, whatever gcc's vector extension
 // maps to elsewhere). Other dtypes and shapes run ATen's matmul per expert.
 //
-// Quantized experts (spindle.kernels.quant's int8 per row or int4 per group, stacked [experts, out, in]) run the same
-// sort and the same kind of work items in float32: the grouped rows are turned into float once (in int4_row's nibble
-// order, with their group sums), and each work item runs its rows, 8 at a time, against each weight row of its column
-// tile with quant_rows.h's micro-kernels, which dequantize in registers (AVX-512 or AVX2+FMA, else plain loops).
+// Quantized experts (spindle.kernels.quant's layouts, stacked [experts, out, in]: int4 per group of 32 inputs; int8 per
+// row or per group of 16 or 32, with or without offsets, as GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks decode) run
+// the same sort and the same kind of work items in float32: the grouped rows are turned into float once (for int4 in
+// int4_row's nibble order), with their group sums where the weights have offsets, and each work item runs its rows, 8
+// at a time, against each weight row of its column tile with quant_rows.h's micro-kernels, which dequantize in
+// registers (AVX-512 or AVX2+FMA, else plain loops).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 
@@ -332,7 +334,7 @@ constexpr int64_t QUANT_ROWS = 8;  // grouped rows per micro-kernel call (quant_
 struct QuantStack {
   const void* q;        // int8 [experts, outputs, inputs] or uint8 [experts, outputs, inputs / 2]
   const float* scales;  // [experts, outputs, groups]
-  const float* zeros;   // [experts, outputs, groups] for int4, else null
+  const float* zeros;   // [experts, outputs, groups] for int4 and int8 with offsets, else null
   int64_t bits, group_size, outputs, inputs;
 
   QuantStack(const at::Tensor& qweight, const at::Tensor& scales_, const std::optional<at::Tensor>& zeros_,
@@ -343,12 +345,14 @@ struct QuantStack {
     TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 3 && qweight.size(0) == experts &&
                     qweight.size(1) == outputs && qweight.size(2) * (bits == 8 ? 1 : 2) == inputs,
                 "qweight must be dense [", experts, ", ", outputs, ", ", inputs, bits == 8 ? "" : " / 2", "]");
-    TORCH_CHECK(group % (2 * quant_rows::LANES) == 0 && inputs % group == 0, "group_size ", group,
-                " must be a multiple of 32 that divides ", inputs, " inputs");
+    // The micro-kernels step 16 inputs under one scale for int8, 32 (a byte's two nibbles x 16) for int4.
+    const int64_t step = bits == 8 ? quant_rows::LANES : 2 * quant_rows::LANES;
+    TORCH_CHECK(group > 0 && group % step == 0 && inputs % group == 0, "group_size ", group, " of int", bits,
+                " experts must be a multiple of ", step, " that divides ", inputs, " inputs");
     const int64_t numel = experts * outputs * (inputs / group);
     TORCH_CHECK(scales_.is_contiguous() && scales_.scalar_type() == at::kFloat && scales_.numel() == numel,
                 "scales must be dense float32 [experts, out, in / group_size]");
-    TORCH_CHECK(zeros_.has_value() == (bits == 4), "int4 experts have zeros, int8 ones none");
+    TORCH_CHECK(zeros_.has_value() || bits == 8, "int4 experts need zeros");
     if (zeros_) {
       TORCH_CHECK(zeros_->is_contiguous() && zeros_->scalar_type() == at::kFloat && zeros_->numel() == numel,
                   "zeros must be dense float32 [experts, out, in / group_size]");
@@ -358,14 +362,19 @@ struct QuantStack {
     zeros = zeros_ ? zeros_->data_ptr<float>() : nullptr;
   }
 
-  // Grouped row `src` (inputs values) in float as the micro-kernel reads it: `row`, and for int4 its group sums.
+  // Whether the micro-kernel reads the rows' group sums: the offsets' share of each dot product (int4, int8 with
+  // offsets).
+  bool sums() const { return zeros != nullptr; }
+
+  // Grouped row `src` (inputs values) in float as the micro-kernel reads it: `row`, and its group sums where sums().
   template <typename T>
   void input_row(const T* src, float* row, float* xsums) const {
     if (bits == 4) {
       quant_rows::int4_input_row(src, inputs, group_size, row, xsums);
-    } else {
-      for (int64_t k = 0; k < inputs; ++k) row[k] = to_float(src[k]);
+      return;
     }
+    for (int64_t k = 0; k < inputs; ++k) row[k] = to_float(src[k]);
+    if (sums()) quant_rows::group_sums(row, inputs, group_size, xsums);
   }
 
   // A work item: its grouped rows of x (float, from input_row; row `item.row` first) against its expert's weight rows
@@ -381,9 +390,9 @@ struct QuantStack {
           float totals[M];
           const int64_t w = first + n;
           if (bits == 8) {
-            // Experts are quantized at load, symmetric: no offsets, so no group sums either.
-            quant_rows::int8_row<M>(x + row * inputs, nullptr, inputs, static_cast<const int8_t*>(q) + w * inputs,
-                                    scales + w * groups, nullptr, group_size, totals);
+            quant_rows::int8_row<M>(x + row * inputs, sums() ? xsums + row * groups : nullptr, inputs,
+                                    static_cast<const int8_t*>(q) + w * inputs, scales + w * groups,
+                                    sums() ? zeros + w * groups : nullptr, group_size, totals);
           } else {
             quant_rows::int4_row<M>(x + row * inputs, xsums + row * groups, inputs,
                                     static_cast<const uint8_t*>(q) + w * inputs / 2, scales + w * groups,
@@ -411,9 +420,9 @@ at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const Quant
   const int64_t intermediate = w2.inputs;
   const at::Tensor xc = x.contiguous();
   const auto floats = x.options().dtype(at::kFloat);
-  // Group sums for int4 (one per group of each row); an int8 stack reads none.
+  // Group sums (one per group of each row) for a stack with offsets; one without reads none.
   const auto group_sums = [&](const QuantStack& w) {
-    return at::empty({w.bits == 4 ? assignments * (w.inputs / w.group_size) : 0}, floats);
+    return at::empty({w.sums() ? assignments * (w.inputs / w.group_size) : 0}, floats);
   };
   at::Tensor grouped = at::empty({assignments, hidden}, floats), grouped_sums = group_sums(w13);
   at::Tensor gate_up = at::empty({assignments, 2 * intermediate}, floats);
@@ -432,7 +441,7 @@ at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const Quant
     w13.run_items(up_items, g, gs, gate_up.data_ptr<float>());
   }
   // elementwise.cpp's vectorised SiLU; int4 rows are then permuted to the nibble order (in a copy: the SiLU's output
-  // is read while it is written), int8 ones read as they are.
+  // is read while it is written), int8 ones read as they are (with their group sums where the weights have offsets).
   at::Tensor act = silu_and_mul(gate_up), act_sums = group_sums(w2);
   const at::Tensor act_rows = w2.bits == 4 ? at::empty(act.sizes(), floats) : act;
   const float* a = act.data_ptr<float>();
@@ -446,6 +455,10 @@ at::Tensor quantized_moe(const at::Tensor& x, const QuantStack& w13, const Quant
 #pragma omp for schedule(static)
       for (int64_t s = 0; s < assignments; ++s)
         w2.input_row(a + s * intermediate, ar + s * intermediate, as + s * down_groups);
+    } else if (w2.sums()) {
+#pragma omp for schedule(static)
+      for (int64_t s = 0; s < assignments; ++s)
+        quant_rows::group_sums(a + s * intermediate, intermediate, w2.group_size, as + s * down_groups);
     }
     w2.run_items(down_items, ar, as, d);
     weighted_sums(d, weight, routing, tokens, top_k, hidden, o);

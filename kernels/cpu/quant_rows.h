@@ -135,6 +135,17 @@ inline void int4_row(const float* x, const float* xsums, int64_t inputs, const u
 #endif
 }
 
+// The sums of one input row x over each group of group_size inputs, in order: the `xsums` that int4_row and int8_row
+// (for a weight with offsets) read.
+template <typename T>
+inline void group_sums(const T* x, int64_t inputs, int64_t group_size, float* xsums) {
+  for (int64_t g = 0; g < inputs / group_size; ++g) {
+    float sum = 0.f;
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += to_float(x[k]);
+    xsums[g] = sum;
+  }
+}
+
 // One input row as int4_row reads it: `row` x in float, permuted within each 32 inputs to the nibble order (the 16
 // low nibbles' inputs, then the 16 high ones'), and `xsums` the sums of x over each group of group_size inputs.
 template <typename T>
@@ -145,11 +156,7 @@ inline void int4_input_row(const T* x, int64_t inputs, int64_t group_size, float
       row[k + LANES + i] = to_float(x[k + 2 * i + 1]);
     }
   }
-  for (int64_t g = 0; g < inputs / group_size; ++g) {
-    float sum = 0.f;
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += to_float(x[k]);
-    xsums[g] = sum;
-  }
+  group_sums(x, inputs, group_size, xsums);
 }
 
 }  // namespace quant_rows
