@@ -214,11 +214,14 @@ class Projection:
         """``x [..., in]`` -> ``[..., out]``."""
         if self.w8a8 is not None:
             return cpu.w8a8_linear(_dense_rows(x), *self.w8a8, self.bias).view(*x.shape[:-1], -1)
-        if self.a8:  # each part into its columns (one part unless the weight stacks different layouts)
+        if self.a8:
             rows = _dense_rows(x)
+            if len(self._a8_parts) == 1:
+                packed, outputs, group_size = self._a8_parts[0]
+                return self._finish(cpu.a8_linear(rows, *packed, group_size, outputs), x)
             out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
             start = 0
-            for packed, outputs, group_size in self._a8_parts:
+            for packed, outputs, group_size in self._a8_parts:  # each part into its columns
                 cpu.a8_linear(rows, *packed, group_size, outputs, out[:, start : start + outputs])
                 start += outputs
             return self._finish(out, x)
@@ -243,7 +246,7 @@ class Projection:
         """A kernel's ``[tokens, out]`` result with the bias added, shaped as ``x``'s leading dimensions."""
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 EAGER_PANEL_ROWS = 1024
@@ -278,7 +281,7 @@ def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch
 
 def _dense_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., in]`` as ``[tokens, in]`` rows whose elements are adjacent, as our CPU kernels read them."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 

@@ -653,14 +653,17 @@ def test_a_quantized_projection_quantizes_its_activations_by_default(bits: int, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_projection_holds_no_dense_weight(bits: int, dtype: torch.dtype, eager_mode: bool) -> None:
-    """No attribute (nor tuple of them) holds a float tensor of the weight's size: only the quantized form."""
+    """No attribute (nor list or tuple of them, nor quantized form's) holds a float tensor of the weight's size."""
     weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(bits)).to(dtype)
     with eager(eager_mode):
         projection = Projection(weight, None, quant.quantize(weight.float(), bits))
 
-    held = [v for value in vars(projection).values() for v in (value if isinstance(value, tuple) else (value,))]
-    held += [v for value in held if isinstance(value, quant.QuantizedWeight) for v in vars(value).values()]
-    tensors = [t for t in held if isinstance(t, torch.Tensor)]
+    def held(value: object) -> list[object]:
+        if isinstance(value, (list, tuple)):
+            return [v for item in value for v in held(item)]
+        return held(list(vars(value).values())) if isinstance(value, quant.QuantizedWeight) else [value]
+
+    tensors = [t for t in held(list(vars(projection).values())) if isinstance(t, torch.Tensor)]
     assert any(t.dtype in (torch.int8, torch.uint8) for t in tensors)  # the walk reaches the quantized form
     assert not [t.shape for t in tensors if t.is_floating_point() and t.numel() >= weight.numel()]
 
