@@ -13,6 +13,7 @@ from spindle.kernels import (
     AttentionMetadata,
     argmax,
     attend,
+    attention,
     attention_metadata,
     build_cos_sin_cache,
     cpu,
@@ -22,7 +23,9 @@ from spindle.kernels import (
     quant,
     reshape_and_cache,
     rms_norm,
+    rotary,
     rotary_embedding,
+    rotary_embedding_and_cache,
     silu_and_mul,
 )
 from spindle.kernels import linear as linear_module
@@ -250,6 +253,29 @@ def test_rotary_matches_transformers(rope: str, dtype: torch.dtype) -> None:
 
     torch.testing.assert_close(ours_query, hf_query[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_key, hf_key[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_embedding_and_cache_matches_rotary_then_cache_write(dtype: torch.dtype) -> None:
+    """The CPU's one call against the torch references of its two steps."""
+    generator = torch.Generator().manual_seed(0)
+    num_heads, tokens = 3 * NUM_KV_HEADS, 4
+    # Q, K and V as the model has them: strided views of one fused qkv row per token.
+    qkv = torch.randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * HEAD_SIZE, generator=generator).to(dtype)
+    q, k, v = qkv.split([num_heads * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE], dim=-1)
+    query, key, value = q.view(tokens, num_heads, HEAD_SIZE), *(t.view(tokens, NUM_KV_HEADS, HEAD_SIZE) for t in (k, v))
+    positions, slots = torch.tensor([3, 0, 40, 41]), torch.tensor([5, 0, 13, 22])
+    cos_sin = build_cos_sin_cache(HEAD_SIZE, 64, 10000.0, dtype=dtype)
+    caches = torch.randn(2, 4, 8, NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(dtype)
+    expected = caches.clone()
+
+    got = rotary_embedding_and_cache(positions, query, key, value, cos_sin, *caches, slots)
+
+    rotated_query, rotated_key = rotary.rotary_embedding(positions, query, key, cos_sin)
+    attention.reshape_and_cache(rotated_key, value, *expected, slots)
+    torch.testing.assert_close(got, rotated_query, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[1], expected[1]), "values are copied, not rounded"
 
 
 def test_rotary_refuses_unknown_scaling() -> None:
