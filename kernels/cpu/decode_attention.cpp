@@ -1,11 +1,11 @@
 // Decode attention over the paged KV cache on the CPU: one query token per sequence, every context read in place.
 //
-// Work items are (sequence, partition of 256 tokens), spread over OpenMP threads with dynamic
-// scheduling, so a batch of very different context lengths costs the sum of its contexts (no padding to the
-// longest) and one long context still keeps every core busy. Each item computes, for each query head, the
-// partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second pass merges
-// the partitions of each (sequence, query head) with the usual log-sum-exp rescaling. On a CPU with AVX-512 bf16, a
-// bf16 cache of head size 64 or 128 takes a walk of its own (group_partition_bf16), 2-3x the generic one.
+// Work items are (sequence, KV head, part of the context), spread over OpenMP threads with dynamic scheduling, so a
+// batch of very different context lengths costs the sum of its contexts (no padding to the longest); with several
+// threads a context is split into 256-token parts, so that one long context still keeps every core busy, and the
+// parts of each (sequence, query head) are merged after with the usual log-sum-exp rescaling (decode_attention_impl).
+// On a CPU with AVX-512 bf16, a bf16 cache of head size 64 or 128 takes a walk of its own (group_partition_bf16),
+// 2-3x the generic one.
 // Under a sliding window only the last `window` positions are walked (the blocks before them may have been freed);
 // a soft-cap makes each scaled score s softcap * tanh(s / softcap).
 #include <ATen/Dispatch.h>
@@ -51,9 +51,13 @@ inline f8 load8(const T* p) {
   for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
   return v;
 }
-inline float sum8(f8 v) {
+// Each of a row's n scores replaced by its exponential less the row's max score; returns their sum.
+inline float exp_in_place(float* row, int64_t n, float max_score) {
   float total = 0.f;
-  for (int i = 0; i < 8; ++i) total += v[i];
+  for (int64_t i = 0; i < n; ++i) {
+    row[i] = std::exp(row[i] - max_score);
+    total += row[i];
+  }
   return total;
 }
 
@@ -142,13 +146,8 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
         max_score = std::max(max_score, row[i]);
       }
     }
-    float total = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      row[i] = std::exp(row[i] - max_score);
-      total += row[i];
-    }
     max_out[g] = max_score;
-    sum_out[g] = total;
+    sum_out[g] = exp_in_place(row, n, max_score);
     // The probabilities in bf16 for the value products, zero past n (an odd n's last pair takes a zero weight).
     for (int64_t i = 0; i < stride; i += 16) {
       const __mmask16 valid = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
@@ -209,8 +208,10 @@ inline f8 sum8x8(const f8* v) {
 // starts (the KV head's offset added). Keys go eight at a time, each of the group's heads taking their eight dot
 // products (eight independent sums, folded into one vector by sum8x8) while those rows are in the L1 cache; then
 // each head's max and sum of exponentials; then the values, TILE tokens at a time, each head adding the tile's
-// exp-weighted rows to its accumulators. Walking the chunk once per head instead read each row from L2 per head:
-// 2.5-4x slower at 12/4 heads of 128 (bench/results/decode_attention.md). HEAD is the head size when it is known at
+// exp-weighted rows to its accumulators. The earlier walk, once per head (its dot products four keys at a time,
+// each summed apart), read each row from L2 per head once a KV head's chunk outgrew L1: at 12/4 heads of 128 on one
+// Zen 3 core, 32-34 us a call against 24-26 at a context of 128, 128-136 against 96-108 at 512
+// (bench/results/decode_attention.md). HEAD is the head size when it is known at
 // compile time (64, 128), or 0 for any other, read from head_size; one not a multiple of 8 ends in scalar steps.
 template <typename T, int64_t HEAD>
 void group_chunk(const float* qf, const T* kc, const T* vc, const int64_t* slot, int64_t n, int64_t head_size,
@@ -241,13 +242,8 @@ void group_chunk(const float* qf, const T* kc, const T* vc, const int64_t* slot,
       for (int64_t i = 0; i < n; ++i) row[i] = softcap * std::tanh(row[i] / softcap);
     float max_score = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) max_score = std::max(max_score, row[i]);
-    float total = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      row[i] = std::exp(row[i] - max_score);
-      total += row[i];
-    }
     max_out[g] = max_score;
-    sum_out[g] = total;
+    sum_out[g] = exp_in_place(row, n, max_score);
   }
   std::fill_n(acc_out, group * head_size, 0.f);
   for (int64_t i = 0; i < n; i += TILE) {
@@ -267,7 +263,7 @@ void group_chunk(const float* qf, const T* kc, const T* vc, const int64_t* slot,
   }
 }
 
-// The least work a thread takes, in multiply-adds (context positions x query heads x head size, twice: about 20 us of
+// The least work a thread takes, in multiply-adds (context positions x query heads x head size, twice: about 30 us of
 // one Zen 3 core). A call with less than twice this runs on the calling thread alone, in no OpenMP region, whose
 // start and barriers were most of a small call (and on a machine that other jobs share, a barrier that waited on a
 // descheduled thread took 16 ms). Issue 43's single stream (12/4 heads of 128, contexts 16-150) stays on one thread;
