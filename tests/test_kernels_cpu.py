@@ -179,6 +179,16 @@ def test_decode_attention_refuses_heads_past_its_stack_buffers() -> None:
         cpu.cpu_ops().decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
 
 
+@pytest.mark.parametrize(("table_rows", "len_rows"), [(1, 2), (2, 1)], ids=["tables", "lens"])
+def test_decode_attention_refuses_fewer_table_or_length_rows_than_sequences(table_rows: int, len_rows: int) -> None:
+    """It reads the first rows of both (a step's decodes, before its prefill chunks): each sequence needs one."""
+    query = torch.randn(2, 2, HEAD_SIZE)
+    k_cache, v_cache = torch.randn(2, 1, 4, 2, HEAD_SIZE).unbind(0)
+    tables, lens = torch.zeros(table_rows, 1, dtype=torch.int32), torch.ones(len_rows, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="need a row for each of the query's 2 sequences"):
+        cpu.cpu_ops().decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
+
+
 def test_a_kernel_call_lets_other_threads_run() -> None:
     """A kernel runs without the GIL: a Python thread (the backend's I/O thread, say) goes on meanwhile."""
     tokens, block_size = 4096, 16  # one long prefill chunk: a call of a fraction of a second or more
