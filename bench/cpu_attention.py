@@ -1,4 +1,4 @@
-"""The CPU prefill-attention kernel against torch's flash attention, one layer of the embedded model's heads.
+"""The CPU attention kernels, one layer: prefill against torch's flash attention, and decode per call.
 
 Each row is a prefill chunk of ``n`` tokens after ``c`` cached ones, its context in a paged cache whose blocks lie
 anywhere (as they do in serving): Spindle's kernel (``spindle.kernels.cpu``'s ``prefill_attention``, which reads the
@@ -8,16 +8,31 @@ medians (ms a layer), Spindle's rate over the causal part of the score matrix (t
 the two outputs' largest difference, and flash's time over ours::
 
     .venv/bin/python -m bench.cpu_attention --dtype bfloat16
+
+With ``--decode`` it times instead, per call, a decode step's attention block at the shapes of issue 43's single
+stream (1 sequence, 12/4 heads of 128, contexts of 64, 128 and 512 tokens) and of ``bench.moe``'s tiny Mixtral (64
+sequences, 4/2 heads of 64, contexts of 16-96 tokens), on 1 and 2 threads: the decode kernel alone
+(``decode_attention``), the rotation and cache write (``rotary_embedding_and_cache``), and the whole of
+:func:`~spindle.kernels.attend` (both, and the Python around them), medians in microseconds::
+
+    .venv/bin/python -m bench.cpu_attention --decode
 """
 
 import argparse
+import random
 
 import torch
 
 from bench.flops import median_seconds
 from spindle.backend.models.checkpoint_config import CheckpointConfig
 from spindle.backend.models.loader import resolve_dtype, resolve_model
-from spindle.kernels import AttentionMetadata
+from spindle.kernels import (
+    AttentionMetadata,
+    attend,
+    attention_metadata,
+    build_cos_sin_cache,
+    rotary_embedding_and_cache,
+)
 from spindle.kernels.attention import _flash_chunk
 from spindle.kernels.cpu import cpu_ops
 
@@ -61,12 +76,64 @@ def chunk_row(n: int, cached: int, query: torch.Tensor, k_cache: torch.Tensor, v
     )
 
 
+DECODE_CASES = [
+    ("1 x 12/4 heads of 128, context 64", [64], 12, 4, 128),
+    ("1 x 12/4 heads of 128, context 128", [128], 12, 4, 128),
+    ("1 x 12/4 heads of 128, context 512", [512], 12, 4, 128),
+    ("64 x 4/2 heads of 64, contexts 16-96", [random.Random(0).randint(16, 96) for _ in range(64)], 4, 2, 64),
+]
+"""(label, context lengths, query heads, KV heads, head size) of the decode steps timed."""
+
+
+def decode_row(seq_lens: list[int], heads: int, kv_heads: int, head_size: int, dtype: torch.dtype) -> str:
+    """Median microseconds a call of one decode step's attention pieces, its contexts in scattered blocks."""
+    num_seqs, tables = len(seq_lens), []
+    free = torch.randperm(sum(-(-n // BLOCK_SIZE) for n in seq_lens)).tolist()
+    for n in seq_lens:
+        tables.append([free.pop() for _ in range(-(-n // BLOCK_SIZE))])
+    num_blocks = sum(len(table) for table in tables)
+    k_cache, v_cache = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size).to(dtype) for _ in range(2))
+    meta = AttentionMetadata.from_lists([1] * num_seqs, seq_lens, tables, BLOCK_SIZE)
+    # Q, K and V as the model has them: views of one fused qkv row per token.
+    qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_size).to(dtype)
+    q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    query, key, value = q.view(num_seqs, heads, head_size), *(t.view(num_seqs, kv_heads, head_size) for t in (k, v))
+    positions = torch.tensor(seq_lens) - 1
+    cos_sin = build_cos_sin_cache(head_size, max(seq_lens), 10000.0, dtype=dtype)
+    scale, dense_query = head_size**-0.5, query.contiguous()
+    pieces = {
+        "decode_attention": lambda: cpu_ops().decode_attention(
+            dense_query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+        ),
+        "rotary + cache": lambda: rotary_embedding_and_cache(
+            positions, query, key, value, cos_sin, k_cache, v_cache, meta.slot_mapping
+        ),
+        "attend": lambda: attend(query, key, value, k_cache, v_cache, scale, positions, cos_sin),
+    }
+    with attention_metadata(meta):  # once a step in the runner, not once a layer
+        return " ".join(f"{median_seconds(fn, 400) * 1e6:17.1f}" for fn in pieces.values())
+
+
+def decode_main(dtype: torch.dtype) -> None:
+    """Print :data:`DECODE_CASES`' rows on 1 and 2 threads."""
+    print(f"{dtype}, block size {BLOCK_SIZE}, median us a call")
+    print(f"{'case':>40s} {'threads':>7s} {'decode_attention':>17s} {'rotary + cache':>17s} {'attend':>17s}")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for label, seq_lens, heads, kv_heads, head_size in DECODE_CASES:
+            print(f"{label:>40s} {threads:7d} {decode_row(seq_lens, heads, kv_heads, head_size, dtype)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto", help="auto: what LLM picks on this CPU (bf16 with AVX-512 bf16)")
     parser.add_argument("--model", default=None, help="whose heads to use (default: the embedded SmolLM2)")
+    parser.add_argument("--decode", action="store_true", help="time the decode step's pieces instead")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, "cpu")
+    if args.decode:
+        decode_main(dtype)
+        return
     config = CheckpointConfig.from_dir(resolve_model(args.model))
     heads, kv_heads, head_size = config.num_heads, config.num_kv_heads, config.head_dim
     torch.manual_seed(0)

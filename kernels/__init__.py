@@ -125,24 +125,9 @@ silu_and_mul = _dispatch(activation.silu_and_mul, cpu.silu_and_mul)
 gelu_tanh_and_mul = _dispatch(activation.gelu_tanh_and_mul, cpu.gelu_tanh_and_mul)
 
 
-def _rotary_embedding_and_cache_cpu(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """The C++ rotary op, then the C++ cache write (on the CPU a launch costs nothing to save)."""
-    query, key = cpu.rotary_embedding(positions, query, key, cos_sin_cache)
-    cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-    return query
-
-
-# On Triton one launch rotates and writes the cache: one launch fewer per layer in the steps that run eagerly.
-rotary_embedding_and_cache = _dispatch(rotary.rotary_embedding_and_cache, _rotary_embedding_and_cache_cpu)
+# One launch (Triton) or one C++ call (CPU) rotates and writes the cache: on the CPU a call's argument conversions cost
+# about as much as the work of a decode step's token (bench/results/decode_attention.md).
+rotary_embedding_and_cache = _dispatch(rotary.rotary_embedding_and_cache, cpu.rotary_embedding_and_cache)
 # On the CPU, spindle.kernels.linear.Projection runs the int8/int4 kernels (ours, torch's); this CPU fallback is the
 # torch reference.
 quantized_linear = _dispatch(quant.quantized_linear)

@@ -13,6 +13,7 @@ from spindle.kernels import (
     AttentionMetadata,
     argmax,
     attend,
+    attention,
     attention_metadata,
     build_cos_sin_cache,
     cpu,
@@ -22,7 +23,9 @@ from spindle.kernels import (
     quant,
     reshape_and_cache,
     rms_norm,
+    rotary,
     rotary_embedding,
+    rotary_embedding_and_cache,
     silu_and_mul,
 )
 from spindle.kernels import linear as linear_module
@@ -176,6 +179,16 @@ def test_decode_attention_refuses_heads_past_its_stack_buffers() -> None:
         cpu.cpu_ops().decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
 
 
+@pytest.mark.parametrize(("table_rows", "len_rows"), [(1, 2), (2, 1)], ids=["tables", "lens"])
+def test_decode_attention_refuses_fewer_table_or_length_rows_than_sequences(table_rows: int, len_rows: int) -> None:
+    """It reads the first rows of both (a step's decodes, before its prefill chunks): each sequence needs one."""
+    query = torch.randn(2, 2, HEAD_SIZE)
+    k_cache, v_cache = torch.randn(2, 1, 4, 2, HEAD_SIZE).unbind(0)
+    tables, lens = torch.zeros(table_rows, 1, dtype=torch.int32), torch.ones(len_rows, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="need a row for each of the query's 2 sequences"):
+        cpu.cpu_ops().decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
+
+
 def test_a_kernel_call_lets_other_threads_run() -> None:
     """A kernel runs without the GIL: a Python thread (the backend's I/O thread, say) goes on meanwhile."""
     tokens, block_size = 4096, 16  # one long prefill chunk: a call of a fraction of a second or more
@@ -250,6 +263,29 @@ def test_rotary_matches_transformers(rope: str, dtype: torch.dtype) -> None:
 
     torch.testing.assert_close(ours_query, hf_query[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_key, hf_key[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_embedding_and_cache_matches_rotary_then_cache_write(dtype: torch.dtype) -> None:
+    """The CPU's one call against the torch references of its two steps."""
+    generator = torch.Generator().manual_seed(0)
+    num_heads, tokens = 3 * NUM_KV_HEADS, 4
+    # Q, K and V as the model has them: strided views of one fused qkv row per token.
+    qkv = torch.randn(tokens, (num_heads + 2 * NUM_KV_HEADS) * HEAD_SIZE, generator=generator).to(dtype)
+    q, k, v = qkv.split([num_heads * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE], dim=-1)
+    query, key, value = q.view(tokens, num_heads, HEAD_SIZE), *(t.view(tokens, NUM_KV_HEADS, HEAD_SIZE) for t in (k, v))
+    positions, slots = torch.tensor([3, 0, 40, 41]), torch.tensor([5, 0, 13, 22])
+    cos_sin = build_cos_sin_cache(HEAD_SIZE, 64, 10000.0, dtype=dtype)
+    caches = torch.randn(2, 4, 8, NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(dtype)
+    expected = caches.clone()
+
+    got = rotary_embedding_and_cache(positions, query, key, value, cos_sin, *caches, slots)
+
+    rotated_query, rotated_key = rotary.rotary_embedding(positions, query, key, cos_sin)
+    attention.reshape_and_cache(rotated_key, value, *expected, slots)
+    torch.testing.assert_close(got, rotated_query, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[1], expected[1]), "values are copied, not rounded"
 
 
 def test_rotary_refuses_unknown_scaling() -> None:

@@ -70,10 +70,10 @@ def dense_attention(
 
 
 def check_windowed_attention(
-    path: str, batch: str, window: int | None, softcap: float | None, group: int, dtype: torch.dtype
+    path: str, seqs: list[tuple[int, int]], window: int | None, softcap: float | None, group: int, dtype: torch.dtype
 ) -> None:
     """Write a batch's contexts into a cache of garbage, free what lies before each window, attend, compare."""
-    seqs, block_size, head_size = BATCHES[batch], 16, 64
+    block_size, head_size = 16, 64
     generator = torch.Generator().manual_seed(len(seqs) * 100 + (window or 0) + group)
     cache_shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, head_size)
     k_cache = (torch.randn(cache_shape, generator=generator) * 100).to(dtype)
@@ -126,7 +126,7 @@ def to_device(meta: AttentionMetadata, device: str) -> AttentionMetadata:
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("path", PATHS)
 def test_sliding_window(path: str, batch: str, window: int, group: int, dtype: torch.dtype) -> None:
-    check_windowed_attention(path, batch, window, None, group, dtype)
+    check_windowed_attention(path, BATCHES[batch], window, None, group, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -135,7 +135,27 @@ def test_sliding_window(path: str, batch: str, window: int, group: int, dtype: t
 @pytest.mark.parametrize("path", PATHS)
 def test_softcap(path: str, batch: str, window: int | None, dtype: torch.dtype) -> None:
     """Gemma 2's attention soft-cap of 50 would leave these scores as they are: 1.5 caps the large ones hard."""
-    check_windowed_attention(path, batch, window, 1.5, 3, dtype)
+    check_windowed_attention(path, BATCHES[batch], window, 1.5, 3, dtype)
+
+
+LONG_DECODES = [(999, 1), (699, 1), (499, 1), (39, 1)]
+"""Decodes with work enough (16 heads) for the CPU decode kernel to split them over two threads, in 256-token parts
+merged after, except under the 40-token window; on one thread each context is walked whole, in 256-token chunks whose
+softmax states it folds as it goes."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (600, None), (40, None), (None, 1.5), (600, 1.5)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_decode_attention_on_one_thread_and_split(
+    threads: int, window: int | None, softcap: float | None, dtype: torch.dtype
+) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_windowed_attention("cpu", LONG_DECODES, window, softcap, 8, dtype)
+    finally:
+        torch.set_num_threads(previous)
 
 
 # Each family's rule, as transformers' own config class applies it (its layer_types, or every layer where it has none).

@@ -146,6 +146,25 @@ def reshape_and_cache(
     cpu_ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rotary_embedding`, then :func:`reshape_and_cache` of the rotated keys, in one call; returns the query.
+
+    The contract of ``spindle.kernels.rotary``'s.
+    """
+    return cpu_ops().rotary_embedding_and_cache(
+        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, as ``logits.argmax(-1)``: float32 ``[rows, width]``, dense rows."""
     return cpu_ops().argmax_rows(logits)

@@ -14,6 +14,9 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
 at::Tensor argmax_rows(const at::Tensor& x);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping);
+at::Tensor rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value, const at::Tensor& cos_sin_cache, at::Tensor& k_cache,
+                                      at::Tensor& v_cache, const at::Tensor& slot_mapping);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                                 double eps);
@@ -70,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("window") = 0, py::arg("softcap") = 0.);
   m.def("reshape_and_cache", &reshape_and_cache, ReleaseGil(), "Copy each new token's K/V heads into its cache slot.");
+  m.def("rotary_embedding_and_cache", &rotary_embedding_and_cache, ReleaseGil(),
+        "Rotate the query and key heads, write the keys and values to their cache slots; returns the query.");
   m.def("argmax_rows", &argmax_rows, ReleaseGil(),
         "Index of each float32 row's largest value, the first of equals or NaNs.");
   m.def("rms_norm", &rms_norm, ReleaseGil(), "RMSNorm of each row, weighted.");

@@ -1,11 +1,11 @@
 // Decode attention over the paged KV cache on the CPU: one query token per sequence, every context read in place.
 //
-// Work items are (sequence, partition of 256 tokens), spread over OpenMP threads with dynamic
-// scheduling, so a batch of very different context lengths costs the sum of its contexts (no padding to the
-// longest) and one long context still keeps every core busy. Each item computes, for each query head, the
-// partition's scores, their max, the sum of their exponentials and the exp-weighted sum of V; a second pass merges
-// the partitions of each (sequence, query head) with the usual log-sum-exp rescaling. On a CPU with AVX-512 bf16, a
-// bf16 cache of head size 64 or 128 takes a walk of its own (group_partition_bf16), 2-3x the generic one.
+// Work items are (sequence, KV head, part of the context), spread over OpenMP threads with dynamic scheduling, so a
+// batch of very different context lengths costs the sum of its contexts (no padding to the longest); with several
+// threads a context is split into 256-token parts, so that one long context still keeps every core busy, and the
+// parts of each (sequence, query head) are merged after with the usual log-sum-exp rescaling (decode_attention_impl).
+// On a CPU with AVX-512 bf16, a bf16 cache of head size 64 or 128 takes a walk of its own (group_partition_bf16),
+// 2-3x the generic one.
 // Under a sliding window only the last `window` positions are walked (the blocks before them may have been freed);
 // a soft-cap makes each scaled score s softcap * tanh(s / softcap).
 #include <ATen/Dispatch.h>
@@ -51,9 +51,13 @@ inline f8 load8(const T* p) {
   for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
   return v;
 }
-inline float sum8(f8 v) {
+// Each of a row's n scores replaced by its exponential less the row's max score; returns their sum.
+inline float exp_in_place(float* row, int64_t n, float max_score) {
   float total = 0.f;
-  for (int i = 0; i < 8; ++i) total += v[i];
+  for (int64_t i = 0; i < n; ++i) {
+    row[i] = std::exp(row[i] - max_score);
+    total += row[i];
+  }
   return total;
 }
 
@@ -142,13 +146,8 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
         max_score = std::max(max_score, row[i]);
       }
     }
-    float total = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      row[i] = std::exp(row[i] - max_score);
-      total += row[i];
-    }
     max_out[g] = max_score;
-    sum_out[g] = total;
+    sum_out[g] = exp_in_place(row, n, max_score);
     // The probabilities in bf16 for the value products, zero past n (an odd n's last pair takes a zero weight).
     for (int64_t i = 0; i < stride; i += 16) {
       const __mmask16 valid = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
@@ -191,21 +190,97 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
 }
 #endif
 
-// HEAD is the head size when it is known at compile time (64, 128: a head's query and output then live in
-// registers), or 0 for any other, read at run time; a head size that is not a multiple of 8 ends in scalar steps.
-//
-// Each work item walks its partition once per query head: four keys' dot products at a time (four independent
-// sums), then the exp-weighted sum of the values into the head's accumulators. The partition's rows stay in the L2
-// cache between the heads of a group. Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2's 9/3 heads of 64, 48
-// contexts of 160 tokens, ms per layer: 0.89-0.97, against 1.17-1.23 for the earlier walk (token by token, each
-// token's row updating every head's accumulators in memory, its dot products one chain each).
+// The sums of eight vectors' lanes, as one vector (lane j: the sum of v[j]'s lanes): three rounds of pairwise adds of
+// shuffled lanes, in place of a horizontal sum per vector.
+inline f8 sum8x8(const f8* v) {
+  const auto pairs = [](f8 a, f8 b) {  // [a01 a23 b01 b23 | a45 a67 b45 b67], each the sum of those two lanes
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  // [v0 v1 v2 v3 | the same], each lane the sum of four of that vector's lanes: the lower four, then the upper.
+  const f8 low = pairs(pairs(v[0], v[1]), pairs(v[2], v[3])), high = pairs(pairs(v[4], v[5]), pairs(v[6], v[7]));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// The softmax states over a chunk of at most PARTITION keys of the `group` query heads that share a KV head
+// (generic walk, any CPU). `qf` holds their queries, scaled, head_size floats each; `slot` where each key's row
+// starts (the KV head's offset added). Keys go eight at a time, each of the group's heads taking their eight dot
+// products (eight independent sums, folded into one vector by sum8x8) while those rows are in the L1 cache; then
+// each head's max and sum of exponentials; then the values, TILE tokens at a time, each head adding the tile's
+// exp-weighted rows to its accumulators. The earlier walk, once per head (its dot products four keys at a time,
+// each summed apart), read each row from L2 per head once a KV head's chunk outgrew L1: at 12/4 heads of 128 on one
+// Zen 3 core, 32-34 us a call against 24-26 at a context of 128, 128-136 against 96-108 at 512
+// (bench/results/decode_attention.md). HEAD is the head size when it is known at
+// compile time (64, 128), or 0 for any other, read from head_size; one not a multiple of 8 ends in scalar steps.
+template <typename T, int64_t HEAD>
+void group_chunk(const float* qf, const T* kc, const T* vc, const int64_t* slot, int64_t n, int64_t head_size,
+                 int64_t group, float softcap, float* scores, float* max_out, float* sum_out, float* acc_out) {
+  constexpr int64_t TILE = 16;
+  head_size = HEAD ? HEAD : head_size;
+  const int64_t chunks = head_size / 8, rest = head_size - 8 * chunks;
+  const int64_t stride = (n + 7) / 8 * 8;  // head g's scores at scores[g * stride]
+  for (int64_t i = 0; i < n; i += 8) {
+    const T* keys[8];
+    for (int j = 0; j < 8; ++j) keys[j] = kc + slot[std::min(i + j, n - 1)];  // past n: the last key again, unused
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = qf + g * head_size;
+      f8 sums[8] = {};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const f8 qv = load8(query + 8 * c);
+        for (int j = 0; j < 8; ++j) sums[j] += qv * load8(keys[j] + 8 * c);
+      }
+      f8 tile = sum8x8(sums);
+      for (int j = 0; j < 8; ++j)
+        for (int64_t d = 8 * chunks; d < head_size; ++d) tile[j] += query[d] * to_float(keys[j][d]);
+      std::memcpy(scores + g * stride + i, &tile, sizeof(tile));
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * stride;
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) row[i] = softcap * std::tanh(row[i] / softcap);
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) max_score = std::max(max_score, row[i]);
+    max_out[g] = max_score;
+    sum_out[g] = exp_in_place(row, n, max_score);
+  }
+  std::fill_n(acc_out, group * head_size, 0.f);
+  for (int64_t i = 0; i < n; i += TILE) {
+    const int64_t tile = std::min(TILE, n - i);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weights = scores + g * stride + i;
+      float* out = acc_out + g * head_size;
+      f8 acc[HEAD ? HEAD / 8 : MAX_HEAD / 8];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = load8(out + 8 * c);
+      for (int64_t t = 0; t < tile; ++t) {
+        const T* value = vc + slot[i + t];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += weights[t] * load8(value + 8 * c);
+        for (int64_t d = 8 * chunks; d < head_size; ++d) out[d] += weights[t] * to_float(value[d]);
+      }
+      for (int64_t c = 0; c < chunks; ++c) std::memcpy(out + 8 * c, &acc[c], sizeof(f8));
+    }
+  }
+}
+
+// The least work a thread takes, in multiply-adds (context positions x query heads x head size, twice: about 30 us of
+// one Zen 3 core). A call with less than twice this runs on the calling thread alone, in no OpenMP region, whose
+// start and barriers were most of a small call (and on a machine that other jobs share, a barrier that waited on a
+// descheduled thread took 16 ms). Issue 43's single stream (12/4 heads of 128, contexts 16-150) stays on one thread;
+// bench/results/decode_attention.md has the measurements.
+constexpr int64_t MIN_THREAD_WORK = 1 << 19;
+
+// Work items are (sequence, KV head, part of the context): each walks its part in chunks of PARTITION tokens for
+// the query heads that share the KV head, folding each chunk's softmax state into a running one (online softmax), so
+// the heads of a group find that KV head's rows in the L1 and L2 caches. On one thread a sequence is one part, whose
+// item writes the output itself; with more, a sequence is split into PARTITION-token parts, so that one long context
+// keeps every thread busy, and the parts are merged after (flash-decoding's log-sum-exp rescaling).
 template <typename T, int64_t HEAD>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                            double softcap, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_size = HEAD ? HEAD : query.size(2);
-  const int64_t chunks = head_size / 8;  // whole vectors per row; the rest, head_size % 8, are scalar steps
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -213,150 +288,142 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
   const T* q = query.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
   const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
-  // Work item i covers partition lowest(s) / partition + i - first_item[s] of sequence s = item_seq[i], from the
-  // window's first position on; its partials go to slot i. Partitions span PARTITION tokens, or one block when blocks
-  // are larger.
+  // Chunks (and split parts) span PARTITION tokens, or one block when blocks are larger.
   const int64_t partition = std::max(PARTITION, block_size);
   const auto lowest = [&](int64_t s) { return window ? std::max<int64_t>(0, lens[s] - window) : 0; };
-  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) work += lens[s] - lowest(s);
+  work *= 2 * num_heads * head_size;
+  const int64_t threads = std::clamp<int64_t>(work / MIN_THREAD_WORK, 1, omp_get_max_threads());
+  const bool split = threads > 1;
+  // Sequence s's items are first_item[s] onwards, KV head by KV head, parts[s] each; item i's part starts at
+  // lowest(s) / partition + its index among them, in partitions, from the window's first position on.
+  std::vector<int64_t> first_item(num_seqs + 1, 0), parts(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t parts = std::max<int64_t>(1, (lens[s] + partition - 1) / partition - lowest(s) / partition);
-    first_item[s + 1] = first_item[s] + parts;
+    parts[s] = split ? std::max<int64_t>(1, (lens[s] + partition - 1) / partition - lowest(s) / partition) : 1;
+    first_item[s + 1] = first_item[s] + parts[s] * num_kv_heads;
   }
   const int64_t num_items = first_item[num_seqs];
   std::vector<int64_t> item_seq(num_items);
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) item_seq[i] = s;
-  // Partials, per (item, query head): max score, sum of exp, and the exp-weighted V sum.
-  std::vector<float> part_max(num_items * num_heads), part_sum(num_items * num_heads);
-  std::vector<float> part_acc(num_items * num_heads * head_size);
+    std::fill(item_seq.begin() + first_item[s], item_seq.begin() + first_item[s + 1], s);
+  // The softmax states of split parts, per (item, query head of its group): max score, sum of exp, the exp-weighted
+  // V sum.
+  const int64_t num_partials = split ? num_items * group : 0;
+  std::vector<float> part_max(num_partials), part_sum(num_partials), part_acc(num_partials * head_size);
 
-#pragma omp parallel
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min(threads, num_items))) if (split)
   {
-    // The partition's scores of one head (exponentiated in place) and where each of its tokens' slots starts.
-    // (The AVX-512 bf16 walk keeps up to four heads' scores, each row padded to whole 16-key tiles.)
-    std::vector<float> scores(4 * (partition + 15)), merged(head_size);
+    // A chunk's scores of the group's heads (each padded to whole 16-key tiles for the AVX-512 bf16 walk, which
+    // takes up to four heads at a time), where each of its tokens' rows starts, its heads' softmax states, the
+    // running states of the item's heads, and their queries scaled to float.
+    std::vector<float> scores(std::max<int64_t>(4, group) * (partition + 15));
+    std::vector<float> chunk_max(group), chunk_sum(group), chunk_acc(group * head_size);
+    std::vector<float> run_max(group), run_sum(group), run_acc(group * head_size), qf(group * head_size);
     std::vector<uint16_t> probs(4 * (partition + 15));
     std::vector<int64_t> slot(partition);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t s = item_seq[item];
-      const int64_t start = (lowest(s) / partition + item - first_item[s]) * partition;
-      const int64_t begin = std::max(start, lowest(s));
-      const int64_t n = std::min<int64_t>(lens[s], start + partition) - begin;
+      const int64_t s = item_seq[item], kv = (item - first_item[s]) / parts[s];
+      const int64_t kv_offset = kv * head_size;
       const int32_t* table = tables + s * max_blocks;
-      for (int64_t p = begin; p < begin + n;) {  // a block at a time
-        const int64_t offset = p % block_size, run = std::min(block_size - offset, begin + n - p);
-        const int64_t base = static_cast<int64_t>(table[p / block_size]) * block_size * token_stride;
-        for (int64_t j = 0; j < run; ++j) slot[p - begin + j] = base + (offset + j) * token_stride;
-        p += run;
-      }
-#ifdef SPINDLE_AVX512_BF16
-      if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 32 == 0 && HEAD > 0) {
-        // Query heads in runs of up to MAX_RUN of a group: their value accumulators take 16 of the 32 registers.
-        constexpr int MAX_RUN = 256 / HEAD;
-        for (int64_t h = 0; h < num_heads;) {
-          const int run = static_cast<int>(std::min<int64_t>({MAX_RUN, group - h % group, num_heads - h}));
-          const int64_t kv_offset = (h / group) * head_size;
-          const T* queries[MAX_RUN];
-          float* accs[MAX_RUN];
-          for (int g = 0; g < run; ++g) {
-            queries[g] = q + s * q_seq_stride + (h + g) * q_head_stride;
-            accs[g] = part_acc.data() + (item * num_heads + h + g) * head_size;
-          }
-          float* maxes = part_max.data() + item * num_heads + h;
-          float* sums = part_sum.data() + item * num_heads + h;
-          const T* next_keys = h + run < num_heads ? kc + ((h + run) / group) * head_size : nullptr;
-          const auto walk = [&](auto size) {
-            group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, next_keys,
-                                                              slot.data(), n, fscale, fsoftcap, scores.data(),
-                                                              probs.data(), maxes, sums, accs);
-          };
-          switch (run) {
-            case 1: walk(std::integral_constant<int, 1>{}); break;
-            case 2: if constexpr (MAX_RUN >= 2) walk(std::integral_constant<int, 2>{}); break;
-            case 3: if constexpr (MAX_RUN >= 3) walk(std::integral_constant<int, 3>{}); break;
-            default: if constexpr (MAX_RUN >= 4) walk(std::integral_constant<int, 4>{}); break;
-          }
-          h += run;
+      const int64_t part_start = (lowest(s) / partition + (item - first_item[s]) % parts[s]) * partition;
+      const int64_t begin = std::max(part_start, lowest(s));
+      const int64_t end = parts[s] > 1 ? std::min<int64_t>(lens[s], part_start + partition) : lens[s];
+      for (int64_t chunk = begin; chunk < end || chunk == begin; chunk += partition) {
+        const int64_t n = std::min(end, chunk + partition) - chunk;
+        for (int64_t p = chunk; p < chunk + n;) {  // a block at a time
+          const int64_t offset = p % block_size, run = std::min(block_size - offset, chunk + n - p);
+          const int64_t base = static_cast<int64_t>(table[p / block_size]) * block_size * token_stride;
+          for (int64_t j = 0; j < run; ++j) slot[p - chunk + j] = base + (offset + j) * token_stride;
+          p += run;
         }
+        // The first chunk's states are the running ones; each later chunk's are folded into them.
+        const bool first = chunk == begin;
+        float* maxes = first ? run_max.data() : chunk_max.data();
+        float* sums = first ? run_sum.data() : chunk_sum.data();
+        float* accs = first ? run_acc.data() : chunk_acc.data();
+        bool walked = false;
+#ifdef SPINDLE_AVX512_BF16
+        if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 32 == 0 && HEAD > 0) {
+          // Query heads in runs of up to MAX_RUN of the group: their value accumulators take 16 of the 32 registers.
+          constexpr int MAX_RUN = 256 / HEAD;
+          for (int64_t g = 0; g < group;) {
+            const int run = static_cast<int>(std::min<int64_t>(MAX_RUN, group - g));
+            const T* queries[MAX_RUN];
+            float* run_accs[MAX_RUN];
+            for (int r = 0; r < run; ++r) {
+              queries[r] = q + s * q_seq_stride + (kv * group + g + r) * q_head_stride;
+              run_accs[r] = accs + (g + r) * head_size;
+            }
+            // What the next walk over these slots reads: the group's next run's keys, or the next KV head's.
+            const T* next_keys = g + run < group ? kc + kv_offset : kv + 1 < num_kv_heads ? kc + kv_offset + head_size
+                                                                                          : nullptr;
+            const auto walk = [&](auto size) {
+              group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, next_keys,
+                                                                slot.data(), n, fscale, fsoftcap, scores.data(),
+                                                                probs.data(), maxes + g, sums + g, run_accs);
+            };
+            switch (run) {
+              case 1: walk(std::integral_constant<int, 1>{}); break;
+              case 2: if constexpr (MAX_RUN >= 2) walk(std::integral_constant<int, 2>{}); break;
+              case 3: if constexpr (MAX_RUN >= 3) walk(std::integral_constant<int, 3>{}); break;
+              default: if constexpr (MAX_RUN >= 4) walk(std::integral_constant<int, 4>{}); break;
+            }
+            g += run;
+          }
+          walked = true;
+        }
+#endif
+        if (!walked) {
+          for (int64_t d = 0; d < n; ++d) slot[d] += kv_offset;
+          for (int64_t g = 0; g < group; ++g) {
+            const T* src = q + s * q_seq_stride + (kv * group + g) * q_head_stride;
+            for (int64_t d = 0; d < head_size; ++d) qf[g * head_size + d] = to_float(src[d]) * fscale;
+          }
+          group_chunk<T, HEAD>(qf.data(), kc, vc, slot.data(), n, head_size, group, fsoftcap, scores.data(), maxes,
+                               sums, accs);
+        }
+        if (!first)
+          for (int64_t g = 0; g < group; ++g) {  // online softmax: both states rescaled to the larger max
+            const float top = std::max(run_max[g], chunk_max[g]);
+            const float old_weight = std::exp(run_max[g] - top), new_weight = std::exp(chunk_max[g] - top);
+            run_max[g] = top;
+            run_sum[g] = run_sum[g] * old_weight + chunk_sum[g] * new_weight;
+            float* acc = run_acc.data() + g * head_size;
+            const float* add = chunk_acc.data() + g * head_size;
+            for (int64_t d = 0; d < head_size; ++d) acc[d] = acc[d] * old_weight + add[d] * new_weight;
+          }
+      }
+      if (parts[s] > 1) {
+        std::copy_n(run_max.data(), group, part_max.data() + item * group);
+        std::copy_n(run_sum.data(), group, part_sum.data() + item * group);
+        std::copy_n(run_acc.data(), group * head_size, part_acc.data() + item * group * head_size);
         continue;
       }
-#endif
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t kv_offset = (h / group) * head_size;
-        const T* src = q + s * q_seq_stride + h * q_head_stride;
-        float qf[HEAD ? HEAD : MAX_HEAD];
-        for (int64_t d = 0; d < head_size; ++d) qf[d] = to_float(src[d]) * fscale;
-        f8 qv[HEAD ? HEAD / 8 : MAX_HEAD / 8];
-        for (int64_t c = 0; c < chunks; ++c) qv[c] = load8(qf + 8 * c);
-        // The score of the key at `key` whose whole vectors summed to `sum`: the vector's lanes and the scalar rest.
-        const auto finish = [&](const T* key, f8 sum) {
-          float total = sum8(sum);
-          for (int64_t d = 8 * chunks; d < head_size; ++d) total += qf[d] * to_float(key[d]);
-          return total;
-        };
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
-          const T* k0 = kc + slot[i] + kv_offset;
-          const T* k1 = kc + slot[i + 1] + kv_offset;
-          const T* k2 = kc + slot[i + 2] + kv_offset;
-          const T* k3 = kc + slot[i + 3] + kv_offset;
-          f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-          for (int64_t c = 0; c < chunks; ++c) {
-            a0 += qv[c] * load8(k0 + 8 * c);
-            a1 += qv[c] * load8(k1 + 8 * c);
-            a2 += qv[c] * load8(k2 + 8 * c);
-            a3 += qv[c] * load8(k3 + 8 * c);
-          }
-          scores[i] = finish(k0, a0);
-          scores[i + 1] = finish(k1, a1);
-          scores[i + 2] = finish(k2, a2);
-          scores[i + 3] = finish(k3, a3);
-        }
-        for (; i < n; ++i) {
-          const T* key = kc + slot[i] + kv_offset;
-          f8 sum = {};
-          for (int64_t c = 0; c < chunks; ++c) sum += qv[c] * load8(key + 8 * c);
-          scores[i] = finish(key, sum);
-        }
-        if (fsoftcap > 0.f)
-          for (i = 0; i < n; ++i) scores[i] = fsoftcap * std::tanh(scores[i] / fsoftcap);
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (i = 0; i < n; ++i) max_score = std::max(max_score, scores[i]);
-        float total = 0.f;
-        for (i = 0; i < n; ++i) {
-          scores[i] = std::exp(scores[i] - max_score);
-          total += scores[i];
-        }
-        f8 acc[HEAD ? HEAD / 8 : MAX_HEAD / 8] = {};
-        float tail[8] = {};
-        for (i = 0; i < n; ++i) {
-          const T* value = vc + slot[i] + kv_offset;
-          const float weight = scores[i];
-          for (int64_t c = 0; c < chunks; ++c) acc[c] += weight * load8(value + 8 * c);
-          for (int64_t d = 8 * chunks; d < head_size; ++d) tail[d - 8 * chunks] += weight * to_float(value[d]);
-        }
-        part_max[item * num_heads + h] = max_score;
-        part_sum[item * num_heads + h] = total;
-        float* dst = part_acc.data() + (item * num_heads + h) * head_size;
-        for (int64_t c = 0; c < chunks; ++c) std::memcpy(dst + 8 * c, &acc[c], sizeof(f8));
-        std::copy_n(tail, head_size - 8 * chunks, dst + 8 * chunks);
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+        T* dst = o + (s * num_heads + kv * group + g) * head_size;
+        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(run_acc[g * head_size + d] * inv);
       }
     }
+    if (split) {
 #pragma omp for collapse(2)
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t first = first_item[s];
-        merge_partials(first_item[s + 1] - first, part_max.data() + first * num_heads + h,
-                       part_sum.data() + first * num_heads + h, num_heads,
-                       part_acc.data() + (first * num_heads + h) * head_size, num_heads * head_size, head_size,
-                       merged.data(), out.data_ptr<T>() + (s * num_heads + h) * head_size);
+      for (int64_t s = 0; s < num_seqs; ++s) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          if (parts[s] == 1) continue;
+          // The parts of head h: items first_item[s] + (h / group) * parts[s] onwards, one each.
+          const int64_t at = (first_item[s] + (h / group) * parts[s]) * group + h % group;
+          merge_partials(parts[s], part_max.data() + at, part_sum.data() + at, group,
+                         part_acc.data() + at * head_size, group * head_size, head_size, chunk_acc.data(),
+                         o + (s * num_heads + h) * head_size);
+        }
       }
     }
   }
@@ -364,8 +431,9 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
 
 }  // namespace
 
-// window (0 for none): how many of the last positions, the query's own included, it sees; softcap (0 for none) caps
-// the scaled scores.
+// Sequence s of the query reads row s of block_tables and seq_lens, which may hold more rows (a step's prefill chunks
+// after its decodes: no slice of them per layer). window (0 for none): how many of the last positions, the query's
+// own included, it sees; softcap (0 for none) caps the scaled scores.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                                double softcap) {
@@ -375,6 +443,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
               "query and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32, contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32, contiguous");
+  TORCH_CHECK(block_tables.size(0) >= query.size(0) && seq_lens.size(0) >= query.size(0),
+              "block_tables and seq_lens need a row for each of the query's ", query.size(0), " sequences");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) <= MAX_HEAD, "head_size must be at most ", MAX_HEAD);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 for none)");

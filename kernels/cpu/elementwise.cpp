@@ -18,6 +18,8 @@ namespace {
 
 // Below this many tokens a step's ops take microseconds, less than waking the OpenMP threads.
 constexpr int64_t PARALLEL_TOKENS = 32;
+// Below this many query or key values (tokens x heads x head size) the rotation runs on the calling thread.
+constexpr int64_t PARALLEL_ROTATION = 1 << 16;
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [num_tokens, width] with a dense last dimension");
@@ -60,14 +62,19 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
 template <typename T>
 void rotate_impl(const int64_t* positions, const at::Tensor& x, const T* cache, int64_t rot_half, at::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), head_size = x.size(2);
-  const int64_t half = head_size / 2;
-#pragma omp parallel for if (tokens >= PARALLEL_TOKENS)
+  const int64_t half = head_size / 2, token_stride = x.stride(0), head_stride = x.stride(1);
+  // The pointers once, not a data_ptr call per head, and restrict (out is a new tensor), so that gcc vectorizes the
+  // rotation; threads only for a prefill's many heads, as a decode step's rotation takes microseconds
+  // (bench/results/decode_attention.md).
+  const T* x_data = x.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+#pragma omp parallel for if (tokens * heads * head_size >= PARALLEL_ROTATION)
   for (int64_t t = 0; t < tokens; ++t) {
     const T* cos = cache + positions[t] * 2 * rot_half;
     const T* sin = cos + rot_half;
     for (int64_t h = 0; h < heads; ++h) {
-      const T* src = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
-      T* dst = out.data_ptr<T>() + (t * heads + h) * head_size;
+      const T* __restrict src = x_data + t * token_stride + h * head_stride;
+      T* __restrict dst = out_data + (t * heads + h) * head_size;
       // Each product is rounded to the dtype before the sum, as transformers' and our torch reference's ops do, so
       // that reduced-precision results match them bit for bit.
       for (int64_t i = 0; i < half; ++i) {
