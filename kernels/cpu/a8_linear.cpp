@@ -125,12 +125,24 @@ inline __m256i broadcast4(const int8_t* x) {
   return _mm256_set1_epi32(four);
 }
 
+constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
+
 // A panel's scales and offsets per group, 8 rows each: float32 [groups][8] as packed.
 struct FloatScales {
   const float* scales;
   const float* offsets;  // null without offsets
   __m256 scale(int64_t g, int64_t) const { return _mm256_loadu_ps(scales + g * ROWS); }
-  __m256 offset(int64_t g, int64_t) const { return _mm256_loadu_ps(offsets + g * ROWS); }
+  // acc[m] += sum over groups of the offsets x token m's sums (sums: token 0's, a row of `groups` each).
+  template <int M>
+  void add_offsets(const float* sums, int64_t groups, int64_t, __m256 acc[M]) const {
+    __m256 shift[M];
+    for (int m = 0; m < M; ++m) shift[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 z = _mm256_loadu_ps(offsets + g * ROWS);
+      for (int m = 0; m < M; ++m) shift[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(sums[m * groups + g]), shift[m]);
+    }
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_add_ps(acc[m], shift[m]);
+  }
 };
 
 // The compact form: int8 sub-scales and uint8 sub-minimums [groups][8], float16 d (and dmin, with offsets)
@@ -147,13 +159,24 @@ struct CompactScales {
     const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub_scales + g * ROWS)));
     return _mm256_mul_ps(factor(super, 0), _mm256_cvtepi32_ps(sc));
   }
-  __m256 offset(int64_t g, int64_t super) const {  // -dmin m
-    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offsets + g * ROWS)));
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), factor(super, 1)), _mm256_cvtepi32_ps(m));
+  // acc[m] -= dmin x (sum over each super-block's groups of m x token m's sums): dmin applied once a super-block.
+  template <int M>
+  void add_offsets(const float* sums, int64_t groups, int64_t group_size, __m256 acc[M]) const {
+    const int64_t per_super = SUPER_BLOCK / group_size;
+    for (int64_t super = 0; super < groups / per_super; ++super) {
+      __m256 partial[M];
+      for (int m = 0; m < M; ++m) partial[m] = _mm256_setzero_ps();
+      for (int64_t g = super * per_super; g < (super + 1) * per_super; ++g) {
+        const __m256 mins = _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offsets + g * ROWS))));
+        for (int m = 0; m < M; ++m) partial[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[m * groups + g]), partial[m]);
+      }
+      const __m256 dmin = factor(super, 1);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(dmin, partial[m], acc[m]);
+    }
   }
 };
 
-constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
 
 // One block of 32 inputs of a packed panel (q: its block_bytes_of(F) bytes) against M tokens' blocks (x: token m0's,
 // the others a row of inputs after it; half_sums: token m0's, for 6 bits): acc[m] += the 8 rows' dot products x
@@ -255,15 +278,7 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
   }
   if (scales.offsets != nullptr) {
     const int64_t groups = inputs / group_size;
-    __m256 shift[M];
-    for (int m = 0; m < M; ++m) shift[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 z = scales.offset(g, g * group_size / SUPER_BLOCK);
-      for (int m = 0; m < M; ++m) {
-        shift[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), shift[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_add_ps(acc[m], shift[m]);
+    scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, acc);
   }
 }
 
