@@ -16,6 +16,7 @@ layout; the Triton kernel reads both as they are; :func:`quantized_linear` here 
 against.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -191,18 +192,25 @@ def widen(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
     return QuantizedWeight(q, weight.scales.repeat_interleave(parts, dim=1), zeros, group_size)
 
 
+def _layout(weight: QuantizedWeight) -> tuple[int, int, bool, bool]:
+    """What one kernel layout needs alike: bits, group size, offsets or not, super-block factors or not."""
+    return weight.bits, weight.group_size, weight.zeros is None, weight.super_scales is None
+
+
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack matrices of equal ``in_features`` along the output rows (fused q/k/v, gate/up).
 
     Matrices of one bit width and group size stack as they are. Others (a GGUF Q4_K_M file's int4 q and k beside
     its Q6_K v, int8 in groups of 16) are first widened exactly to int8 at the largest group size dividing all of
     theirs (:func:`widen`). Offsets are kept where any part has them (zero for the parts without), super-block
-    factors where every part has them; the widened matrix keeps the parts as they were (:attr:`QuantizedWeight.parts`).
+    factors where every part has them; the widened matrix keeps the parts as they were (:attr:`QuantizedWeight.parts`,
+    consecutive parts of one layout stacked into one).
     """
     differ = any(w.bits != weights[0].bits or w.group_size != weights[0].group_size for w in weights)
-    parts = (
-        tuple(part for w in weights for part in (w.parts or (w,))) if differ or any(w.parts for w in weights) else None
-    )
+    parts = None
+    if differ or any(w.parts for w in weights):  # runs of one layout stacked (q and k of one type: one part)
+        runs = itertools.groupby((p for w in weights for p in (w.parts or (w,))), key=_layout)
+        parts = tuple(part if not rest else cat_rows([part, *rest]) for _, (part, *rest) in runs)
     if differ:
         group_size = math.gcd(*(w.group_size for w in weights))
         weights = [widen(w, group_size) for w in weights]
