@@ -26,7 +26,8 @@
 //
 // An int8 weight without offsets whose values all lie in -32..31 (GGUF's Q6_K) packs in 6 bits: u = q + 32 in 0..63,
 // its low nibbles laid out as int4's and its top 2 bits in two more chunks a block, so it is read at 6.56 bits a
-// weight (the file's own size) instead of 8.56. vpmaddubsw takes u as it is; the -32 comes back as 32 x the token's integer sum over each 16 inputs.
+// weight (the file's own size) instead of 8.56. vpmaddubsw takes u as it is; the -32 comes back as 32 x the token's
+// integer sum over each 16 inputs.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
@@ -153,7 +154,8 @@ struct CompactScales {
   const c10::Half* supers;
   int64_t factors;  // 2 with offsets (d, dmin), else 1 (d)
   __m256 factor(int64_t super, int64_t which) const {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(supers + (super * factors + which) * ROWS)));
+    const auto* at = reinterpret_cast<const __m128i*>(supers + (super * factors + which) * ROWS);
+    return _mm256_cvtph_ps(_mm_loadu_si128(at));
   }
   __m256 scale(int64_t g, int64_t super) const {
     const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub_scales + g * ROWS)));
@@ -169,7 +171,9 @@ struct CompactScales {
       for (int64_t g = super * per_super; g < (super + 1) * per_super; ++g) {
         const __m256 mins = _mm256_cvtepi32_ps(
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offsets + g * ROWS))));
-        for (int m = 0; m < M; ++m) partial[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[m * groups + g]), partial[m]);
+        for (int m = 0; m < M; ++m) {
+          partial[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[m * groups + g]), partial[m]);
+        }
       }
       const __m256 dmin = factor(super, 1);
       for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(dmin, partial[m], acc[m]);
@@ -319,24 +323,6 @@ void check_layout(bool int4, int64_t inputs, int64_t group_size) {
               "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
 }
 
-// Checks a weight in spindle.kernels.quant's layout for the kernel; returns (int4, inputs, groups).
-std::tuple<bool, int64_t, int64_t> check_weight(const at::Tensor& qweight, const at::Tensor& scales,
-                                                const std::optional<at::Tensor>& zeros, int64_t group_size) {
-  const bool int4 = qweight.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
-  const int64_t outputs = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
-  check_layout(int4, inputs, group_size);
-  const int64_t groups = inputs / group_size;
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs * groups,
-              "scales must be dense float32 [out, in / group_size]");
-  TORCH_CHECK(!int4 || zeros, "an int4 weight needs its offsets");
-  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
-                         zeros->numel() == outputs * groups),
-              "zeros must be None or dense float32 [out, in / group_size]");
-  return {int4, inputs, groups};
-}
-
 // Whether every value of an int8 weight lies in -32..31 (GGUF's Q6_K): then it packs in 6 bits.
 bool fits_six_bits(const at::Tensor& qweight) {
   const auto* q = qweight.data_ptr<int8_t>();
@@ -359,7 +345,8 @@ bool a8_linear_supported() {
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> a8_pack(
     const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t group_size,
     const std::optional<at::Tensor>& super_scales) {
-  const auto [int4, inputs, groups] = check_weight(qweight, scales, zeros, group_size);
+  const auto [int4, inputs, groups] = check_quantized_weight(
+      qweight, scales, zeros, group_size, [&](bool int4, int64_t inputs) { check_layout(int4, inputs, group_size); });
   const bool compact = super_scales.has_value(), offsets = zeros.has_value();
   const Format format = int4 ? Format::INT4 : !offsets && fits_six_bits(qweight) ? Format::INT6 : Format::INT8;
   const int64_t outputs = qweight.size(0), panels = (outputs + ROWS - 1) / ROWS, blocks = inputs / BLOCK;
@@ -372,7 +359,8 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
                     super_scales->numel() == outputs * supers * 2,
                 "super_scales must be dense float32 [out, in / 256, 2]");
   }
-  at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options().dtype(int4 || format == Format::INT6 ? at::kByte : at::kChar));
+  const auto packed_type = format == Format::INT8 ? at::kChar : at::kByte;
+  at::Tensor packed = at::zeros({panels, blocks * block_bytes}, qweight.options().dtype(packed_type));
   at::Tensor panel_scales = at::zeros({panels, groups, ROWS}, scales.options().dtype(compact ? at::kChar : at::kFloat));
   std::optional<at::Tensor> panel_offsets, panel_supers;
   if (offsets) {
@@ -475,7 +463,8 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
                         : panel_bytes == inputs / BLOCK * block_bytes_of(Format::INT6) ? Format::INT6
                                                                                        : Format::INT4;
   check_layout(format == Format::INT4, inputs, group_size);
-  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == panels && panel_bytes == inputs / BLOCK * block_bytes_of(format),
+  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == panels &&
+                  panel_bytes == inputs / BLOCK * block_bytes_of(format),
               "packed must be a8_pack's tensor for [outputs, in_features]");
   const int64_t groups = inputs / group_size;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (compact ? at::kChar : at::kFloat) &&

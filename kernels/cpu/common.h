@@ -1,6 +1,7 @@
 // What the CPU kernels share: the model dtypes they are built for, 8-lane vector types, loads of those dtypes as
 // float (and 16-lane ones with AVX-512), the merge of partial softmax states, the split of a projection's tiles over
-// the threads, and the dispatch of a small token count or tile width to a compile-time constant.
+// the threads, the dispatch of a small token count or tile width to a compile-time constant, and the check of a
+// quantized weight in spindle.kernels.quant's layout.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -10,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 
 #include <omp.h>
@@ -152,4 +155,28 @@ void merge_partials(int64_t num_parts, const float* max, const float* sum, int64
   }
   const float inv = total > 0.f ? 1.f / total : 0.f;
   for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(merged[d] * inv);
+}
+
+// Checks an int8 or int4 weight in spindle.kernels.quant's layout (dense int8 [out, in] or uint8 [out, in / 2], float32
+// scales and offsets [out, in / group_size], offsets required for int4); returns (int4, inputs, groups).
+// check_groups(int4, inputs) runs a kernel's own rule for the group size before the general one, so that its
+// message says what that kernel takes.
+template <typename GroupRule>
+std::tuple<bool, int64_t, int64_t> check_quantized_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                                                          const std::optional<at::Tensor>& zeros, int64_t group_size,
+                                                          GroupRule&& check_groups) {
+  const bool int4 = qweight.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
+  const int64_t outputs = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
+  check_groups(int4, inputs);
+  TORCH_CHECK(group_size > 0 && inputs % group_size == 0, "group_size must divide in_features");
+  const int64_t groups = inputs / group_size;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == outputs * groups,
+              "scales must be dense float32 [out, in / group_size]");
+  TORCH_CHECK(!int4 || zeros, "an int4 weight needs its offsets");
+  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
+                         zeros->numel() == outputs * groups),
+              "zeros must be None or dense float32 [out, in / group_size]");
+  return {int4, inputs, groups};
 }

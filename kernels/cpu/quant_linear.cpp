@@ -120,18 +120,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                      int64_t group_size, const at::Tensor& ids, const at::Tensor& out) {
-  const bool int4 = qweight.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be int8, or uint8 holding int4");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be dense [out, in] (int4: [out, in / 2])");
-  const int64_t rows = qweight.size(0), inputs = int4 ? 2 * qweight.size(1) : qweight.size(1);
-  TORCH_CHECK(group_size > 0 && inputs % group_size == 0, "group_size must divide in_features");
-  const int64_t groups = inputs / group_size;
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == rows * groups,
-              "scales must be dense float32 [out, in / group_size]");
-  TORCH_CHECK(!int4 || zeros, "an int4 weight needs its zeros");
-  TORCH_CHECK(!zeros || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat &&
-                         zeros->numel() == rows * groups),
-              "zeros must be None or dense float32 [out, in / group_size]");
+  const auto [int4, inputs, groups] = check_quantized_weight(qweight, scales, zeros, group_size, [](bool, int64_t) {});
+  const int64_t rows = qweight.size(0);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be dense int64 [T]");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) && out.size(1) == inputs &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
