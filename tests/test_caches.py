@@ -214,3 +214,25 @@ def test_a_kernel_library_is_loaded_only_on_the_cpu_it_was_built_for(tmp_path, m
         cpu.cpu_ops.__wrapped__()
     loaded = "could not be loaded" in caplog.text
     assert loaded == (whose == "this CPU's"), caplog.text
+
+
+def test_a_build_after_a_failed_one_in_the_same_process_is_committed_and_loads(tmp_path, monkeypatch):
+    """torch names a process' second build of an extension ``<name>_v1`` (its build directory differs): the library
+    is cached under the name it was built with and imported under it. A one-function source keeps the builds short."""
+    source = tmp_path / "tiny.cpp"
+    source.write_text(
+        "#include <pybind11/pybind11.h>\n"
+        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", [] { return 42; }); }\n'
+    )
+    monkeypatch.setattr(cpu, "_SOURCES", [source])
+    monkeypatch.setattr(cpu, "_HEADERS", [])
+    with monkeypatch.context() as patch:
+        patch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "failed"))
+        patch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        with pytest.raises(Exception, match="no-such-compiler|Error building extension"):
+            cpu.cpu_ops.__wrapped__()
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
+    assert cpu.cpu_ops.__wrapped__().answer() == 42
+    [entry] = (tmp_path / "cache" / "kernels").glob("spindle_cpu_ops-*")
+    assert is_complete(entry, cpu.cache_key())
+    assert cpu._load(entry).answer() == 42

@@ -4,11 +4,11 @@ They build with torch's JIT extension builder on first use and are cached across
 The build takes about 45 s on a 2-core machine (85 s when the sources included all of ATen and the pybind11
 bindings all of torch's C++ API: each file now includes the headers it uses, and the kernels are instantiated for
 the three model dtypes only). The library is kept as
-``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>/spindle_cpu_ops.so`` (default ``~/.cache/spindle``, the variable
-the model loader's cache uses too), where the key hashes the sources, the compiler flags, torch's and Python's
-versions and the instruction sets of the CPU (``torch.cpu.get_capabilities()``: AVX2, AVX-512 and its extensions,
-AMX, ...): every checkout and virtualenv with the same build on the same kind of CPU shares it, and a changed source
-builds anew. It is compiled for the machine it runs on (``-march=native``), so a cache on a volume that machines of
+``$SPINDLE_CACHE_DIR/kernels/spindle_cpu_ops-<key>/spindle_cpu_ops.so`` (``_v1.so`` where torch numbered a
+process' second build; default ``~/.cache/spindle``, the variable the model loader's cache uses too), where the key
+hashes the sources, the compiler flags, torch's and Python's versions and the instruction sets of the CPU
+(``torch.cpu.get_capabilities()``: AVX2, AVX-512 and its extensions, AMX, ...): every checkout and virtualenv with
+the same build on the same kind of CPU shares it, and a changed source builds anew. It is compiled for the machine it runs on (``-march=native``), so a cache on a volume that machines of
 other CPUs share holds one library per instruction-set mix, and none runs where its instructions do not exist.
 
 Each build runs in a private temporary directory and is committed as a crash-safe cache entry
@@ -60,8 +60,8 @@ _SOURCES = [
     )
 ]
 _HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h")]
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 
 @functools.cache
@@ -72,18 +72,20 @@ def cpu_ops() -> ModuleType:
     entry = cache_dir / f"{_NAME}-{key[:16]}"
     if is_complete(entry, key):  # the lock is only taken to build: a read-only cache loads as well
         try:
-            return _load(entry / f"{_NAME}.so")
+            return _load(entry)
         except ImportError as error:  # damaged on disk since it was committed: rebuilt, not failed on at every start
             logger.warning("The cached CPU kernels %s could not be loaded (%s): building them again", entry, error)
             (entry / MARKER).unlink(missing_ok=True)
     built: list[ModuleType] = []
     build_entry(entry, key, lambda scratch: built.append(_build(scratch)))
     # Built here, it is loaded already (the same extension must not be initialised twice); else by another process.
-    return built[0] if built else _load(entry / f"{_NAME}.so")
+    return built[0] if built else _load(entry)
 
 
-def _load(library: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_NAME, library)
+def _load(entry: Path) -> ModuleType:
+    """The extension library of a cache entry, imported under the module name it was built with (its file's)."""
+    library = next(entry.glob(f"{_NAME}*.so"), entry / f"{_NAME}.so")
+    spec = importlib.util.spec_from_file_location(library.stem, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -112,11 +114,15 @@ def _build(out_dir: Path) -> ModuleType:
         module = load(
             name=_NAME,
             sources=[str(path) for path in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
+            # Copies: torch appends its libraries to the list it is given, which would change cache_key() here.
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
             build_directory=build_dir,
         )
-        shutil.copyfile(Path(build_dir) / f"{_NAME}.so", out_dir / f"{_NAME}.so")
+        # torch names a second build in one process (after one that failed, in another directory) `<name>_v1`,
+        # inside the library too: the file keeps the name it was built with, and is imported under it.
+        library = Path(module.__file__)
+        shutil.copyfile(library, out_dir / library.name)
     return module
 
 
