@@ -8,8 +8,9 @@ the three model dtypes only). The library is kept as
 process' second build; default ``~/.cache/spindle``, the variable the model loader's cache uses too), where the key
 hashes the sources, the compiler flags, torch's and Python's versions and the instruction sets of the CPU
 (``torch.cpu.get_capabilities()``: AVX2, AVX-512 and its extensions, AMX, ...): every checkout and virtualenv with
-the same build on the same kind of CPU shares it, and a changed source builds anew. It is compiled for the machine it runs on (``-march=native``), so a cache on a volume that machines of
-other CPUs share holds one library per instruction-set mix, and none runs where its instructions do not exist.
+the same build on the same kind of CPU shares it, and a changed source builds anew. It is compiled for the machine
+it runs on (``-march=native``), so a cache on a volume that machines of other CPUs share holds one library per
+instruction-set mix, and none runs where its instructions do not exist.
 
 Each build runs in a private temporary directory and is committed as a crash-safe cache entry
 (:mod:`spindle.kernels.cache_entry`): one process builds while another that needs the same library waits for it,
