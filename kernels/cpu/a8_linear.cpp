@@ -128,7 +128,7 @@ inline __m256i broadcast4(const int8_t* x) {
 
 constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
 // Bytes ahead of the block in use that each block prefetches: a single stream decode is a race to read the weights, and
-// the hardware prefetcher alone left them at 70-75% of the read bandwidth (bench/results/a8_linear.md, prefetch).
+// the hardware prefetcher alone left them at 60-75% of the read bandwidth (bench/results/a8_linear.md, prefetch).
 constexpr int64_t PREFETCH_DISTANCE = 4096;
 
 // A panel's scales and offsets per group, 8 rows each: float32 [groups][8] as packed.
@@ -258,17 +258,17 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
 // One packed panel's dot products with M tokens (rows of a, from token m0): acc[m] (lane j: row j).
 // q: the panel's blocks; scales: its groups' (FloatScales or CompactScales). Groups of 16 split each block; larger
 // ones span blocks, their scale computed once. The offsets gather in their own accumulators, so that they do not
-// lengthen the chain of FMAs into acc.
+// lengthen the chain of FMAs into acc. prefetch: whether its blocks prefetch the weights ahead (PREFETCH_DISTANCE).
 template <int M, Format F, bool SIXTEEN, typename Scales>
 inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
-                       int64_t group_size, __m256 acc[M]) {
+                       int64_t group_size, bool prefetch, __m256 acc[M]) {
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
   const int64_t per_super = SUPER_BLOCK / BLOCK;
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
   const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
   auto block = [&](int64_t b, const __m256 block_scales[2]) {
-    for (int64_t line = 0; line < block_bytes; line += 64) {
+    for (int64_t line = 0; prefetch && line < block_bytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(q + b * block_bytes + line + PREFETCH_DISTANCE), _MM_HINT_T0);
     }
     block_dots<M, F, SIXTEEN>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks,
@@ -308,7 +308,9 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
           constexpr int M = decltype(block)::value;
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, acc);
+          // The first token block's pass brings the panel in; the later ones read it from cache.
+          panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, m0 == first_token,
+                                    acc);
           for (int m = 0; m < M; ++m) {
             alignas(32) float totals[ROWS];
             _mm256_store_ps(totals, acc[m]);
