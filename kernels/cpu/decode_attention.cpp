@@ -61,6 +61,13 @@ inline float exp_in_place(float* row, int64_t n, float max_score) {
   return total;
 }
 
+// One head's key or value row, `bytes` long, fetched into L1 (LOCALITY 3) or L2 (2): blocks lie anywhere in memory,
+// where the hardware's stream prefetcher finds little to follow.
+template <int LOCALITY = 3, typename T>
+inline void prefetch_row(const T* row, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + c, 0, LOCALITY);
+}
+
 #ifdef SPINDLE_AVX512_BF16
 
 // How far ahead of the walk the AVX-512 bf16 path prefetches keys (in its first head's pass) and values, in tokens:
@@ -90,11 +97,6 @@ inline __m512 sum16(const __m512* v) {
   return fold(fold(quads[0], quads[1]), fold(quads[2], quads[3]));
 }
 
-template <int64_t HEAD, _mm_hint HINT = _MM_HINT_T0>
-inline void prefetch_row(const c10::BFloat16* row) {  // one head's key or value row, HEAD * 2 bytes
-  for (int64_t c = 0; c < HEAD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, HINT);
-}
-
 // One work item's partition for GROUP query heads that share a KV head, bf16 on AVX-512 with its bf16 dot products
 // (vdpbf16ps: 32 products a vector, summed in pairs into float lanes, exact as bf16 products are). Each key is
 // loaded once per head from L1 and its 16-key tile's sums transposed into one vector of scores (sum16); the values go
@@ -111,17 +113,18 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
   constexpr int64_t QV = HEAD / 32, VV = HEAD / 16;  // bf16 pair vectors of a query, float vectors of a row
   const int64_t stride = (n + 15) / 16 * 16;          // scores of head g at scores[g * stride]
   // The first keys and values, which the walk's own prefetches (ahead of it) do not cover.
-  for (int64_t i = 0; i < std::min(KEY_PREFETCH, n); ++i) prefetch_row<HEAD>(kc + slot[i]);
-  for (int64_t i = 0; i < std::min(VALUE_PREFETCH, n); ++i) prefetch_row<HEAD>(vc + slot[i]);
+  for (int64_t i = 0; i < std::min(KEY_PREFETCH, n); ++i) prefetch_row(kc + slot[i], HEAD * 2);
+  for (int64_t i = 0; i < std::min(VALUE_PREFETCH, n); ++i) prefetch_row(vc + slot[i], HEAD * 2);
   for (int g = 0; g < GROUP; ++g) {
     __m512bh qv[QV];
     for (int64_t c = 0; c < QV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(queries[g] + 32 * c);
     __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t i = 0; i < n; i += 16) {
       if (g == 0)  // the later heads find the partition's keys in the L1 and L2 caches
-        for (int64_t j = i + KEY_PREFETCH; j < std::min(i + KEY_PREFETCH + 16, n); ++j) prefetch_row<HEAD>(kc + slot[j]);
+        for (int64_t j = i + KEY_PREFETCH; j < std::min(i + KEY_PREFETCH + 16, n); ++j)
+          prefetch_row(kc + slot[j], HEAD * 2);
       if (g == std::min(1, GROUP - 1))
-        for (int64_t j = i; j < std::min(i + 16, n); ++j) prefetch_row<HEAD, _MM_HINT_T1>(vc + slot[j]);
+        for (int64_t j = i; j < std::min(i + 16, n); ++j) prefetch_row<2>(vc + slot[j], HEAD * 2);
       __m512 dots[16];
       for (int j = 0; j < 16; ++j) {
         dots[j] = _mm512_setzero_ps();
@@ -164,9 +167,10 @@ void group_partition_bf16(const c10::BFloat16* const* queries, const c10::BFloat
   for (int64_t i = 0; i < n; i += 2) {
     const c10::BFloat16* first = vc + slot[i];
     const c10::BFloat16* second = i + 1 < n ? vc + slot[i + 1] : first;  // weighs zero
-    for (int64_t j = i + VALUE_PREFETCH; j < std::min(i + VALUE_PREFETCH + 2, n); ++j) prefetch_row<HEAD>(vc + slot[j]);
+    for (int64_t j = i + VALUE_PREFETCH; j < std::min(i + VALUE_PREFETCH + 2, n); ++j)
+      prefetch_row(vc + slot[j], HEAD * 2);
     if (next_kc != nullptr)
-      for (int64_t j = i; j < std::min(i + 2, n); ++j) prefetch_row<HEAD, _MM_HINT_T1>(next_kc + slot[j]);
+      for (int64_t j = i; j < std::min(i + 2, n); ++j) prefetch_row<2>(next_kc + slot[j], HEAD * 2);
     __m512i pairs[VV];
     for (int64_t c = 0; c < VV / 2; ++c) {
       const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
@@ -203,6 +207,11 @@ inline f8 sum8x8(const f8* v) {
          __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// How far ahead of the generic walk its key rows are prefetched, in tokens; each tile of keys also fetches its value
+// rows into L2, read once the chunk's scores are done (bench/results/decode_attention.md: 15-25% on long contexts
+// whose cache a decode step's weight stream has evicted).
+constexpr int64_t GENERIC_KEY_PREFETCH = 32;
+
 // The softmax states over a chunk of at most PARTITION keys of the `group` query heads that share a KV head
 // (generic walk, any CPU). `qf` holds their queries, scaled, head_size floats each; `slot` where each key's row
 // starts (the KV head's offset added). Keys go eight at a time, each of the group's heads taking their eight dot
@@ -213,13 +222,6 @@ inline f8 sum8x8(const f8* v) {
 // Zen 3 core, 32-34 us a call against 24-26 at a context of 128, 128-136 against 96-108 at 512
 // (bench/results/decode_attention.md). HEAD is the head size when it is known at
 // compile time (64, 128), or 0 for any other, read from head_size; one not a multiple of 8 ends in scalar steps.
-// How far ahead of the generic walk its key rows are prefetched, in tokens; each tile of keys also fetches its value
-// rows into L2, read once the chunk's scores are done. Blocks lie anywhere in memory, where the stream prefetcher
-// finds little to follow. One sequence, 9/3 heads of 64 in float32, every layer's cache evicted between tokens as a
-// weight stream evicts it (one Zen 3 core, alternating builds): 400 tokens 89-94 -> 73-86 us, 1,000 (two threads)
-// 150-156 -> 118-134, 100 and 200 within noise.
-constexpr int64_t GENERIC_KEY_PREFETCH = 32;
-
 template <typename T, int64_t HEAD>
 void group_chunk(const float* qf, const T* kc, const T* vc, const int64_t* slot, int64_t n, int64_t head_size,
                  int64_t group, float softcap, float* scores, float* max_out, float* sum_out, float* acc_out) {
@@ -228,16 +230,11 @@ void group_chunk(const float* qf, const T* kc, const T* vc, const int64_t* slot,
   const int64_t chunks = head_size / 8, rest = head_size - 8 * chunks;
   const int64_t stride = (n + 7) / 8 * 8;  // head g's scores at scores[g * stride]
   const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(T));
-  const auto fetch = [&](const T* row) {  // into L1: a key row read within the next few tiles
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
-  };
-  const auto fetch_l2 = [&](const T* row) {  // into L2: a value row, read after all the chunk's keys
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 2);
-  };
-  for (int64_t i = 0; i < std::min(GENERIC_KEY_PREFETCH, n); ++i) fetch(kc + slot[i]);
+  for (int64_t i = 0; i < std::min(GENERIC_KEY_PREFETCH, n); ++i) prefetch_row(kc + slot[i], row_bytes);
   for (int64_t i = 0; i < n; i += 8) {
-    for (int64_t j = i + GENERIC_KEY_PREFETCH; j < std::min(i + GENERIC_KEY_PREFETCH + 8, n); ++j) fetch(kc + slot[j]);
-    for (int64_t j = i; j < std::min(i + 8, n); ++j) fetch_l2(vc + slot[j]);
+    for (int64_t j = i + GENERIC_KEY_PREFETCH; j < std::min(i + GENERIC_KEY_PREFETCH + 8, n); ++j)
+      prefetch_row(kc + slot[j], row_bytes);
+    for (int64_t j = i; j < std::min(i + 8, n); ++j) prefetch_row<2>(vc + slot[j], row_bytes);  // values into L2
     const T* keys[8];
     for (int j = 0; j < 8; ++j) keys[j] = kc + slot[std::min(i + j, n - 1)];  // past n: the last key again, unused
     for (int64_t g = 0; g < group; ++g) {

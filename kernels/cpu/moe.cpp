@@ -261,9 +261,8 @@ void float_block(const float* x, int64_t x_stride, int64_t depth, const float* t
 
 // Runs this thread's share of a projection's work items (within an OpenMP region) on float32 tiles: a contiguous run
 // of them (items follow the stack in memory), so that what a thread prefetches is what it reads next; under a dynamic
-// schedule neighbouring items went to different cores, whose prefetches then fed each other's caches (Zen 3, 2
-// threads: 8 tokens 0.67-0.71 -> 0.49-0.52 ms a layer with every layer's experts read in turn; 64 tokens 1.16-1.43 ->
-// 1.09-1.27; 1,024 tokens 13.0 -> 10.5-12.3). `w` is the packed stack, `in` and `out` the grouped rows.
+// schedule neighbouring items went to different cores, whose prefetches then fed each other's caches
+// (bench/results/moe.md, stop 54). `w` is the packed stack, `in` and `out` the grouped rows.
 void run_float_items(const std::vector<Item>& items, const float* in, int64_t inputs, const at::Tensor& w,
                      int64_t outputs, float* out) {
   const float* stack = w.data_ptr<float>();
@@ -408,7 +407,7 @@ struct QuantStack {
   }
 
   // Runs this thread's share of a projection's work items (within an OpenMP region): a contiguous run of them, as
-  // run_float_items does (int8, 64 tokens: 1.28-1.57 -> 1.16-1.21 ms a layer).
+  // run_float_items does.
   void run_items(const std::vector<Item>& items, const float* x, const float* xsums, float* out) const {
 #pragma omp for schedule(static)
     for (size_t i = 0; i < items.size(); ++i) run(items[i], x, xsums, out);
