@@ -705,7 +705,8 @@ def test_a_quantized_projection_holds_no_dense_weight(bits: int, dtype: torch.dt
 
 
 def test_w8a8_takes_only_what_its_kernel_runs() -> None:
-    """Shapes the kernel cannot tile and GGUF's Q8_0 groups keep the weight-only kernel and the panel kernel."""
+    """Shapes the kernel cannot tile and GGUF's Q8_0 groups take ``a8_linear`` (int8 activations too), and with float
+    activations asked for, the weight-only kernel and the panel kernel."""
     if not cpu.w8a8_supported():
         pytest.skip("the W8A8 kernel needs AVX-512 VNNI")
     with pytest.raises(RuntimeError, match="out % 16 == 0 and in % 64 == 0"):
@@ -717,6 +718,9 @@ def test_w8a8_takes_only_what_its_kernel_runs() -> None:
         if group_size != inputs:  # a scale per 32 inputs, as GGUF's Q8_0 blocks have
             quantized.scales, quantized.group_size = quantized.scales.repeat(1, inputs // group_size), group_size
         projection = Projection(weight, None, quantized)
+        assert projection.w8a8 is None and projection.a8
+        with weight_only():
+            projection = Projection(weight, None, quantized)
         assert projection.w8a8 is None and projection.runs_weight_only(1) and not projection.runs_weight_only(40)
     assert Projection(weight, None, quant.quantize(weight.float(), 4)).w8a8 is None
 
