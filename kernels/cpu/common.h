@@ -82,6 +82,18 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 #endif
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
 }
+// v rounded to bf16 and back, as from_float<c10::BFloat16> then to_float round one value.
+inline __m512 round_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
+}
 #endif
 
 // Calls fn with a null pointer of x's element type (float or bfloat16), to pick the template instance.

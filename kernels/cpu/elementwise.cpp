@@ -77,7 +77,16 @@ void rotate_impl(const int64_t* positions, const at::Tensor& x, const T* cache, 
       T* __restrict dst = out_data + (t * heads + h) * head_size;
       // Each product is rounded to the dtype before the sum, as transformers' and our torch reference's ops do, so
       // that reduced-precision results match them bit for bit.
-      for (int64_t i = 0; i < half; ++i) {
+      int64_t i = 0;
+#ifdef __AVX512F__
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(src + i), x2 = load16(src + i + half), c = load16(cos + i), s = load16(sin + i);
+          store16(dst + i, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s))));
+          store16(dst + i + half, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s))));
+        }
+#endif
+      for (; i < half; ++i) {
         const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
         const float c = to_float(cos[i]), s = to_float(sin[i]);
         dst[i] = from_float<T>(to_float(from_float<T>(x1 * c)) - to_float(from_float<T>(x2 * s)));
