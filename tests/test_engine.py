@@ -176,11 +176,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm_dir, prompts):
     assert llm.generate({"prompt_token_ids": prompts[4]}, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
-def test_step_streams_cumulative_and_delta_outputs(tiny_llm_dir, prompts, expected):
+def test_step_streams_cumulative_delta_and_final_only_outputs(tiny_llm_dir, prompts, expected):
     engine = tiny_engine(tiny_llm_dir)
     engine.add_request("cum", {"prompt_token_ids": prompts[2]}, GREEDY)
     engine.add_request("delta", {"prompt_token_ids": prompts[2]}, GREEDY, delta=True)
-    seen: dict[str, list] = {"cum": [], "delta": []}
+    engine.add_request("final", {"prompt_token_ids": prompts[2]}, GREEDY, final_only=True)
+    seen: dict[str, list] = {"cum": [], "delta": [], "final": []}
     while engine.has_unfinished_requests():
         for output in engine.step():
             seen[output.request_id].append(output)
@@ -189,6 +190,9 @@ def test_step_streams_cumulative_and_delta_outputs(tiny_llm_dir, prompts, expect
     assert "".join(o.outputs[0].text for o in seen["delta"]) == seen["cum"][-1].outputs[0].text
     final = seen["cum"][-1]
     assert final.finished and final.outputs[0].finish_reason == "length"
+    # One output, decoded once at the end: the same tokens and text as the cumulative stream's last.
+    [only] = seen["final"]
+    assert only.finished and only.outputs[0].token_ids == expected[2] and only.outputs[0].text == final.outputs[0].text
     assert final.metrics.arrival_time <= final.metrics.first_token_time <= final.metrics.finished_time
 
 

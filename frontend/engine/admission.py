@@ -87,6 +87,7 @@ class Admission:
         *,
         arrival_time: float | None = None,
         delta: bool = False,
+        final_only: bool = False,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> tuple[EngineRequest, RequestState]:
@@ -99,6 +100,7 @@ class Admission:
             in_use: the ids of the requests in flight, which this one may not take.
             arrival_time: when the request came (``time.time()``; now when ``None``).
             delta: the request's outputs hold only what is new since the previous one.
+            final_only: the request has one output, when it finishes (:class:`RequestState`).
             priority: its place under the priority scheduling policy (lower first).
             lora_request: the adapter to generate with (:meth:`lora_name`).
 
@@ -110,7 +112,14 @@ class Admission:
         request_id = self.request_id(request_id, in_use)
         lora_name = await self.lora_name(lora_request)
         return self.request(
-            request_id, prompt, params, lora_name, arrival_time=arrival_time, delta=delta, priority=priority
+            request_id,
+            prompt,
+            params,
+            lora_name,
+            arrival_time=arrival_time,
+            delta=delta,
+            final_only=final_only,
+            priority=priority,
         )
 
     def request_id(self, request_id: str | None, in_use: Container[str]) -> str:
@@ -190,6 +199,7 @@ class Admission:
         *,
         arrival_time: float | None = None,
         delta: bool = False,
+        final_only: bool = False,
         priority: int = 0,
     ) -> tuple[EngineRequest, RequestState]:
         """The engine request and the request state of a prompt whose id and adapter are settled.
@@ -227,6 +237,7 @@ class Admission:
             arrival_time,
             delta,
             tools=prompt.tools,
+            final_only=final_only,
         )
         return request, state
 

@@ -95,6 +95,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         *,
         delta: bool = False,
+        final_only: bool = False,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> str:
@@ -103,8 +104,10 @@ class LLMEngine:
         With :class:`~spindle.shared.PoolingParams` it is an embedding request, as in vLLM: its one output, when it
         finishes, is an :class:`~spindle.shared.EmbeddingRequestOutput` (:doc:`embeddings`).
 
-        With ``delta=True`` each output carries only the text and tokens that are new since the previous one.
-        ``priority`` orders the request under ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the
+        With ``delta=True`` each output carries only the text and tokens that are new since the previous one. With
+        ``final_only=True`` (vLLM's ``RequestOutputKind.FINAL_ONLY``, what :class:`~spindle.frontend.engine.llm.LLM`
+        asks for) the request has one output, when it finishes, and its text is decoded then unless stop strings
+        need it sooner: no output is built for the steps in between. ``priority`` orders the request under ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the
         ``fcfs`` policy ignores it. ``lora_request`` names the LoRA adapter to generate with (:doc:`lora`); one with
         a ``lora_path`` is loaded under its name first unless it is loaded already.
         Raises :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for bad inputs, a request
@@ -117,7 +120,7 @@ class LLMEngine:
         else:
             params = params or SamplingParams()
             prompt = self.input_processor.process(inputs, params)
-        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta, final_only, priority, lora_request)
 
     def add_chat_request(
         self,
@@ -128,6 +131,7 @@ class LLMEngine:
         *,
         add_generation_prompt: bool = True,
         delta: bool = False,
+        final_only: bool = False,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = "auto",
         priority: int = 0,
@@ -142,7 +146,7 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         prompt = self.input_processor.process_chat(messages, params, add_generation_prompt, tools, tool_choice)
-        return self._enqueue(request_id, prompt, params, arrival_time, delta, priority, lora_request)
+        return self._enqueue(request_id, prompt, params, arrival_time, delta, final_only, priority, lora_request)
 
     def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
         """Load the PEFT adapter directory ``path`` under ``name``, for the requests that name it.
@@ -178,6 +182,7 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None,
         delta: bool,
+        final_only: bool,
         priority: int,
         lora_request: LoRARequest | None,
     ) -> str:
@@ -189,6 +194,7 @@ class LLMEngine:
                 self.output_processor.requests,
                 arrival_time=arrival_time,
                 delta=delta,
+                final_only=final_only,
                 priority=priority,
                 lora_request=lora_request,
             )

@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
 
     Attributes:
         output_text: the completion's text so far, cut at the stop string once one matched.
+        has_stop_strings: whether the request has stop strings, which need the text as it grows.
 
     """
 
@@ -40,6 +41,7 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend
         self._skip_special_tokens = params.skip_special_tokens
         self._stops: list[str] = list(params.stop or [])
+        self.has_stop_strings = bool(self._stops)
         # A stop string that new text completes ends in one of its characters: only those ending in one are searched.
         self._stops_by_last_char: dict[str, list[tuple[int, str]]] = {}
         for order, stop in enumerate(self._stops):

@@ -45,6 +45,7 @@ class _Completion:
     stop_reason: int | str | None = None
     text: str = ""
     num_sent_tokens: int = 0
+    num_decoded_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     # Parsed once, when the completion finishes (a chat request with tools only).
@@ -54,7 +55,9 @@ class _Completion:
 class RequestState:
     """Everything the frontend tracks for one request between steps.
 
-    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes. Given
+    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes. With
+    ``final_only`` the request has one output, when it finishes; a completion without stop strings is decoded then,
+    in one call of its detokenizer (the same text: the detokenizer steps through the same tokens). Given
     :class:`~spindle.shared.PoolingParams` instead of sampling parameters, it is an embedding request's: one
     completion that gets no tokens, and an :class:`~spindle.shared.EmbeddingRequestOutput` as its output.
     """
@@ -69,6 +72,7 @@ class RequestState:
         arrival_time: float,
         delta: bool,
         tools: ChatTools | None = None,
+        final_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -79,6 +83,7 @@ class RequestState:
             params = EMBEDDING_SAMPLING_PARAMS
         self.params = params
         self.delta = delta
+        self.final_only = final_only
         self.tools = tools
         want_logprobs = params.logprobs is not None
         self.completions = [
@@ -179,7 +184,7 @@ class ProcessedStep(NamedTuple):
 
     Attributes:
         outputs: the outputs of the requests that changed, in the order they first appear in the step's deltas (an
-            embedding request's once, when it ends).
+            embedding request's and a ``final_only`` one's once, when it ends).
         stopped: the ``(request_id, index)`` of completions that a stop string ended, which the engine core must
             still end.
         failed: the requests whose output could not be processed, dropped here: the caller aborts each in the engine
@@ -274,7 +279,7 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
             try:
-                output = state.output()
+                output = state.output() if finished or not state.final_only else None
             except Exception as error:
                 failed[request_id] = self._fail(state, error)
                 continue
@@ -284,7 +289,8 @@ class OutputProcessor:
             if finished:
                 del self.requests[request_id]
                 self._tell(lambda listener, state=state: listener.on_finished(state, now))
-            outputs.append(output)
+            if output is not None:
+                outputs.append(output)
         stopped = [(request_id, index) for request_id, index in stopped if request_id not in failed]
         return ProcessedStep(outputs, stopped, list(failed.values()))
 
@@ -311,7 +317,10 @@ class OutputProcessor:
         for lp in delta.new_logprobs or []:
             c.logprobs.append(self._logprob_dict(lp))
             c.cumulative_logprob += lp.logprobs[0]
-        stop_str = c.detokenizer.update(delta.new_token_ids)
+        if state.final_only and not c.detokenizer.has_stop_strings and delta.finish_reason is None:
+            return False  # decoded when it finishes: no stop string needs its text sooner
+        stop_str = c.detokenizer.update(c.token_ids[c.num_decoded_tokens :])
+        c.num_decoded_tokens = len(c.token_ids)
         if stop_str is not None:
             c.finish_reason, c.stop_reason = FinishReason.STOP, stop_str
             return delta.finish_reason is None
