@@ -55,8 +55,10 @@ def bound_host_memory() -> None:
     instead (:data:`MMAP_THRESHOLD`, :data:`TRIM_THRESHOLD`), above a step's activations, so that those are reused
     from the heap; blocks larger still are mapped, and returned when freed. (Over 400 token counts of SmolLM2's
     float32 projections through oneDNN the resident memory had reached 1.37 GiB, still rising, with oneDNN's default
-    cache of 1,024 primitives; ``bench/soak.py`` measures the whole server.) Call this first thing in the backend
-    process, before oneDNN reads its environment. Other C libraries are left alone.
+    cache of 1,024 primitives; ``bench/soak.py`` measures the whole server.) An in-process engine (``LLM``) needs it as
+    much: with glibc's own thresholds a Mixtral batch (``bench.moe``) took 19-27k page faults per ``generate`` in some
+    processes, 0 in others, and ran 10-15% slower in the former. Call this first thing in the process that runs the
+    engine core, before oneDNN reads its environment. Other C libraries are left alone.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
     mallopt = getattr(_libc(), "mallopt", None)

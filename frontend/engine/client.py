@@ -163,12 +163,14 @@ def make_sync_client(
     """The client an ``LLMEngine`` drives, built from ``config``.
 
     The backend at ``backend_address``, or a backend child process (``multiprocess``), or else an engine core in
-    this process.
+    this process, whose host allocator it then sets as a backend process' (``bound_host_memory``).
     """
     if multiprocess or backend_address is not None:
         return SyncBackendClient(BackendConnection(backend_address, config))
     from spindle.backend.engine_core import EngineCore  # only the in-process engine needs torch
+    from spindle.backend.memory import bound_host_memory
 
+    bound_host_memory()
     return InProcessClient(EngineCore(config))
 
 
