@@ -250,8 +250,10 @@ def _adders(
     priority: Sequence[int] | None,
     lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
 ) -> list[Callable[..., str]]:
-    """``add`` bound to each prompt (as the keyword ``key``), with its priority and its LoRA adapter, for its final
-    output alone (:meth:`LLM._run` collects nothing else)."""
+    """``add`` bound to each prompt (as the keyword ``key``), with its priority and its LoRA adapter.
+
+    Each asks for its final output alone: :meth:`LLM._run` collects nothing else.
+    """
     priorities = _priority_per_prompt(priority, len(prompts))
     loras = _lora_per_prompt(lora_request, len(prompts))
     return [

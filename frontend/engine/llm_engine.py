@@ -107,9 +107,10 @@ class LLMEngine:
         With ``delta=True`` each output carries only the text and tokens that are new since the previous one. With
         ``final_only=True`` (vLLM's ``RequestOutputKind.FINAL_ONLY``, what :class:`~spindle.frontend.engine.llm.LLM`
         asks for) the request has one output, when it finishes, and its text is decoded then unless stop strings
-        need it sooner: no output is built for the steps in between. ``priority`` orders the request under ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the
-        ``fcfs`` policy ignores it. ``lora_request`` names the LoRA adapter to generate with (:doc:`lora`); one with
-        a ``lora_path`` is loaded under its name first unless it is loaded already.
+        need it sooner: no output is built for the steps in between. ``priority`` orders the request under
+        ``scheduling_policy="priority"`` (lower runs first, as in vLLM); the ``fcfs`` policy ignores it.
+        ``lora_request`` names the LoRA adapter to generate with (:doc:`lora`); one with a ``lora_path`` is loaded
+        under its name first unless it is loaded already.
         Raises :class:`~spindle.shared.errors.InvalidRequestError` (a :class:`ValueError`) for bad inputs, a request
         id already in use, an adapter that does not load, or one loaded under this name from another path; nothing
         is queued then. An unknown adapter name is a :class:`~spindle.shared.errors.NotFoundError` (from a backend
