@@ -200,6 +200,14 @@ class Projection:
         if self.quantized is not None and self.quantized.parts is not None:
             self.quantized = dataclasses.replace(self.quantized, parts=None)  # only the a8 layout reads them
 
+    @property
+    def a8_parts(self) -> list[tuple[tuple[torch.Tensor | None, ...], int, int]] | None:
+        """The parts ``a8_linear`` runs, ``(a8_pack's tensors, output rows, group size)`` each, in output order.
+
+        None where the projection runs another kernel.
+        """
+        return self._a8_parts if self.a8 else None
+
     def runs_weight_only(self, num_tokens: int) -> bool:
         """Whether a call over ``num_tokens`` rows runs the CPU weight-only kernel (else, if quantized, the panel one).
 

@@ -79,6 +79,7 @@ TIERS = {
     "test_shared": "unit",
     "test_tokenizer": "unit",
     "test_random_llama": "unit",  # bench/random_llama.py's tokenizer, read as llama.cpp's convert script reads it
+    "test_decode_stack": "engine",
     "test_engine": "engine",
     "test_gemma": "engine",
     "test_gpu_engine": "engine",

@@ -15,6 +15,9 @@ from spindle.kernels import (
     attend,
     attention_metadata,
     build_cos_sin_cache,
+    cpu,
+    is_eager,
+    is_forced_triton,
     rms_norm,
     silu_and_mul,
 )
@@ -224,6 +227,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.prepared: dict[str, Projection] = {}
         self.embed_quantized: QuantizedWeight | None = None
+        # The decode step's C++ layers (_decode_stack), whether this model can run them, and the caches they hold.
+        self._stack: object | None = None
+        self._stack_runs: bool | None = None
+        self._stack_caches: list[KVCache] | None = None
 
     def projections(self) -> dict[str, tuple[nn.Module, str]]:
         """Every projection by name (``layers.3.self_attn.qkv_proj``, ``lm_head``): ``(module, attribute)``.
@@ -300,11 +307,63 @@ class LlamaForCausalLM(nn.Module):
         if image_rows is not None:  # the one test a text-only step pays
             hidden[image_rows] = image_embeds.to(hidden.dtype)
         residual = None
-        with attention_metadata(meta):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache)
+        stack = self._decode_stack(kv_caches) if meta.num_decodes == len(meta.query_lens_list) else None
+        if stack is not None:
+            hidden, residual = stack.run(hidden, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        else:
+            with attention_metadata(meta):
+                for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                    hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache)
         hidden, _ = rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
+
+    def _decode_stack(self, kv_caches: list[KVCache]) -> object | None:
+        """The C++ ``DecodeStack`` that runs a decode step's layers in one call, or None where the layers run it.
+
+        ``kernels/cpu/decode_stack.cpp`` calls the same ops in the same order as the layers' forward, without the
+        Python between them. It runs where every layer is this class's Llama layer (a family's subclass has maths of
+        its own), every projection runs ``a8_linear`` (quantized weights on the CPU, the default there), on one
+        rank, with our ops (not within ``eager`` or ``force_triton``) and no LoRA adapter loaded. Built on the first
+        such step, and again for new caches.
+        """
+        if is_eager() or is_forced_triton() or any(layer.lora or layer.self_attn.lora for layer in self.layers):
+            return None
+        if self._stack is not None and self._stack_caches is kv_caches:
+            return self._stack
+        if self._stack_runs is None:  # the prepared projections do not change: asked once
+            self._stack_runs = self.shard.size == 1 and all(map(_runs_a8_alone, self.layers))
+        if not self._stack_runs:
+            return None
+
+        def parts(projection: Projection) -> list[tuple]:
+            return [(*packed, group_size, outputs) for packed, outputs, group_size in projection.a8_parts]
+
+        first = self.layers[0].self_attn
+        stack = cpu.cpu_ops().DecodeStack(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            first.scale,
+            self.config.rms_norm_eps,
+            self.cos_sin_cache,
+        )
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            attn = layer.self_attn
+            qkv = attn.prepared["qkv_proj"]
+            stack.add_layer(
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                parts(qkv),
+                qkv.bias,
+                parts(attn.prepared["o_proj"]),
+                parts(layer.prepared["gate_up_proj"]),
+                parts(layer.prepared["down_proj"]),
+                k_cache,
+                v_cache,
+                attn.sliding_window or 0,
+            )
+        self._stack, self._stack_caches = stack, kv_caches
+        return stack
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids``.
@@ -485,3 +544,16 @@ def _split_layer_name(hf_name: str) -> tuple[str, str]:
         index, rest = hf_name.removeprefix("model.layers.").split(".", 1)
         return f"layers.{index}.", rest
     return "", hf_name
+
+
+def _runs_a8_alone(layer: nn.Module) -> bool:
+    """Whether :meth:`LlamaForCausalLM._decode_stack` runs ``layer``.
+
+    It does the plain Llama layer (not a family's subclass) whose projections all run ``a8_linear``.
+    """
+    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+        return False
+    attn = layer.self_attn
+    projections = [attn.prepared.get(name) for name in ("qkv_proj", "o_proj")]
+    projections += [layer.prepared.get(name) for name in ("gate_up_proj", "down_proj")]
+    return all(projection is not None and projection.a8_parts is not None for projection in projections)

@@ -58,9 +58,10 @@ _SOURCES = [
         "argmax.cpp",
         "cache.cpp",
         "moe.cpp",
+        "decode_stack.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h", "decode_stack.h")]
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 

@@ -5,6 +5,8 @@
 #include <tuple>
 #include <vector>
 
+#include "decode_stack.h"
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                                double softcap);
@@ -107,4 +109,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
   m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
         "fused_moe of int8 (per row or group, with or without offsets) or int4 experts, dequantized in registers.");
+  py::class_<DecodeStack>(m, "DecodeStack", "A decode step's Llama-family layers of a8_linear projections in one call.")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, const at::Tensor&>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("run", &DecodeStack::run, ReleaseGil());
 }

@@ -1,0 +1,112 @@
+// A decode step's decoder layers in one call: every token is its sequence's one new token, and every projection of a
+// Llama-family layer (qkv, o, gate/up, down) runs a8_linear. Per layer, the same ops the Python layers call, in the
+// same order (the input norm with the previous layer's residual add, qkv and its bias, rotary and cache write, decode
+// attention, o, the post-attention norm, gate/up, SiLU-and-mul, down), so results are the same bit for bit; what goes
+// is the Python and the argument conversions between them, about 25 us a layer at one token on two cores
+// (bench/results/single_stream.md).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "decode_stack.h"
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap);
+at::Tensor rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value, const at::Tensor& cos_sin_cache, at::Tensor& k_cache,
+                                      at::Tensor& v_cache, const at::Tensor& slot_mapping);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                     int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out);
+
+namespace {
+
+// As spindle.kernels.linear.Projection runs an a8 projection: one part into a new tensor, several each into its
+// columns of one; then the bias.
+at::Tensor project(const at::Tensor& x, const A8Projection& projection) {
+  at::Tensor out;
+  if (projection.parts.size() == 1) {
+    const A8Part& p = projection.parts[0];
+    out = a8_linear(x, p.packed, p.scales, p.offsets, p.supers, p.group_size, p.outputs, std::nullopt);
+  } else {
+    out = at::empty({x.size(0), projection.out_features}, x.options());
+    int64_t start = 0;
+    for (const A8Part& p : projection.parts) {
+      a8_linear(x, p.packed, p.scales, p.offsets, p.supers, p.group_size, p.outputs, out.narrow(1, start, p.outputs));
+      start += p.outputs;
+    }
+  }
+  return projection.bias ? at::add(out, *projection.bias) : out;
+}
+
+A8Projection projection_of(const std::vector<A8PartArgs>& parts, const std::optional<at::Tensor>& bias) {
+  A8Projection projection{{}, 0, bias};
+  for (const auto& [packed, scales, offsets, supers, group_size, outputs] : parts) {
+    projection.parts.push_back({packed, scales, offsets, supers, group_size, outputs});
+    projection.out_features += outputs;
+  }
+  TORCH_CHECK(!projection.parts.empty(), "a projection needs at least one part");
+  return projection;
+}
+
+}  // namespace
+
+DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double scale, double eps,
+                         const at::Tensor& cos_sin_cache)
+    : num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads),
+      head_size_(head_size),
+      scale_(scale),
+      eps_(eps),
+      cos_sin_cache_(cos_sin_cache) {}
+
+void DecodeStack::add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                            const std::vector<A8PartArgs>& qkv, const std::optional<at::Tensor>& qkv_bias,
+                            const std::vector<A8PartArgs>& o, const std::vector<A8PartArgs>& gate_up,
+                            const std::vector<A8PartArgs>& down, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            int64_t window) {
+  layers_.push_back({input_norm, post_norm, projection_of(qkv, qkv_bias), projection_of(o, std::nullopt),
+                     projection_of(gate_up, std::nullopt), projection_of(down, std::nullopt), k_cache, v_cache,
+                     window});
+  const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+  TORCH_CHECK(layers_.back().qkv.out_features == q_size + 2 * kv_size, "qkv has ", layers_.back().qkv.out_features,
+              " outputs, not ", q_size + 2 * kv_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeStack::run(const at::Tensor& hidden, const at::Tensor& positions,
+                                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                    const at::Tensor& seq_lens) {
+  TORCH_CHECK(hidden.dim() == 2 && positions.size(0) == hidden.size(0), "hidden must be [tokens, hidden_size]");
+  const int64_t tokens = hidden.size(0), q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+  at::Tensor x = hidden, residual;
+  for (Layer& layer : layers_) {
+    at::Tensor normed;
+    if (residual.defined()) {
+      std::tie(normed, residual) = add_rms_norm(x, residual, layer.input_norm, eps_);
+    } else {
+      residual = x;
+      normed = rms_norm(x, layer.input_norm, eps_);
+    }
+    const at::Tensor qkv = project(normed, layer.qkv);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_size_});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_size_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_size_});
+    const at::Tensor rotated =
+        rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache_, layer.k_cache, layer.v_cache, slot_mapping);
+    const at::Tensor attended =
+        decode_attention(rotated, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale_, layer.window, 0.0);
+    const at::Tensor o = project(attended.view({tokens, q_size}), layer.o);
+    std::tie(normed, residual) = add_rms_norm(o, residual, layer.post_norm, eps_);
+    x = project(silu_and_mul(project(normed, layer.gate_up)), layer.down);
+  }
+  return {x, residual};
+}

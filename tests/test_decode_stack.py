@@ -1,0 +1,76 @@
+"""The decode step's layers in one C++ call (``DecodeStack``) against the Python layers: the same tokens, the same
+log-probabilities, bit for bit."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import _with_byte_tokenizer
+from test_gguf_families import write_gguf
+from test_gguf_kquants import KQUANT_CONFIG, random_blocks_of
+
+from spindle import LLM, SamplingParams
+from spindle.backend.models.llama import LlamaForCausalLM
+from spindle.kernels import cpu
+
+PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate([5, 17, 40])]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def tiny_llm(model: Path, quantization: str) -> LLM:
+    """An ``LLM`` of a tiny checkpoint or GGUF file, without the prefix cache (a second run computes what the first
+    did, not from its cached blocks)."""
+    return LLM(
+        str(model), dtype="float32", quantization=quantization, kv_cache_memory="4MiB", enable_prefix_caching=False
+    )
+
+
+def generate(llm: LLM) -> list[list[tuple[int, dict[int, float]]]]:
+    """Each prompt's tokens, each with its top log-probabilities."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [
+        [(t, {k: lp.logprob for k, lp in top.items()}) for t, top in zip(c.token_ids, c.logprobs, strict=True)]
+        for c in (o.outputs[0] for o in outputs)
+    ]
+
+
+def q4_k_m_file(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny Llama as a GGUF of llama.cpp's Q4_K_M types (layer 0's v rows Q6_K beside Q4_K q and k rows)."""
+    checkpoint = directory / "checkpoint"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**KQUANT_CONFIG)).save_pretrained(checkpoint)
+    cpu.cpu_ops()  # the C++ kernels from the usual cache, not built again into the file's
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(directory / "cache"))
+    return write_gguf(checkpoint, "llama", directory / "Q4_K_M.gguf", random_blocks_of("Q4_K_M"))
+
+
+@pytest.mark.skipif(not cpu.a8_linear_supported(), reason="the stack runs a8_linear projections (AVX2)")
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_window", "q4_k_m_file"])
+def test_the_decode_stack_gives_the_python_layers_results(
+    variant: str, make_tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of three sequences: int4 weights (``a8_linear`` on every AVX2 CPU), with a qkv bias (Qwen2), decoding
+    past a 24-token window (Mistral); and a K-quant file whose fused qkv has parts of two layouts."""
+    if variant == "q4_k_m_file":
+        llm = tiny_llm(q4_k_m_file(tmp_path, monkeypatch), "auto")
+    else:
+        llm = tiny_llm(_with_byte_tokenizer(make_tiny_model(variant), tmp_path), "int4")
+    model = llm.llm_engine.engine_core.runner.model
+    parts = len(model.layers[0].self_attn.prepared["qkv_proj"].a8_parts)
+    assert parts == (2 if variant == "q4_k_m_file" else 1)
+    stacked = generate(llm)
+    assert model._stack is not None  # the decode steps ran it
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda self, kv_caches: None)
+    assert generate(llm) == stacked
+
+
+def test_a_family_with_layers_of_its_own_runs_its_python_layers(
+    make_tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen3's per-head q/k norms are not the stack's maths: its layers run themselves."""
+    llm = tiny_llm(_with_byte_tokenizer(make_tiny_model("qwen3"), tmp_path), "int4")
+    generate(llm)
+    assert llm.llm_engine.engine_core.runner.model._stack is None
