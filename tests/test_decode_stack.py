@@ -19,12 +19,10 @@ PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate([5, 1
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
 
 
-def tiny_llm(model: Path, quantization: str) -> LLM:
+def tiny_llm(model: Path, quantization: str, dtype: str = "float32") -> LLM:
     """An ``LLM`` of a tiny checkpoint or GGUF file, without the prefix cache (a second run computes what the first
     did, not from its cached blocks)."""
-    return LLM(
-        str(model), dtype="float32", quantization=quantization, kv_cache_memory="4MiB", enable_prefix_caching=False
-    )
+    return LLM(str(model), dtype=dtype, quantization=quantization, kv_cache_memory="4MiB", enable_prefix_caching=False)
 
 
 def generate(llm: LLM) -> list[list[tuple[int, dict[int, float]]]]:
@@ -46,20 +44,36 @@ def q4_k_m_file(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return write_gguf(checkpoint, "llama", directory / "Q4_K_M.gguf", random_blocks_of("Q4_K_M"))
 
 
-@pytest.mark.skipif(not cpu.a8_linear_supported(), reason="the stack runs a8_linear projections (AVX2)")
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_window", "q4_k_m_file"])
+CASES = {
+    "llama": ("int4", "float32"),
+    "qwen2": ("int4", "float32"),
+    "mistral_window": ("int4", "float32"),
+    "q4_k_m_file": ("auto", "float32"),
+    "llama_bf16": ("none", "bfloat16"),
+    "mixtral_bf16": ("none", "bfloat16"),
+}
+"""Each case's model, quantization and dtype: int4 runs ``a8_linear`` on every AVX2 CPU, bf16 ``bf16_linear``'s tiles
+(and the fused experts' tiles) on AVX-512 bf16."""
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_the_decode_stack_gives_the_python_layers_results(
-    variant: str, make_tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, make_tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch of three sequences: int4 weights (``a8_linear`` on every AVX2 CPU), with a qkv bias (Qwen2), decoding
-    past a 24-token window (Mistral); and a K-quant file whose fused qkv has parts of two layouts."""
-    if variant == "q4_k_m_file":
-        llm = tiny_llm(q4_k_m_file(tmp_path, monkeypatch), "auto")
+    """A batch of three sequences: int4 weights, with a qkv bias (Qwen2), decoding past a 24-token window (Mistral),
+    a K-quant file whose fused qkv has parts of two layouts; bf16 weights, dense and a mixture of experts."""
+    quantization, dtype = CASES[case]
+    if not (cpu.a8_linear_supported() if dtype == "float32" else cpu.bf16_linear_supported()):
+        pytest.skip(f"{case}'s kernels do not run on this CPU")
+    if case == "q4_k_m_file":
+        model_path = q4_k_m_file(tmp_path, monkeypatch)
     else:
-        llm = tiny_llm(_with_byte_tokenizer(make_tiny_model(variant), tmp_path), "int4")
+        model_path = _with_byte_tokenizer(make_tiny_model(case.removesuffix("_bf16")), tmp_path)
+    llm = tiny_llm(model_path, quantization, dtype)
     model = llm.llm_engine.engine_core.runner.model
-    parts = len(model.layers[0].self_attn.prepared["qkv_proj"].a8_parts)
-    assert parts == (2 if variant == "q4_k_m_file" else 1)
+    if quantization != "none":
+        parts = len(model.layers[0].self_attn.prepared["qkv_proj"].a8_parts)
+        assert parts == (2 if case == "q4_k_m_file" else 1)
     stacked = generate(llm)
     assert model._stack is not None  # the decode steps ran it
 

@@ -172,6 +172,41 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
         return self.self_attn(positions, hidden, kv_cache, cos_sin_cache), residual
 
+    def stack_forms(self) -> dict[str, object] | None:
+        """The layer's projections as the C++ ``DecodeStack`` runs them, or None where it cannot run the layer.
+
+        It runs the plain Llama layer (a family's subclass has maths of its own) whose projections all run a kernel
+        it calls (:func:`stack_projection`).
+        """
+        if type(self) is not LlamaDecoderLayer:
+            return None
+        return self._stack_forms({"gate_up": self.prepared.get("gate_up_proj"), "down": self.prepared.get("down_proj")})
+
+    def _stack_forms(self, mlp: dict[str, object]) -> dict[str, object] | None:
+        """The stack's forms of the attention's projections and of ``mlp``'s, None if one has none."""
+        attn = self.self_attn
+        if type(attn) is not LlamaAttention:
+            return None
+        projections = {"qkv": attn.prepared.get("qkv_proj"), "o": attn.prepared.get("o_proj"), **mlp}
+        forms = {name: stack_projection(projection) for name, projection in projections.items()}
+        return None if any(form is None for form in forms.values()) else forms
+
+    def add_to_stack(self, stack: object, forms: dict[str, object], kv_cache: KVCache) -> None:
+        """Append this layer, its :meth:`stack_forms`, to ``stack``, over its ``kv_cache``."""
+        self.add_attention_to_stack(stack, forms, kv_cache)
+        stack.add_dense_mlp(forms["gate_up"], forms["down"])
+
+    def add_attention_to_stack(self, stack: object, forms: dict[str, object], kv_cache: KVCache) -> None:
+        """Append this layer's norms and attention to ``stack``; its MLP follows."""
+        stack.add_attention(
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            forms["qkv"],
+            forms["o"],
+            *kv_cache,
+            self.self_attn.sliding_window or 0,
+        )
+
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """The gated MLP of the normalised ``hidden [T, hidden_size]``: gate/up, :attr:`act_and_mul`, down."""
         gate_up = linear(hidden, self.gate_up_proj, prepared=self.prepared.get("gate_up_proj"))
@@ -227,9 +262,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.prepared: dict[str, Projection] = {}
         self.embed_quantized: QuantizedWeight | None = None
-        # The decode step's C++ layers (_decode_stack), whether this model can run them, and the caches they hold.
+        # The decode step's C++ layers (_decode_stack), the layers' forms in them (empty where it cannot run them;
+        # None until asked) and the caches they hold.
         self._stack: object | None = None
-        self._stack_runs: bool | None = None
+        self._stack_forms: list[dict[str, object]] | None = None
         self._stack_caches: list[KVCache] | None = None
 
     def projections(self) -> dict[str, tuple[nn.Module, str]]:
@@ -321,23 +357,20 @@ class LlamaForCausalLM(nn.Module):
         """The C++ ``DecodeStack`` that runs a decode step's layers in one call, or None where the layers run it.
 
         ``kernels/cpu/decode_stack.cpp`` calls the same ops in the same order as the layers' forward, without the
-        Python between them. It runs where every layer is this class's Llama layer (a family's subclass has maths of
-        its own), every projection runs ``a8_linear`` (quantized weights on the CPU, the default there), on one
-        rank, with our ops (not within ``eager`` or ``force_triton``) and no LoRA adapter loaded. Built on the first
-        such step, and again for new caches.
+        Python between them. It runs where every layer can be stacked (:meth:`LlamaDecoderLayer.stack_forms`: the
+        plain Llama layer, or Mixtral's, whose projections run ``a8_linear`` or ``bf16_linear``), on one rank, with
+        our ops (not within ``eager`` or ``force_triton``) and no LoRA adapter loaded. Built on the first such step,
+        and again for new caches.
         """
         if is_eager() or is_forced_triton() or any(layer.lora or layer.self_attn.lora for layer in self.layers):
             return None
         if self._stack is not None and self._stack_caches is kv_caches:
             return self._stack
-        if self._stack_runs is None:  # the prepared projections do not change: asked once
-            self._stack_runs = self.shard.size == 1 and all(map(_runs_a8_alone, self.layers))
-        if not self._stack_runs:
+        if self._stack_forms is None:  # the prepared weights do not change: asked once
+            forms = [layer.stack_forms() for layer in self.layers] if self.shard.size == 1 else [None]
+            self._stack_forms = forms if all(form is not None for form in forms) else []
+        if not self._stack_forms:
             return None
-
-        def parts(projection: Projection) -> list[tuple]:
-            return [(*packed, group_size, outputs) for packed, outputs, group_size in projection.a8_parts]
-
         first = self.layers[0].self_attn
         stack = cpu.cpu_ops().DecodeStack(
             first.num_heads,
@@ -347,21 +380,8 @@ class LlamaForCausalLM(nn.Module):
             self.config.rms_norm_eps,
             self.cos_sin_cache,
         )
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            attn = layer.self_attn
-            qkv = attn.prepared["qkv_proj"]
-            stack.add_layer(
-                layer.input_layernorm,
-                layer.post_attention_layernorm,
-                parts(qkv),
-                qkv.bias,
-                parts(attn.prepared["o_proj"]),
-                parts(layer.prepared["gate_up_proj"]),
-                parts(layer.prepared["down_proj"]),
-                k_cache,
-                v_cache,
-                attn.sliding_window or 0,
-            )
+        for layer, forms, kv_cache in zip(self.layers, self._stack_forms, kv_caches, strict=True):
+            layer.add_to_stack(stack, forms, kv_cache)
         self._stack, self._stack_caches = stack, kv_caches
         return stack
 
@@ -546,14 +566,17 @@ def _split_layer_name(hf_name: str) -> tuple[str, str]:
     return "", hf_name
 
 
-def _runs_a8_alone(layer: nn.Module) -> bool:
-    """Whether :meth:`LlamaForCausalLM._decode_stack` runs ``layer``.
+def stack_projection(projection: object) -> object | None:
+    """``projection`` as the C++ ``DecodeStack`` runs it: ``a8_linear``'s parts, or ``bf16_linear``'s tiles.
 
-    It does the plain Llama layer (not a family's subclass) whose projections all run ``a8_linear``.
+    None where it runs another kernel, or is missing or not a :class:`Projection` (a test's stand-in runs itself).
     """
-    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
-        return False
-    attn = layer.self_attn
-    projections = [attn.prepared.get(name) for name in ("qkv_proj", "o_proj")]
-    projections += [layer.prepared.get(name) for name in ("gate_up_proj", "down_proj")]
-    return all(projection is not None and projection.a8_parts is not None for projection in projections)
+    if not isinstance(projection, Projection):
+        return None
+    ops = cpu.cpu_ops()
+    if projection.a8_parts is not None:
+        parts = [(*packed, group_size, outputs) for packed, outputs, group_size in projection.a8_parts]
+        return ops.StackProjection.a8(parts, projection.bias)
+    if projection.tiled is not None:
+        return ops.StackProjection.bf16(projection.tiled, projection.out_features, projection.bias)
+    return None

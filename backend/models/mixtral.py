@@ -14,7 +14,7 @@ from torch import nn
 
 from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
-from spindle.backend.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _weight
+from spindle.backend.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, _weight
 from spindle.kernels.moe import Experts, quantize_experts, route
 from spindle.kernels.quant import QuantizedWeight
 
@@ -74,6 +74,28 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         if not self.experts.keeps_dense:
             self.w13.data = torch.empty(0, dtype=self.w13.dtype, device=self.w13.device)
             self.w2.data = torch.empty(0, dtype=self.w2.dtype, device=self.w2.device)
+
+    def stack_forms(self) -> dict[str, object] | None:
+        """As :meth:`LlamaDecoderLayer.stack_forms`: Mixtral's own layer, its experts run by the C++ ``fused_moe``."""
+        experts = self.experts
+        if type(self) is not MixtralDecoderLayer or experts is None or experts.quantized:
+            return None
+        return None if experts.eager or experts.triton else self._stack_forms({})
+
+    def add_to_stack(self, stack: object, forms: dict[str, object], kv_cache: KVCache) -> None:
+        """Append this layer, its :meth:`stack_forms`, to ``stack``, over its ``kv_cache``."""
+        self.add_attention_to_stack(stack, forms, kv_cache)
+        experts = self.experts
+        stack.add_moe_mlp(
+            self.router,
+            self.top_k,
+            self.renormalize,
+            experts.w13,
+            experts.w2,
+            experts.num_experts,
+            experts.intermediate,
+            experts.tiled,
+        )
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """Route each token of the normalised ``hidden [T, hidden_size]`` to its experts and sum their outputs."""

@@ -109,8 +109,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
   m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
         "fused_moe of int8 (per row or group, with or without offsets) or int4 experts, dequantized in registers.");
-  py::class_<DecodeStack>(m, "DecodeStack", "A decode step's Llama-family layers of a8_linear projections in one call.")
+  py::class_<StackProjection>(m, "StackProjection", "A projection as DecodeStack runs it.")
+      .def_static("a8", &StackProjection::a8, "a8_linear's parts (a8_pack's tensors, group size, outputs) and bias.")
+      .def_static("bf16", &StackProjection::bf16, "bf16_linear's tiles, output rows and bias.");
+  py::class_<DecodeStack>(m, "DecodeStack", "A decode step's Llama-family layers in one call.")
       .def(py::init<int64_t, int64_t, int64_t, double, double, const at::Tensor&>())
-      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_attention", &DecodeStack::add_attention)
+      .def("add_dense_mlp", &DecodeStack::add_dense_mlp)
+      .def("add_moe_mlp", &DecodeStack::add_moe_mlp)
       .def("run", &DecodeStack::run, ReleaseGil());
 }

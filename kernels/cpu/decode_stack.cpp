@@ -1,12 +1,17 @@
-// A decode step's decoder layers in one call: every token is its sequence's one new token, and every projection of a
-// Llama-family layer (qkv, o, gate/up, down) runs a8_linear. Per layer, the same ops the Python layers call, in the
-// same order (the input norm with the previous layer's residual add, qkv and its bias, rotary and cache write, decode
-// attention, o, the post-attention norm, gate/up, SiLU-and-mul, down), so results are the same bit for bit; what goes
+// A decode step's decoder layers in one call: every token is its sequence's one new token, and each layer is a plain
+// Llama-family layer (or Mixtral's, its MLP a mixture of experts) whose projections run a8_linear or bf16_linear. Per
+// layer, the same ops the Python layers call, in the same order (the input norm with the previous layer's residual
+// add, qkv and its bias, rotary and cache write, decode attention, o, the post-attention norm, then gate/up,
+// SiLU-and-mul and down, or the router's top-k and the fused experts), so results are the same bit for bit; what goes
 // is the Python and the argument conversions between them, about 25 us a layer at one token on two cores
 // (bench/results/single_stream.md).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/to.h>
+#include <ATen/ops/topk.h>
 
 #include <optional>
 #include <tuple>
@@ -27,12 +32,17 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
                      int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+                     const at::Tensor& topk_ids, int64_t num_experts, int64_t intermediate, bool tiled);
 
 namespace {
 
-// As spindle.kernels.linear.Projection runs an a8 projection: one part into a new tensor, several each into its
-// columns of one; then the bias.
-at::Tensor project(const at::Tensor& x, const A8Projection& projection) {
+// As spindle.kernels.linear.Projection runs the projection: bf16_linear with its bias; or a8_linear, one part into a
+// new tensor, several each into its columns of one, then the bias.
+at::Tensor project(const at::Tensor& x, const StackProjection& projection) {
+  if (projection.parts.empty()) return bf16_linear(x, projection.tiles, projection.out_features, projection.bias);
   at::Tensor out;
   if (projection.parts.size() == 1) {
     const A8Part& p = projection.parts[0];
@@ -48,17 +58,26 @@ at::Tensor project(const at::Tensor& x, const A8Projection& projection) {
   return projection.bias ? at::add(out, *projection.bias) : out;
 }
 
-A8Projection projection_of(const std::vector<A8PartArgs>& parts, const std::optional<at::Tensor>& bias) {
-  A8Projection projection{{}, 0, bias};
+}  // namespace
+
+StackProjection StackProjection::a8(const std::vector<A8PartArgs>& parts, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!parts.empty(), "an a8 projection needs at least one part");
+  StackProjection projection;
   for (const auto& [packed, scales, offsets, supers, group_size, outputs] : parts) {
     projection.parts.push_back({packed, scales, offsets, supers, group_size, outputs});
     projection.out_features += outputs;
   }
-  TORCH_CHECK(!projection.parts.empty(), "a projection needs at least one part");
+  projection.bias = bias;
   return projection;
 }
 
-}  // namespace
+StackProjection StackProjection::bf16(const at::Tensor& tiles, int64_t outputs, const std::optional<at::Tensor>& bias) {
+  StackProjection projection;
+  projection.tiles = tiles;
+  projection.out_features = outputs;
+  projection.bias = bias;
+  return projection;
+}
 
 DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double scale, double eps,
                          const at::Tensor& cos_sin_cache)
@@ -69,17 +88,42 @@ DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_s
       eps_(eps),
       cos_sin_cache_(cos_sin_cache) {}
 
-void DecodeStack::add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
-                            const std::vector<A8PartArgs>& qkv, const std::optional<at::Tensor>& qkv_bias,
-                            const std::vector<A8PartArgs>& o, const std::vector<A8PartArgs>& gate_up,
-                            const std::vector<A8PartArgs>& down, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            int64_t window) {
-  layers_.push_back({input_norm, post_norm, projection_of(qkv, qkv_bias), projection_of(o, std::nullopt),
-                     projection_of(gate_up, std::nullopt), projection_of(down, std::nullopt), k_cache, v_cache,
-                     window});
+void DecodeStack::add_attention(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                                const StackProjection& qkv, const StackProjection& o, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, int64_t window) {
   const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
-  TORCH_CHECK(layers_.back().qkv.out_features == q_size + 2 * kv_size, "qkv has ", layers_.back().qkv.out_features,
-              " outputs, not ", q_size + 2 * kv_size);
+  TORCH_CHECK(qkv.out_features == q_size + 2 * kv_size, "qkv has ", qkv.out_features, " outputs, not ",
+              q_size + 2 * kv_size);
+  TORCH_CHECK(layers_.empty() || layers_.back().gate_up || layers_.back().moe, "the last layer has no MLP yet");
+  layers_.push_back({input_norm, post_norm, qkv, o, k_cache, v_cache, window, std::nullopt, std::nullopt, std::nullopt});
+}
+
+void DecodeStack::add_dense_mlp(const StackProjection& gate_up, const StackProjection& down) {
+  TORCH_CHECK(!layers_.empty() && !layers_.back().gate_up && !layers_.back().moe, "an MLP follows an attention");
+  layers_.back().gate_up = gate_up;
+  layers_.back().down = down;
+}
+
+void DecodeStack::add_moe_mlp(const at::Tensor& router, int64_t top_k, bool renormalize, const at::Tensor& w13,
+                              const at::Tensor& w2, int64_t num_experts, int64_t intermediate, bool tiled) {
+  TORCH_CHECK(!layers_.empty() && !layers_.back().gate_up && !layers_.back().moe, "an MLP follows an attention");
+  layers_.back().moe = Moe{router, w13, w2, top_k, num_experts, intermediate, renormalize, tiled};
+}
+
+// As spindle.kernels.moe.route and Experts run it: the router's logits in the model dtype, then float32, top-k and
+// softmax (of the top-k logits where renormalize, else of all of them), then the fused experts.
+at::Tensor DecodeStack::mlp(const Layer& layer, const at::Tensor& x) const {
+  if (layer.gate_up) return project(silu_and_mul(project(x, *layer.gate_up)), *layer.down);
+  const Moe& moe = *layer.moe;
+  const at::Tensor logits = at::linear(x, moe.router).to(at::kFloat);
+  at::Tensor weights, ids;
+  if (moe.renormalize) {
+    std::tie(weights, ids) = at::topk(logits, moe.top_k, -1);
+    weights = at::softmax(weights, -1);
+  } else {
+    std::tie(weights, ids) = at::topk(at::softmax(logits, -1), moe.top_k, -1);
+  }
+  return fused_moe(x, moe.w13, moe.w2, weights, ids, moe.num_experts, moe.intermediate, moe.tiled);
 }
 
 std::tuple<at::Tensor, at::Tensor> DecodeStack::run(const at::Tensor& hidden, const at::Tensor& positions,
@@ -88,6 +132,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::run(const at::Tensor& hidden, co
   TORCH_CHECK(hidden.dim() == 2 && positions.size(0) == hidden.size(0), "hidden must be [tokens, hidden_size]");
   const int64_t tokens = hidden.size(0), q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
   at::Tensor x = hidden, residual;
+  TORCH_CHECK(layers_.empty() || layers_.back().gate_up || layers_.back().moe, "the last layer has no MLP");
   for (Layer& layer : layers_) {
     at::Tensor normed;
     if (residual.defined()) {
@@ -106,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::run(const at::Tensor& hidden, co
         decode_attention(rotated, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale_, layer.window, 0.0);
     const at::Tensor o = project(attended.view({tokens, q_size}), layer.o);
     std::tie(normed, residual) = add_rms_norm(o, residual, layer.post_norm, eps_);
-    x = project(silu_and_mul(project(normed, layer.gate_up)), layer.down);
+    x = mlp(layer, normed);
   }
   return {x, residual};
 }

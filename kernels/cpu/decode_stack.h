@@ -1,4 +1,4 @@
-// DecodeStack (decode_stack.cpp): a decode step's Llama-family layers of a8_linear projections in one call.
+// DecodeStack (decode_stack.cpp): a decode step's Llama-family layers in one call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,11 +17,15 @@ struct A8Part {
 using A8PartArgs = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t,
                               int64_t>;
 
-// A projection's parts, their output rows in all, and its bias.
-struct A8Projection {
+// A projection as the stack runs it: a8_linear's parts, or else bf16_linear's tiles; its output rows and bias.
+struct StackProjection {
   std::vector<A8Part> parts;
-  int64_t out_features;
+  at::Tensor tiles;
+  int64_t out_features = 0;
   std::optional<at::Tensor> bias;
+
+  static StackProjection a8(const std::vector<A8PartArgs>& parts, const std::optional<at::Tensor>& bias);
+  static StackProjection bf16(const at::Tensor& tiles, int64_t outputs, const std::optional<at::Tensor>& bias);
 };
 
 class DecodeStack {
@@ -30,12 +34,16 @@ class DecodeStack {
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double scale, double eps,
               const at::Tensor& cos_sin_cache);
 
-  // Appends a layer: its two norms' weights, its projections' parts (qkv with its bias), its KV cache and its sliding
-  // window (0 for none).
-  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const std::vector<A8PartArgs>& qkv,
-                 const std::optional<at::Tensor>& qkv_bias, const std::vector<A8PartArgs>& o,
-                 const std::vector<A8PartArgs>& gate_up, const std::vector<A8PartArgs>& down,
-                 const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t window);
+  // Appends a layer's attention: its two norms' weights, its qkv and o projections, its KV cache and its sliding
+  // window (0 for none). Its MLP follows (add_dense_mlp or add_moe_mlp).
+  void add_attention(const at::Tensor& input_norm, const at::Tensor& post_norm, const StackProjection& qkv,
+                     const StackProjection& o, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t window);
+  // The last layer's MLP: gate/up, SiLU-and-mul, down.
+  void add_dense_mlp(const StackProjection& gate_up, const StackProjection& down);
+  // The last layer's MLP: its router's top_k experts per token (softmax weights, of the top-k logits where
+  // renormalize), through fused_moe's tiled or plain expert stacks.
+  void add_moe_mlp(const at::Tensor& router, int64_t top_k, bool renormalize, const at::Tensor& w13,
+                   const at::Tensor& w2, int64_t num_experts, int64_t intermediate, bool tiled);
 
   // Runs every layer over `hidden` [tokens, hidden_size], one token per sequence, writing each token's K/V into the
   // caches; returns the last layer's output and the residual stream, not yet summed (the final norm adds them).
@@ -44,12 +52,21 @@ class DecodeStack {
                                          const at::Tensor& seq_lens);
 
  private:
+  struct Moe {
+    at::Tensor router, w13, w2;
+    int64_t top_k, num_experts, intermediate;
+    bool renormalize, tiled;
+  };
   struct Layer {
     at::Tensor input_norm, post_norm;
-    A8Projection qkv, o, gate_up, down;
+    StackProjection qkv, o;
     at::Tensor k_cache, v_cache;
     int64_t window;
+    std::optional<StackProjection> gate_up, down;  // a dense MLP's, or
+    std::optional<Moe> moe;                        // a mixture of experts
   };
+  at::Tensor mlp(const Layer& layer, const at::Tensor& x) const;
+
   int64_t num_heads_, num_kv_heads_, head_size_;
   double scale_, eps_;
   at::Tensor cos_sin_cache_;
