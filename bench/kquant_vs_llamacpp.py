@@ -172,10 +172,6 @@ def main() -> None:
     parser.add_argument("--spindle-memory", type=int, metavar="KV_BYTES", help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    # `python -m` puts the working directory first on sys.path: from the repository root its `kernels` folder would
-    # shadow the `kernels` package that transformers imports (converting the GGUF) where that package is installed.
-    # The `bench` package is imported already; the rest of the root's folders are installed under `spindle`.
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
     if args.spindle_memory is not None:
         print(json.dumps(spindle_memory(args.gguf, args.spindle_memory, args.max_model_len, args.threads)))
         return

@@ -22,7 +22,6 @@ them slower than it says (bench/results/moe.md).
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -158,10 +157,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    # `python -m` puts the repository root on sys.path, where transformers' probe for Hugging Face's `kernels`
-    # package would import our kernels/ (as tests/conftest.py explains); bench's modules are imported by now.
-    repo = Path(__file__).resolve().parents[1]
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != repo]
     dtype = getattr(torch, args.dtype)
     print(f"torch threads: {torch.get_num_threads()}, dtype {args.dtype}, Mixtral shapes {SHAPES}")
     print(f"\nOne MoE layer, median us a call: {' | '.join(KERNEL_COLUMNS)} | each fused's speed-up over the loop")

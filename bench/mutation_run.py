@@ -189,8 +189,6 @@ def run_test(test: str, mutation: str | None) -> tuple[bool, float, str]:
 
 def apply_and_test(mutation: str, pytest_args: list[str]) -> int:
     """In the subprocess: apply ``mutation`` (none when empty), then run pytest."""
-    # As tests/conftest.py does: the repository root on sys.path would shadow Hugging Face's `kernels` with ours.
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
     if mutation:
         MUTATIONS[mutation]()
     import pytest
