@@ -1,7 +1,7 @@
 """llama.cpp's native tools, built once for this CPU from the ``bench`` extra's pinned ``llama-cpp-python`` sdist.
 
 The sdist carries llama.cpp (``vendor/llama.cpp``): its ``convert_hf_to_gguf.py`` and the sources of
-``llama-quantize``, ``llama-bench`` and ``llama-batched-bench``, which this module builds (Release,
+``llama-quantize``, ``llama-bench``, ``llama-batched-bench`` and ``llama-server``, which this module builds (Release,
 ``-DGGML_NATIVE=ON``: the instructions of the CPU it runs on) into ``~/.cache/spindle-bench/llama.cpp-<version>``,
 outside the repository. The convert script's one import that Spindle's environment lacks, ``sentencepiece``, is
 installed beside the build (``python/``, on the script's ``PYTHONPATH``). A build takes ~5-10 minutes on two cores;
@@ -25,7 +25,7 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 CACHE = Path(os.environ.get("SPINDLE_BENCH_CACHE", Path.home() / ".cache" / "spindle-bench"))
 """Where the bench's builds and models are kept (``$SPINDLE_BENCH_CACHE``, default ``~/.cache/spindle-bench``)."""
 
-TARGETS = ("llama-quantize", "llama-bench", "llama-batched-bench")
+TARGETS = ("llama-quantize", "llama-bench", "llama-batched-bench", "llama-server")
 CONVERT_REQUIREMENTS = ("sentencepiece>=0.1.98,<0.3.0",)
 """What ``convert_hf_to_gguf.py`` imports beyond Spindle's own dependencies (torch, transformers, numpy)."""
 
@@ -115,7 +115,7 @@ def build(root: Path | None = None, version: str | None = None, jobs: int | None
         build_dir = llama.root / "build"
         configure = ["cmake", "-S", str(llama.source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release"]
         configure += ["-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
-        configure += ["-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
+        configure += ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
         subprocess.run(configure, check=True)
         jobs = jobs or os.cpu_count() or 1
         subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS], check=True)
