@@ -98,12 +98,17 @@ def start_gateway(workers: list[Worker], *flags: str) -> Gateway:
         assert gateway.process.poll() is None, f"smg exited with {gateway.process.returncode}"
         try:
             models = gateway.client().models.list().data
-            return models[0].id if models and gateway.healthy_workers() == len(workers) else None
+            if not models or gateway.healthy_workers() != len(workers):
+                return None
+            # smg lists the model before it has fetched the worker's tokenizer, and answers 503 ("not registered
+            # yet; retry shortly") until then: seen on a loaded machine. A one-token completion proves both.
+            gateway.client().completions.create(model=models[0].id, prompt="ready?", max_tokens=1)
+            return models[0].id
         except (openai.OpenAIError, OSError):
             return None
 
     try:
-        gateway.model = wait_until(ready, "the gateway registers the workers and lists their model", timeout=120)
+        gateway.model = wait_until(ready, "the gateway registers the workers and serves their model", timeout=120)
     except BaseException:
         stop(gateway.process)  # no fixture owns it yet
         raise
