@@ -61,7 +61,9 @@ _SOURCES = [
         "decode_stack.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h", "decode_stack.h")]
+_HEADERS = [
+    Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h", "quant_rows.h", "decode_stack.h", "ops.h")
+]
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 

@@ -9,8 +9,7 @@
 #include <cstring>
 #include <tuple>
 
-std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
-                                                    const at::Tensor& key, const at::Tensor& cos_sin_cache);
+#include "ops.h"
 
 namespace {
 

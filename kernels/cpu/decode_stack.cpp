@@ -18,24 +18,7 @@
 #include <vector>
 
 #include "decode_stack.h"
-
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                            double softcap);
-at::Tensor rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
-                                      const at::Tensor& value, const at::Tensor& cos_sin_cache, at::Tensor& k_cache,
-                                      at::Tensor& v_cache, const at::Tensor& slot_mapping);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps);
-at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
-                     int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t outputs,
-                       const std::optional<at::Tensor>& bias);
-at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
-                     const at::Tensor& topk_ids, int64_t num_experts, int64_t intermediate, bool tiled);
+#include "ops.h"
 
 namespace {
 

@@ -31,10 +31,8 @@
 
 #include "bf16_tiles.h"
 #include "common.h"
+#include "ops.h"
 #include "quant_rows.h"
-
-at::Tensor bf16_pack(const at::Tensor& weight);
-at::Tensor silu_and_mul(const at::Tensor& x);
 
 namespace {
 
