@@ -173,20 +173,44 @@ def offline_rate(llm: LLM, prompts: list[str], max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
+async def grpc_stream(stub: spindle_pb2_grpc.SpindleServiceStub, prompt: str, params) -> tuple[list[float], int]:
+    """One greedy ``Generate`` stream of ``prompt``: the arrival time of each token streamed, and their count."""
+    times = []
+    request = spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text=prompt), sampling_params=params)
+    async for response in stub.Generate(request):
+        now = time.perf_counter()
+        times += [now] * sum(len(c.token_ids) for c in response.choices)
+    return times, len(times)
+
+
+async def completion_stream(
+    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int
+) -> tuple[list[float], int]:
+    """One streamed greedy OpenAI text completion (eos ignored): the arrival time of each SSE chunk with text, and
+    the completion tokens of the usage the stream ends with (0 without one)."""
+    times, tokens = [], 0
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return times, tokens
+
+
 async def grpc_run(address: str, prompts: list[str], args):
     async with grpc.aio.insecure_channel(address) as channel:
         stub = spindle_pb2_grpc.SpindleServiceStub(channel)
         params = sampling_params(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-
-        async def one(prompt: str) -> tuple[list[float], int]:
-            times = []
-            request = spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text=prompt), sampling_params=params)
-            async for response in stub.Generate(request):
-                now = time.perf_counter()
-                times += [now] * sum(len(c.token_ids) for c in response.choices)
-            return times, len(times)
-
-        return await drive(one, prompts, args)
+        return await drive(lambda prompt: grpc_stream(stub, prompt, params), prompts, args)
 
 
 async def openai_run(base_url: str, prompts: list[str], args):
@@ -196,26 +220,7 @@ async def openai_run(base_url: str, prompts: list[str], args):
     """
     async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
         [model] = (await client.models.list()).data
-
-        async def one(prompt: str) -> tuple[list[float], int]:
-            times, tokens = [], 0
-            stream = await client.completions.create(
-                model=model.id,
-                prompt=prompt,
-                max_tokens=args.max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(time.perf_counter())
-                if chunk.usage:
-                    tokens = chunk.usage.completion_tokens
-            return times, tokens
-
-        return await drive(one, prompts, args)
+        return await drive(lambda prompt: completion_stream(client, model.id, prompt, args.max_tokens), prompts, args)
 
 
 async def engine_run(engine: AsyncLLMEngine, prompts: list[str], args):

@@ -28,11 +28,11 @@ import grpc
 import openai
 
 from bench import llamacpp
-from bench.serving import drive, spindle_server
+from bench.serving import completion_stream, drive, grpc_stream, spindle_server
 from spindle.backend.models.loader import embedded_gguf
 from spindle.client import sampling_params
 from spindle.shared.config import EngineConfig
-from spindle.v1 import spindle_pb2, spindle_pb2_grpc
+from spindle.v1 import spindle_pb2_grpc
 
 WORDS = (
     "river city market window garden morning number story letter music paper table voice street light winter "
@@ -63,12 +63,9 @@ async def grpc_requests(address: str, requests: list[Request], args: argparse.Na
 
         async def one(request: Request) -> tuple[list[float], int]:
             prompt, max_tokens = request
-            params = sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            times = []
-            generate = spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(text=prompt), sampling_params=params)
-            async for response in stub.Generate(generate):
-                times += [time.perf_counter()] * sum(len(c.token_ids) for c in response.choices)
-            return times, len(times)
+            return await grpc_stream(
+                stub, prompt, sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            )
 
         return await drive(one, requests, args)
 
@@ -83,22 +80,8 @@ async def openai_requests(base_url: str, requests: list[Request], args: argparse
 
     async def one(request: Request) -> tuple[list[float], int]:
         prompt, max_tokens = request
-        times, tokens = [], 0
         async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=1200) as client:
-            stream = await client.completions.create(
-                model="model",
-                prompt=prompt,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(time.perf_counter())
-                if chunk.usage:
-                    tokens = chunk.usage.completion_tokens
+            times, tokens = await completion_stream(client, "model", prompt, max_tokens)
         return times, tokens or len(times)
 
     return await drive(one, requests, args)
