@@ -33,7 +33,6 @@ class IncrementalDetokenizer:
 
     Attributes:
         output_text: the completion's text so far, cut at the stop string once one matched.
-        has_stop_strings: whether the request has stop strings, which need the text as it grows.
 
     """
 
@@ -41,7 +40,6 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend
         self._skip_special_tokens = params.skip_special_tokens
         self._stops: list[str] = list(params.stop or [])
-        self.has_stop_strings = bool(self._stops)
         # A stop string that new text completes ends in one of its characters: only those ending in one are searched.
         self._stops_by_last_char: dict[str, list[tuple[int, str]]] = {}
         for order, stop in enumerate(self._stops):
@@ -63,6 +61,11 @@ class IncrementalDetokenizer:
         self._space_pending = bool(prompt_token_ids) and prompt_token_ids[-1] in self._spaced_special_ids
         self._sent = 0
         self.output_text = ""
+
+    @property
+    def has_stop_strings(self) -> bool:
+        """Whether the request has stop strings, which need the text as it grows."""
+        return bool(self._stops)
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Decode newly generated tokens, append their text and check the stop strings.
