@@ -5,11 +5,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 from conftest import _with_byte_tokenizer
 from test_gguf_families import write_gguf
-from test_gguf_kquants import KQUANT_CONFIG, random_blocks_of
+from test_gguf_kquants import kquant_checkpoint, random_blocks_of  # noqa: F401 - the fixture
 
 from spindle import LLM, SamplingParams
 from spindle.backend.models.llama import LlamaForCausalLM
@@ -34,11 +32,9 @@ def generate(llm: LLM) -> list[list[tuple[int, dict[int, float]]]]:
     ]
 
 
-def q4_k_m_file(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A tiny Llama as a GGUF of llama.cpp's Q4_K_M types (layer 0's v rows Q6_K beside Q4_K q and k rows)."""
-    checkpoint = directory / "checkpoint"
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**KQUANT_CONFIG)).save_pretrained(checkpoint)
+def q4_k_m_file(checkpoint: Path, directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """test_gguf_kquants' tiny Llama as a GGUF of llama.cpp's Q4_K_M types (layer 0's v rows Q6_K beside Q4_K q and
+    k rows)."""
     cpu.cpu_ops()  # the C++ kernels from the usual cache, not built again into the file's
     monkeypatch.setenv("SPINDLE_CACHE_DIR", str(directory / "cache"))
     return write_gguf(checkpoint, "llama", directory / "Q4_K_M.gguf", random_blocks_of("Q4_K_M"))
@@ -58,7 +54,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_decode_stack_gives_the_python_layers_results(
-    case: str, make_tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str,
+    make_tiny_model: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """A batch of three sequences: int4 weights, with a qkv bias (Qwen2), decoding past a 24-token window (Mistral),
     a K-quant file whose fused qkv has parts of two layouts; bf16 weights, dense and a mixture of experts."""
@@ -66,7 +66,7 @@ def test_the_decode_stack_gives_the_python_layers_results(
     if not (cpu.a8_linear_supported() if dtype == "float32" else cpu.bf16_linear_supported()):
         pytest.skip(f"{case}'s kernels do not run on this CPU")
     if case == "q4_k_m_file":
-        model_path = q4_k_m_file(tmp_path, monkeypatch)
+        model_path = q4_k_m_file(request.getfixturevalue("kquant_checkpoint"), tmp_path, monkeypatch)
     else:
         model_path = _with_byte_tokenizer(make_tiny_model(case.removesuffix("_bf16")), tmp_path)
     llm = tiny_llm(model_path, quantization, dtype)
