@@ -265,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         # The decode step's C++ layers (_decode_stack), the layers' forms in them (empty where it cannot run them;
         # None until asked) and the caches they hold.
         self._stack: object | None = None
-        self._stack_forms: list[dict[str, object]] | None = None
+        self._layer_forms: list[dict[str, object]] | None = None
         self._stack_caches: list[KVCache] | None = None
 
     def projections(self) -> dict[str, tuple[nn.Module, str]]:
@@ -366,10 +366,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self._stack is not None and self._stack_caches is kv_caches:
             return self._stack
-        if self._stack_forms is None:  # the prepared weights do not change: asked once
+        if self._layer_forms is None:  # the prepared weights do not change: asked once
             forms = [layer.stack_forms() for layer in self.layers] if self.shard.size == 1 else [None]
-            self._stack_forms = forms if all(form is not None for form in forms) else []
-        if not self._stack_forms:
+            self._layer_forms = forms if all(form is not None for form in forms) else []
+        if not self._layer_forms:
             return None
         first = self.layers[0].self_attn
         stack = cpu.cpu_ops().DecodeStack(
@@ -380,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
             self.config.rms_norm_eps,
             self.cos_sin_cache,
         )
-        for layer, forms, kv_cache in zip(self.layers, self._stack_forms, kv_caches, strict=True):
+        for layer, forms, kv_cache in zip(self.layers, self._layer_forms, kv_caches, strict=True):
             layer.add_to_stack(stack, forms, kv_cache)
         self._stack, self._stack_caches = stack, kv_caches
         return stack
