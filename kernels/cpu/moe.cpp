@@ -3,14 +3,14 @@
 // by the routing weights and summed in assignment order.
 //
 // bf16 weights laid out by moe_pack (bf16_linear's tiles) run in two OpenMP regions, before and after the SiLU:
-// work items of (expert, panel of its rows, tile of output columns) for each projection, handed out dynamically,
-// with the gather and the weighted sum as parallel loops beside them. Every output value is computed by one work item in a fixed order,
-// so the result does not depend on the thread count or the schedule. Blocks of 8 to 16 rows run on AMX where the CPU
-// and the OS allow it and the inputs are a multiple of 32 (tdpbf16ps reads bf16_linear's tiles as they are: each
-// tile's [pairs][16 columns][2] rows are AMX's pair-interleaved B layout), else on bf16_linear's AVX-512 bf16
-// micro-kernel. float32 weights laid out by moe_pack (tiles of 16 output columns, each [inputs][16]) run the same
-// two regions on a 6-row x 16-column micro-kernel in 8-float vectors (AVX2 + FMA here, whatever gcc's vector extension
-// maps to elsewhere). Other dtypes and shapes run ATen's matmul per expert.
+// work items of (expert, panel of its rows, tile of output columns) for each projection, in contiguous shares per
+// thread, with the gather and the weighted sum as parallel loops beside them. Every output value is computed by one
+// work item in a fixed order, so the result does not depend on the thread count or the schedule. Blocks of 8 to 16
+// rows run on AMX where the CPU and the OS allow it and the inputs are a multiple of 32 (tdpbf16ps reads
+// bf16_linear's tiles as they are: each tile's [pairs][16 columns][2] rows are AMX's pair-interleaved B layout), else
+// on bf16_linear's AVX-512 bf16 micro-kernel. float32 weights laid out by moe_pack (tiles of 16 output columns, each
+// [inputs][16]) run the same two regions on a 6-row x 16-column micro-kernel in 8-float vectors (AVX2 + FMA here,
+// whatever gcc's vector extension maps to elsewhere). Other dtypes and shapes run ATen's matmul per expert.
 //
 // Quantized experts (spindle.kernels.quant's layouts, stacked [experts, out, in]: int4 per group of 32 inputs; int8 per
 // row or per group of 16 or 32, with or without offsets, as GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks decode) run
@@ -115,9 +115,10 @@ std::vector<Item> items_of(const std::vector<int64_t>& starts, int64_t outputs, 
 // next tile (at decode batch sizes an expert gets a few rows, and its weights come from memory).
 constexpr int64_t AMX_MIN_ROWS = 8;
 
-// Runs a work item: x and out are the grouped rows (row `item.row` first), w the expert's packed [outputs, inputs].
-void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_t* w, int64_t outputs, bool amx,
-              float* scratch, c10::BFloat16* out) {
+// Runs a work item: x and out are the grouped rows (row `item.row` first), w the expert's packed [outputs, inputs];
+// `next_tile` (or null) is fetched meanwhile.
+void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_t* w, const uint32_t* next_tile,
+              int64_t outputs, bool amx, float* scratch, c10::BFloat16* out) {
   const int64_t pairs = inputs / 2, width = std::min(TILE, outputs - item.column);
   const uint32_t* tile = w + item.column * pairs;
   const uint16_t* xr = x + item.row * inputs;
@@ -131,13 +132,14 @@ void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_
         amx_block<NV>(xr + done * inputs, inputs, std::min<int64_t>(16, item.rows - done), tile, pairs, scratch,
                       o + done * outputs, outputs);
 #endif
-    tile_rows<NV>(xr + done * inputs, inputs, item.rows - done, tile, nullptr, pairs, nullptr, o + done * outputs,
-                  outputs);
+    tile_rows<NV>(xr + done * inputs, inputs, item.rows - done, tile, done == 0 ? next_tile : nullptr, pairs, nullptr,
+                  o + done * outputs, outputs);
   });
 }
 
-// Runs this thread's share of a projection's work items (within an OpenMP region) on bf16 tiles, dynamically:
-// experts' row counts differ. `w` is the packed stack, `in` and `out` the grouped rows.
+// Runs this thread's share of a projection's work items (within an OpenMP region) on bf16 tiles: a contiguous run of
+// them, each item's first row block fetching the next item's tile, as run_float_items does and for the same reason.
+// `w` is the packed stack, `in` and `out` the grouped rows.
 void run_bf16_items(const std::vector<Item>& items, const c10::BFloat16* in, int64_t inputs, const at::Tensor& w,
                     int64_t outputs, c10::BFloat16* out) {
 #ifdef SPINDLE_AMX_BF16
@@ -152,9 +154,12 @@ void run_bf16_items(const std::vector<Item>& items, const c10::BFloat16* in, int
 #ifdef SPINDLE_AMX_BF16
   if (amx) configure_amx();
 #endif
-#pragma omp for schedule(dynamic, 1)
-  for (size_t i = 0; i < items.size(); ++i)
-    run_item(items[i], x, inputs, stack + items[i].expert * expert_size, outputs, amx, scratch, out);
+  auto tile_of = [&](const Item& item) { return stack + item.expert * expert_size + item.column * inputs / 2; };
+#pragma omp for schedule(static)
+  for (size_t i = 0; i < items.size(); ++i) {
+    const uint32_t* next = i + 1 < items.size() ? tile_of(items[i + 1]) : nullptr;
+    run_item(items[i], x, inputs, stack + items[i].expert * expert_size, next, outputs, amx, scratch, out);
+  }
 #ifdef SPINDLE_AMX_BF16
   if (amx) _tile_release();
 #endif
