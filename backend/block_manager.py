@@ -145,9 +145,12 @@ class BlockManager:
 
         It counts the blocks :meth:`allocate` releases first, outside the window, that no other sequence shares.
         """
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed <= len(self.free):
+            return True  # the common case, without counting the blocks outside the window
         released, outside = self.released.get(seq.seq_id, (0, None))[0], self._outside_window(seq)
         unshared = sum(self.blocks[block_id].ref_count == 1 for block_id in seq.block_table[released:outside])
-        return self.blocks_needed(seq, num_new_tokens) <= len(self.free) + unshared
+        return needed <= len(self.free) + unshared
 
     def match_prefix(self, seq: Sequence) -> int:
         """Point a new sequence's block table at the cached blocks of its longest cached prefix.
@@ -220,6 +223,8 @@ class BlockManager:
     def _release_outside_window(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks outside the window (:meth:`_outside_window`) that it still holds."""
         outside = self._outside_window(seq)
+        if not outside:
+            return
         released = self.released.get(seq.seq_id, (0, None))[0]
         if outside <= released:
             return

@@ -161,6 +161,8 @@ def sample_rows(state: SequenceState, drafts: list[int]) -> list[SampleRow]:
     see them), and samples their next position, so each row draws its own random numbers.
     """
     tokens = state.token_ids
+    if not drafts:  # a step's usual case, built without the loop
+        return [SampleRow(state.params, state.seed, tokens, state.num_prompt_tokens)]
     return [
         SampleRow(state.params, state.seed, tokens + drafts[:i] if i else tokens, state.num_prompt_tokens)
         for i in range(len(drafts) + 1)

@@ -239,16 +239,16 @@ class Sampler:
         return params, token_ids, values
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
-        rows: list[int] = []
-        token_ids: list[int] = []
-        for i, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                # vLLM holds eos back even with ignore_eos: min_tokens is about length, not stopping.
-                stops = self.eos_token_ids + [t for t in seq.params.stop_token_ids or [] if t < self.vocab_size]
-                rows += [i] * len(stops)
-                token_ids += stops
-        if rows:
-            logits[_index(rows, logits), _index(token_ids, logits)] = float("-inf")
+        held = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
+        if not held:
+            return
+        # vLLM holds eos back even with ignore_eos: min_tokens is about length, not stopping.
+        if self.eos_token_ids:
+            logits[_index(held, logits).unsqueeze(1), _index(self.eos_token_ids, logits)] = float("-inf")
+        stops = [(i, t) for i in held for t in seqs[i].params.stop_token_ids or () if t < self.vocab_size]
+        if stops:
+            rows, token_ids = zip(*stops, strict=True)
+            logits[_index(list(rows), logits), _index(list(token_ids), logits)] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
         # Penalties only touch tokens a sequence has seen, so they work on its (row, token) pairs (a few
