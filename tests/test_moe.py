@@ -16,7 +16,7 @@ from spindle.backend.models.loader import _stacked, quantized_weights
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
 from spindle.kernels import cpu, eager, force_triton
-from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
+from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route, route_tokens
 from spindle.kernels.quant import QuantizedWeight, quantize, widen
 
 # (tokens, experts, top_k, hidden, intermediate, the experts the tokens may route to: None for all).
@@ -97,6 +97,27 @@ def test_route_matches_transformers_routing(top_k: int, renormalize: bool, dtype
     weights, ids = route(logits, top_k, renormalize)
     assert weights.dtype == torch.float32 and torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected)
+
+
+@pytest.mark.parametrize(("top_k", "renormalize"), [(2, True), (3, False)], ids=["top2-renormalized", "top3-softmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_route_tokens_op_routes_as_the_router_linear_then_route(
+    top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    """The CPU routing op (logits rounded to the dtype, top-k, softmax) picks the experts ``route`` picks from
+    ``F.linear``'s logits, in the same order, with the same weights, over a prefill's worth of tokens (its threaded
+    path) and one. Quarters from -1 to 1 make every dot product exact in float32 whatever the order of its sum, and
+    make equal logits common: the op orders them as torch.topk does."""
+    generator = torch.Generator().manual_seed(top_k)
+    router = (torch.randint(-4, 5, (8, 96), generator=generator) / 4).to(dtype)
+    for tokens in (300, 1):
+        hidden = (torch.randint(-4, 5, (tokens, 96), generator=generator) / 4).to(dtype)
+        weights, ids = route_tokens(hidden, router, top_k, renormalize)
+        expected, expected_ids = route(torch.nn.functional.linear(hidden, router), top_k, renormalize)
+        assert weights.dtype == torch.float32 and torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected)
+        with eager():
+            assert torch.equal(route_tokens(hidden, router, top_k, renormalize)[1], expected_ids)
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,12 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, _weight
-from spindle.kernels.moe import Experts, quantize_experts, route
+from spindle.kernels.moe import Experts, quantize_experts, route_tokens
 from spindle.kernels.quant import QuantizedWeight
 
 
@@ -99,7 +98,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """Route each token of the normalised ``hidden [T, hidden_size]`` to its experts and sum their outputs."""
-        topk_weights, topk_ids = route(F.linear(hidden, self.router), self.top_k, self.renormalize)
+        topk_weights, topk_ids = route_tokens(hidden, self.router, self.top_k, self.renormalize)
         if self.experts is None:
             self.prepare_experts()
         return parallel.all_reduce(self.experts(hidden, topk_weights, topk_ids))  # type: ignore[misc]

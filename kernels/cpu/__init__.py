@@ -486,6 +486,13 @@ def moe_pack(weights: torch.Tensor) -> torch.Tensor:
     return cpu_ops().moe_pack(weights)
 
 
+def moe_route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts and weights from the router's weight; ``spindle.kernels.moe.route_tokens``."""
+    return cpu_ops().moe_route(x, router, top_k, renormalize)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,

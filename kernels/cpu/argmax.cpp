@@ -21,16 +21,6 @@ constexpr int64_t SPAN = 256;
 // Below this many values a call takes microseconds, less than waking the OpenMP threads.
 constexpr int64_t PARALLEL_VALUES = 1 << 16;
 
-// NaN tests on the bits: the kernels build with -ffast-math, under which the compiler may assume no float is a NaN.
-// A float is a NaN when its bits without the sign exceed infinity's.
-constexpr uint32_t INFINITY_BITS = 0x7F800000u, NO_SIGN = 0x7FFFFFFFu;
-
-inline bool is_nan(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits & NO_SIGN) > INFINITY_BITS;
-}
-
 // The maximum of the SPAN values at p, and in `nan` whether any of them is a NaN.
 inline float span_max(const float* p, bool& nan) {
   f8 m[4];

@@ -54,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y += (x @ A[s].T) @ B.T[s] in place for each (start, end, slot) run of tokens.");
   m.def("moe_pack", &moe_pack, ReleaseGil(),
         "Each expert's [out, in] matrix in the fused MoE op's tiles (bf16_pack's for bf16), stacked.");
+  m.def("moe_route", &moe_route, ReleaseGil(),
+        "Each token's top-k experts by the router's logits (in x's dtype) and their softmax weights.");
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
   m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
         "fused_moe of int8 (per row or group, with or without offsets) or int4 experts, dequantized in registers.");

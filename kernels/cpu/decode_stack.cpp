@@ -8,10 +8,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/to.h>
-#include <ATen/ops/topk.h>
 
 #include <optional>
 #include <tuple>
@@ -93,19 +89,11 @@ void DecodeStack::add_moe_mlp(const at::Tensor& router, int64_t top_k, bool reno
   layers_.back().moe = Moe{router, w13, w2, top_k, num_experts, intermediate, renormalize, tiled};
 }
 
-// As spindle.kernels.moe.route and Experts run it: the router's logits in the model dtype, then float32, top-k and
-// softmax (of the top-k logits where renormalize, else of all of them), then the fused experts.
+// As spindle.kernels.moe.route_tokens and Experts run it: the routing op, then the fused experts.
 at::Tensor DecodeStack::mlp(const Layer& layer, const at::Tensor& x) const {
   if (layer.gate_up) return project(silu_and_mul(project(x, *layer.gate_up)), *layer.down);
   const Moe& moe = *layer.moe;
-  const at::Tensor logits = at::linear(x, moe.router).to(at::kFloat);
-  at::Tensor weights, ids;
-  if (moe.renormalize) {
-    std::tie(weights, ids) = at::topk(logits, moe.top_k, -1);
-    weights = at::softmax(weights, -1);
-  } else {
-    std::tie(weights, ids) = at::topk(at::softmax(logits, -1), moe.top_k, -1);
-  }
+  const auto [weights, ids] = moe_route(x, moe.router, moe.top_k, moe.renormalize);
   return fused_moe(x, moe.w13, moe.w2, weights, ids, moe.num_experts, moe.intermediate, moe.tiled);
 }
 

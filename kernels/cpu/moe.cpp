@@ -21,7 +21,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #ifdef __AMX_TILE__
@@ -548,4 +551,66 @@ at::Tensor fused_moe_quantized(const at::Tensor& x, const at::Tensor& w13, const
   if (x.scalar_type() == at::kFloat)
     return quantized_moe<float>(x, up, down, weights.data_ptr<float>(), routing, topk_ids.size(1));
   return quantized_moe<c10::BFloat16>(x, up, down, weights.data_ptr<float>(), routing, topk_ids.size(1));
+}
+
+namespace {
+
+// moe_route's work: token t's logits against each expert's router row (summed in float32, rounded to T), their top k,
+// and its softmax weights, into weights[t] and ids[t].
+template <typename T>
+void route_rows(const T* x, const T* router, int64_t tokens, int64_t hidden, int64_t experts, int64_t top_k,
+                bool renormalize, float* weights, int64_t* ids) {
+#pragma omp parallel for if (tokens >= 256)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<float> logits(experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t h = 0; h < hidden; ++h) sum += to_float(x[t * hidden + h]) * to_float(router[e * hidden + h]);
+      logits[e] = to_float(from_float<T>(sum));  // the logits in the model dtype, as F.linear gives them
+    }
+    // The top k, largest first, a NaN above every number, ordered among equal values exactly as torch.topk orders
+    // them on the CPU (its TopKImpl.h: the same queue, comparison and standard algorithms; not stable).
+    std::vector<std::pair<float, int64_t>> queue(experts);
+    for (int64_t e = 0; e < experts; ++e) queue[e] = {logits[e], e};
+    const auto larger = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return (is_nan(a.first) && !is_nan(b.first)) || a.first > b.first;
+    };
+    if (top_k * 64 <= experts) {
+      std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), larger);
+    } else {
+      std::nth_element(queue.begin(), queue.begin() + top_k - 1, queue.end(), larger);
+      std::sort(queue.begin(), queue.begin() + top_k - 1, larger);
+    }
+    // The softmax of the top k logits where renormalised (the top k of the softmax, scaled to sum to 1), else of all.
+    const float top = queue[0].first;
+    float total = 0.f;
+    if (renormalize)
+      for (int64_t k = 0; k < top_k; ++k) total += std::exp(queue[k].first - top);
+    else
+      for (int64_t e = 0; e < experts; ++e) total += std::exp(logits[e] - top);
+    for (int64_t k = 0; k < top_k; ++k) {
+      weights[t * top_k + k] = std::exp(queue[k].first - top) / total;
+      ids[t * top_k + k] = queue[k].second;
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
+                                             bool renormalize) {
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1),
+              "x must be [tokens, hidden] and the router [experts, hidden]");
+  TORCH_CHECK(x.scalar_type() == router.scalar_type(), "x and the router must share a dtype");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = router.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
+  at::Tensor weights = at::empty({tokens, top_k}, x.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({tokens, top_k}, x.options().dtype(at::kLong));
+  const at::Tensor xc = x.contiguous(), rc = router.contiguous();
+  DISPATCH_MODEL_TYPES(x.scalar_type(), "moe_route", [&] {
+    route_rows<scalar_t>(xc.data_ptr<scalar_t>(), rc.data_ptr<scalar_t>(), tokens, hidden, experts, top_k,
+                         renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>());
+  });
+  return {weights, ids};
 }

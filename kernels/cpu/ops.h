@@ -60,3 +60,5 @@ at::Tensor fused_moe_quantized(const at::Tensor& x, const at::Tensor& w13, const
                                const at::Tensor& w2, const at::Tensor& w2_scales,
                                const std::optional<at::Tensor>& w2_zeros, int64_t w2_group_size,
                                const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
+                                             bool renormalize);
