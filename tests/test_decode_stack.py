@@ -11,7 +11,7 @@ from test_gguf_kquants import kquant_checkpoint, random_blocks_of  # noqa: F401 
 
 from spindle import LLM, SamplingParams
 from spindle.backend.models.llama import LlamaForCausalLM
-from spindle.kernels import cpu
+from spindle.kernels import cpu, linear
 
 PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate([5, 17, 40])]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
@@ -47,9 +47,13 @@ CASES = {
     "q4_k_m_file": ("auto", "float32"),
     "llama_bf16": ("none", "bfloat16"),
     "mixtral_bf16": ("none", "bfloat16"),
+    "llama_fp32": ("none", "float32"),
+    "mixtral_fp32": ("none", "float32"),
+    "llama_fp32_unpacked": ("none", "float32"),
 }
 """Each case's model, quantization and dtype: int4 runs ``a8_linear`` on every AVX2 CPU, bf16 ``bf16_linear``'s tiles
-(and the fused experts' tiles) on AVX-512 bf16."""
+(and the fused experts' tiles) on AVX-512 bf16, float32 oneDNN's packed weights (and the experts' float tiles), or
+ATen's linear over the plain weights where oneDNN does not run them (the ``_unpacked`` case)."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -61,19 +65,25 @@ def test_the_decode_stack_gives_the_python_layers_results(
     request: pytest.FixtureRequest,
 ) -> None:
     """A batch of three sequences: int4 weights, with a qkv bias (Qwen2), decoding past a 24-token window (Mistral),
-    a K-quant file whose fused qkv has parts of two layouts; bf16 weights, dense and a mixture of experts."""
+    a K-quant file whose fused qkv has parts of two layouts; bf16 and float32 weights, dense and a mixture of
+    experts."""
     quantization, dtype = CASES[case]
-    if not (cpu.a8_linear_supported() if dtype == "float32" else cpu.bf16_linear_supported()):
+    runs = cpu.a8_linear_supported() if quantization != "none" else dtype == "float32" or cpu.bf16_linear_supported()
+    if not runs:
         pytest.skip(f"{case}'s kernels do not run on this CPU")
     if case == "q4_k_m_file":
         model_path = q4_k_m_file(request.getfixturevalue("kquant_checkpoint"), tmp_path, monkeypatch)
     else:
-        model_path = _with_byte_tokenizer(make_tiny_model(case.removesuffix("_bf16")), tmp_path)
+        model_path = _with_byte_tokenizer(make_tiny_model(case.split("_fp32")[0].removesuffix("_bf16")), tmp_path)
+    if case.endswith("_unpacked"):
+        monkeypatch.setattr(linear, "can_pack", lambda weight: False)
     llm = tiny_llm(model_path, quantization, dtype)
     model = llm.llm_engine.engine_core.runner.model
     if quantization != "none":
         parts = len(model.layers[0].self_attn.prepared["qkv_proj"].a8_parts)
         assert parts == (2 if case == "q4_k_m_file" else 1)
+    if case.endswith("_unpacked"):
+        assert model.layers[0].self_attn.prepared["qkv_proj"].dense is not None
     stacked = generate(llm)
     assert model._stack is not None  # the decode steps ran it
 

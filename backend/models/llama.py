@@ -358,9 +358,9 @@ class LlamaForCausalLM(nn.Module):
 
         ``kernels/cpu/decode_stack.cpp`` calls the same ops in the same order as the layers' forward, without the
         Python between them. It runs where every layer can be stacked (:meth:`LlamaDecoderLayer.stack_forms`: the
-        plain Llama layer, or Mixtral's, whose projections run ``a8_linear`` or ``bf16_linear``), on one rank, with
-        our ops (not within ``eager`` or ``force_triton``) and no LoRA adapter loaded. Built on the first such step,
-        and again for new caches.
+        plain Llama layer, or Mixtral's, whose projections run a kernel :func:`stack_projection` takes), on one rank,
+        with our ops (not within ``eager`` or ``force_triton``) and no LoRA adapter loaded. Built on the first such
+        step, and again for new caches.
         """
         if is_eager() or is_forced_triton() or any(layer.lora or layer.self_attn.lora for layer in self.layers):
             return None
@@ -567,16 +567,21 @@ def _split_layer_name(hf_name: str) -> tuple[str, str]:
 
 
 def stack_projection(projection: object) -> object | None:
-    """``projection`` as the C++ ``DecodeStack`` runs it: ``a8_linear``'s parts, or ``bf16_linear``'s tiles.
+    """``projection`` as the C++ ``DecodeStack`` runs it, the kernel :class:`Projection` runs.
 
-    None where it runs another kernel, or is missing or not a :class:`Projection` (a test's stand-in runs itself).
+    ``a8_linear``'s parts, ``bf16_linear``'s tiles, or a dense weight (oneDNN's packed copy, or the plain one
+    ``F.linear`` takes). None where it runs another kernel (W8A8, the weight-only quantized ones), or is missing or
+    not a :class:`Projection` (a test's stand-in runs itself).
     """
-    if not isinstance(projection, Projection):
+    if not isinstance(projection, Projection) or projection.w8a8 is not None:
         return None
     ops = cpu.cpu_ops()
     if projection.a8_parts is not None:
         parts = [(*packed, group_size, outputs) for packed, outputs, group_size in projection.a8_parts]
         return ops.StackProjection.a8(parts, projection.bias)
+    if projection.quantized is not None:
+        return None
     if projection.tiled is not None:
         return ops.StackProjection.bf16(projection.tiled, projection.out_features, projection.bias)
-    return None
+    weight, onednn = (projection.packed, True) if projection.packed is not None else (projection.dense, False)
+    return ops.StackProjection.dense(weight, onednn, projection.out_features, projection.bias)

@@ -61,7 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fused_moe of int8 (per row or group, with or without offsets) or int4 experts, dequantized in registers.");
   py::class_<StackProjection>(m, "StackProjection", "A projection as DecodeStack runs it.")
       .def_static("a8", &StackProjection::a8, "a8_linear's parts (a8_pack's tensors, group size, outputs) and bias.")
-      .def_static("bf16", &StackProjection::bf16, "bf16_linear's tiles, output rows and bias.");
+      .def_static("bf16", &StackProjection::bf16, "bf16_linear's tiles, output rows and bias.")
+      .def_static("dense", &StackProjection::dense,
+                  "A dense weight (oneDNN's packed layout where onednn, else [out, in]), output rows and bias.");
   py::class_<DecodeStack>(m, "DecodeStack", "A decode step's Llama-family layers in one call.")
       .def(py::init<int64_t, int64_t, int64_t, double, double, const at::Tensor&>())
       .def("add_attention", &DecodeStack::add_attention)

@@ -1,13 +1,16 @@
 // A decode step's decoder layers in one call: every token is its sequence's one new token, and each layer is a plain
-// Llama-family layer (or Mixtral's, its MLP a mixture of experts) whose projections run a8_linear or bf16_linear. Per
-// layer, the same ops the Python layers call, in the same order (the input norm with the previous layer's residual
+// Llama-family layer (or Mixtral's, its MLP a mixture of experts) whose projections run a8_linear, bf16_linear or a
+// dense linear (oneDNN's over its packed weight, or ATen's). Per layer, the same ops the Python layers call, in the same order (the input norm with the previous layer's residual
 // add, qkv and its bias, rotary and cache write, decode attention, o, the post-attention norm, then gate/up,
 // SiLU-and-mul and down, or the router's top-k and the fused experts), so results are the same bit for bit; what goes
 // is the Python and the argument conversions between them, about 25 us a layer at one token on two cores
 // (bench/results/single_stream.md).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 
 #include <optional>
 #include <tuple>
@@ -18,10 +21,24 @@
 
 namespace {
 
-// As spindle.kernels.linear.Projection runs the projection: bf16_linear with its bias; or a8_linear, one part into a
-// new tensor, several each into its columns of one, then the bias.
+// oneDNN's linear over its packed weight, the op spindle.kernels.linear.Projection calls for one
+// (torch.ops.mkldnn._linear_pointwise, no post-op), looked up once in torch's dispatcher.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string())};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// As spindle.kernels.linear.Projection runs the projection: bf16_linear with its bias; oneDNN's or ATen's linear with
+// its bias; or a8_linear, one part into a new tensor, several each into its columns of one, then the bias.
 at::Tensor project(const at::Tensor& x, const StackProjection& projection) {
-  if (projection.parts.empty()) return bf16_linear(x, projection.tiles, projection.out_features, projection.bias);
+  if (projection.tiles.defined()) return bf16_linear(x, projection.tiles, projection.out_features, projection.bias);
+  if (projection.weight.defined())
+    return projection.onednn ? onednn_linear(x, projection.weight, projection.bias)
+                             : at::linear(x, projection.weight, projection.bias);
   at::Tensor out;
   if (projection.parts.size() == 1) {
     const A8Part& p = projection.parts[0];
@@ -53,6 +70,16 @@ StackProjection StackProjection::a8(const std::vector<A8PartArgs>& parts, const 
 StackProjection StackProjection::bf16(const at::Tensor& tiles, int64_t outputs, const std::optional<at::Tensor>& bias) {
   StackProjection projection;
   projection.tiles = tiles;
+  projection.out_features = outputs;
+  projection.bias = bias;
+  return projection;
+}
+
+StackProjection StackProjection::dense(const at::Tensor& weight, bool onednn, int64_t outputs,
+                                       const std::optional<at::Tensor>& bias) {
+  StackProjection projection;
+  projection.weight = weight;
+  projection.onednn = onednn;
   projection.out_features = outputs;
   projection.bias = bias;
   return projection;

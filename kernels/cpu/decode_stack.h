@@ -17,15 +17,19 @@ struct A8Part {
 using A8PartArgs = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t,
                               int64_t>;
 
-// A projection as the stack runs it: a8_linear's parts, or else bf16_linear's tiles; its output rows and bias.
+// A projection as the stack runs it: a8_linear's parts, or else bf16_linear's tiles, or else a dense weight (oneDNN's
+// packed layout, or a plain [out, in] one for ATen's linear); its output rows and bias.
 struct StackProjection {
   std::vector<A8Part> parts;
-  at::Tensor tiles;
+  at::Tensor tiles, weight;
+  bool onednn = false;  // whether `weight` is oneDNN's packed layout
   int64_t out_features = 0;
   std::optional<at::Tensor> bias;
 
   static StackProjection a8(const std::vector<A8PartArgs>& parts, const std::optional<at::Tensor>& bias);
   static StackProjection bf16(const at::Tensor& tiles, int64_t outputs, const std::optional<at::Tensor>& bias);
+  static StackProjection dense(const at::Tensor& weight, bool onednn, int64_t outputs,
+                               const std::optional<at::Tensor>& bias);
 };
 
 class DecodeStack {
