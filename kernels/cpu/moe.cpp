@@ -113,6 +113,26 @@ std::vector<Item> items_of(const std::vector<int64_t>& starts, int64_t outputs, 
   return items;
 }
 
+// This thread's share of `items` (within an OpenMP region), [begin, end): a contiguous run of them (items follow the
+// expert stack in memory, so that what a thread prefetches is what it reads next) holding about 1 / threads of their
+// rows, so that the experts given more rows do not leave the other threads waiting at the barrier after them.
+std::pair<size_t, size_t> share_of(const std::vector<Item>& items) {
+  const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+  int64_t total = 0;
+  for (const Item& item : items) total += item.rows;
+  size_t begin = items.size(), end = items.size();
+  int64_t before = 0;  // the rows of the items before item i
+  for (size_t i = 0; i < items.size(); before += items[i].rows, ++i) {
+    const int64_t owner = std::min(threads - 1, before * threads / std::max<int64_t>(total, 1));
+    if (owner == thread && begin == items.size()) begin = i;
+    if (owner > thread) {
+      end = i;
+      break;
+    }
+  }
+  return {std::min(begin, end), end};
+}
+
 #ifdef SPINDLE_AVX512_BF16
 // AMX computes 16 rows whatever the count; fewer than this many stay on the AVX-512 kernel, which also prefetches the
 // next tile (at decode batch sizes an expert gets a few rows, and its weights come from memory).
@@ -140,9 +160,9 @@ void run_item(const Item& item, const uint16_t* x, int64_t inputs, const uint32_
   });
 }
 
-// Runs this thread's share of a projection's work items (within an OpenMP region) on bf16 tiles: a contiguous run of
-// them, each item's first row block fetching the next item's tile, as run_float_items does and for the same reason.
-// `w` is the packed stack, `in` and `out` the grouped rows.
+// Runs this thread's share of a projection's work items (within an OpenMP region, share_of) on bf16 tiles, each item's
+// first row block fetching the next item's tile, then waits for the other threads. `w` is the packed stack, `in` and
+// `out` the grouped rows.
 void run_bf16_items(const std::vector<Item>& items, const c10::BFloat16* in, int64_t inputs, const at::Tensor& w,
                     int64_t outputs, c10::BFloat16* out) {
 #ifdef SPINDLE_AMX_BF16
@@ -158,14 +178,15 @@ void run_bf16_items(const std::vector<Item>& items, const c10::BFloat16* in, int
   if (amx) configure_amx();
 #endif
   auto tile_of = [&](const Item& item) { return stack + item.expert * expert_size + item.column * inputs / 2; };
-#pragma omp for schedule(static)
-  for (size_t i = 0; i < items.size(); ++i) {
-    const uint32_t* next = i + 1 < items.size() ? tile_of(items[i + 1]) : nullptr;
+  const auto [begin, end] = share_of(items);
+  for (size_t i = begin; i < end; ++i) {
+    const uint32_t* next = i + 1 < end ? tile_of(items[i + 1]) : nullptr;
     run_item(items[i], x, inputs, stack + items[i].expert * expert_size, next, outputs, amx, scratch, out);
   }
 #ifdef SPINDLE_AMX_BF16
   if (amx) _tile_release();
 #endif
+#pragma omp barrier
 }
 #endif
 
@@ -265,15 +286,15 @@ void float_block(const float* x, int64_t x_stride, int64_t depth, const float* t
   }
 }
 
-// Runs this thread's share of a projection's work items (within an OpenMP region) on float32 tiles: a contiguous run
-// of them (items follow the stack in memory), so that what a thread prefetches is what it reads next; under a dynamic
-// schedule neighbouring items went to different cores, whose prefetches then fed each other's caches
-// (bench/results/moe.md, stop 54). `w` is the packed stack, `in` and `out` the grouped rows.
+// Runs this thread's share of a projection's work items (within an OpenMP region, share_of) on float32 tiles, then
+// waits for the other threads; under a dynamic schedule neighbouring items went to different cores, whose prefetches
+// then fed each other's caches (bench/results/moe.md, stop 54). `w` is the packed stack, `in` and `out` the grouped
+// rows.
 void run_float_items(const std::vector<Item>& items, const float* in, int64_t inputs, const at::Tensor& w,
                      int64_t outputs, float* out) {
   const float* stack = w.data_ptr<float>();
-#pragma omp for schedule(static)
-  for (size_t i = 0; i < items.size(); ++i) {
+  const auto [begin, end] = share_of(items);
+  for (size_t i = begin; i < end; ++i) {
     const Item& item = items[i];
     // Tile column / FLOAT_TILE of the expert starts column * inputs floats in.
     const float* tile = stack + (item.expert * outputs + item.column) * inputs;
@@ -292,6 +313,7 @@ void run_float_items(const std::vector<Item>& items, const float* in, int64_t in
       }
     }
   }
+#pragma omp barrier
 }
 
 // The packed paths (bf16 tiles, float32 tiles): the assignments' rows of x gathered by expert, their gate/up
@@ -412,11 +434,12 @@ struct QuantStack {
     }
   }
 
-  // Runs this thread's share of a projection's work items (within an OpenMP region): a contiguous run of them, as
-  // run_float_items does.
+  // Runs this thread's share of a projection's work items (within an OpenMP region, share_of), then waits for the
+  // other threads.
   void run_items(const std::vector<Item>& items, const float* x, const float* xsums, float* out) const {
-#pragma omp for schedule(static)
-    for (size_t i = 0; i < items.size(); ++i) run(items[i], x, xsums, out);
+    const auto [begin, end] = share_of(items);
+    for (size_t i = begin; i < end; ++i) run(items[i], x, xsums, out);
+#pragma omp barrier
   }
 };
 
