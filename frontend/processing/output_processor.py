@@ -106,7 +106,10 @@ class RequestState:
     @property
     def finished(self) -> bool:
         """Whether every completion has ended."""
-        return all(c.finish_reason is not None for c in self.completions)
+        for c in self.completions:  # a loop: asked of every request in every step, where a generator costs more
+            if c.finish_reason is None:
+                return False
+        return True
 
     def resumed_request(self) -> EngineRequest:
         """The request to send again after its backend died: it goes on from the tokens streamed so far.
@@ -284,7 +287,8 @@ class OutputProcessor:
                 failed[request_id] = self._fail(state, error)
                 continue
             if new := num_new_tokens[request_id]:
-                self._tell(lambda listener, state=state, new=new: listener.on_tokens(state, new, now))
+                if self.listeners:  # without any (an LLM's), no call to build for each request of each step
+                    self._tell(lambda listener, state=state, new=new: listener.on_tokens(state, new, now))
                 state.last_token_time = now
             if finished:
                 del self.requests[request_id]
@@ -308,15 +312,18 @@ class OutputProcessor:
             state.metrics.first_scheduled_time = delta.first_scheduled_time
         if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = [None, *(self._logprob_dict(lp) for lp in delta.prompt_logprobs)]
-        state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+        if delta.num_cached_tokens > state.num_cached_tokens:
+            state.num_cached_tokens = delta.num_cached_tokens
         if delta.embedding is not None:
             state.embedding = _floats(delta.embedding)
-        c.token_ids.extend(delta.new_token_ids)
-        c.num_draft_tokens += delta.num_draft_tokens
-        c.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
-        for lp in delta.new_logprobs or []:
-            c.logprobs.append(self._logprob_dict(lp))
-            c.cumulative_logprob += lp.logprobs[0]
+        c.token_ids += delta.new_token_ids
+        if delta.num_draft_tokens:
+            c.num_draft_tokens += delta.num_draft_tokens
+            c.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
+        if delta.new_logprobs:
+            for lp in delta.new_logprobs:
+                c.logprobs.append(self._logprob_dict(lp))
+                c.cumulative_logprob += lp.logprobs[0]
         if state.final_only and not c.detokenizer.has_stop_strings and delta.finish_reason is None:
             return False  # decoded when it finishes: no stop string needs its text sooner
         stop_str = c.detokenizer.update(c.token_ids[c.num_decoded_tokens :])
