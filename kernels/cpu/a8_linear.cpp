@@ -476,14 +476,16 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
   const int64_t panels_per_unit = 1;
 #endif
   const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
+  // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block.
+  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK : TOKEN_BLOCK;
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
     for (int64_t u = 0; u < units; ++u) {
       const int64_t p = u * panels_per_unit;
       const auto scales = panel_scales(p);
-      for (int64_t m0 = first_token; m0 < std::min(first_token + TOKEN_PANEL, tokens); m0 += TOKEN_BLOCK) {
-        with_tokens(std::min(TOKEN_BLOCK, tokens - m0), [&](auto block) {
+      for (int64_t m0 = first_token; m0 < std::min(first_token + TOKEN_PANEL, tokens); m0 += token_block) {
+        with_tokens(std::min(token_block, tokens - m0), [&](auto block) {
           constexpr int M = decltype(block)::value;
           // The first token block's pass brings the panels in; the later ones read them from cache.
           const bool first = m0 == first_token;
