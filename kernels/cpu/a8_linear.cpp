@@ -1,7 +1,7 @@
-// Grouped int8 and int4 projections with int8 activations on AVX2: x @ W.T, W in spindle.kernels.quant's layout
-// (GGUF's Q4_K/Q4_0/Q4_1 as int4 per 32, Q6_K/Q8_0/Q5_K as int8 per 16 or 32), laid out once by a8_pack, each call's
-// rows quantized to int8 per block of 32 inputs on the fly (one scale per block, its largest magnitude / 127), as
-// llama.cpp quantizes activations for its K-quant dot products.
+// Grouped int8 and int4 projections with int8 activations on AVX2 (VNNI and AVX-512 where present): x @ W.T, W in
+// spindle.kernels.quant's layout (GGUF's Q4_K/Q4_0/Q4_1 as int4 per 32, Q6_K/Q8_0/Q5_K as int8 per 16 or 32), laid
+// out once by a8_pack, each call's rows quantized to int8 per block of 32 inputs on the fly (one scale per block, its
+// largest magnitude / 127), as llama.cpp quantizes activations for its K-quant dot products.
 //
 // The weight-only kernels (quant_rows.h) widen each weight to float and run one FMA per weight and token: on AVX2 that
 // is the limit, not reading the weights. Here weights and activations meet in vpmaddubsw (unsigned by signed bytes,
@@ -12,7 +12,9 @@
 // broadcast of the token's 4 activations and one vpmaddubsw give 8 rows' partial sums at once, in the lanes where they
 // stay. A block of 32 inputs adds its 8 partial sums in int16 (int4: at most 8 x 2 x 15 x 127) or int32 (int8), then
 // one conversion and one FMA by the 8 rows' scales x the token's block scale finish 8 rows' blocks: the float work per
-// block is shared by 8 rows, where a row at a time spent it per row and a horizontal sum per row at the end.
+// block is shared by 8 rows, where a row at a time spent it per row and a horizontal sum per row at the end. With VNNI
+// (AVX-512's or AVX-VNNI), vpdpbusd does vpmaddubsw's, vpmaddwd's and the add's work in one instruction; with AVX-512,
+// calls of several tokens run two panels side by side in 512-bit registers (panel_pair_dots).
 //
 // Offsets (w = q s + z, or (q - 8) s + z for int4) add z' x sum(x) per group (z' = z - 8 s for int4, packed so), the
 // sum of the quantized x: the result is the exact product of the quantized activations and the weight
