@@ -282,6 +282,25 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
   }
 }
 
+// Walks a panel's blocks in order, each with its scales: its two halves' (groups of 16) or its group's, computed once a
+// group and the second vector `zero`. scale(g, super) is group g's scale vector (super: its super-block of 256).
+template <bool SIXTEEN, typename Vector, typename ScaleOf, typename Block>
+inline void for_each_block(int64_t inputs, int64_t group_size, Vector zero, const ScaleOf& scale, const Block& block) {
+  const int64_t blocks = inputs / BLOCK, per_super = SUPER_BLOCK / BLOCK;
+  if constexpr (SIXTEEN) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Vector halves[2] = {scale(2 * b, b / per_super), scale(2 * b + 1, b / per_super)};
+      block(b, halves);
+    }
+  } else {
+    const int64_t group_blocks = group_size / BLOCK;
+    for (int64_t b = 0, g = 0; b < blocks; b += group_blocks, ++g) {
+      const Vector group_scale[2] = {scale(g, b / per_super), zero};
+      for (int64_t i = b; i < b + group_blocks; ++i) block(i, group_scale);
+    }
+  }
+}
+
 // One packed panel's dot products with M tokens (rows of a, from token m0): acc[m] (lane j: row j).
 // q: the panel's blocks; scales: its groups' (FloatScales or CompactScales). Groups of 16 split each block; larger
 // ones span blocks, their scale computed once. The offsets gather in their own accumulators, so that they do not
@@ -290,7 +309,6 @@ template <int M, Format F, bool SIXTEEN, typename Scales>
 inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
                        int64_t group_size, bool prefetch, __m256 acc[M]) {
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
-  const int64_t per_super = SUPER_BLOCK / BLOCK;
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
   const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
@@ -301,18 +319,8 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
     block_dots<M, F, SIXTEEN>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks,
                               half_sums ? half_sums + 2 * b : nullptr, block_scales, acc);
   };
-  if constexpr (SIXTEEN) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m256 halves[2] = {scales.scale(2 * b, b / per_super), scales.scale(2 * b + 1, b / per_super)};
-      block(b, halves);
-    }
-  } else {
-    const int64_t group_blocks = group_size / BLOCK;
-    for (int64_t b = 0, g = 0; b < blocks; b += group_blocks, ++g) {
-      const __m256 group_scale[2] = {scales.scale(g, b / per_super), _mm256_setzero_ps()};
-      for (int64_t i = b; i < b + group_blocks; ++i) block(i, group_scale);
-    }
-  }
+  const auto scale = [&](int64_t g, int64_t super) { return scales.scale(g, super); };
+  for_each_block<SIXTEEN>(inputs, group_size, _mm256_setzero_ps(), scale, block);
   if (scales.offsets != nullptr) {
     const int64_t groups = inputs / group_size;
     scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, acc);
@@ -419,7 +427,6 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
                             const Scales& s0, const Scales& s1, int64_t group_size, bool prefetch, __m256 low[M],
                             __m256 high[M]) {
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
-  const int64_t per_super = SUPER_BLOCK / BLOCK;
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
   const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
@@ -435,18 +442,7 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
                                    acc);
   };
   const auto scale = [&](int64_t g, int64_t super) { return pair_of(s0.scale(g, super), s1.scale(g, super)); };
-  if constexpr (SIXTEEN) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 halves[2] = {scale(2 * b, b / per_super), scale(2 * b + 1, b / per_super)};
-      block(b, halves);
-    }
-  } else {
-    const int64_t group_blocks = group_size / BLOCK;
-    for (int64_t b = 0, g = 0; b < blocks; b += group_blocks, ++g) {
-      const __m512 group_scale[2] = {scale(g, b / per_super), _mm512_setzero_ps()};
-      for (int64_t i = b; i < b + group_blocks; ++i) block(i, group_scale);
-    }
-  }
+  for_each_block<SIXTEEN>(inputs, group_size, _mm512_setzero_ps(), scale, block);
   for (int m = 0; m < M; ++m) {
     low[m] = _mm512_castps512_ps256(acc[m]);
     high[m] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1));
