@@ -1,7 +1,8 @@
 """llama.cpp's native tools, built once for this CPU from the ``bench`` extra's pinned ``llama-cpp-python`` sdist.
 
 The sdist carries llama.cpp (``vendor/llama.cpp``): its ``convert_hf_to_gguf.py`` and the sources of
-``llama-quantize``, ``llama-bench``, ``llama-batched-bench`` and ``llama-server``, which this module builds (Release,
+``llama-quantize``, ``llama-bench``, ``llama-batched-bench``, ``llama-server`` and ``llama-lookup`` (prompt-lookup
+decoding), which this module builds (Release,
 ``-DGGML_NATIVE=ON``: the instructions of the CPU it runs on) into ``~/.cache/spindle-bench/llama.cpp-<version>``,
 outside the repository. The convert script's one import that Spindle's environment lacks, ``sentencepiece``, is
 installed beside the build (``python/``, on the script's ``PYTHONPATH``). A build takes ~5-10 minutes on two cores;
@@ -25,7 +26,7 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 CACHE = Path(os.environ.get("SPINDLE_BENCH_CACHE", Path.home() / ".cache" / "spindle-bench"))
 """Where the bench's builds and models are kept (``$SPINDLE_BENCH_CACHE``, default ``~/.cache/spindle-bench``)."""
 
-TARGETS = ("llama-quantize", "llama-bench", "llama-batched-bench", "llama-server")
+TARGETS = ("llama-quantize", "llama-bench", "llama-batched-bench", "llama-server", "llama-lookup")
 CONVERT_REQUIREMENTS = ("sentencepiece>=0.1.98,<0.3.0",)
 """What ``convert_hf_to_gguf.py`` imports beyond Spindle's own dependencies (torch, transformers, numpy)."""
 
