@@ -183,6 +183,7 @@ def main() -> None:
 
     import torch
 
+    from bench import quality
     from spindle import LLM
 
     torch.set_num_threads(args.threads)
@@ -246,6 +247,8 @@ def main() -> None:
         )
     peaks = ", ".join(f"{name} {mib(rss)}" for name, rss in peer_rss.items())
     print(f"llama-batched-bench's peak resident memory: {peaks}")
+    del llm
+    print(f"spindle's defaults on the file: {quality.guard(LLM(str(gguf)), str(gguf))}")
 
 
 if __name__ == "__main__":

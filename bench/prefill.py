@@ -27,6 +27,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench import quality
 from bench.flops import Shapes, matmul_rate
 from bench.serving import percentile
 from spindle import LLM, LLMEngine, SamplingParams
@@ -144,6 +145,8 @@ def main() -> None:
                 f"{theirs:7.1f} tok/s ({theirs * per_token / ceiling:4.0%})  ratio {ours / theirs:4.2f}x  "
                 f"(medians of {args.repeats})"
             )
+    for name, llm in engines.items():
+        print(f"  quantization {name}: {quality.guard(llm)}")
     del model, llm, engines
     engine_args["quantization"] = args.quantization[0]
     for slowdown in (0, 2):

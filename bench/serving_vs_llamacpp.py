@@ -27,8 +27,9 @@ from pathlib import Path
 import grpc
 import openai
 
-from bench import llamacpp
+from bench import llamacpp, quality
 from bench.serving import completion_stream, drive, grpc_stream, spindle_server
+from spindle import LLM
 from spindle.backend.models.loader import embedded_gguf
 from spindle.client import sampling_params
 from spindle.shared.config import EngineConfig
@@ -160,6 +161,7 @@ def main() -> None:
         f"  spindle / llama.cpp: rate {ours_rate / peer_rate:.2f}x, TTFT {ours_ttft / peer_ttft:.2f}x, "
         f"ITL {ours_itl / peer_itl:.2f}x (asked: >= 4x, <= 0.33x, <= 0.33x)"
     )
+    print(f"  spindle's defaults (LLM() on the same file): {quality.guard(LLM(str(gguf)), str(gguf))}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ CPU (no Python bindings in the timed path):
 - ``llama-batched-bench``, one sequence after a prompt of the chat prompt's token count: its decode rate
   (``speed_tg``), the plain rate that issue 44's ratios divide by;
 - ``llama-lookup`` on the ``summarize`` prompt: llama.cpp's prompt-lookup decoding (n-grams of the prompt and output
-  drafted, ``--speculative`` tokens at most), its ``decoded N tokens in S seconds`` rate.
+  drafted, at most each of ``--speculative``'s counts), its ``decoded N tokens in S seconds`` rate.
 
 Spindle runs ``LLM()`` with no flags (the prefix cache off, so that every run prefills its prompt, as llama.cpp's do),
-each prompt plainly and ``summarize`` also with ``num_speculative_tokens=--speculative`` (n-gram drafts): generated
+each prompt plainly and ``summarize`` also with each ``num_speculative_tokens`` of ``--speculative`` (n-gram drafts;
+4 and 7 by default: 7 drafts make a verifying step of 8 tokens, one pass of ``a8_linear``'s AVX-512 path): generated
 tokens after the first over the time from the first token to the last (``RequestOutput.metrics``). Medians of
 ``--repeats`` runs; rounds interleave the engines so that a shared machine's drift weighs on both. Prints each rate,
 its ratio to plain llama.cpp on the same prompt (issue 44 asks 1.3x plainly and 2.5x with speculation), and the
@@ -32,6 +33,8 @@ import re
 import shlex
 import statistics
 import subprocess
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from bench import llamacpp, quality
@@ -74,7 +77,8 @@ def llama_lookup(
 ) -> float:
     """``llama-lookup``'s decode rate on ``prompt`` (chat-formatted text), greedy, eos ignored."""
     command = [str(llama.tool("llama-lookup")), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens), "-c", "1024"]
-    command += ["--temp", "0", "--ignore-eos", "--spec-draft-n-max", str(drafts), "-t", str(threads), "-tb", str(threads)]
+    command += ["--temp", "0", "--ignore-eos", "--spec-draft-n-max", str(drafts)]
+    command += ["-t", str(threads), "-tb", str(threads)]
     output = run_tool(command)
     match = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", output)
     if match is None:
@@ -96,7 +100,9 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, help="the GGUF file (default: the embedded SmolLM2 Q4_1)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--speculative", type=int, default=4, help="draft tokens a step at most, both engines")
+    parser.add_argument(
+        "--speculative", type=int, nargs="+", default=[4, 7], help="draft tokens a step at most, both engines, each"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--tools-dir", type=Path, help="a complete llama.cpp build (default: bench.llamacpp's)")
     args = parser.parse_args()
@@ -106,18 +112,19 @@ def main() -> None:
     llm = LLM(str(gguf), kv_cache_memory="1GiB", enable_prefix_caching=False)
     tokenizer = llm.get_tokenizer()
     texts = {name: tokenizer.apply_chat_template([{"role": "user", "content": p}]) for name, p in PROMPTS.items()}
-    cases = {
+    cases: dict[tuple[str, str], Callable[[int], float]] = {
         ("llama.cpp", "explain"): lambda n: llama_plain(llama, gguf, n, args.max_tokens, args.threads),
         ("llama.cpp", "summarize"): lambda n: llama_plain(llama, gguf, n, args.max_tokens, args.threads),
-        ("llama.cpp + prompt lookup", "summarize"): lambda _: llama_lookup(
-            llama, gguf, texts["summarize"], args.max_tokens, args.speculative, args.threads
-        ),
         ("spindle (defaults)", "explain"): lambda _: spindle_rate(llm, texts["explain"], args.max_tokens, 0),
         ("spindle (defaults)", "summarize"): lambda _: spindle_rate(llm, texts["summarize"], args.max_tokens, 0),
-        (f"spindle + {args.speculative} n-gram drafts", "summarize"): lambda _: spindle_rate(
-            llm, texts["summarize"], args.max_tokens, args.speculative
-        ),
     }
+    for k in args.speculative:
+        cases[f"llama.cpp + lookup, {k} drafts", "summarize"] = partial(
+            lambda k, _: llama_lookup(llama, gguf, texts["summarize"], args.max_tokens, k, args.threads), k
+        )
+        cases[f"spindle + {k} n-gram drafts", "summarize"] = partial(
+            lambda k, _: spindle_rate(llm, texts["summarize"], args.max_tokens, k), k
+        )
     lengths = {name: len(tokenizer.encode(text, add_special_tokens=False)) for name, text in texts.items()}
     for (_, name), case in cases.items():  # warm-up
         case(lengths[name])
