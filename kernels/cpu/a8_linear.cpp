@@ -333,8 +333,10 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
 // the lower half and panel p + 1's in the upper, so each vpdpbusd takes a token's 4 activations against 16 rows, half
 // the instructions of two 8-row passes. The integer sums are the 8-row path's, as are the float steps per lane. Calls
 // of this many tokens or more run it; fewer, which read the weights at memory speed, lost to the 8-row path (SmolLM2's
-// 30 layers on 2 Zen 5 cores, bf16: 64 tokens 29.1 -> 20.0 ms, 256 tokens 114 -> 72, but 1 token 2.4 -> 3.0).
-constexpr int64_t PAIR_TOKENS = 8;
+// 30 layers on 2 Zen 5 cores, bf16: 64 tokens 29.1 -> 20.0 ms, 256 tokens 114 -> 72, but 1 token 2.4 -> 3.0). At 6
+// and 7 tokens (a verifying step of 5 or 6 drafts) one pass of the pair path beat the 8-row path's 4 + 2 or 3 (Zen 4:
+// 4.8-5.3 against 5.3-5.6 ms, 5.3-5.4 against 5.9-6.2); at 5 they tied (bench/results/a8_linear.md).
+constexpr int64_t PAIR_TOKENS = 6;
 
 // Chunk c of two panels' blocks: the first's in the lower half, the second's in the upper.
 inline __m512i load_pair(const uint8_t* q0, const uint8_t* q1, int64_t c) {
