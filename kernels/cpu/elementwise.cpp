@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -25,6 +26,36 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [num_tokens, width] with a dense last dimension");
 }
 
+#ifdef __AVX512F__
+// v rounded to T and back: bf16's rounding, none for float.
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return round_bf16(v);
+  return v;
+}
+
+// One row of rms_norm_impl 16 values at a time (width a multiple of 16), with the same roundings: the sum x + residual
+// rounded to T (written to st) when rt is given, the squares summed in 16 lanes and then across them, the normalised
+// values rounded to T before the weight. gcc left the scalar loops' bf16 conversions unvectorized: a 2,048-token
+// prefill's norm took ~270 us on 2 Zen 4 cores.
+template <typename T>
+void norm_row16(const T* xt, const T* rt, T* st, const T* w, float eps, int64_t width, float* row, T* ot) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < width; i += 16) {
+    __m512 v = load16(xt + i);
+    if (rt != nullptr) {
+      v = round_to<T>(_mm512_add_ps(v, load16(rt + i)));
+      store16(st + i, v);
+    }
+    _mm512_storeu_ps(row + i, v);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(width) + eps));
+  for (int64_t i = 0; i < width; i += 16)
+    store16(ot + i, _mm512_mul_ps(load16(w + i), round_to<T>(_mm512_mul_ps(_mm512_loadu_ps(row + i), inv))));
+}
+#endif
+
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
                    at::Tensor& out, at::Tensor* sum) {
@@ -37,6 +68,16 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
 #pragma omp for
     for (int64_t t = 0; t < tokens; ++t) {
       const T* xt = x.data_ptr<T>() + t * x.stride(0);
+#ifdef __AVX512F__
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        if (width % 16 == 0) {
+          const T* rt = residual != nullptr ? residual->data_ptr<T>() + t * residual->stride(0) : nullptr;
+          T* st = sum != nullptr ? sum->data_ptr<T>() + t * width : nullptr;
+          norm_row16(xt, rt, st, w, feps, width, row.data(), out.data_ptr<T>() + t * width);
+          continue;
+        }
+      }
+#endif
       if (residual != nullptr) {
         // The sum is rounded to the dtype before the statistics, as the torch reference adds in the dtype.
         const T* rt = residual->data_ptr<T>() + t * residual->stride(0);
