@@ -202,13 +202,14 @@ def test_a_kernel_call_lets_other_threads_run() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(with_residual: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width", [96, 40], ids=["vectors", "scalar"])  # AVX-512 takes rows of whole 16-value vectors
+def test_rms_norm(with_residual: bool, dtype: torch.dtype, width: int) -> None:
     generator = torch.Generator().manual_seed(0)
-    x, residual = (torch.randn(2, 7, 96, generator=generator) * 3).to(dtype).unbind(0)
-    weight = torch.rand(96, generator=generator).to(dtype) + 0.5
+    x, residual = (torch.randn(2, 7, width, generator=generator) * 3).to(dtype).unbind(0)
+    weight = torch.rand(width, generator=generator).to(dtype) + 0.5
     eps = 1e-5
     summed = x + residual if with_residual else x
-    reference = LlamaRMSNorm(96, eps=eps).to(dtype)
+    reference = LlamaRMSNorm(width, eps=eps).to(dtype)
     reference.weight.data.copy_(weight)
     formula = summed.double() * torch.rsqrt(summed.double().square().mean(-1, keepdim=True) + eps) * weight.double()
 
