@@ -6,9 +6,8 @@ ignored, once ``--max-tokens`` tokens each and once one token: the difference is
 the whole batch. The same pair runs again with every projection call timed (the layers' linears and the LM head,
 ``offline_throughput.projection_seconds``): the projections' seconds in those steps over the untimed steps' are the
 share of the step that the active matmul kernels bound, the rest being attention, norms, rotary, sampling and host
-work. Issue 44 asks that
-share to be at least 50% at batch 32. Medians of ``--repeats`` pairs; prints the default's perplexity against bf16's
-beside it (:func:`bench.quality.guard`)::
+work. Issue 44 asks that share to be at least 50% at batch 32. Medians of ``--repeats`` pairs; prints the default's
+perplexity against the unquantized model's beside it (:func:`bench.quality.guard`)::
 
     .venv/bin/python -m bench.decode_batch --batch 32
 """

@@ -21,7 +21,7 @@ each prompt plainly and ``summarize`` also with each ``num_speculative_tokens`` 
 tokens after the first over the time from the first token to the last (``RequestOutput.metrics``). Medians of
 ``--repeats`` runs; rounds interleave the engines so that a shared machine's drift weighs on both. Prints each rate,
 its ratio to plain llama.cpp on the same prompt (issue 44 asks 1.3x plainly and 2.5x with speculation), and the
-default's perplexity against bf16's (:func:`bench.quality.guard`)::
+default's perplexity against the unquantized model's (:func:`bench.quality.guard`)::
 
     .venv/bin/python -m bench.single_stream
 """
