@@ -15,7 +15,8 @@ rounds), the ratio per dtype (median of the rounds' ratios against transformers'
 listed), with several dtypes the ratio against transformers' best dtype, and the fraction of the machine's matmul
 rate that Spindle's run achieved: the run's FLOPs (every projection, the attention and the LM head rows sampled,
 counted from the model's shapes and the run's token counts) over its time, against a large ``torch.mm`` in the same
-dtype, measured in the same run. Defaults are the workload of issue 10 (64 prompts, 16 to 192 tokens each,
+dtype, measured in the same run; and beside each dtype's line the engine's perplexity against the unquantized model's
+(:func:`bench.quality.guard`). Defaults are the workload of issue 10 (64 prompts, 16 to 192 tokens each,
 transformers at batch 32 and 64):
 
     .venv/bin/python -m bench.offline_throughput
@@ -37,6 +38,7 @@ from unittest import mock
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench import quality
 from bench.flops import Shapes, matmul_rate
 from spindle import LLM, SamplingParams
 from spindle.backend.models.llama import LlamaForCausalLM
@@ -201,6 +203,7 @@ def main() -> None:
                     f"  {name:8s} projections {spent:.1f} s, {spent / seconds:.0%} of a {seconds:.1f} s run: "
                     f"with all else free, {bound:.1f} tok/s"
                 )
+            guard = quality.guard(llm, args.model)
             del llm, peer
             achieved, ceiling = shapes.flops(prompt_lens, lengths) / seconds, matmul_rate(dtype)
             line = (
@@ -220,6 +223,7 @@ def main() -> None:
                 if bound is not None:
                     line += f" (projection bound {bound / hf:.2f}x)"
             print(line + f"  (medians of {args.repeats})", flush=True)
+            print(f"  {name:8s} {guard}")
         if len(rates) > 1:  # the dtypes ran one after the other: a ratio of medians
             best_dtype, (_, best_hf) = max(rates.items(), key=lambda item: item[1][1])
             spindle_best = max(spindle for spindle, _ in rates.values())
