@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench import random_llama
-from bench.llamacpp import CACHE, LlamaCpp, build
+from bench.llamacpp import CACHE, LlamaCpp, build, decode_rate
 
 if TYPE_CHECKING:
     from spindle import LLM
@@ -123,14 +123,8 @@ def batched_bench(
     llama: LlamaCpp, gguf: Path, batch: int, prompt_tokens: int, new_tokens: int, threads: int
 ) -> tuple[float, int]:
     """``llama-batched-bench`` on ``batch`` sequences: its decode tokens per second and its peak resident bytes."""
-    command = [str(llama.tool("llama-batched-bench")), "-m", str(gguf), "-c", str(batch * (prompt_tokens + new_tokens))]
-    command += ["-b", "2048", "-ub", "512", "-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", str(batch)]
-    command += ["-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
-    rss, stdout = peak_resident(command)
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    if len(rows) != 1 or rows[0].get("pl") != batch:
-        raise RuntimeError(f"unexpected llama-batched-bench output from {shlex.join(command)}:\n{stdout}")
-    return rows[0]["speed_tg"], rss
+    rss, stdout = peak_resident(llama.batched_bench_command(gguf, batch, prompt_tokens, new_tokens, threads))
+    return decode_rate(stdout, batch), rss
 
 
 def spindle_decode(llm: "LLM", batch: int, prompt_tokens: int, new_tokens: int, rng: random.Random) -> float:

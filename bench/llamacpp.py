@@ -13,6 +13,7 @@ later calls find it done::
 """
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -88,9 +89,27 @@ class LlamaCpp:
         # imports.
         subprocess.run(command, check=True, env=env, cwd=self.root)
 
+    def batched_bench_command(
+        self, gguf: Path, batch: int, prompt_tokens: int, new_tokens: int, threads: int
+    ) -> list[str]:
+        """``llama-batched-bench`` on ``batch`` sequences of ``prompt_tokens`` + ``new_tokens`` each, one JSON line out
+        (read it with :func:`decode_rate`)."""
+        context = batch * (prompt_tokens + new_tokens)
+        command = [str(self.tool("llama-batched-bench")), "-m", str(gguf), "-c", str(context)]
+        command += ["-b", "2048", "-ub", "512", "-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", str(batch)]
+        return command + ["-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
+
     def quantize(self, in_file: Path, out_file: Path, kind: str = "Q4_K_M") -> None:
         """Quantize the GGUF ``in_file`` into ``out_file`` as ``kind`` with ``llama-quantize``."""
         subprocess.run([str(self.tool("llama-quantize")), str(in_file), str(out_file), kind], check=True)
+
+
+def decode_rate(stdout: str, batch: int) -> float:
+    """The decode tokens per second (``speed_tg``) of a :meth:`LlamaCpp.batched_bench_command` run's output."""
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if len(rows) != 1 or rows[0].get("pl") != batch:
+        raise RuntimeError(f"unexpected llama-batched-bench output:\n{stdout}")
+    return rows[0]["speed_tg"]
 
 
 def build(root: Path | None = None, version: str | None = None, jobs: int | None = None) -> LlamaCpp:

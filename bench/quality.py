@@ -59,7 +59,7 @@ GUARD_WINDOWS = 16
 """Windows of 256 tokens :func:`guard` scores (~4,000 tokens: a few seconds per engine; short enough for any
 engine's context)."""
 
-_bf16_perplexity: dict[tuple[str | None, int], float] = {}  # (model, windows) -> bf16's perplexity, once a process
+_reference_perplexity: dict[tuple[str | None, int], float] = {}  # (model, windows) -> the unquantized model's, once
 
 
 def guard(llm: LLM, model: str | None = None, windows_scored: int = GUARD_WINDOWS, window: int = 256) -> str:
@@ -70,11 +70,11 @@ def guard(llm: LLM, model: str | None = None, windows_scored: int = GUARD_WINDOW
     chunks = windows(llm, window)[:windows_scored]
     score = perplexity(llm, chunks)
     key = (model, windows_scored)
-    if key not in _bf16_perplexity:
+    if key not in _reference_perplexity:
         reference = LLM(model, kv_cache_memory="256MiB", quantization="none", max_model_len=window + 1)
-        _bf16_perplexity[key] = perplexity(reference, chunks)
+        _reference_perplexity[key] = perplexity(reference, chunks)
         reference.shutdown()
-    base = _bf16_perplexity[key]
+    base = _reference_perplexity[key]
     scored = sum(len(ids) - 1 for ids in chunks)
     dtype = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
     return (

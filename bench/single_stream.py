@@ -27,7 +27,6 @@ default's perplexity against the unquantized model's (:func:`bench.quality.guard
 """
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -63,13 +62,7 @@ def run_tool(command: list[str]) -> str:
 
 def llama_plain(llama: llamacpp.LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, threads: int) -> float:
     """``llama-batched-bench``'s decode rate of one sequence after ``prompt_tokens`` tokens of prompt."""
-    command = [str(llama.tool("llama-batched-bench")), "-m", str(gguf), "-c", str(prompt_tokens + new_tokens + 16)]
-    command += ["-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", "1", "-t", str(threads)]
-    command += ["-tb", str(threads), "--output-format", "jsonl"]
-    rows = [json.loads(line) for line in run_tool(command).splitlines() if line.startswith("{")]
-    if len(rows) != 1:
-        raise RuntimeError(f"unexpected llama-batched-bench output from {shlex.join(command)}")
-    return rows[0]["speed_tg"]
+    return llamacpp.decode_rate(run_tool(llama.batched_bench_command(gguf, 1, prompt_tokens, new_tokens, threads)), 1)
 
 
 def llama_lookup(
