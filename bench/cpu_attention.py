@@ -3,7 +3,7 @@
 Each row is a prefill chunk of ``n`` tokens after ``c`` cached ones, its context in a paged cache whose blocks lie
 anywhere (as they do in serving): Spindle's kernel (``spindle.kernels.cpu``'s ``prefill_attention``, which reads the
 context in place) against the gather of that context plus torch's flash attention (``_flash_chunk``: the chunk's own
-keys causally, the cached prefix unmasked, merged; what float32 chunks of 64+ tokens after 1,024 run). Prints the
+keys causally, the cached prefix unmasked, merged; the torch reference path's). Prints the
 medians (ms a layer), Spindle's rate over the causal part of the score matrix (two matmuls, 2 FLOPs a multiply-add),
 the two outputs' largest difference, and flash's time over ours::
 

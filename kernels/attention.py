@@ -160,79 +160,30 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """:func:`paged_attention` as the CPU serves it: two C++ kernels that read every context where it lies.
 
-    One call for the decodes (``spindle.kernels.cpu``'s decode attention), one for all prefill chunks; float32
-    chunks that are long and far into their sequence run torch's flash attention instead (:func:`_runs_flash`),
-    unless a window or a soft-cap applies.
+    One call for the decodes (``spindle.kernels.cpu``'s decode attention), one for all prefill chunks, in every dtype.
     """
-    # The chunks' kernel against the earlier gather + masked SDPA per chunk (bf16, SmolLM2's 9/3 heads, 2 cores, ms
-    # per layer, chunk of n after c cached): n=512 c=500 12 vs 14, c=7,000 112-123 vs 100-119; n=16 c=2,000 1.2-1.9
-    # vs 1.3-2.3; n=4 c=7,000 1.6-1.8 (keys split across the threads) vs 2.3-5.9 (SDPA's cost there is the gather
-    # of the whole prefix). Long chunks run torch's flash attention instead (_flash_chunk, _runs_flash).
+    # In every dtype measured the chunks' kernel matches or beats gathering each context for torch's flash attention
+    # (python -m bench.cpu_attention; docs/architecture.rst, "The forward pass on the CPU").
     # The C++ kernels take 0 for "no window" and "no soft-cap".
     window, cap = sliding_window or 0, softcap or 0.0
     num_decodes = meta.num_decodes
     if num_decodes == len(meta.query_lens_list):
         return _decode_attention(query, k_cache, v_cache, meta, scale, window, cap)
-    lens = list(zip(meta.query_lens_list, meta.seq_lens_list, strict=True))
-    flash = [not window and not cap and _runs_flash(query.dtype, n, seq_len) for n, seq_len in lens]
-    if not any(flash[num_decodes:]):
-        chunks = cpu_ops().prefill_attention(
-            query[num_decodes:],
-            k_cache,
-            v_cache,
-            meta.block_tables[num_decodes:],
-            meta.query_start_loc[num_decodes:],
-            meta.seq_lens[num_decodes:],
-            scale,
-            window,
-            cap,
-        )
-    else:
-        # Chunk by chunk: the flash ones, and the others each in a kernel call of its own.
-        pieces, begin = [], num_decodes
-        for i in range(num_decodes, len(lens)):
-            n, seq_len = lens[i]
-            rows = query[begin : begin + n]
-            if flash[i]:
-                pieces.append(_flash_chunk(rows, k_cache, v_cache, meta.block_tables[i], seq_len, scale))
-            else:
-                pieces.append(
-                    cpu_ops().prefill_attention(
-                        rows,
-                        k_cache,
-                        v_cache,
-                        meta.block_tables[i : i + 1],
-                        meta.query_start_loc[i : i + 2],
-                        meta.seq_lens[i : i + 1],
-                        scale,
-                        window,
-                        cap,
-                    )
-                )
-            begin += n
-        chunks = torch.cat(pieces)
+    chunks = cpu_ops().prefill_attention(
+        query[num_decodes:],
+        k_cache,
+        v_cache,
+        meta.block_tables[num_decodes:],
+        meta.query_start_loc[num_decodes:],
+        meta.seq_lens[num_decodes:],
+        scale,
+        window,
+        cap,
+    )
     if not num_decodes:
         return chunks
     decodes = _decode_attention(query[:num_decodes], k_cache, v_cache, meta, scale, window, cap)
     return torch.cat([decodes, chunks])
-
-
-FLASH_MIN_QUERY_TOKENS = 64
-FLASH_MIN_CONTEXT = 1024
-"""A float32 prefill chunk of at least :data:`FLASH_MIN_QUERY_TOKENS` tokens whose sequence reaches
-:data:`FLASH_MIN_CONTEXT` tokens runs torch's flash attention (:func:`_flash_chunk`) rather than our kernel.
-
-Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2's 9/3 heads, ms per layer, chunk of n after c cached, our kernel
-against the gather + two flash calls: n=2048 c=0 80 vs 60, c=5,632 542 vs 332; n=512 c=7,000 160 vs 111, c=500 17.3
-vs 18.5; n=256 c=3,000 36 vs 31; n=64 c=3,000 11.9 vs 10.9. torch's kernel runs its tiles as GEMMs (~115 GFLOP/s
-there against our ~65).
-"""
-
-
-def _runs_flash(dtype: torch.dtype, num_tokens: int, seq_len: int) -> bool:
-    # bf16 stays on our kernel: on AVX-512 bf16 CPUs its bf16 walk (prefill_attention.cpp's walk_bf16) is 2.5-3.2x
-    # torch's flash attention on the long chunks measured, and elsewhere the choice is unmeasured.
-    return dtype == torch.float32 and num_tokens >= FLASH_MIN_QUERY_TOKENS and seq_len >= FLASH_MIN_CONTEXT
 
 
 def _flash_chunk(

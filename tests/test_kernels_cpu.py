@@ -45,9 +45,8 @@ BATCHES = {
     "long_chunks": lambda b: [(0, 150), (300, 70), (5 * b + 1, 33)],
     # A short chunk after a long prefix: too few tiles for the threads, so its keys split and the partials merge.
     "split_keys": lambda b: [(2 * b, 1), (1500, 3)],
-    # float32 chunks of 64+ tokens whose sequence reaches 1,024 run torch's flash attention (a fresh one, and one after
-    # a cached prefix), beside a decode and a short chunk that stay on our kernels.
-    "flash_chunks": lambda b: [(b + 1, 1), (0, 1030), (2 * b, 5), (960, 64)],
+    # Sequences past 1,024 tokens (a fresh chunk, and one after a cached prefix) beside a decode and a short chunk.
+    "long_sequences": lambda b: [(b + 1, 1), (0, 1030), (2 * b, 5), (960, 64)],
     # A long chunk after a long prefix: the CPU kernel's bf16 walk (AVX-512 bf16) over many tiles of both kinds.
     "long_chunk_after_prefix": lambda b: [(b + 1, 1), (1300, 800)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
