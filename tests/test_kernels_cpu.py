@@ -555,17 +555,28 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
     ids=["int4_g32", "int4_g64", "int8_per_row", "int8_g32", "int8_g16", "int8_g16_zeros", "six_g16", "six_g32"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a8_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group_size: int, zeros: bool) -> None:
+@pytest.mark.parametrize("half_scales", [False, True], ids=["f32_scales", "f16_scales"])
+def test_a8_kernel_matches_the_reference(
+    dtype: torch.dtype, bits: int, group_size: int, zeros: bool, half_scales: bool
+) -> None:
     """Blocks of 1-4 tokens and their remainders, panels of 8 rows with 1 left over (97 outputs), activation blocks
     of very different magnitudes (as outlier channels make them), more tokens than one panel of 64. ``bits`` 6: int8
     values in -32..31 (GGUF's Q6_K), which pack in 6 bits. Results also go into a column slice of a wider output,
-    and a call of many tokens gives each row bit for bit what a call of that row alone does."""
+    and a call of many tokens gives each row bit for bit what a call of that row alone does. Scales and offsets that
+    float16 holds exactly (``half_scales``, as GGUF's Q4_0, Q4_1 and Q8_0 store them) are packed in float16."""
     if not cpu.a8_linear_supported():
         pytest.skip("a8_linear needs AVX2")
     quantized = layout(8 if bits == 6 else bits, group_size, zeros, 97, 192, bits + group_size)
     if bits == 6:
         quantized.qweight = torch.randint(-32, 32, quantized.qweight.shape, dtype=torch.int8)
+    if half_scales:  # the kernel's int4 offset is zeros - 8 x scales: that is what float16 must hold
+        quantized.scales = quantized.scales.half().float()
+        if quantized.zeros is not None:
+            shift = 8 * quantized.scales if bits == 4 else 0
+            quantized.zeros = (quantized.zeros - shift).half().float() + shift
     packed = cpu.a8_pack(quantized.qweight, quantized.scales, quantized.zeros, group_size)
+    assert packed[1].dtype == (torch.float16 if half_scales else torch.float32)
+    assert packed[2] is None or packed[2].dtype == packed[1].dtype
     stored_bits = packed[0].numel() * 8 / (104 * 192)  # 13 panels of 8 rows
     assert stored_bits == bits, stored_bits
     generator = torch.Generator().manual_seed(group_size)

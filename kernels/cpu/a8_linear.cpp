@@ -143,18 +143,25 @@ constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact for
 // the hardware prefetcher alone left them at 60-75% of the read bandwidth (bench/results/a8_linear.md, prefetch).
 constexpr int64_t PREFETCH_DISTANCE = 4096;
 
-// A panel's scales and offsets per group, 8 rows each: float32 [groups][8] as packed.
-struct FloatScales {
-  const float* scales;
-  const float* offsets;  // null without offsets
-  __m256 scale(int64_t g, int64_t) const { return _mm256_loadu_ps(scales + g * ROWS); }
+inline __m256 load_rows(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_rows(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// A panel's scales and offsets per group, 8 rows each: [groups][8] as packed, float32 or (where float16 holds every
+// one exactly) float16.
+template <typename S>
+struct GroupScales {
+  const S* scales;
+  const S* offsets;  // null without offsets
+  __m256 scale(int64_t g, int64_t) const { return load_rows(scales + g * ROWS); }
   // acc[m] += sum over groups of the offsets x token m's sums (sums: token 0's, a row of `groups` each).
   template <int M>
   void add_offsets(const float* sums, int64_t groups, int64_t, __m256 acc[M]) const {
     __m256 shift[M];
     for (int m = 0; m < M; ++m) shift[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 z = _mm256_loadu_ps(offsets + g * ROWS);
+      const __m256 z = load_rows(offsets + g * ROWS);
       for (int m = 0; m < M; ++m) shift[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(sums[m * groups + g]), shift[m]);
     }
     for (int m = 0; m < M; ++m) acc[m] = _mm256_add_ps(acc[m], shift[m]);
@@ -302,7 +309,7 @@ inline void for_each_block(int64_t inputs, int64_t group_size, Vector zero, cons
 }
 
 // One packed panel's dot products with M tokens (rows of a, from token m0): acc[m] (lane j: row j).
-// q: the panel's blocks; scales: its groups' (FloatScales or CompactScales). Groups of 16 split each block; larger
+// q: the panel's blocks; scales: its groups' (GroupScales or CompactScales). Groups of 16 split each block; larger
 // ones span blocks, their scale computed once. The offsets gather in their own accumulators, so that they do not
 // lengthen the chain of FMAs into acc. prefetch: whether its blocks prefetch the weights ahead (PREFETCH_DISTANCE).
 template <int M, Format F, bool SIXTEEN, typename Scales>
@@ -457,7 +464,7 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
 }
 #endif
 
-// All panels against every token. panel_scales(p): panel p's scales (FloatScales or CompactScales).
+// All panels against every token. panel_scales(p): panel p's scales (GroupScales or CompactScales).
 template <typename T, Format F, bool SIXTEEN, typename PanelScales>
 void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* packed, PanelScales panel_scales,
          int64_t group_size, int64_t outputs, T* out, int64_t out_stride) {
@@ -639,6 +646,19 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   }
   TORCH_CHECK(inexact < 0, "super_scales do not give row ", inexact,
               "'s scales and offsets as integer multiples of float16 factors");
+  // Scales and offsets that float16 holds exactly (GGUF's Q4_0, Q4_1 and Q8_0 store theirs so) pack in float16: a
+  // weight then reads 4.625 bits (int4) or 8.5 (int8) instead of 5.25 or 9, the file's own sizes (18, 20 and 34 bytes
+  // a block of 32), and a single stream's decode, which streams every weight once a token, reads that much less.
+  if (!compact) {
+    const at::Tensor half_scales = panel_scales.to(at::kHalf);
+    bool exact = half_scales.to(at::kFloat).equal(panel_scales);
+    std::optional<at::Tensor> half_offsets;
+    if (offsets) {
+      half_offsets = panel_offsets->to(at::kHalf);
+      exact = exact && half_offsets->to(at::kFloat).equal(*panel_offsets);
+    }
+    if (exact) return {packed, half_scales, half_offsets, panel_supers};
+  }
   return {packed, panel_scales, panel_offsets, panel_supers};
 }
 
@@ -663,14 +683,16 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   panel_bytes == inputs / BLOCK * block_bytes_of(format),
               "packed must be a8_pack's tensor for [outputs, in_features]");
   const int64_t groups = inputs / group_size;
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (compact ? at::kChar : at::kFloat) &&
+  const auto scale_type = scales.scalar_type();
+  TORCH_CHECK(scales.is_contiguous() &&
+                  (compact ? scale_type == at::kChar : scale_type == at::kFloat || scale_type == at::kHalf) &&
                   scales.numel() == panels * groups * ROWS,
-              "scales must be a8_pack's [panels, groups, 8] (float32, or int8 with super_scales)");
+              "scales must be a8_pack's [panels, groups, 8] (float32 or float16, or int8 with super_scales)");
   TORCH_CHECK(format != Format::INT4 || offsets, "an int4 weight needs its offsets");
   TORCH_CHECK(format != Format::INT6 || !offsets, "a 6-bit weight has no offsets");
-  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == (compact ? at::kByte : at::kFloat) &&
+  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == (compact ? at::kByte : scale_type) &&
                            offsets->numel() == panels * groups * ROWS),
-              "offsets must be None or a8_pack's [panels, groups, 8] (float32, or uint8 with super_scales)");
+              "offsets must be None or a8_pack's [panels, groups, 8] (the scales' dtype, or uint8 with super_scales)");
   const int64_t factors = offsets ? 2 : 1;
   TORCH_CHECK(!compact || (inputs % SUPER_BLOCK == 0 && supers->is_contiguous() &&
                            supers->scalar_type() == at::kHalf &&
@@ -700,12 +722,18 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
       };
       run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
     } else {
-      const float* float_scales = scales.data_ptr<float>();
-      const float* float_offsets = offsets ? offsets->data_ptr<float>() : nullptr;
-      auto panel_scales = [&](int64_t p) {
-        return FloatScales{float_scales + p * panel_groups, float_offsets ? float_offsets + p * panel_groups : nullptr};
+      auto with_group_scales = [&](const auto* group_scales, const auto* group_offsets) {
+        auto panel_scales = [&](int64_t p) {
+          return GroupScales<std::remove_const_t<std::remove_pointer_t<decltype(group_scales)>>>{
+              group_scales + p * panel_groups, group_offsets ? group_offsets + p * panel_groups : nullptr};
+        };
+        run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
       };
-      run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
+      if (scales.scalar_type() == at::kHalf) {
+        with_group_scales(scales.data_ptr<c10::Half>(), offsets ? offsets->data_ptr<c10::Half>() : nullptr);
+      } else {
+        with_group_scales(scales.data_ptr<float>(), offsets ? offsets->data_ptr<float>() : nullptr);
+      }
     }
   };
   using Int4 = std::integral_constant<Format, Format::INT4>;
