@@ -162,7 +162,8 @@ def paged_attention_cpu(
 
     One call for the decodes (``spindle.kernels.cpu``'s decode attention), one for all prefill chunks, in every dtype.
     """
-    # In every dtype measured the chunks' kernel matches or beats gathering each context for torch's flash attention
+    # The chunks' kernel matches or beats gathering each context for torch's flash attention where measured: bf16 on
+    # AVX-512 bf16 CPUs, float32 on AVX2-only ones; float32 on AVX-512 (the generic walk) is unmeasured
     # (python -m bench.cpu_attention; docs/architecture.rst, "The forward pass on the CPU").
     # The C++ kernels take 0 for "no window" and "no soft-cap".
     window, cap = sliding_window or 0, softcap or 0.0

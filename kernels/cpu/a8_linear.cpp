@@ -729,7 +729,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
         };
         run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
       };
-      if (scales.scalar_type() == at::kHalf) {
+      if (scale_type == at::kHalf) {
         with_group_scales(scales.data_ptr<c10::Half>(), offsets ? offsets->data_ptr<c10::Half>() : nullptr);
       } else {
         with_group_scales(scales.data_ptr<float>(), offsets ? offsets->data_ptr<float>() : nullptr);
