@@ -169,6 +169,7 @@ class EngineCore:
             architectures=[self.checkpoint.architecture],
             kv_medium="GPU" if self.runner.device.type == "cuda" else "CPU",
             boot_id=uuid.uuid4().hex,
+            kv_cache=self.runner.kv_cache_report,
         )
         for name, path in (config.lora.lora_modules or {}).items():
             self.add_lora(name, path)

@@ -48,7 +48,7 @@ from spindle.kernels.lora import LoraMapping, lora_mapping
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.lora import LoraAdapterInfo
-from spindle.shared.protocol import ImageInput
+from spindle.shared.protocol import ImageInput, KVCacheReport
 from spindle.shared.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -274,6 +274,8 @@ class ModelRunner:
         image_input: what a vision-language model takes as an image, or None for a text model.
         kv_budget: how :meth:`init_cache` sized the KV cache on CUDA, its inputs and result (None on the CPU and
             before it).
+        kv_cache_report: the same for any device, as the engine reports it to its frontends (None before
+            :meth:`init_cache`).
 
     """
 
@@ -297,6 +299,7 @@ class ModelRunner:
             )
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_budget: KVBudget | None = None
+        self.kv_cache_report: KVCacheReport | None = None
         if self.device.type == "cuda":
             # Before the weights: the KV budget counts what this process takes from here on (spindle.backend.memory).
             self.memory = MemoryMeter(self.device)
@@ -404,6 +407,7 @@ class ModelRunner:
         num_blocks = parallel.min_over_ranks(max(0, budget // self.block_bytes), self.device)
         if self.device.type == "cuda":
             self.kv_budget = KVBudget.of(utilization, measured, budget, self.block_bytes, num_blocks)
+        self.kv_cache_report = self._kv_cache_report(budget, num_blocks, max_model_len)
         blocks_per_seq = -(-max_model_len // self.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -435,6 +439,32 @@ class ModelRunner:
                 self._capture_decode_graphs(max_model_len)
         release_freed_heap()  # what loading (dense weights replaced by their quantized forms) and the profile freed
         return num_blocks
+
+    def _kv_cache_report(self, budget: int, num_blocks: int, max_model_len: int) -> KVCacheReport:
+        """How this cache was sized, as the engine reports it (:class:`~spindle.shared.protocol.KVCacheReport`)."""
+        kv = self.kv_budget
+        terms = {}
+        if kv is not None:
+            terms = {
+                "total": kv.total,
+                "share": int(kv.utilization * kv.total),
+                "torch_peak": kv.torch_peak,
+                "outside_torch": kv.outside_torch,
+                "graph_pool": kv.graph_pool,
+            }
+        return KVCacheReport(
+            device=self.device.type,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_layers=self.checkpoint.num_layers,
+            num_kv_heads=self.shard.num_kv_heads,
+            head_dim=self.checkpoint.head_dim,
+            block_size=self.block_size,
+            element_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            budget_bytes=budget,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            device_terms=terms,
+        )
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:

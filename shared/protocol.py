@@ -213,6 +213,86 @@ class EngineStats(msgspec.Struct, array_like=True):
     lora_adapters: list[str] = []
 
 
+class KVCacheReport(msgspec.Struct, frozen=True):
+    """How cache initialisation sized the KV cache: the arithmetic's inputs and its result (:doc:`cache`).
+
+    The backend's :meth:`~spindle.backend.model_runner.ModelRunner.init_cache` fills it once, before the engine
+    serves (vLLM's ``LLMEngine._init_cache``); :attr:`~spindle.frontend.engine.llm_engine.LLMEngine.kv_cache_report`
+    shows it, and :meth:`explain` writes the maths out.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"``.
+        dtype: the cache's element type (the model's).
+        num_layers: layers, each with a K and a V tensor.
+        num_kv_heads: KV heads a layer holds (under tensor parallelism, one rank's share).
+        head_dim: values per head.
+        block_size: tokens per block.
+        element_bytes: bytes per value of ``dtype``.
+        budget_bytes: what the cache may take: ``kv_cache_memory`` on the CPU; on CUDA this engine's share of the
+            device less this process's own use (the terms are in ``device_terms``).
+        num_blocks: the blocks allocated: ``budget_bytes // block_bytes`` (under tensor parallelism, the fewest any
+            rank could hold).
+        max_model_len: the longest sequence the engine takes.
+        device_terms: on CUDA, the budget's terms in bytes (``total``, ``share`` = ``gpu_memory_utilization`` x
+            total, ``torch_peak``: weights and the largest step's activations, ``outside_torch``, ``graph_pool``);
+            empty on the CPU.
+
+    """
+
+    device: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    element_bytes: int
+    budget_bytes: int
+    num_blocks: int
+    max_model_len: int
+    device_terms: dict[str, int] = {}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers: 2 (K, V) x layers x KV heads x head size x block size x dtype size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * self.element_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of context the cache holds, over all sequences."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def full_sequences(self) -> float:
+        """How many sequences of ``max_model_len`` tokens fit at once (shorter ones share the blocks)."""
+        return self.num_blocks / -(-self.max_model_len // self.block_size)
+
+    def explain(self) -> str:
+        """The sizing written out, one line per step of the arithmetic."""
+        terms = self.device_terms
+        if terms:
+            budget = (
+                f"budget = share {terms['share']:,} (gpu_memory_utilization x {terms['total']:,}) - torch peak "
+                f"{terms['torch_peak']:,} - outside torch {terms['outside_torch']:,} - CUDA graphs "
+                f"{terms['graph_pool']:,} = {self.budget_bytes:,} bytes"
+            )
+        else:
+            budget = f"budget = kv_cache_memory = {self.budget_bytes:,} bytes"
+        fit = max(0, self.budget_bytes // self.block_bytes)
+        ranks = "" if self.num_blocks == fit else f" (the fewest any rank holds: {self.num_blocks:,})"
+        return "\n".join(
+            (
+                f"KV cache on {self.device}, {self.dtype}: {self.num_blocks:,} blocks x {self.block_size} tokens = "
+                f"{self.num_tokens:,} tokens",
+                f"block_bytes = 2 (K, V) x {self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
+                f"head_dim x {self.block_size} tokens x {self.element_bytes} bytes = {self.block_bytes:,}",
+                budget,
+                f"num_blocks = {self.budget_bytes:,} // {self.block_bytes:,} = {fit:,}{ranks}",
+                f"max_model_len={self.max_model_len} takes {-(-self.max_model_len // self.block_size)} blocks: "
+                f"{self.full_sequences:.1f} such sequences fit at once",
+            )
+        )
+
+
 class EngineInfo(msgspec.Struct):
     """What a frontend needs to know about the engine it talks to (the backend's side of the handshake).
 
@@ -222,8 +302,9 @@ class EngineInfo(msgspec.Struct):
     how long one turn of the backend's step loop may last before its frontends declare it hung (see
     :func:`hung_reason`), ``max_message_size`` the largest message the backend takes (``None``: no limit said),
     ``max_loras`` the adapters one step may use (0 from a backend that does not say). ``architectures`` are the
-    model's (``config.json``), ``kv_medium`` where its KV cache lives (``"GPU"`` or ``"CPU"``), and ``boot_id`` an id
-    of this backend's start, different for every start (a frontend tells a restarted backend by it).
+    model's (``config.json``), ``kv_medium`` where its KV cache lives (``"GPU"`` or ``"CPU"``), ``boot_id`` an id
+    of this backend's start, different for every start (a frontend tells a restarted backend by it), and ``kv_cache``
+    how its cache was sized (``None`` from a backend that does not say).
     """
 
     model_name: str
@@ -240,6 +321,7 @@ class EngineInfo(msgspec.Struct):
     architectures: list[str] = []
     kv_medium: str = "GPU"
     boot_id: str = ""
+    kv_cache: KVCacheReport | None = None
 
 
 # Frontend -> backend.

@@ -217,6 +217,31 @@ def test_cache_that_cannot_hold_one_sequence_is_a_clear_error(tiny_llm_dir):
         tiny_engine(tiny_llm_dir, kv_cache_memory=8 * 8192)
 
 
+def test_the_engine_reports_how_cache_initialisation_sized_the_cache(tiny_llm_dir):
+    """The report's arithmetic, from the checkpoint's config.json: 4 MiB of 8 KiB blocks, and it crosses the socket."""
+    config = json.loads((tiny_llm_dir / "config.json").read_text())
+    engine = tiny_engine(tiny_llm_dir, max_model_len=100)
+    try:
+        report = engine.kv_cache_report
+        kv_heads, head_dim = config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"]
+        block_bytes = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 16 * 4
+        assert (report.num_layers, report.num_kv_heads, report.head_dim) == (2, kv_heads, head_dim)
+        assert (report.device, report.dtype, report.block_size, report.element_bytes) == ("cpu", "float32", 16, 4)
+        assert report.block_bytes == block_bytes == 8192 and report.budget_bytes == 4 * 2**20
+        assert report.num_blocks == engine.num_kv_blocks == 512 and report.num_tokens == 512 * 16
+        assert report.full_sequences == 512 / 7 and report.device_terms == {}  # 100 tokens take 7 blocks
+        assert report.explain().splitlines()[1:] == [
+            "block_bytes = 2 (K, V) x 2 layers x 2 KV heads x 16 head_dim x 16 tokens x 4 bytes = 8,192",
+            "budget = kv_cache_memory = 4,194,304 bytes",
+            "num_blocks = 4,194,304 // 8,192 = 512",
+            "max_model_len=100 takes 7 blocks: 73.1 such sequences fit at once",
+        ]
+        info = engine.client.info
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=type(info)).kv_cache == report
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llm_dir: Path) -> LLM:
     return LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")

@@ -12,7 +12,7 @@ from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, 
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import OutputProcessingError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
-from spindle.shared.protocol import Command, ListLoras, LoadLora, UnloadLora
+from spindle.shared.protocol import Command, KVCacheReport, ListLoras, LoadLora, UnloadLora
 
 if TYPE_CHECKING:
     from spindle.backend.engine_core import EngineCore
@@ -62,6 +62,18 @@ class LLMEngine:
     def num_kv_blocks(self) -> int:
         """How many KV cache blocks cache initialisation allocated."""
         return self.client.info.num_kv_blocks
+
+    @property
+    def kv_cache_report(self) -> KVCacheReport | None:
+        """How cache initialisation sized the KV cache (vLLM's ``_init_cache``): its inputs, blocks and arithmetic.
+
+        The backend sizes and allocates the cache once, while the engine is built, before it takes a request:
+        ``kv_cache_memory`` bytes on the CPU, and on CUDA ``gpu_memory_utilization`` of the device less the weights,
+        the activations of one profiled maximal step, what the device lost outside torch and the decode CUDA graphs'
+        pool, divided into blocks of ``block_size`` tokens over every layer. ``print(report.explain())`` writes the
+        maths out (:doc:`cache`). None only from a backend that does not report it.
+        """
+        return self.client.info.kv_cache
 
     @property
     def engine_core(self) -> "EngineCore":
