@@ -91,6 +91,36 @@ def test_preprocessing_matches_transformers_clip_processor(tiny_llava_dir, proce
     np.testing.assert_allclose(pixels, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("layout", ["hwc", "chw", "gray", "batch-of-one"], ids=lambda layout: layout.replace("-", " "))
+def test_raw_pixel_arrays_are_preprocessed_as_transformers_does(tiny_llava_dir, processor, layout):
+    """uint8 arrays (a CPU torch tensor alike) are raw images: the same pixels as the PIL image they hold."""
+    torch = pytest.importorskip("torch")
+    image = random_image((50, 90), "L" if layout == "gray" else "RGB")
+    array = np.asarray(image)
+    array = {"chw": np.moveaxis(array, -1, 0), "batch-of-one": array[None]}.get(layout, array)
+    reference = image if layout == "gray" else array  # transformers takes no 2-D array as one image
+    expected = CLIPImageProcessorPil.from_pretrained(tiny_llava_dir)(reference, return_tensors="np")["pixel_values"][0]
+    for given in (array, torch.from_numpy(array.copy())):  # a copy: torch warns of read-only arrays
+        np.testing.assert_allclose(processor.preprocess(given), expected, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(processor.preprocess(array), processor.preprocess(image))
+
+
+def test_preprocessed_pixels_are_taken_as_they_are(tiny_llava_dir, processor):
+    """Floating-point arrays are the model's input already (transformers' pixel_values), with or without the batch
+    dimension of one image, as numpy or torch, in any float dtype numpy has."""
+    torch = pytest.importorskip("torch")
+    processed = CLIPImageProcessorPil.from_pretrained(tiny_llava_dir)(
+        random_image((40, 60), "RGB"), return_tensors="pt"
+    )
+    pixel_values = processed["pixel_values"]  # [1, 3, 28, 28] float32
+    for given in (pixel_values, pixel_values[0], pixel_values.double().numpy(), pixel_values[0].half()):
+        pixels = processor.preprocess(given)
+        assert pixels.dtype == np.float32 and pixels.flags.c_contiguous
+        np.testing.assert_array_equal(pixels, torch.as_tensor(given).float().reshape(3, 28, 28).numpy())
+    # numpy has no bfloat16, and the frontend does not import torch to convert it.
+    refused(processor, pixel_values.bfloat16(), "does not convert to a numpy array: Got unsupported ScalarType")
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -187,8 +217,13 @@ def refused(processor: ImageProcessor, image: object, message: str) -> None:
         # 60,000 pixels that a shortest edge of 28 would resize to 47 megapixels: refused before the resize
         (encode(Image.new("RGB", (1, 60000))), "is 1x60000 pixels, which this model resizes to 28x1680000, more than"),
         (encode(Image.new("RGB", (60000, 1))), "is 60000x1 pixels, which this model resizes to 1680000x28, more than"),
-        ("cat.png", "must be a PIL image or encoded image bytes, not str"),
-        (np.zeros((3, 28, 28)), "not ndarray"),
+        ("cat.png", "must be a PIL image, encoded image bytes or a pixel array, not str"),
+        (np.zeros((3, 20, 20)), "a float array of shape [3, 20, 20]: preprocessed pixels must be [3, 28x28]"),
+        (np.zeros((28, 28)), "a float array of shape [28, 28]: preprocessed pixels must be [3, 28x28]"),
+        (np.full((3, 28, 28), np.nan, dtype=np.float32), "has pixel values that are not finite"),
+        (np.zeros((2, 3, 28, 28), dtype=np.float32), "is an array of shape [2, 3, 28, 28]: an image is 2 or 3"),
+        (np.zeros((28, 28, 3), dtype=np.int64), "is an array of int64: raw pixels are uint8"),
+        (np.zeros((28, 28, 5), dtype=np.uint8), "a uint8 array of shape [28, 28, 5]: raw pixels have 1, 3 or 4"),
     ],
     ids=[
         "garbage",
@@ -200,7 +235,12 @@ def refused(processor: ImageProcessor, image: object, message: str) -> None:
         "too-tall-once-resized",
         "too-wide-once-resized",
         "str",
-        "array",
+        "float-of-another-size",
+        "float-without-channels",
+        "float-nan",
+        "batch-of-two",
+        "int64",
+        "five-channels",
     ],
 )
 def test_undecodable_oversized_or_mistyped_images_are_refused_naming_the_field(processor, image, message):

@@ -57,10 +57,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llava_dir: Path) -> list[list[int]]:
+def reference(tiny_llava_dir: Path, clip_processor: transformers.CLIPImageProcessor) -> list[list[int]]:
     """Transformers' greedy tokens for each of :data:`PROMPTS`."""
     model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
-    processor = transformers.CLIPImageProcessor.from_pretrained(tiny_llava_dir)
+    processor = clip_processor
     tokenizer = Tokenizer.from_dir(tiny_llava_dir)
     outputs = []
     for prompt, indices in PROMPTS:
@@ -76,12 +76,26 @@ def reference(tiny_llava_dir: Path) -> list[list[int]]:
     return outputs
 
 
-def prompt_inputs(as_png: bool) -> list[dict]:
+IMAGE_FORMS = {
+    "pil": lambda image, _: image,
+    "png": lambda image, _: png(image),
+    "uint8-array": lambda image, _: np.asarray(image),  # raw pixels, [height, width, 3]
+    "pixel-values": lambda image, processor: processor(image, return_tensors="pt")["pixel_values"],  # preprocessed
+}
+
+
+@pytest.fixture(scope="module")
+def clip_processor(tiny_llava_dir: Path) -> transformers.CLIPImageProcessor:
+    return transformers.CLIPImageProcessor.from_pretrained(tiny_llava_dir)
+
+
+def prompt_inputs(form: str, processor: transformers.CLIPImageProcessor | None = None) -> list[dict]:
+    """:data:`PROMPTS` as prompt dicts, their images in one of :data:`IMAGE_FORMS` (pixel values need ``processor``)."""
     inputs = []
     for prompt, indices in PROMPTS:
         entry: dict = {"prompt": prompt}
         if indices:
-            images = [png(IMAGES[i]) if as_png else IMAGES[i] for i in indices]
+            images = [IMAGE_FORMS[form](IMAGES[i], processor) for i in indices]
             entry["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
         inputs.append(entry)
     return inputs
@@ -128,18 +142,31 @@ def llm(tiny_llava_dir: Path) -> Iterator[LLM]:
     llm.shutdown()
 
 
-@pytest.mark.parametrize("as_png", [False, True], ids=["pil", "png"])
+@pytest.mark.parametrize("form", IMAGE_FORMS)
 def test_greedy_tokens_match_transformers(
-    llm: LLM, reference: list[list[int]], as_png: bool, monkeypatch: pytest.MonkeyPatch
+    llm: LLM, reference: list[list[int]], form: str, clip_processor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = EncoderSpy(llm.llm_engine.engine_core, monkeypatch)
-    outputs = llm.generate(prompt_inputs(as_png), GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompt_inputs(form, clip_processor), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == reference
     # Image and text prompts ran in the same steps, and every image's placeholders spanned two or three chunks; yet
     # each of the 3 images was encoded, none twice for one prompt (4 images in all, image 1 in two prompts: once if
     # the encoder cache still held it for the second), and no call encoded one twice.
     assert spy.mixed_steps > 0
     assert len(set(spy.encoded)) == 3 and spy.images_encoded == len(spy.encoded) <= 4
+
+
+def test_the_deprecated_nchw_batch_is_split_per_prompt_end_to_end(
+    llm: LLM, reference: list[list[int]], clip_processor
+) -> None:
+    """vLLM's old ``multi_modal_data=`` keyword with one preprocessed batch: prompt i gets ``images[i:i + 1]``."""
+    single = [i for i, (_, indices) in enumerate(PROMPTS) if len(indices) == 1]
+    batch = clip_processor([IMAGES[PROMPTS[i][1][0]] for i in single], return_tensors="pt")["pixel_values"]
+    assert batch.shape == (2, 3, 28, 28)
+    with pytest.warns(DeprecationWarning, match="multi_modal_data"):
+        prompts = [PROMPTS[i][0] for i in single]
+        outputs = llm.generate(prompts=prompts, sampling_params=GREEDY, multi_modal_data={"image": batch})
+    assert [out.outputs[0].token_ids for out in outputs] == [reference[i] for i in single]
 
 
 def test_preempted_image_prompts_keep_parity(
@@ -157,7 +184,7 @@ def test_preempted_image_prompts_keep_parity(
         enable_prefix_caching=False,
     )
     spy = EncoderSpy(llm.llm_engine.engine_core, monkeypatch)
-    outputs = llm.generate(prompt_inputs(as_png=False), GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompt_inputs("pil"), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == reference
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     # Once no sequence needs an image, the encoder cache keeps no more than its budget (one image here).

@@ -93,6 +93,8 @@ class ImageProcessor:
         # float32, as transformers normalizes float32 pixels with the mean and std cast to their dtype.
         self._mean = None if image_mean is None else np.asarray(image_mean, dtype=np.float32).reshape(-1, 1, 1)
         self._std = None if image_std is None else np.asarray(image_std, dtype=np.float32).reshape(-1, 1, 1)
+        # The [height, width] of every preprocessed image (None: whatever the resize leaves).
+        self.input_size = crop_size or (resize if isinstance(resize, tuple) else None)
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> "ImageProcessor | None":
@@ -172,9 +174,14 @@ class ImageProcessor:
         """Decode (if encoded) and preprocess one image into the model's pixel input.
 
         Args:
-            image: a PIL image, or an encoded image (bytes, bytearray or memoryview) in one of
-                :data:`IMAGE_FORMATS`, at most :data:`MAX_IMAGE_BYTES` long; either at most :data:`MAX_IMAGE_PIXELS`
-                pixels.
+            image: a PIL image; an encoded image (bytes, bytearray or memoryview) in one of :data:`IMAGE_FORMATS`, at
+                most :data:`MAX_IMAGE_BYTES` long; a ``uint8`` array of raw pixels (``[height, width]``, ``[height,
+                width, channels]`` or ``[channels, height, width]``, as transformers' image processors take them),
+                preprocessed like an image; or a floating-point array of pixels already preprocessed, the model's
+                input as its image processor gives it (``[3, height, width]`` at the model's image size, or with a
+                batch dimension of one, as ``pixel_values`` of one image), used as it is. Arrays are numpy arrays or
+                anything ``numpy.asarray`` reads, such as a CPU ``torch.Tensor``. Images of every form have at most
+                :data:`MAX_IMAGE_PIXELS` pixels.
             field: the request field that holds the image, which an error names.
 
         Returns:
@@ -182,9 +189,15 @@ class ImageProcessor:
 
         Raises:
             InvalidRequestError: ``image`` is of another type, too large (or too narrow: it would resize to more than
-                :data:`MAX_IMAGE_PIXELS`), not decodable, or (without RGB conversion) not RGB.
+                :data:`MAX_IMAGE_PIXELS`), not decodable, (without RGB conversion) not RGB; or an array of another
+                dtype or shape, of another size than the model's, or with values that are not finite.
 
         """
+        if not isinstance(image, bytes | bytearray | memoryview | Image.Image) and hasattr(image, "__array__"):
+            pixels = _pixel_array(image, field)
+            if pixels.dtype != np.uint8:
+                return self._preprocessed(pixels, field)
+            image = Image.fromarray(pixels)
         image = _open(image, field)
         size = self._resize_to(image, field)  # checked before the conversion and resize spend any memory
         image = self._rgb(image, field)
@@ -199,6 +212,20 @@ class ImageProcessor:
         if self._mean is not None:
             pixels = (pixels - self._mean) / self._std
         return np.ascontiguousarray(pixels)
+
+    def _preprocessed(self, pixels: np.ndarray, field: str) -> np.ndarray:
+        """Floating-point pixels the model takes as they are, checked: ``[3, height, width]``, finite, its size."""
+        size = tuple(pixels.shape[1:])
+        if pixels.ndim != 3 or pixels.shape[0] != 3 or (self.input_size is not None and size != self.input_size):
+            expected = "x".join(map(str, self.input_size)) if self.input_size else "height x width"
+            raise InvalidRequestError(
+                field,
+                f"{field} is a float array of shape {list(pixels.shape)}: preprocessed pixels must be [3, {expected}] "
+                "(or [1, 3, ...]), this model's input; send raw pixels as a uint8 array, or an image",
+            )
+        if not np.isfinite(pixels).all():
+            raise InvalidRequestError(field, f"{field} has pixel values that are not finite (NaN or infinity)")
+        return np.ascontiguousarray(pixels, dtype=np.float32)
 
     def _rgb(self, image: Image.Image, field: str) -> Image.Image:
         """``image`` in RGB, transparency composited onto white as transformers' ``convert_to_rgb`` does."""
@@ -268,7 +295,50 @@ def _open(image: object, field: str) -> Image.Image:
     if isinstance(image, Image.Image):
         _check_pixels(image, field)
         return image
-    raise InvalidRequestError(field, f"{field} must be a PIL image or encoded image bytes, not {type(image).__name__}")
+    raise InvalidRequestError(
+        field, f"{field} must be a PIL image, encoded image bytes or a pixel array, not {type(image).__name__}"
+    )
+
+
+def _pixel_array(image: object, field: str) -> np.ndarray:
+    """The array ``image`` holds, checked and without a batch dimension of one.
+
+    ``uint8`` raw pixels come back channels last (``[height, width]`` or ``[height, width, 3 or 4]``), floating-point
+    ones as they are; either at most :data:`MAX_IMAGE_PIXELS` pixels.
+    """
+    try:
+        pixels = np.asarray(image)
+    except (TypeError, ValueError, RuntimeError) as error:  # e.g. a tensor on a GPU, or one that needs grad
+        raise InvalidRequestError(field, f"{field} does not convert to a numpy array: {error}") from error
+    if pixels.ndim == 4 and pixels.shape[0] == 1:
+        pixels = pixels[0]
+    kind = pixels.dtype.kind
+    if kind != "f" and pixels.dtype != np.uint8:
+        raise InvalidRequestError(
+            field,
+            f"{field} is an array of {pixels.dtype}: raw pixels are uint8 (0-255), preprocessed pixels floating point",
+        )
+    if pixels.ndim not in (2, 3):
+        raise InvalidRequestError(
+            field,
+            f"{field} is an array of shape {list(pixels.shape)}: an image is 2 or 3 dimensions (a batch of several "
+            "images is several images: pass each on its own)",
+        )
+    if kind == "u" and pixels.ndim == 3 and pixels.shape[0] in (1, 3, 4) and pixels.shape[-1] not in (1, 3, 4):
+        pixels = np.moveaxis(pixels, 0, -1)  # channels first, as transformers infers the layout
+    if kind == "u" and pixels.ndim == 3 and pixels.shape[-1] not in (1, 3, 4):
+        raise InvalidRequestError(
+            field, f"{field} is a uint8 array of shape {list(pixels.shape)}: raw pixels have 1, 3 or 4 channels"
+        )
+    height, width = pixels.shape[:2] if kind == "u" else pixels.shape[-2:]
+    if height * width > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(
+            field,
+            f"{field} is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} (40 megapixels) an image may have",
+        )
+    if kind == "u" and pixels.ndim == 3 and pixels.shape[-1] == 1:
+        pixels = pixels[..., 0]
+    return np.ascontiguousarray(pixels)
 
 
 def _check_pixels(image: Image.Image, field: str) -> None:
