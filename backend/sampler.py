@@ -2,8 +2,8 @@
 
 Every stage runs as a handful of tensor operations over the rows that use it and is skipped when none
 does, so an all-greedy batch without penalties, biases or logprobs costs one ``argmax``. The stages, in
-order: the grammar mask of structured output, raw logprobs, logit bias, min_tokens, penalties (repetition,
-frequency, presence); then greedy
+order: the token restrictions (the grammar mask of structured output, ``allowed_token_ids``, ``bad_words``),
+logprobs, logit bias, min_tokens, penalties (repetition, frequency, presence); then greedy
 rows take the argmax and the others go through temperature, top-k, top-p and min-p (Hugging Face's
 warper order) before an exponential race picks the token. Full-vocabulary temporaries are avoided
 where possible: on a CPU, allocating one costs more than the arithmetic on it. On CUDA nothing here waits for the
@@ -11,7 +11,9 @@ device: parameters go over with :func:`~spindle.backend.transfers.to_device`, re
 runner fetches a whole step's at once, and seeded rows draw from a hash of (seed, position) computed on the device.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +26,8 @@ from spindle.shared import SamplingParams, TokenLogprobs
 # vocabulary costs ~20x a top-k this small; rows whose nucleus is larger widen the search by _WIDEN.
 _NUCLEUS_CANDIDATES = 256
 _WIDEN = 8
+
+_Derived = TypeVar("_Derived")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +129,9 @@ class SamplerOutput:
 class Sampler:
     """Samples the next token of a batch of sequences, each with its own :class:`SamplingParams`.
 
-    Semantics follow vLLM: logprobs are those of the raw model logits; ``min_tokens`` masks the eos
-    ids and ``stop_token_ids`` even when ``ignore_eos`` is set; repetition penalties cover prompt and
+    Semantics follow vLLM: logprobs are those of the model's logits before any stage but the token restrictions (a
+    token a grammar, ``allowed_token_ids`` or ``bad_words`` rule out has a logprob of ``-inf``); ``min_tokens`` masks
+    the eos ids and ``stop_token_ids`` even when ``ignore_eos`` is set; repetition penalties cover prompt and
     output tokens, presence and frequency penalties only output tokens. Rows of a sequence with a
     ``seed`` draw their randomness from the seed and the position they sample alone, so they sample the
     same tokens whatever batch they are in, on the CPU and on CUDA.
@@ -140,9 +145,9 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
-        # The logit bias of each request in the latest batch, as arrays built once: id(params) -> (params, token ids,
-        # biases). Holding the params keeps their id from being reused while the entry lives.
-        self._biases: dict[int, tuple[SamplingParams, np.ndarray, np.ndarray]] = {}
+        self._biases = _PerRequest(self._bias_arrays)
+        self._allowed = _PerRequest(self._allowed_positions)
+        self._bad_words = _PerRequest(self._bad_word_sequences)
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[SampleRow], allowed: tuple[torch.Tensor, list[int]] | None = None
@@ -168,6 +173,8 @@ class Sampler:
         params = [s.params for s in seqs]
         if allowed is not None:
             _apply_bitmask(logits, *allowed)
+        self._apply_allowed_token_ids(logits, params)
+        self._apply_bad_words(logits, seqs)
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = _take(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
@@ -217,11 +224,10 @@ class Sampler:
         costs a copy per step rather than a Python loop over it (per row: a request with ``n`` completions has ``n``).
         """
         rows = [i for i, p in enumerate(params) if p.logit_bias]
-        biases = {id(params[i]): self._biases.get(id(params[i])) or self._bias_arrays(params[i]) for i in rows}
-        self._biases = biases  # requests that left the batch drop out
+        biases = self._biases.of(params, rows)
         if not rows:
             return
-        token_ids, values = zip(*(biases[id(params[i])][1:] for i in rows), strict=True)
+        token_ids, values = zip(*biases, strict=True)
         offsets = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[-1], [len(t) for t in token_ids])
         positions = np.concatenate(token_ids) + offsets
         flat = logits.view(-1)
@@ -231,12 +237,73 @@ class Sampler:
             to_device(np.concatenate(values), torch.float32, logits.device),
         )
 
-    def _bias_arrays(self, params: SamplingParams) -> tuple[SamplingParams, np.ndarray, np.ndarray]:
+    def _bias_arrays(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
         """A request's logit bias as arrays of token ids (those in the vocabulary) and their biases."""
         kept = [(token_id, bias) for token_id, bias in params.logit_bias.items() if token_id < self.vocab_size]
         token_ids = np.fromiter((token_id for token_id, _ in kept), dtype=np.int64, count=len(kept))
         values = np.fromiter((bias for _, bias in kept), dtype=np.float32, count=len(kept))
-        return params, token_ids, values
+        return token_ids, values
+
+    def _apply_allowed_token_ids(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
+        """Set to ``-inf`` every logit but the allowed tokens' in the rows with ``allowed_token_ids``.
+
+        The allowed logits are read out, the rows filled and the values written back: three operations for all the
+        rows together, with no ``[rows, vocab]`` mask built.
+        """
+        rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        token_ids = self._allowed.of(params, rows)
+        if not rows:
+            return
+        offsets = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[-1], [len(t) for t in token_ids])
+        positions = to_device(np.concatenate(token_ids) + offsets, torch.int64, logits.device)
+        flat = logits.view(-1)
+        kept = flat.index_select(0, positions)
+        if len(rows) == logits.shape[0]:
+            logits.fill_(float("-inf"))
+        else:
+            logits[_index(rows, logits)] = float("-inf")
+        flat.index_copy_(0, positions, kept)
+
+    def _allowed_positions(self, params: SamplingParams) -> np.ndarray:
+        """A request's allowed token ids in the vocabulary, as an array."""
+        return np.asarray([t for t in params.allowed_token_ids if t < self.vocab_size], dtype=np.int64)
+
+    def _apply_bad_words(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
+        """Set to ``-inf`` the last token of every bad word whose other tokens the row's output ends with.
+
+        Which (row, token) pairs to mask is a comparison of a few short lists per row; the masking is one indexed
+        write for all the rows together.
+        """
+        params = [s.params for s in seqs]
+        rows = [i for i, p in enumerate(params) if p.bad_words_token_ids]
+        words = self._bad_words.of(params, rows)
+        if not rows:
+            return
+        masked_rows: list[int] = []
+        masked_ids: list[int] = []
+        for row, (single, longer) in zip(rows, words, strict=True):
+            seq = seqs[row]
+            banned = single + [
+                last
+                for prefix, last in longer
+                if len(prefix) <= seq.num_output_tokens and seq.token_ids[len(seq.token_ids) - len(prefix) :] == prefix
+            ]
+            masked_rows += [row] * len(banned)
+            masked_ids += banned
+        if masked_ids:
+            logits[_index(masked_rows, logits), _index(masked_ids, logits)] = float("-inf")
+
+    def _bad_word_sequences(self, params: SamplingParams) -> tuple[list[int], list[tuple[list[int], int]]]:
+        """A request's bad words (those in the vocabulary), split for :meth:`_apply_bad_words`.
+
+        Returns:
+            The one-token words' ids, masked at every step, and each longer word as (all its tokens but the last, the
+            last token).
+
+        """
+        sequences = [s for s in params.bad_words_token_ids if s and max(s) < self.vocab_size]
+        single = [s[0] for s in sequences if len(s) == 1]
+        return single, [(s[:-1], s[-1]) for s in sequences if len(s) > 1]
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
         held = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
@@ -318,6 +385,31 @@ class Sampler:
             q[rows] = _seeded_uniforms(keys, columns if token_ids is None else token_ids[rows])
         # -log(U) is Exp(1), ~5x faster than exponential_() on the CPU; U < 1 keeps q > 0 (no 0 / 0).
         return argmax(probs.div_(q.log_().neg_()))
+
+
+class _PerRequest(Generic[_Derived]):
+    """Values derived once from each request's parameters, kept while the request is in the batch.
+
+    Entries are keyed by ``id(params)``; holding the params keeps their id from being reused while the entry lives. A
+    request with ``n`` completions has ``n`` rows, which share its entry.
+
+    Args:
+        derive: builds a request's value from its parameters.
+
+    """
+
+    def __init__(self, derive: Callable[[SamplingParams], _Derived]) -> None:
+        self.derive = derive
+        self.entries: dict[int, tuple[SamplingParams, _Derived]] = {}
+
+    def of(self, params: list[SamplingParams], rows: list[int]) -> list[_Derived]:
+        """The values of the given rows' requests; the entries of requests not among them are dropped."""
+        entries = {}
+        for i in rows:
+            key = id(params[i])
+            entries[key] = self.entries.get(key) or (params[i], self.derive(params[i]))
+        self.entries = entries
+        return [entries[id(params[i])][1] for i in rows]
 
 
 def _top_k_top_p(

@@ -433,10 +433,12 @@ def add_settings_args(parser: argparse.ArgumentParser, *classes: type) -> None:
     The one generator of the commands' flags (:class:`EngineConfig`'s parts for ``spindle serve`` and ``spindle
     backend``, ``ServerConfig`` for ``spindle serve``): the type of each flag is its field's annotation (a
     ``Literal`` gives its choices, a ``bool`` a ``--flag``/``--no-flag`` pair, a ``dict[str, str]`` ``NAME=VALUE``
-    pairs, space-separated in the environment), its help the field's line in the class's ``Attributes:``.
+    pairs and a ``list[str]`` one or more values, both space-separated in the environment), its help the field's
+    line in the class's ``Attributes:``.
     """
     for cls in classes:
-        helps = attribute_help(cls)
+        # argparse %-formats help strings (%(default)s): a literal % must be %%.
+        helps = {name: text.replace("%", "%%") for name, text in attribute_help(cls).items()}
         for f, kind in ((f, get_type_hints(cls)[f.name]) for f in fields(cls)):
             flag = "--" + f.name.replace("_", "-")
             default = os.environ.get(f"SPINDLE_{f.name.upper()}", f.default)
@@ -448,6 +450,9 @@ def add_settings_args(parser: argparse.ArgumentParser, *classes: type) -> None:
             elif dict[str, str] in kinds:
                 value = default.split() if isinstance(default, str) else None
                 parser.add_argument(flag, nargs="*", metavar="NAME=VALUE", default=value, help=helps[f.name])
+            elif list[str] in kinds:
+                value = default.split() if isinstance(default, str) else default
+                parser.add_argument(flag, nargs="+", metavar="NAME", default=value, help=helps[f.name])
             else:
                 literal = next((k for k in kinds if get_origin(k) is Literal), None)
                 convert = str if str in kinds else next((k for k in (int, float) if k in kinds), str)

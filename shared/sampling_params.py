@@ -31,6 +31,18 @@ MAX_LOGIT_BIAS = 1024
 """The most ``logit_bias`` entries a request may give: each is added to its rows' logits at every step. OpenAI takes
 300; 1024 leaves room to ban or favour whole families of tokens."""
 
+MAX_ALLOWED_TOKEN_IDS = 16_384
+"""The most ``allowed_token_ids`` a request may give: enough for a whole class of tokens (digits, a script, a
+domain's words) of a large vocabulary, while a request stays a few tens of kilobytes."""
+
+MAX_BAD_WORDS = 128
+"""The most ``bad_words`` a request may give: each one's token sequences are compared with the end of the output at
+every step, so a step's cost grows with them (vLLM's model runner takes as many)."""
+
+MAX_BAD_WORD_LENGTH = 256
+"""The longest a bad word may be, in characters: its tokens, but the last, are compared with the output's end at every
+step."""
+
 
 class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A constraint on what a completion may be; set exactly one field.
@@ -138,6 +150,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             output copies from the input (summaries, edits, code). 0 (the default) turns it off.
         structured_output: constrain the output to a JSON schema, any JSON object, a regex, a grammar or a list of
             choices (:class:`StructuredOutput`); logprobs are then those of the constrained distribution.
+        allowed_token_ids: only these token ids may be sampled (the others' logits are masked before anything else,
+            so logprobs are those of the restricted distribution, and greedy decoding takes the best allowed token);
+            at most :data:`~spindle.shared.sampling_params.MAX_ALLOWED_TOKEN_IDS`, each in the vocabulary.
+        bad_words: words that are never generated. Each is tokenized as it is and with a leading space (where that
+            tokenizes differently), and at every step the last token of such a token sequence is masked when the
+            output ends with the sequence's other tokens: a one-token word is never sampled and a longer one never
+            completed. At most :data:`~spindle.shared.sampling_params.MAX_BAD_WORDS` non-blank words of at most
+            :data:`~spindle.shared.sampling_params.MAX_BAD_WORD_LENGTH` characters.
+        bad_words_token_ids: the token sequences of ``bad_words``, which the frontend fills in (replacing any value
+            given) for the backend, which sees token ids only.
+        truncate_prompt_tokens: keep only the last ``k`` prompt tokens (``k >= 1``), after tokenization and any chat
+            template; ``-1`` keeps the last ``max_model_len``. The output's ``prompt_token_ids`` are those kept.
 
     """
 
@@ -164,6 +188,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     cache_salt: str | None = None
     num_speculative_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
@@ -181,13 +209,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         _check("stop", self.stop, all(s for s in stops or []), "None, a non-empty string or a list of them")
         _check_size("stop", stops, MAX_STOP_STRINGS, "stop strings")
-        longest = max(stops or [""], key=len)
-        if len(longest) > MAX_STOP_STRING_LENGTH:
-            raise InvalidRequestError(
-                "sampling_params.stop",
-                f"SamplingParams.stop has a string of {len(longest)} characters ({longest[:20]!r}...), longer than "
-                f"the limit of {MAX_STOP_STRING_LENGTH}",
-            )
+        _check_longest("stop", stops, MAX_STOP_STRING_LENGTH, "string")
         self.stop = stops
         _check(
             "cache_salt",
@@ -233,6 +255,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             all(t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
             "token ids >= 0 mapped to biases in [-100, 100]",
         )
+        _check_size("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS, "token ids")
+        _check(
+            "allowed_token_ids",
+            self.allowed_token_ids,
+            self.allowed_token_ids is None or bool(self.allowed_token_ids) and min(self.allowed_token_ids) >= 0,
+            "None or a non-empty list of token ids >= 0",
+        )
+        _check_size("bad_words", self.bad_words, MAX_BAD_WORDS, "words")
+        _check(
+            "bad_words",
+            self.bad_words,
+            not isinstance(self.bad_words, str) and all(w.strip() for w in self.bad_words or []),
+            "None or a list of words that are not blank",
+        )
+        _check_longest("bad_words", self.bad_words, MAX_BAD_WORD_LENGTH, "word")
+        _check(
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens,
+            self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+            "None, -1 (the model's context length) or an integer >= 1",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -256,4 +299,15 @@ def _check_size(field: str, value: Sized | None, limit: int, what: str) -> None:
         raise InvalidRequestError(
             f"sampling_params.{field}",
             f"SamplingParams.{field} has {len(value)} {what}, more than the limit of {limit}",
+        )
+
+
+def _check_longest(field: str, strings: list[str] | None, limit: int, what: str) -> None:
+    """Refuse a list with a string of more than ``limit`` characters (quoting only its start)."""
+    longest = max(strings or [""], key=len)
+    if len(longest) > limit:
+        raise InvalidRequestError(
+            f"sampling_params.{field}",
+            f"SamplingParams.{field} has a {what} of {len(longest)} characters ({longest[:20]!r}...), longer than "
+            f"the limit of {limit}",
         )

@@ -108,6 +108,7 @@ TIERS = {
     "test_kv_events": "process",
     "test_openai_http": "process",
     "test_server_limits": "process",
+    "test_serving_options": "process",  # served names, chat template and generation-config defaults, over servers
     "test_hostile_requests": "process",
     "test_lora_api": "process",
     "test_gateway_metrics": "process",
@@ -119,7 +120,9 @@ TIERS = {
     "test_recovery": "process",
     "test_resume": "process",
     "test_structured_output": "process",
+    "test_token_restrictions": "process",  # the engine against transformers, then one round trip through the server
     "test_caches": "process",
+    "test_cli": "process",  # spindle --help for every command; the client commands against a server
     "test_tensor_parallel": "process",
     "test_tools": "process",  # the parser and schema checks are unit tests; the end-to-end ones start a backend
     "test_device_run": "process",  # runs bench/device_run.py's CPU rehearsal, which starts pytest and an engine

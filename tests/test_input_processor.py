@@ -1,5 +1,6 @@
 import asyncio
 import base64
+import functools
 import re
 import threading
 
@@ -216,7 +217,10 @@ def test_chat_the_template_cannot_render_is_refused(llama_style_tokenizer, templ
     )
 
 
-@pytest.mark.parametrize("field,value", [("logit_bias", {100: 1.0}), ("stop_token_ids", [5, 100, 120])])
+@pytest.mark.parametrize(
+    "field,value",
+    [("logit_bias", {100: 1.0}), ("stop_token_ids", [5, 100, 120]), ("allowed_token_ids", [5, 99, 100])],
+)
 def test_sampling_token_ids_must_be_in_the_vocabulary(tokenizer, field, value):
     processor = InputProcessor(tokenizer, MAX_MODEL_LEN, vocab_size=100)
     params = SamplingParams(max_tokens=1, **{field: value})
@@ -224,6 +228,66 @@ def test_sampling_token_ids_must_be_in_the_vocabulary(tokenizer, field, value):
         lambda: processor.process({"prompt_token_ids": [1]}, params),
         (f"sampling_params.{field}",),
         f"SamplingParams.{field} names token ids",
+    )
+
+
+LONG_TEXT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox jumps over the lazy dog."
+LONG_CHAT = [{"role": "user", "content": LONG_TEXT}]
+
+
+@pytest.mark.parametrize("keep", [1, 5, 11])
+@pytest.mark.parametrize("form", ["text", "token_ids", "chat"])
+def test_truncation_keeps_the_last_tokens_before_the_length_checks(processor, hf_tokenizer, keep, form):
+    processor = InputProcessor(processor.tokenizer, 20, processor.vocab_size)
+    params = SamplingParams(max_tokens=10, truncate_prompt_tokens=keep)
+    if form == "chat":
+        rendered = hf_tokenizer.apply_chat_template(LONG_CHAT, tokenize=False, add_generation_prompt=True)
+        full = hf_tokenizer.encode(rendered, add_special_tokens=False)
+        call = functools.partial(processor.process_chat, LONG_CHAT, params)
+    else:
+        full = hf_tokenizer.encode(LONG_TEXT)
+        inputs = {"prompt": LONG_TEXT} if form == "text" else {"prompt_token_ids": full}
+        call = functools.partial(processor.process, inputs, params)
+    assert len(full) > 20  # refused whole
+    if keep + 10 > 20:  # kept, the prompt still leaves no room for max_tokens
+        refused(call, ("prompt", "sampling_params.max_tokens"), f"the prompt has {keep} tokens and max_tokens=10")
+    else:
+        assert call().prompt_token_ids == full[-keep:]
+
+
+def test_truncation_to_minus_one_keeps_the_context_length(processor):
+    short = {"prompt_token_ids": [7] * 5}
+    params = SamplingParams(max_tokens=None, truncate_prompt_tokens=-1)
+    assert processor.process(short, params).prompt_token_ids == short["prompt_token_ids"]
+    # As in vLLM: cut to max_model_len, the prompt leaves no room to generate.
+    refused(
+        lambda: processor.process({"prompt_token_ids": list(range(100, 140))}, params),
+        ("prompt",),
+        f"the prompt has {MAX_MODEL_LEN} tokens, which leaves no room to generate",
+    )
+
+
+@pytest.mark.parametrize("words", [["hello"], ["  world", "cat sat", "😀"]], ids=["one", "several"])
+def test_bad_words_become_their_token_sequences_with_and_without_a_space(tokenizer_pair, words):
+    ours, hf = tokenizer_pair
+    processor = InputProcessor(ours, MAX_MODEL_LEN, ours.vocab_size)
+    params = SamplingParams(max_tokens=1, bad_words=words)
+    processor.process({"prompt_token_ids": [1]}, params)
+    expected = []
+    for word in words:
+        plain = hf.encode(word.lstrip(), add_special_tokens=False)
+        spaced = hf.encode(" " + word.lstrip(), add_special_tokens=False)
+        expected += [plain] if spaced == plain else [plain, spaced]
+    assert params.bad_words_token_ids == expected
+
+
+def test_bad_words_outside_the_vocabulary_are_refused(tokenizer):
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, vocab_size=100)
+    params = SamplingParams(max_tokens=1, bad_words=["hello"])
+    refused(
+        lambda: processor.process({"prompt_token_ids": [1]}, params),
+        ("sampling_params.bad_words",),
+        "SamplingParams.bad_words tokenize to token ids",
     )
 
 
@@ -340,6 +404,17 @@ def test_the_context_limit_counts_the_expanded_prompt(llava):
         lambda: llava.process(inputs, SamplingParams(max_tokens=room + 1)),
         ("prompt", "sampling_params.max_tokens"),
         f"the prompt has {LLAVA_IMAGE_TOKENS + 2} tokens and max_tokens={room + 1}",
+    )
+
+
+def test_a_prompt_with_images_is_not_truncated(llava):
+    inputs = {"prompt": "<image>ab", "multi_modal_data": {"image": IMAGES[0]}}
+    length = LLAVA_IMAGE_TOKENS + 2
+    assert len(llava.process(inputs, SamplingParams(truncate_prompt_tokens=length)).prompt_token_ids) == length
+    refused(
+        lambda: llava.process(inputs, SamplingParams(truncate_prompt_tokens=length - 1)),
+        ("sampling_params.truncate_prompt_tokens",),
+        "a prompt with images is not truncated",
     )
 
 

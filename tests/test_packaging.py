@@ -139,14 +139,18 @@ def test_hugging_face_kernels_and_spindle_side_by_side(full_venv, outside):
     assert Path(kernels_file) == site / "kernels" / "__init__.py"
 
 
+CLIENT_COMMANDS = "generate,chat,embed,tokenize,detokenize,lora,watch-load,model-info,server-info,health"
+"""The commands of spindle-client, as ``spindle --help`` lists them."""
+
+
 def spindle_commands(spindle: Path) -> str:
-    """The usage line of ``spindle --help``, which lists its commands as ``{a,b,...}``."""
-    return subprocess.run([str(spindle), "--help"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    """``spindle --help``, which lists its commands as ``{a,b,...}``."""
+    return subprocess.run([str(spindle), "--help"], capture_output=True, text=True, check=True).stdout
 
 
 def test_spindle_serve_serves_and_spindle_generate_streams(full_venv, outside):
     spindle = full_venv.parent / "spindle"
-    assert "{serve,backend,generate,chat,health}" in spindle_commands(spindle)
+    assert f"{{serve,backend,{CLIENT_COMMANDS}}}" in spindle_commands(spindle)
     with spindle_serve(spindle, outside, "--kv-cache-memory", "512MiB") as address:
         result = subprocess.run(
             [str(spindle), "generate", "The capital of France is", "--address", address, "--max-tokens", "8"]
@@ -196,7 +200,7 @@ def test_the_client_alone_has_no_torch_and_streams_a_generate_call(client_venv, 
     absent, refusal = probe.splitlines()
     assert absent == "[]"
     assert "spindle-serve" in refusal
-    assert "{generate,chat,health}" in spindle_commands(client_venv.parent / "spindle")
+    assert f"{{{CLIENT_COMMANDS}}}" in spindle_commands(client_venv.parent / "spindle")
 
     model = {"SPINDLE_MODEL": str(tiny_llm_dir), "SPINDLE_KV_CACHE_MEMORY": "4MiB", "SPINDLE_DTYPE": "float32"}
     with spindle_serve(Path(sys.executable).parent / "spindle", outside, env=model) as address:

@@ -9,6 +9,8 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
@@ -40,13 +42,17 @@ def sampler() -> Sampler:
     return Sampler(VOCAB, [EOS])
 
 
-@pytest.fixture
-def base_logits() -> torch.Tensor:
+def make_base_logits() -> torch.Tensor:
     """Logits with a clear head, a long tail, both signs, and eos and a stop id among the likely tokens."""
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5
     logits[EOS] = logits.max() + 0.5
     logits[STOP] = logits[EOS] - 0.3
     return logits
+
+
+@pytest.fixture
+def base_logits() -> torch.Tensor:
+    return make_base_logits()
 
 
 def make_seq(params: SamplingParams, prompt: list[int], output: Iterable[int] = ()) -> SampleRow:
@@ -95,6 +101,14 @@ def chain(*references: Reference) -> Reference:
     return apply
 
 
+OUTPUT = seen_tokens(make_base_logits())[1]
+# Only these tokens may be sampled; the stop id is the best of them (eos, the best of all, is not among them).
+ALLOWED = [STOP, 3, 11, 40]
+# Masked: eos (one token); the stop id after the output's last two tokens; not 7, as the output does not end with its
+# first token.
+BAD_WORDS = [[EOS], [OUTPUT[-2], OUTPUT[-1], STOP], [OUTPUT[0], 7]]
+
+
 def min_new_tokens(prompt_len: int) -> Reference:
     # 3 prompt + 5 output tokens: min_tokens=6 still blocks eos and the stop id.
     return hf(MinNewTokensLengthLogitsProcessor(prompt_len, 6, [EOS, STOP]))
@@ -130,6 +144,14 @@ CASES = [
     pytest.param(SamplingParams(min_tokens=6, stop_token_ids=[STOP]), min_new_tokens(3), id="min_tokens"),
     pytest.param(
         SamplingParams(min_tokens=6, stop_token_ids=[STOP], ignore_eos=True), min_new_tokens(3), id="min_tokens+ignore"
+    ),
+    pytest.param(
+        SamplingParams(allowed_token_ids=ALLOWED),
+        hf(PrefixConstrainedLogitsProcessor(lambda batch_id, input_ids: ALLOWED, num_beams=1)),
+        id="allowed_token_ids",
+    ),
+    pytest.param(
+        SamplingParams(bad_words_token_ids=BAD_WORDS), hf(NoBadWordsLogitsProcessor(BAD_WORDS)), id="bad_words"
     ),
     pytest.param(
         SamplingParams(temperature=1.3, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.3, logit_bias={3: 2.0}),
@@ -226,6 +248,38 @@ def test_logit_bias_follows_the_batch_from_step_to_step(sampler: Sampler, base_l
         assert tokens == [expected[id(p)] for p in batch]
 
 
+def test_token_restrictions_follow_the_batch_from_step_to_step(sampler: Sampler, base_logits: torch.Tensor) -> None:
+    # Rows with allowed ids, with bad words, with both and with neither, in batches that change: each row is masked
+    # as its own request asks, whatever its neighbours.
+    order = base_logits.argsort(descending=True).tolist()
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=order[3:6])
+    banned = SamplingParams(temperature=0.0, bad_words_token_ids=[[order[0]], [order[1]]])
+    both = SamplingParams(temperature=0.0, allowed_token_ids=order[2:6], bad_words_token_ids=[[order[2]], [order[3]]])
+    plain = SamplingParams(temperature=0.0)
+    expected = {id(allowed): order[3], id(banned): order[2], id(both): order[4], id(plain): order[0]}
+    for batch in ([allowed, banned, both, plain], [plain, both], [banned, allowed, allowed], [both, both]):
+        tokens = sampler(base_logits.expand(len(batch), -1).clone(), [make_seq(p, [1]) for p in batch]).to_host()[0]
+        assert tokens == [expected[id(p)] for p in batch]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output", "masked"),
+    [
+        ([1, 2], [], False),  # the word's first token ends the prompt: vLLM compares the output only
+        ([1], [2], True),
+        ([1], [2, 3, 2], True),
+        ([1], [2, 3], False),
+    ],
+    ids=["start-in-prompt", "start-is-output", "output-ends-with-start", "start-earlier-in-output"],
+)
+def test_a_bad_word_is_masked_once_the_output_ends_with_its_start(
+    sampler: Sampler, base_logits: torch.Tensor, prompt: list[int], output: list[int], masked: bool
+) -> None:
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[2, EOS]])
+    token = sampler(base_logits[None].clone(), [make_seq(params, prompt, output)]).to_host()[0][0]
+    assert token == (STOP if masked else EOS)
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_min_tokens_blocks_eos_and_stop_ids_then_releases(
     sampler: Sampler, base_logits: torch.Tensor, ignore_eos: bool
@@ -289,6 +343,31 @@ def test_logprobs_are_raw_log_softmax_with_ranks(sampler: Sampler) -> None:
     assert logprobs[-1].rank == VOCAB
 
 
+def test_logprobs_are_those_of_the_restricted_distribution(sampler: Sampler) -> None:
+    logits = torch.randn(3, VOCAB)
+    allowed = logits[0].argsort()[:6].tolist()  # the least likely tokens: none would be sampled without the mask
+    bad = logits[1].argsort(descending=True)[:2].tolist()
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed, logprobs=8),
+        SamplingParams(temperature=0.0, bad_words_token_ids=[[t] for t in bad], logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=3),
+    ]
+    masked = logits.double().clone()
+    masked[0, [t for t in range(VOCAB) if t not in allowed]] = float("-inf")
+    masked[1, bad] = float("-inf")
+    reference = masked.log_softmax(-1)
+    token_ids, logprobs = sampler(logits.clone(), [make_seq(p, [1]) for p in params]).to_host()
+
+    assert token_ids == reference.argmax(-1).tolist()
+    for row, got in enumerate(logprobs):
+        assert got.logprobs == pytest.approx(reference[row, got.token_ids].tolist(), abs=1e-5)
+        top = reference[row].argsort(descending=True)[: params[row].logprobs].tolist()
+        finite = [t for t in top if reference[row, t] > float("-inf")]  # the masked ones tie, in any order
+        assert got.token_ids[1 : 1 + len(finite)] == finite
+    # Six tokens are allowed: the other two of the top eight have no probability.
+    assert set(logprobs[0].token_ids[1:7]) == set(allowed) and logprobs[0].logprobs[7:] == [float("-inf")] * 2
+
+
 @pytest.mark.parametrize("num", [0, 4])
 def test_prompt_logprobs(sampler: Sampler, num: int) -> None:
     logits = torch.randn(7, VOCAB)
@@ -307,6 +386,10 @@ SEEDED = [
     pytest.param(SamplingParams(seed=7, top_k=5), id="top_k"),
     pytest.param(SamplingParams(seed=7, top_p=0.8, min_p=0.05), id="top_p+min_p"),
     pytest.param(SamplingParams(seed=7, repetition_penalty=1.4, presence_penalty=0.5), id="penalties"),
+    pytest.param(
+        SamplingParams(seed=7, allowed_token_ids=list(range(0, VOCAB, 2)), bad_words_token_ids=[[4], [6, 8]]),
+        id="token_restrictions",
+    ),
 ]
 COMPANIONS = [
     SamplingParams(seed=123),
@@ -351,7 +434,12 @@ def test_seeded_draws_belong_to_token_ids(sampler: Sampler, truncation: dict[str
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu_for_seeded_and_greedy_rows(sampler: Sampler) -> None:
-    params = [SamplingParams(seed=3, top_p=0.9), SamplingParams(temperature=0.0, repetition_penalty=1.2)] * 2
+    restricted = SamplingParams(temperature=0.0, allowed_token_ids=list(range(0, VOCAB, 3)), bad_words_token_ids=[[3]])
+    params = [
+        SamplingParams(seed=3, top_p=0.9),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        restricted,
+    ] * 2
     logits = torch.randn(len(params), VOCAB)
     cpu, cuda = (
         sampler(logits.clone().to(device), [make_seq(p, [1, 2]) for p in params]).to_host()[0]

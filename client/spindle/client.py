@@ -230,6 +230,22 @@ class SpindleClient:
         request = spindle_pb2.GetServerInfoRequest()
         return self.stub.GetServerInfo(request, timeout=self.timeout, metadata=self.metadata)
 
+    def watch_load(self, interval: float | None = None) -> Iterator[spindle_pb2.LoadReport]:
+        """Stream the server's load reports: one at once, then one on each change and at least every ``interval``.
+
+        Args:
+            interval: the most seconds between two reports, from 0.05 to 60; ``None`` is the server's default (1).
+
+        Returns:
+            The stream of ``LoadReport`` messages, which lasts until it is cancelled (``cancel()``, or the call's
+            deadline) or the server drains.
+
+        """
+        request = spindle_pb2.WatchLoadRequest()
+        if interval is not None:
+            request.interval.FromNanoseconds(round(interval * 1e9))
+        return self.stub.WatchLoad(request, timeout=self.timeout, metadata=self.metadata)
+
     def load_lora_adapter(self, name: str, path: str) -> spindle_pb2.LoraAdapter:
         """Load the LoRA adapter directory ``path`` (relative to the server's ``--lora-dir``) under ``name``.
 

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from spindle.frontend.engine.llm_engine import LLMEngine
+from spindle.frontend.processing.generation_config import default_sampling_params
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
@@ -22,6 +23,10 @@ class LLM:
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
         multiprocess: run the engine core in a backend child process (as ``spindle serve`` does) instead of here.
+        generation_config: where :meth:`get_default_sampling_params` takes its defaults from, as vLLM's argument:
+            ``auto`` (the model's ``generation_config.json``), ``vllm`` (none) or a directory holding one.
+        override_generation_config: ``generation_config.json`` fields that replace the generation config's, e.g.
+            ``{"temperature": 0.5}``.
         **engine_args: any other :class:`~spindle.shared.config.EngineConfig` field (``dtype``, ``max_model_len``,
             ``kv_cache_memory``, ``gpu_memory_utilization``, ``block_size``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ``device``). One defaults differently here, as an
@@ -34,12 +39,37 @@ class LLM:
         outputs = llm.generate(["Hello, my name is", {"prompt_token_ids": [1, 504, 3458]}],
                                SamplingParams(temperature=0, max_tokens=16))
 
+    Raises:
+        ValueError: a setting is refused, or the generation config's defaults are not valid sampling parameters.
+
     """
 
-    def __init__(self, model: str | None = None, multiprocess: bool = False, **engine_args: object) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        multiprocess: bool = False,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+        **engine_args: object,
+    ) -> None:
         engine_args.setdefault("max_decode_slowdown", 0)
         self.llm_engine = LLMEngine(EngineConfig.of(model=model, **engine_args), multiprocess)
         self._next_id = 0
+        try:
+            files = self.llm_engine.client.info.tokenizer_files
+            self._default_sampling = default_sampling_params(generation_config, files, override_generation_config)
+        except ValueError:
+            self.llm_engine.shutdown()
+            raise
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a call that gives none, as vLLM's: the generation config's fields, overridden.
+
+        ``SamplingParams()`` changed by the model's ``generation_config.json`` (``temperature``, ``top_p``,
+        ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as ``max_tokens``), unless
+        ``generation_config="vllm"``.
+        """
+        return SamplingParams(**self._default_sampling)
 
     def shutdown(self) -> None:
         """Stop the backend process, when ``multiprocess=True`` started one."""
@@ -71,7 +101,7 @@ class LLM:
                 bytes (PNG, JPEG, ...), one ``<image>`` placeholder in the prompt for each, in order
                 (:meth:`~spindle.frontend.processing.input_processor.InputProcessor.process`).
             sampling_params: one :class:`SamplingParams` for all prompts or one per prompt (default
-                ``SamplingParams()``).
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar. It is the third positional argument, where vLLM's old signature had
                 ``prompt_token_ids``: token ids there raise a :class:`TypeError`.
             priority: one scheduling priority per prompt, under ``scheduling_policy="priority"`` (lower runs first,
@@ -111,7 +141,7 @@ class LLM:
         if inputs is None:
             raise TypeError("LLM.generate() needs inputs: a prompt or a list of prompts")
         prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
-        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        params_list = _params_per_prompt(sampling_params, len(prompt_list), self.get_default_sampling_params)
         adders = _adders(self.llm_engine.add_request, "inputs", prompt_list, priority, lora_request)
         return self._run(adders, params_list, use_tqdm)
 
@@ -135,7 +165,8 @@ class LLM:
                 ``{"type": "image", "image": image}`` (a PIL image or encoded image bytes) or OpenAI's
                 ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
                 (:meth:`~spindle.frontend.processing.input_processor.InputProcessor.process_chat`).
-            sampling_params: one :class:`SamplingParams` for all conversations or one per conversation.
+            sampling_params: one :class:`SamplingParams` for all conversations or one per conversation (default
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar.
             add_generation_prompt: end each prompt with the header that starts an assistant turn.
             tools: functions the model may call, in OpenAI's form (``{"type": "function", "function": {"name",
@@ -150,7 +181,7 @@ class LLM:
 
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params_list = self._params_per_prompt(sampling_params, len(conversations))
+        params_list = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params)
         add = partial(
             self.llm_engine.add_chat_request,
             add_generation_prompt=add_generation_prompt,
@@ -187,22 +218,9 @@ class LLM:
 
         """
         prompt_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
-        params_list = self._params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
+        params_list = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
         adders = _adders(self.llm_engine.add_request, "inputs", prompt_list, priority, None)
         return self._run(adders, params_list, use_tqdm)
-
-    @staticmethod
-    def _params_per_prompt(
-        params: Any, num_prompts: int, kind: type[SamplingParams] | type[PoolingParams] = SamplingParams
-    ) -> list[Any]:
-        """One ``kind`` of parameters per prompt: the same for all (``kind()`` when None) unless a list gives each."""
-        if not isinstance(params, Sequence):
-            return [params or kind()] * num_prompts
-        if len(params) != num_prompts:
-            raise ValueError(
-                f"got {len(params)} {kind.__name__} for {num_prompts} prompts: give one, or one per prompt"
-            )
-        return list(params)
 
     def _run(
         self, adders: list[Callable[..., str]], params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
@@ -241,6 +259,18 @@ class LLM:
         finally:
             bar.close()
         return results
+
+
+def _params_per_prompt(
+    params: Any, num_prompts: int, default: Callable[[], SamplingParams] | Callable[[], PoolingParams]
+) -> list[Any]:
+    """One set of parameters per prompt: the same for all (``default()`` when None) unless a list gives each."""
+    if not isinstance(params, Sequence):
+        return [params or default()] * num_prompts
+    if len(params) != num_prompts:
+        kind = type(default()).__name__
+        raise ValueError(f"got {len(params)} {kind} for {num_prompts} prompts: give one, or one per prompt")
+    return list(params)
 
 
 def _adders(

@@ -3,8 +3,16 @@
 import argparse
 import dataclasses
 
+from spindle.frontend.processing.generation_config import default_sampling_params, parse_override
+from spindle.frontend.processing.tokenizer import load_chat_template
 from spindle.shared.config import add_settings_args
-from spindle.shared.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from spindle.shared.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_SPECULATIVE_TOKENS,
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 CEILINGS = {
     "max_stop_strings": MAX_STOP_STRINGS,
@@ -66,6 +74,18 @@ class ServerConfig:
         http_host: interface the HTTP API listens on (``0.0.0.0`` in a container).
         otlp_traces_endpoint: export a trace span per request over OTLP/gRPC to this collector (e.g.
             ``http://otel-collector:4317``); unset traces nothing and never imports OpenTelemetry.
+        served_model_name: the names the server answers to, as vLLM's flag: ``GetModelInfo`` reports the first, and
+            an HTTP request's ``model`` must be one of them (or a LoRA adapter's name); unset, the model's name.
+        chat_template: a chat template to use instead of the model's: a file, or the jinja2 text itself (a value
+            that names no file, as in vLLM).
+        generation_config: where the defaults of requests that leave ``temperature``, ``top_p``, ``top_k``,
+            ``min_p``, ``repetition_penalty`` or ``max_tokens`` unset come from: ``auto`` (the model's
+            ``generation_config.json``, its ``max_new_tokens`` as ``max_tokens``), ``vllm`` (none: Spindle's own
+            defaults) or a directory holding a ``generation_config.json``.
+        override_generation_config: a JSON object of ``generation_config.json`` fields that replace those the
+            generation config gives, e.g. ``'{"temperature": 0.5}'``.
+        num_speculative_tokens: the ``num_speculative_tokens`` of requests that leave it unset (prompt-lookup
+            speculation, exact): ``0`` speculates for no request that does not ask for it.
 
     """
 
@@ -95,6 +115,11 @@ class ServerConfig:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     otlp_traces_endpoint: str | None = None
+    served_model_name: list[str] | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: str | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -126,6 +151,17 @@ class ServerConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name}={port} is not a TCP port (0 to 65535)")
+        names = self.served_model_name
+        if names is not None and not (names and all(name.strip() for name in names)):
+            raise ValueError(f"served_model_name={self.served_model_name} must be one or more non-empty names")
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)  # the text from here on
+        # The model's own file comes with the backend's handshake; the override and a directory are checked now.
+        default_sampling_params(self.generation_config, {}, parse_override(self.override_generation_config))
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be in [0, {MAX_SPECULATIVE_TOKENS}]"
+            )
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ Nothing here knows the server's limits or status codes; a value the engine canno
 """
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -44,29 +45,37 @@ _TOOL_CHOICE_MODES = {
 
 
 def _proto_value(message: Any, field: FieldDescriptor) -> tuple[bool, Any]:
-    """Whether the field was given, and its value as a Python keyword argument takes it."""
+    """Whether the field was given, and its value as a Python keyword argument takes it.
+
+    A field without presence is given when it is not empty or zero (zero is the SamplingParams default of each).
+    """
     value = getattr(message, field.name)
-    if field.has_presence:  # proto3 ``optional``: unset means the SamplingParams default, not zero
+    if field.has_presence:  # proto3 ``optional``: unset means the default, not zero
         return message.HasField(field.name), value
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
-        return True, dict(value) or None
+        return bool(value), dict(value)
     if field.is_repeated:
-        return True, list(value) or None
-    return True, value
+        return bool(value), list(value)
+    return value != field.default_value, value
 
 
-def sampling_params_from_proto(message: spindle_pb2.SamplingParams) -> SamplingParams:
+def sampling_params_from_proto(
+    message: spindle_pb2.SamplingParams, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """Build (and so validate) :class:`~spindle.shared.SamplingParams` from every field of the proto message.
 
     The fields are read from the message's descriptor, so a field added to the proto reaches the SamplingParams
-    attribute of the same name (a test checks that each one has one): an ``optional`` field only when it is set
-    (unset keeps the default), an empty repeated field or map as ``None``, any other scalar as it is.
+    attribute of the same name (a test checks that each one has one): an ``optional`` field when it is set, any
+    other when it is not empty or zero. A field the message leaves out takes its value in ``defaults`` (the server's,
+    from the model's generation config: :mod:`~spindle.frontend.processing.generation_config`), or else the
+    SamplingParams default. So ``top_k`` and ``min_p``, which have no presence, cannot be set to 0 under a server
+    default (``top_k=-1`` keeps every token too).
 
     Raises:
         InvalidRequestError: a value is out of range (the field is ``sampling_params.<name>``).
 
     """
-    kwargs = {}
+    kwargs = dict(defaults or {})
     for field in message.DESCRIPTOR.fields:
         given, value = _proto_value(message, field)
         if given:

@@ -14,6 +14,7 @@ import hmac
 import inspect
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -254,6 +255,10 @@ class GrpcServer:
         engine: the engine, connected to its backend (or backends).
         config: where to listen and the limits.
 
+    Raises:
+        ValueError: the model's generation config does not make valid request defaults, or its ``max_new_tokens``
+            is above ``config.max_tokens_limit``.
+
     """
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
@@ -315,7 +320,7 @@ class GrpcServer:
             await self.http.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watcher = asyncio.get_running_loop().create_task(self._watch_backend())
-        logger.info("Serving %s on %s:%d", self.engine.info.model_name, self.config.host, self.port)
+        logger.info("Serving %s on %s:%d", self.servicer.served_model_names[0], self.config.host, self.port)
         return self.port
 
     async def drain(self) -> None:
@@ -365,10 +370,20 @@ class GrpcServer:
 
 
 async def serve(engine: AsyncLLMEngine, config: ServerConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (see :meth:`GrpcServer.drain`)."""
-    server = GrpcServer(engine, config)
+    """Serve until SIGTERM or SIGINT, then drain (see :meth:`GrpcServer.drain`).
+
+    Raises:
+        SystemExit: (status 2, the message on stderr) the server's settings do not fit the model, such as a bad value
+            in its ``generation_config.json``.
+
+    """
+    try:
+        server = GrpcServer(engine, config)
+    except ValueError as error:  # what only the backend's handshake could show; other bad flags fail before it
+        print(f"spindle serve: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     await server.start()
-    print(f"spindle: serving {engine.info.model_name} on {config.host}:{server.port}", flush=True)
+    print(f"spindle: serving {server.servicer.served_model_names[0]} on {config.host}:{server.port}", flush=True)
     if server.http is not None:
         print(f"spindle: OpenAI-compatible API on http://{config.http_host}:{server.http.port}/v1", flush=True)
     stop = asyncio.Event()

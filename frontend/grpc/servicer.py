@@ -29,6 +29,7 @@ import functools
 import hashlib
 import importlib.metadata
 import inspect
+import json
 import logging
 import os
 import threading
@@ -63,6 +64,7 @@ from spindle.frontend.grpc.mapping import (
 from spindle.frontend.grpc.metrics import Load, LoadTracker, kv_cache_usage
 from spindle.frontend.grpc.read_ahead import read_ahead
 from spindle.frontend.grpc.tracing import RequestTracer
+from spindle.frontend.processing.generation_config import default_sampling_params, parse_override
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.errors import (
     AlreadyExistsError,
@@ -203,12 +205,36 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         tokenizer_calls: the ``Tokenize`` and ``Detokenize`` calls that run or wait for a tokenizer thread.
         load: what ``WatchLoad`` and ``GetServerInfo`` report (and the metrics read); started with the server.
         tracer: makes each request's trace span; ``None`` without ``config.otlp_traces_endpoint``.
+        served_model_names: the names the server answers to (``config.served_model_name``, or the model's name).
+        generation_defaults: the ``SamplingParams`` defaults that the generation config gives
+            (:mod:`~spindle.frontend.processing.generation_config`).
+        default_sampling: the ``SamplingParams`` defaults of requests that leave those fields unset: the generation
+            config's, and ``config.num_speculative_tokens`` where it is set.
+
+    Raises:
+        ValueError: the generation config's defaults are not valid sampling parameters, or its ``max_tokens`` is
+            above ``config.max_tokens_limit``.
 
     """
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.served_model_names = list(config.served_model_name or [engine.info.model_name])
+        override = parse_override(config.override_generation_config)
+        files = engine.info.tokenizer_files
+        self.generation_defaults = default_sampling_params(config.generation_config, files, override)
+        self.default_sampling = dict(self.generation_defaults)
+        if config.num_speculative_tokens:
+            self.default_sampling["num_speculative_tokens"] = config.num_speculative_tokens
+        limit, default_max = config.max_tokens_limit, self.default_sampling.get("max_tokens")
+        if limit and default_max is not None and default_max > limit:
+            raise ValueError(
+                f"the generation config's max_new_tokens={default_max} is above --max-tokens-limit={limit}: lower it "
+                "with --override-generation-config '{\"max_new_tokens\": N}'"
+            )
+        if config.chat_template is not None:
+            engine.tokenizer.chat_template = config.chat_template
         self.load = LoadTracker(engine)
         self.tracer = RequestTracer.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self.started = time.monotonic()
@@ -336,12 +362,14 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             for name, text in sorted(tokenizer.special_tokens.items())
         ]
         return spindle_pb2.GetModelInfoResponse(
-            model_name=info.model_name,
+            model_name=self.served_model_names[0],
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             special_tokens=special,
             has_chat_template=tokenizer.has_chat_template,
+            served_model_names=self.served_model_names,
+            default_sampling_params_json=json.dumps(self.default_sampling),
         )
 
     @ends_with_status
@@ -578,7 +606,7 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
             )
         try:
             self.check_limits(request.sampling_params)
-            params = sampling_params_from_proto(request.sampling_params)
+            params = sampling_params_from_proto(request.sampling_params, self.default_sampling)
             if span is not None:
                 span.set_params(params)
             builder = ResponseBuilder()

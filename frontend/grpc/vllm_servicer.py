@@ -8,10 +8,9 @@ chooses every error's code). Token ids go in and out: the gateway tokenizes and 
 ``complete`` per completion as it ends (finish reason, matched stop, token counts, ``cached_tokens``; its
 ``output_ids`` are empty, as the chunks carried them); without ``stream``, one ``complete`` per completion once all
 have ended, with every token id. A field that Spindle cannot honour (KV transfer params, multimodal inputs, media
-refs, a data-parallel rank, prompt truncation, structural tags) is refused with ``INVALID_ARGUMENT`` naming it,
-never dropped. ``GetTokenizer`` streams the tokenizer files the frontend loaded, as one zip archive. ``Embed``
-pools a prompt's hidden states as ``spindle.v1`` ``Embed`` does by default. ``FlushCache`` resets every backend's
-prefix cache.
+refs, a data-parallel rank, structural tags) is refused with ``INVALID_ARGUMENT`` naming it, never dropped.
+``GetTokenizer`` streams the tokenizer files the frontend loaded, as one zip archive. ``Embed`` pools a prompt's hidden
+states as ``spindle.v1`` ``Embed`` does by default. ``FlushCache`` resets every backend's prefix cache.
 
 ``SubscribeKvEvents`` streams the backends' prefix cache events, relayed by the engine's
 :class:`~spindle.frontend.engine.kv_events.KvEventHub`: numbered batches (the numbers are this frontend's, never reused
@@ -27,6 +26,7 @@ served (gRPC answers ``UNIMPLEMENTED``).
 import datetime
 import hashlib
 import io
+import json
 import math
 import time
 import uuid
@@ -68,7 +68,6 @@ UNSUPPORTED_REQUEST_FIELDS = {
 """``GenerateRequest`` fields Spindle cannot honour, and why: a request that sets one is refused."""
 
 UNSUPPORTED_SAMPLING_FIELDS = {
-    "truncate_prompt_tokens": "Spindle does not truncate prompts: send at most the tokens to keep",
     "structural_tag": "structural tags are not supported: use json_schema, regex, grammar, json_object or choice",
 }
 """``SamplingParams`` fields Spindle cannot honour, and why."""
@@ -117,7 +116,7 @@ def sampling_params_from_vllm(message: pb.SamplingParams) -> SamplingParams:
         "spaces_between_special_tokens": message.spaces_between_special_tokens,
         "logit_bias": dict(message.logit_bias) or None,
     }
-    for name in ("temperature", "seed", "logprobs", "prompt_logprobs"):
+    for name in ("temperature", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
     match message.WhichOneof("constraint"):
@@ -449,12 +448,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        """Describe the served model: its limits, special tokens and architectures, as the backend loaded it."""
+        """Describe the served model: its limits, special tokens and architectures, as the backend loaded it.
+
+        ``served_model_name`` is the first name the server answers to, and ``default_sampling_params_json`` the
+        generation config's defaults, as vLLM reports them (a gateway applies them to its requests; the speculation
+        default is Spindle's own, and no field of vLLM's ``SamplingParams``).
+        """
         info, tokenizer = self.engine.info, self.engine.tokenizer
         return pb.GetModelInfoResponse(
             architectures=info.architectures,
             model_path=info.model_name,
-            served_model_name=info.model_name,
+            served_model_name=self.spindle.served_model_names[0],
+            default_sampling_params_json=json.dumps(self.spindle.generation_defaults),
             is_generation=True,
             max_context_length=info.max_model_len,
             max_req_input_len=info.max_model_len,

@@ -265,12 +265,20 @@ class OpenAIApp:
         return protocol.check_fields(body, allowed)
 
     def _lora(self, body: dict[str, Any]) -> tuple[str, LoRARequest | None]:
-        """The ``model`` a request names, and its adapter: none for the base model (also when ``model`` is unset)."""
-        model = field(body, "model", "str") or self.engine.info.model_name
-        return model, None if model == self.engine.info.model_name else LoRARequest(model)
+        """The ``model`` a request names, and its adapter: none for a served model name (also when ``model`` is unset).
+
+        Any other name is an adapter's, and an unknown one ``404 model_not_found``, as in vLLM.
+        """
+        names = self.servicer.served_model_names
+        model = field(body, "model", "str") or names[0]
+        return model, None if model in names else LoRARequest(model)
 
     def _sampling(self, body: dict[str, Any], names: dict[str, str] | None = None, **set_here: int) -> SamplingParams:
-        """The request's sampling parameters, checked against the server's limits as a gRPC request's are."""
+        """The request's sampling parameters, checked against the server's limits as a gRPC request's are.
+
+        The server's defaults (:attr:`~spindle.frontend.grpc.servicer.SpindleServicer.default_sampling`) fill the
+        fields the body leaves out; one it sets wins, even at 0 (which a gRPC request could not say for ``top_k``).
+        """
         message = protocol.sampling_message(body, names)
         for name, value in set_here.items():
             try:
@@ -278,7 +286,13 @@ class OpenAIApp:
             except ValueError as error:  # past int32
                 raise InvalidRequestError(name, f"{name}={value} is out of range: {error}") from error
         self.servicer.check_limits(message)
-        return sampling_params_from_proto(message)
+        renames = names or {}
+        defaults = {
+            name: value
+            for name, value in self.servicer.default_sampling.items()
+            if body.get(renames.get(name, name)) is None and name not in set_here
+        }
+        return sampling_params_from_proto(message, defaults)
 
     def _request_id(self, request: Request, prefix: str) -> str:
         return request.headers.get("x-request-id") or protocol.new_id(prefix)
@@ -349,7 +363,7 @@ class OpenAIApp:
             params = self._sampling(body, {"max_tokens": max_name}, **set_here)
         except InvalidRequestError as error:
             raise InvalidRequestError(protocol.openai_param(error.field, renames), error.reason) from error
-        if body.get(max_name) is None:
+        if body.get(max_name) is None and "max_tokens" not in self.servicer.default_sampling:
             # OpenAI's default: up to the context (or this server's limit), where a gRPC request's is 16 tokens.
             params.max_tokens = self.config.max_tokens_limit or None
         tools = field(body, "tools", "list")
@@ -418,13 +432,13 @@ class OpenAIApp:
         return JSONResponse(protocol.embeddings_response(model, outputs, encoding_format))
 
     async def models(self, request: Request) -> Response:
-        """``GET /v1/models``: the served model and every loaded LoRA adapter (its ``parent`` the model)."""
-        info = self.engine.info
+        """``GET /v1/models``: each served model name and every loaded LoRA adapter (its ``parent`` the first name)."""
+        info, names = self.engine.info, self.servicer.served_model_names
         created = protocol.now()
         base = {"object": "model", "created": created, "owned_by": "spindle", "max_model_len": info.max_model_len}
-        data = [base | {"id": info.model_name, "root": info.model_name, "parent": None}]
+        data = [base | {"id": name, "root": info.model_name, "parent": None} for name in names]
         for adapter in await self.engine.list_loras():
-            data.append(base | {"id": adapter.name, "root": adapter.path, "parent": info.model_name})
+            data.append(base | {"id": adapter.name, "root": adapter.path, "parent": names[0]})
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

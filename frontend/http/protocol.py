@@ -40,6 +40,9 @@ SAMPLING_FIELDS: dict[str, str] = {
     "skip_special_tokens": "bool",
     "spaces_between_special_tokens": "bool",
     "cache_salt": "str",
+    "allowed_token_ids": "ids",
+    "bad_words": "strs",
+    "truncate_prompt_tokens": "int",
 }
 """The sampling parameters both generation routes take (OpenAI's and vLLM's extras), each with its JSON kind."""
 
@@ -73,6 +76,7 @@ _KINDS = {
     "str": "a string",
     "stop": "a string or a list of strings",
     "ids": "a list of token ids",
+    "strs": "a list of strings",
     "bias": "an object of token ids to numbers",
     "object": "an object",
     "list": "a list",
@@ -171,6 +175,8 @@ def _matches(value: object, kind: str) -> bool:
             return isinstance(value, str) or isinstance(value, list) and all(isinstance(s, str) for s in value)
         case "ids":
             return isinstance(value, list) and all(_is_int(t) for t in value)
+        case "strs":
+            return isinstance(value, list) and all(isinstance(s, str) for s in value)
         case "bias":
             return isinstance(value, dict) and all(_is_int(b) or isinstance(b, float) for b in value.values())
         case "object":
@@ -230,8 +236,8 @@ def sampling_message(body: dict[str, Any], names: dict[str, str] | None = None) 
         try:
             if name == "stop":
                 message.stop.extend([value] if isinstance(value, str) else value)
-            elif name == "stop_token_ids":
-                message.stop_token_ids.extend(value)
+            elif kind in ("ids", "strs"):
+                getattr(message, name).extend(value)
             elif name == "logit_bias":
                 message.logit_bias.update({int(token): bias for token, bias in value.items()})
             else:

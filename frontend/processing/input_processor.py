@@ -101,12 +101,14 @@ class InputProcessor:
                 embedding request, whose prompt may fill the context since nothing is generated after it.
 
         Returns:
-            The prompt text (``None`` for token ids), its token ids with the placeholders expanded, and its images.
+            The prompt text (``None`` for token ids), its token ids with the placeholders expanded (only the last
+            ``truncate_prompt_tokens`` of them when ``params`` ask so), and its images.
 
         Raises:
             InvalidRequestError: the prompt is malformed, empty, has token ids outside the vocabulary, does not leave
                 room for ``max_tokens`` in the context (its placeholders expanded), carries multimodal data the model
-                cannot take, has not one placeholder per image, or an image is not decodable or too large.
+                cannot take, has not one placeholder per image, or an image is not decodable or too large; or
+                ``params`` name token ids outside the vocabulary, or would truncate a prompt with images.
 
         """
         if isinstance(inputs, str):
@@ -143,7 +145,7 @@ class InputProcessor:
             token_ids, len(images), ("prompt.multi_modal_data", prompt_field), runs=prompt is None
         )
         if params is not None:
-            self._check_request(len(token_ids), params)
+            token_ids = self._prepare_request(token_ids, offsets, params)
         elif len(token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -221,7 +223,8 @@ class InputProcessor:
                 :meth:`~spindle.frontend.processing.tools.ChatTools.from_request`).
 
         Returns:
-            The rendered prompt text and its token ids, and the request's
+            The rendered prompt text and its token ids (the last ``truncate_prompt_tokens`` of them when ``params``
+            ask so), and the request's
             :class:`~spindle.frontend.processing.tools.ChatTools` (which constrain its sampling parameters and parse its
             replies).
 
@@ -229,7 +232,7 @@ class InputProcessor:
             InvalidRequestError: a message or tool is malformed, the tool choice is not possible, the model has no
                 chat template, the template rejected the conversation, the prompt does not leave room for
                 ``max_tokens``, an image part is given to a text-only model or is not decodable or too large, or the
-                rendered prompt has not one placeholder per image.
+                rendered prompt has not one placeholder per image; or ``params`` are refused as by :meth:`process`.
 
         """
         if not isinstance(messages, list) or not messages:
@@ -255,7 +258,7 @@ class InputProcessor:
             raise InvalidRequestError("messages", str(error)) from error
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         token_ids, offsets = self._expand_placeholders(token_ids, len(images), ("messages",), runs=False)
-        self._check_request(len(token_ids), params)
+        token_ids = self._prepare_request(token_ids, offsets, params)
         return ProcessedPrompt(prompt, token_ids, self._preprocess(images, offsets), chat_tools)
 
     def _prompt_images(self, multi_modal_data: object) -> list[tuple[str, object]]:
@@ -349,8 +352,50 @@ class InputProcessor:
                 )
         return list(token_ids)
 
+    def _prepare_request(self, token_ids: list[int], offsets: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's tokens, truncated as ``params`` ask; checks ``params`` and fills in their bad words' tokens.
+
+        ``offsets`` are where the prompt's image runs start: a prompt with images is not cut.
+        """
+        keep = params.truncate_prompt_tokens
+        keep = self.max_model_len if keep == -1 else keep
+        if keep is not None and len(token_ids) > keep:
+            if offsets:
+                raise InvalidRequestError(
+                    "sampling_params.truncate_prompt_tokens",
+                    f"truncate_prompt_tokens={params.truncate_prompt_tokens} would cut the prompt of "
+                    f"{len(token_ids)} tokens, and a prompt with images is not truncated (the cut could split an "
+                    "image's tokens): shorten the prompt instead",
+                )
+            token_ids = token_ids[-keep:]
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        self._check_request(len(token_ids), params)
+        return token_ids
+
+    def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
+        """The token sequences of ``bad_words``, as vLLM makes them.
+
+        Each word, its leading spaces stripped, is tokenized as it is and with one leading space (where that tokenizes
+        otherwise), so that it is banned at the start of the output and after a space alike.
+        """
+        if not bad_words:
+            return None
+        sequences = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences += [plain] if spaced == plain else [plain, spaced]
+        outside = sorted({t for sequence in sequences for t in sequence if t >= self.vocab_size})
+        if outside:
+            raise InvalidRequestError(
+                "sampling_params.bad_words",
+                f"SamplingParams.bad_words tokenize to token ids {outside} outside the model's vocabulary of "
+                f"{self.vocab_size} tokens: the model cannot generate them anyway, so leave those words out",
+            )
+        return sequences
+
     def _check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        for field in ("logit_bias", "stop_token_ids"):
+        for field in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
             outside = sorted(t for t in getattr(params, field) or () if t >= self.vocab_size)
             if outside:
                 raise InvalidRequestError(

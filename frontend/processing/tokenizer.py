@@ -127,8 +127,23 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        """Whether the model ships a chat template."""
+        """Whether the tokenizer has a chat template: the model's, or one that overrides it."""
         return self._chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja2 chat template conversations are rendered with; ``None`` when there is none."""
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str) -> None:
+        """Render conversations with ``template`` instead of the model's (``--chat-template``), compiled at once.
+
+        Raises:
+            ValueError: ``template`` is not a jinja2 template.
+
+        """
+        self._chat_template, self._compiled_template = template, _compile_chat_template(template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize ``text``.
@@ -261,6 +276,51 @@ def _tojson(
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
+
+
+JINJA_CHARACTERS = "{}\n"
+"""Characters of any chat template (a jinja2 tag or a line break), which no file path names in practice."""
+
+
+def load_chat_template(path_or_text: str) -> str:
+    """The chat template ``--chat-template`` gives: a file's contents, or the value itself when it is no file.
+
+    As vLLM does: a value that names no file is taken for inline jinja2 text, unless it has none of
+    :data:`JINJA_CHARACTERS`, when it is most likely a mistyped path. The template is compiled, so that a bad one
+    is refused at start-up, not at the first chat request.
+
+    Raises:
+        ValueError: the value names no file and looks like a path, the file cannot be read, or the template does not
+            parse.
+
+    """
+    path = Path(path_or_text)
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # too long for a path, or a NUL character in it: inline text
+        is_file = False
+    if is_file:
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"--chat-template {path_or_text!r}: the file cannot be read: {error}") from error
+    elif any(character in path_or_text for character in JINJA_CHARACTERS):
+        template = path_or_text
+    else:
+        raise ValueError(
+            f"--chat-template {path_or_text!r} is no file, and it does not look like a jinja2 template either: "
+            "give the path of a template file, or the template's text"
+        )
+    _compile_chat_template(template)
+    return template
+
+
+def _compile_chat_template(template: str) -> jinja2.Template:
+    """``template`` compiled in the chat templates' environment; raises ``ValueError`` when it does not parse."""
+    try:
+        return _template_environment().from_string(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"the chat template does not parse as jinja2 (line {error.lineno}): {error}") from error
 
 
 def _read_json(path: Path) -> dict[str, Any]:
