@@ -55,7 +55,11 @@ def _engine_class(path: str) -> type:
 
 
 ENGINE_PAGES = [
-    ("api.html", "spindle.frontend.engine.llm.LLM", ["generate", "chat", "embed", "get_tokenizer", "shutdown"]),
+    (
+        "api.html",
+        "spindle.frontend.engine.llm.LLM",
+        ["generate", "chat", "embed", "beam_search", "get_tokenizer", "get_default_sampling_params", "shutdown"],
+    ),
     (
         "llm_engine.html",
         "spindle.frontend.engine.llm_engine.LLMEngine",
@@ -69,6 +73,7 @@ ENGINE_PAGES = [
             "load_lora",
             "unload_lora",
             "list_loras",
+            "kv_cache_report",
         ],
     ),
     (
@@ -94,6 +99,26 @@ def test_engine_pages_show_every_method_with_its_docstring(built, page, cls, met
             r":\w+:`(~?)([^`]+)`|``([^`]+)``", lambda m: m[3] or (m[2].split(".")[-1] if m[1] else m[2]), doc
         )
         assert _normalize(first) in text, f"{anchor}'s docstring is missing from {page}"
+
+
+@pytest.mark.parametrize(("page", "cls", "methods"), ENGINE_PAGES)
+def test_engine_pages_take_their_signatures_from_the_code(built, page, cls, methods):
+    """Each method's rendered signature names every parameter it has, and the page's prose writes none by hand
+    (a hand-written ``add_request(...)`` lost ``priority`` and ``lora_request`` once)."""
+    source = (built / "html" / page).read_text()
+    engine = _engine_class(cls)
+    for method in methods:
+        function = getattr(engine, method)
+        if isinstance(function, property):
+            continue
+        signature = re.search(rf'<dt class="sig[^"]*" id="{re.escape(cls)}\.{method}">(.*?)</dt>', source, re.S)
+        assert signature is not None, f"{cls}.{method} has no rendered signature on {page}"
+        shown = html.unescape(re.sub(r"<[^>]+>", "", signature[1]))
+        for name in inspect.signature(function).parameters:
+            assert name in ("self", "cls") or re.search(rf"\b{name}\b", shown), f"{method}'s {name} is not shown"
+    prose = (DOCS / page.replace(".html", ".rst")).read_text()
+    written = re.findall(rf"``({'|'.join(methods)})\([^`]+\)``", prose)
+    assert not written, f"{page} writes signatures by hand: {written}"
 
 
 def test_step_diagram_is_rendered_with_the_two_prompt_example(built):

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine as AsyncLLMEngine
     from spindle.frontend.engine.llm import LLM as LLM
     from spindle.frontend.engine.llm_engine import LLMEngine as LLMEngine
+    from spindle.shared.beam_search import BeamSearchOutput as BeamSearchOutput
+    from spindle.shared.beam_search import BeamSearchParams as BeamSearchParams
     from spindle.shared.config import EngineConfig as EngineConfig
     from spindle.shared.errors import EngineUnavailableError as EngineUnavailableError
     from spindle.shared.errors import InvalidRequestError as InvalidRequestError
@@ -53,6 +55,8 @@ _PUBLIC = {
     "AsyncLLMEngine": "spindle.frontend.engine.async_llm_engine",
     "EngineConfig": "spindle.shared.config",
     "SamplingParams": "spindle.shared.sampling_params",
+    "BeamSearchParams": "spindle.shared.beam_search",
+    "BeamSearchOutput": "spindle.shared.beam_search",
     "StructuredOutput": "spindle.shared.sampling_params",
     "PoolingParams": "spindle.shared.pooling_params",
     "RequestOutput": "spindle.shared.outputs",

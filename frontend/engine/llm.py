@@ -7,11 +7,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from spindle.frontend.engine.beam_search import beam_search
 from spindle.frontend.engine.llm_engine import LLMEngine
 from spindle.frontend.processing.generation_config import default_sampling_params
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.beam_search import BeamSearchOutput, BeamSearchParams
 from spindle.shared.config import EngineConfig
+from spindle.shared.errors import InvalidRequestError
 from spindle.shared.lora import LoRARequest
 
 ChatMessages = list[dict[str, Any]]
@@ -221,6 +224,67 @@ class LLM:
         params_list = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
         adders = _adders(self.llm_engine.add_request, "inputs", prompt_list, priority, None)
         return self._run(adders, params_list, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInputs | Sequence[PromptInputs],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam-search each prompt's ``beam_width`` best completions, as vLLM's ``LLM.beam_search``.
+
+        The beams, their scores and when the search stops are transformers' ``generate(num_beams=...)``'s without
+        sampling (:class:`~spindle.shared.beam_search.BeamSearchParams`). Each step runs one token of every running
+        beam of every prompt as one batch; a prompt's beams share its KV blocks through the prefix cache, so keep
+        ``enable_prefix_caching`` on (the default) or every step recomputes every beam.
+
+        Args:
+            prompts: a prompt or a list of prompts: text, ``{"prompt": ...}`` or ``{"prompt_token_ids": ...}`` (no
+                images).
+            params: the search's parameters.
+            use_tqdm: show a progress bar over the steps.
+            lora_request: the LoRA adapter to search with.
+
+        Returns:
+            One :class:`~spindle.shared.beam_search.BeamSearchOutput` per prompt, in order: its beams, best first.
+
+        Raises:
+            ValueError: a prompt is refused (:class:`~spindle.shared.errors.InvalidRequestError`), or holds images, or
+                ``beam_width`` needs more log-probabilities a step than the engine gives.
+
+        """
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        processor, tokenizer = self.llm_engine.input_processor, self.llm_engine.tokenizer
+        token_ids = []
+        for i, prompt in enumerate(prompt_list):
+            processed = processor.process(prompt, SamplingParams(max_tokens=params.max_tokens))
+            if processed.images:
+                raise InvalidRequestError(f"prompts[{i}]", "beam search takes text or token prompts, not images")
+            token_ids.append(processed.prompt_token_ids)
+        bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm, dynamic_ncols=True)
+
+        def next_tokens(beams: list[list[int]], k: int) -> list[dict[int, float]]:
+            step = SamplingParams(temperature=0, max_tokens=1, logprobs=k, ignore_eos=True)
+            adders = _adders(
+                self.llm_engine.add_request, "inputs", [{"prompt_token_ids": b} for b in beams], None, lora_request
+            )
+            outputs = self._run(adders, [step] * len(beams), use_tqdm=False)
+            bar.update(1)
+            top = [sorted(out.outputs[0].logprobs[0].items(), key=lambda item: -item[1].logprob)[:k] for out in outputs]
+            return [{token: logprob.logprob for token, logprob in entries} for entries in top]
+
+        try:
+            return beam_search(
+                token_ids,
+                params,
+                next_tokens,
+                self.llm_engine.client.info.eos_token_ids,
+                self.llm_engine.max_model_len,
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            )
+        finally:
+            bar.close()
 
     def _run(
         self, adders: list[Callable[..., str]], params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
