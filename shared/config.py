@@ -40,6 +40,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 def check_choices(settings: object) -> None:
@@ -321,11 +322,16 @@ class StructuredOutputConfig:
             the request refused (``INVALID_ARGUMENT``); the spec then stays refused for ten minutes. Ordinary schemas
             compile in milliseconds (100 properties in 30 ms on SmolLM2's vocabulary), pathological ones take
             minutes.
+        reasoning_parser: how a reasoning model writes its thoughts, so that outputs carry them apart from the
+            answer as ``reasoning_content``: ``deepseek_r1`` (the text is thinking until ``</think>``) or ``qwen3``
+            (a ``<think>`` block when the text starts with one); none by default
+            (:mod:`spindle.frontend.processing.reasoning`).
 
     """
 
     grammar_compile_workers: int = 2
     grammar_compile_timeout: float = 10.0
+    reasoning_parser: ReasoningParserName | None = None
 
     def __post_init__(self) -> None:
         _check_at_least(self, 1, "grammar_compile_workers")

@@ -78,6 +78,9 @@ class CompletionOutput(msgspec.Struct):
         num_draft_tokens: draft tokens (speculative decoding, ``num_speculative_tokens``) verified for this
             completion so far.
         num_accepted_draft_tokens: those of them the model agreed with, which became output.
+        reasoning_content: a reasoning model's thoughts, apart from ``text`` (its answer), when the engine runs a
+            reasoning parser (``reasoning_parser``) and the model wrote a thinking block; ``None`` otherwise.
+            Cumulative, or the new part in delta mode (``None`` when nothing is new).
 
     """
 
@@ -91,6 +94,7 @@ class CompletionOutput(msgspec.Struct):
     tool_calls: list[ToolCall] | None = None
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended."""

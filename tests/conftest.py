@@ -99,6 +99,7 @@ TIERS = {
     "test_sliding_window": "engine",  # kernels, then a Mistral engine against transformers
     "test_smollm2": "engine",
     "test_speculative": "engine",
+    "test_reasoning": "process",  # the parsers, then an engine and a gRPC server with one
     "test_beam_search": "engine",  # LLM.beam_search against transformers' num_beams
     "test_transfers": "engine",
     "test_warm_up": "engine",

@@ -209,6 +209,26 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
     assert [call["function"]["name"] for call in message["tool_calls"]] == expected and message["content"] is None
 
 
+@pytest.mark.parametrize("parse_tools", [False, True], ids=["streamed", "held-for-tools"])
+def test_reasoning_content_comes_beside_the_content_as_vllm_gives_it(parse_tools):
+    """Deltas (``--reasoning-parser``: thoughts, then the answer) become ``reasoning_content`` and ``content``."""
+    pieces = [("Two and ", ""), ("two is four.", ""), (None, "Four"), (None, ".")]
+    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, parse_tools=parse_tools)
+    streamed = []
+    for i, (thoughts, text) in enumerate(pieces):
+        ending = FinishReason.STOP if i == len(pieces) - 1 else None
+        delta = shaper.part(0, CompletionOutput(0, text, [i], finish_reason=ending, reasoning_content=thoughts), None)
+        if delta is not None:
+            streamed.append(delta["delta"])
+    if parse_tools:  # held until the reply ends: one delta with all of it
+        assert streamed == [{"reasoning_content": "Two and two is four.", "content": "Four."}]
+    else:
+        assert [d.get("reasoning_content") for d in streamed] == ["Two and ", "two is four.", None, None]
+        assert "".join(d["content"] for d in streamed) == "Four."
+    message = shaper.response()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Two and two is four.", "Four.")
+
+
 def test_response_format_json_schema_output_validates(api, model):
     response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
     response = api.chat.completions.create(

@@ -17,6 +17,7 @@ from typing import Any
 from spindle.frontend.processing.image_processor import ImageProcessor
 from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
 from spindle.frontend.processing.output_processor import EMBEDDING_SAMPLING_PARAMS, RequestState
+from spindle.frontend.processing.reasoning import ReasoningParser
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import PoolingParams, PromptInputs, SamplingParams
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError
@@ -44,6 +45,7 @@ class Admission:
         info: the engine's description from its handshake: the tokenizer files and the limits prompts must fit.
         call: runs a control-plane command in the engine and returns its result (awaited: see
             :func:`run_unsuspended` for an engine whose calls answer at once).
+        reasoning: the reasoning parser that splits every completion's text (``reasoning_parser``), or None.
 
     Attributes:
         info: the description of the engine requests go to.
@@ -52,9 +54,12 @@ class Admission:
 
     """
 
-    def __init__(self, info: EngineInfo, call: Callable[[Command], Awaitable[Any]]) -> None:
+    def __init__(
+        self, info: EngineInfo, call: Callable[[Command], Awaitable[Any]], reasoning: ReasoningParser | None = None
+    ) -> None:
         self.info = info
         self.call = call
+        self.reasoning = reasoning
         self.tokenizer = Tokenizer.from_files(info.tokenizer_files)
         self.input_processor = self._input_processor()
         # Adapter name -> the resolved path a LoRARequest loaded it from, so later requests skip the look-up.
@@ -238,6 +243,7 @@ class Admission:
             delta,
             tools=prompt.tools,
             final_only=final_only,
+            reasoning=self.reasoning,
         )
         return request, state
 

@@ -14,6 +14,7 @@ from spindle.frontend.engine.connection import EngineDeadError
 from spindle.frontend.engine.kv_events import KvEventHub
 from spindle.frontend.processing.input_processor import ProcessedPrompt
 from spindle.frontend.processing.output_processor import OutputProcessor, RequestState
+from spindle.frontend.processing.reasoning import ReasoningParser, reasoning_parser
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import (
     EmbeddingRequestOutput,
@@ -86,6 +87,7 @@ class AsyncLLMEngine:
         client: the engine client, connected to its backend (or backends).
         recovery: what to do with the requests of a backend that dies (by default: resume them).
         stream_buffer_outputs: the unread outputs a stream holds before its request is paused (see above).
+        reasoning: the reasoning parser that splits every completion's text (``reasoning_parser``), or None.
 
     Attributes:
         num_resumed_requests: how many times a request was sent again after its backend died.
@@ -101,11 +103,12 @@ class AsyncLLMEngine:
         client: AsyncEngineClient,
         recovery: RecoveryConfig | None = None,
         stream_buffer_outputs: int = SchedulerConfig.stream_buffer_outputs,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.client = client
         self.recovery = recovery or RecoveryConfig()
         self.stream_buffer_outputs = stream_buffer_outputs
-        self.admission = Admission(client.info, client.call)
+        self.admission = Admission(client.info, client.call, reasoning)
         self.output_processor = OutputProcessor(self.admission.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]] = {}
         self.num_resumed_requests = 0
@@ -138,7 +141,8 @@ class AsyncLLMEngine:
         """
         config = EngineConfig.of(**engine_args)
         client = make_async_client(config, backend_address, data_parallel_size, startup_timeout)
-        return cls(client, config.recovery, config.scheduler.stream_buffer_outputs)
+        reasoning = reasoning_parser(config.structured_output.reasoning_parser)
+        return cls(client, config.recovery, config.scheduler.stream_buffer_outputs, reasoning)
 
     @property
     def info(self) -> EngineInfo:

@@ -7,6 +7,7 @@ from spindle.frontend.engine.admission import Admission, run_unsuspended
 from spindle.frontend.engine.client import SyncEngineClient, make_sync_client
 from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt
 from spindle.frontend.processing.output_processor import OutputProcessor
+from spindle.frontend.processing.reasoning import reasoning_parser
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.config import EngineConfig
@@ -39,7 +40,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool = False, backend_address: str | None = None) -> None:
         self.config = config
         self.client: SyncEngineClient = make_sync_client(config, multiprocess, backend_address)
-        self.admission = Admission(self.client.info, self._call)
+        self.admission = Admission(
+            self.client.info, self._call, reasoning_parser(config.structured_output.reasoning_parser)
+        )
         self.output_processor = OutputProcessor(self.admission.tokenizer)
         # Requests whose output could not be processed, aborted already: step() raises their errors one a call.
         self._failed: list[OutputProcessingError] = []

@@ -19,6 +19,7 @@ from spindle.shared import (
     Logprob,
     PoolingParams,
     PromptInputs,
+    RequestMetrics,
     RequestOutput,
     SamplingParams,
 )
@@ -266,6 +267,8 @@ def _completion_delta(completion: CompletionOutput, finish_reason: FinishReason 
     )
     if completion.cumulative_logprob is not None:
         delta.cumulative_logprob = completion.cumulative_logprob
+    if completion.reasoning_content is not None:
+        delta.reasoning_content = completion.reasoning_content
     if finish_reason is not None and isinstance(completion.stop_reason, str):
         delta.stop_string = completion.stop_reason
     elif finish_reason is not None and isinstance(completion.stop_reason, int):
@@ -295,7 +298,7 @@ class ResponseBuilder:
         response = spindle_pb2.GenerateResponse(request_id=output.request_id, finished=output.finished)
         for completion in output.outputs:
             finish = completion.finish_reason if completion.index not in self.reported_finished else None
-            if completion.token_ids or completion.text or finish is not None:
+            if completion.token_ids or completion.text or completion.reasoning_content or finish is not None:
                 response.choices.append(_completion_delta(completion, finish))
                 self.completion_tokens += len(completion.token_ids)
             if finish is not None:
@@ -311,7 +314,26 @@ class ResponseBuilder:
                     cached_tokens=output.num_cached_tokens,
                 )
             )
+            response.timings.CopyFrom(request_timings(output.metrics))
         return response
+
+
+def request_timings(metrics: RequestMetrics) -> spindle_pb2.RequestTimings:
+    """A finished request's :class:`~spindle.shared.RequestMetrics` as the seconds each part of its life took.
+
+    A request that ended before it was scheduled or gave a token (aborted, refused) has zeros for what it did not
+    reach.
+    """
+    arrival = metrics.arrival_time
+    finished = metrics.finished_time if metrics.finished_time is not None else arrival
+    scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
+    return spindle_pb2.RequestTimings(
+        arrival_time=arrival,
+        queue_seconds=max(0.0, scheduled - arrival) if scheduled is not None else 0.0,
+        time_to_first_token_seconds=first_token - arrival if first_token is not None else 0.0,
+        decode_seconds=finished - first_token if first_token is not None else 0.0,
+        total_seconds=finished - arrival,
+    )
 
 
 _POOLING_TYPES = {

@@ -590,6 +590,9 @@ class _CompletionShaper(_Shaper):
 class _ChatShaper(_Shaper):
     """``/v1/chat/completions``: assistant messages, role then content deltas, ``tool_calls`` when tools parse.
 
+    A reasoning model's thoughts (with ``--reasoning-parser``) come as ``reasoning_content``, beside ``content``, in
+    the message and in each delta that has new ones, as vLLM gives them.
+
     With tools (and a tool choice other than ``none``), a choice's reply is held until it ends, as its calls are
     parsed from the whole text: it then comes as ``tool_calls`` (finish reason ``tool_calls``), or as content.
     ``max_calls`` keeps a reply's first calls only (``parallel_tool_calls: false`` keeps one).
@@ -611,6 +614,7 @@ class _ChatShaper(_Shaper):
         self.parse_tools = parse_tools
         self.max_calls = max_calls
         self.texts: dict[int, str] = {}
+        self.reasoning: dict[int, str] = {}
         self.logprobs: dict[int, list[dict[str, Any]]] = {}
         self.ends: dict[int, CompletionOutput] = {}
         self.started = False
@@ -618,6 +622,9 @@ class _ChatShaper(_Shaper):
     def part(self, index: int, completion: CompletionOutput, output: RequestOutput) -> dict[str, Any] | None:
         """Add the new text (and logprobs) to the choice; return its delta (none while a reply with tools is held)."""
         self.texts[index] = self.texts.get(index, "") + completion.text
+        thoughts = {"reasoning_content": completion.reasoning_content} if completion.reasoning_content else {}
+        if thoughts:
+            self.reasoning[index] = self.reasoning.get(index, "") + completion.reasoning_content
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = protocol.chat_logprobs(completion, self.top)
@@ -625,13 +632,15 @@ class _ChatShaper(_Shaper):
         if completion.finish_reason is not None:
             self.ends[index] = completion
         if not self.parse_tools:
-            choice = {"index": index, "delta": {"content": completion.text}, "logprobs": logprobs}
+            choice = {"index": index, "delta": thoughts | {"content": completion.text}, "logprobs": logprobs}
             return choice | self._ending(completion)
         if completion.finish_reason is None:
             return None
         held = {"content": self.logprobs.get(index, [])} if self.params.logprobs is not None else None
         calls = self._calls(completion)
         delta = {"tool_calls": _tool_calls(calls, streamed=True)} if calls else {"content": self.texts[index]}
+        if index in self.reasoning:
+            delta = {"reasoning_content": self.reasoning[index]} | delta
         return {"index": index, "delta": delta, "logprobs": held} | self._ending(completion)
 
     def stream_events(self, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -662,6 +671,8 @@ class _ChatShaper(_Shaper):
             end = self.ends.get(index)
             calls = self._calls(end) if end is not None else None
             message: dict[str, Any] = {"role": "assistant", "content": None if calls else self.texts[index]}
+            if index in self.reasoning:
+                message["reasoning_content"] = self.reasoning[index]
             if calls:
                 message["tool_calls"] = _tool_calls(calls, streamed=False)
             logprobs = {"content": self.logprobs.get(index, [])} if self.params.logprobs is not None else None

@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from spindle.frontend.processing.detokenizer import IncrementalDetokenizer
+from spindle.frontend.processing.reasoning import ReasoningParser
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.frontend.processing.tools import ChatTools
 from spindle.shared import (
@@ -45,6 +46,9 @@ class _Completion:
     stop_reason: int | str | None = None
     text: str = ""
     num_sent_tokens: int = 0
+    # With a reasoning parser: how much of each part of the text the outputs so far carried.
+    num_sent_reasoning: int = 0
+    num_sent_content: int = 0
     num_decoded_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
@@ -55,7 +59,8 @@ class _Completion:
 class RequestState:
     """Everything the frontend tracks for one request between steps.
 
-    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes. With
+    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes (from its
+    content, apart from its reasoning, with a ``reasoning`` parser, which splits each completion's text). With
     ``final_only`` the request has one output, when it finishes; a completion without stop strings is decoded then,
     in one call of its detokenizer (the same text: the detokenizer steps through the same tokens). Given
     :class:`~spindle.shared.PoolingParams` instead of sampling parameters, it is an embedding request's: one
@@ -73,8 +78,10 @@ class RequestState:
         delta: bool,
         tools: ChatTools | None = None,
         final_only: bool = False,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.request_id = request_id
+        self.reasoning = reasoning
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.pooling = params if isinstance(params, PoolingParams) else None
@@ -149,16 +156,24 @@ class RequestState:
             start = c.num_sent_tokens if self.delta else 0
             new_text = c.detokenizer.get_delta(finished)
             c.text += new_text
+            text, reasoning = (new_text if self.delta else c.text), None
+            content = c.text
+            if self.reasoning is not None:
+                split = self.reasoning.split(c.text, finished)
+                content, thoughts = split.content, split.reasoning or ""
+                text = content[c.num_sent_content :] if self.delta else content
+                reasoning = (thoughts[c.num_sent_reasoning :] if self.delta else split.reasoning) or None
+                c.num_sent_content, c.num_sent_reasoning = len(content), len(thoughts)
             tool_calls = None
             if finished and self.tools is not None:
                 if c.tool_calls is None:
-                    c.tool_calls = tool_calls = self.tools.parse(c.text)
+                    c.tool_calls = tool_calls = self.tools.parse(content)
                 elif not self.delta:
                     tool_calls = c.tool_calls
             outputs.append(
                 CompletionOutput(
                     index=index,
-                    text=new_text if self.delta else c.text,
+                    text=text,
                     token_ids=c.token_ids[start:],
                     cumulative_logprob=c.cumulative_logprob,
                     logprobs=None if c.logprobs is None else c.logprobs[start:],
@@ -167,6 +182,7 @@ class RequestState:
                     tool_calls=tool_calls,
                     num_draft_tokens=c.num_draft_tokens,
                     num_accepted_draft_tokens=c.num_accepted_draft_tokens,
+                    reasoning_content=reasoning,
                 )
             )
             c.num_sent_tokens = len(c.token_ids)
