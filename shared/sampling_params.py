@@ -162,6 +162,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             given) for the backend, which sees token ids only.
         truncate_prompt_tokens: keep only the last ``k`` prompt tokens (``k >= 1``), after tokenization and any chat
             template; ``-1`` keeps the last ``max_model_len``. The output's ``prompt_token_ids`` are those kept.
+        best_of: generate this many completions and return the ``n`` of them with the highest cumulative
+            log-probability, best first (vLLM's); at least ``n``, and above ``n`` only when sampling (greedy
+            completions would be the same). Above ``n``, the request has one output, when it finishes, and
+            ``cumulative_logprob`` is set whether or not ``logprobs`` was asked.
 
     """
 
@@ -192,12 +196,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             _check(name, value, math.isfinite(value), "a finite number")
         _check("n", self.n, self.n >= 1, "an integer >= 1")
+        _check("best_of", self.best_of, self.best_of is None or self.best_of >= self.n, "None or an integer >= n")
+        _check(
+            "best_of",
+            self.best_of,
+            self.best_of is None or self.best_of == self.n or self.temperature > 0,
+            "n (or None) when decoding greedily (temperature 0): its completions would all be the same",
+        )
         _check("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)")
         _check("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]")
         _check("top_k", self.top_k, self.top_k >= -1, "-1, 0 (both disable it) or an integer >= 1")

@@ -217,6 +217,50 @@ def test_cache_that_cannot_hold_one_sequence_is_a_clear_error(tiny_llm_dir):
         tiny_engine(tiny_llm_dir, kv_cache_memory=8 * 8192)
 
 
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_best_of_keeps_the_n_completions_of_highest_cumulative_logprob(tiny_llm, prompts, logprobs):
+    """best_of=4, n=2 gives the best two of the four completions that n=4 (the same seed) gives, best first."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, logprobs=logprobs)
+    prompt = {"prompt_token_ids": prompts[2]}
+    all_four = tiny_llm.generate(prompt, msgspec.structs.replace(params, n=4, logprobs=0), use_tqdm=False)
+    ranked = sorted(all_four[0].outputs, key=lambda c: -c.cumulative_logprob)
+    assert len({tuple(c.token_ids) for c in ranked}) > 1  # they differ: the choice of the best two means something
+    best = tiny_llm.generate(prompt, msgspec.structs.replace(params, n=2, best_of=4), use_tqdm=False)[0].outputs
+    assert [c.index for c in best] == [0, 1]
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
+    assert [c.cumulative_logprob for c in best] == pytest.approx([c.cumulative_logprob for c in ranked[:2]])
+    assert all((c.logprobs is None) == (logprobs is None) for c in best)
+
+
+def test_best_of_streams_one_output_when_the_request_ends(tiny_llm_dir):
+    engine = tiny_engine(tiny_llm_dir)
+    try:
+        engine.add_request(
+            "r",
+            {"prompt_token_ids": [5, 6, 7]},
+            SamplingParams(n=1, best_of=3, temperature=1.0, max_tokens=4),
+            delta=True,
+        )
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert len(outputs) == 1 and outputs[0].finished and len(outputs[0].outputs) == 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(n=3, best_of=2), "best_of=2 is invalid: it must be None or an integer >= n"),
+        (dict(best_of=2, temperature=0), "best_of=2 is invalid: it must be n (or None) when decoding greedily"),
+    ],
+)
+def test_bad_best_of_is_refused(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**fields)
+
+
 def test_the_engine_reports_how_cache_initialisation_sized_the_cache(tiny_llm_dir):
     """The report's arithmetic, from the checkpoint's config.json: 4 MiB of 8 KiB blocks, and it crosses the socket."""
     config = json.loads((tiny_llm_dir / "config.json").read_text())

@@ -132,9 +132,10 @@ PROMPTS = ["hello world", "The quick brown fox", "a"]
     [
         {"temperature": 0, "max_tokens": 24},
         {"temperature": 0.8, "top_k": 20, "seed": 7, "n": 3, "max_tokens": 12},
+        {"temperature": 0.8, "seed": 7, "n": 2, "best_of": 4, "max_tokens": 12},
         {"temperature": 0, "max_tokens": 8, "logprobs": 2, "prompt_logprobs": 1},
     ],
-    ids=["greedy", "n3-seeded", "logprobs"],
+    ids=["greedy", "n3-seeded", "best-2-of-4", "logprobs"],
 )
 def test_streams_equal_llm_generate(client, tiny_llm_dir, params):
     llm = LLM(**tiny_config(tiny_llm_dir).settings())
@@ -254,6 +255,7 @@ def chat_parts(*parts: spindle_pb2.ContentPart, content: str = "") -> spindle_pb
         (lambda c: c.generate("hi", top_p=0), ["sampling_params.top_p"], "top_p"),
         (lambda c: c.generate("hi", logit_bias={300: 1.0}), ["sampling_params.logit_bias"], "outside the vocabulary"),
         (lambda c: c.generate("hi", n=5), ["sampling_params.n"], "limit of 4"),
+        (lambda c: c.generate("hi", best_of=5), ["sampling_params.best_of"], "best_of=5 is above this server's limit"),
         (lambda c: c.generate("hi", max_tokens=451), ["sampling_params.max_tokens"], "limit of 450"),
         (lambda c: c.generate([1, 999]), ["prompt.token_ids[1]"], "outside the vocabulary"),
         (lambda c: c.generate(""), ["prompt"], "empty"),
@@ -297,6 +299,7 @@ def chat_parts(*parts: spindle_pb2.ContentPart, content: str = "") -> spindle_pb
         "top_p",
         "logit-bias",
         "n-limit",
+        "best-of-limit",
         "max-tokens-limit",
         "token-id",
         "empty",

@@ -124,6 +124,13 @@ def response_text(api, model) -> str:
     return api.completions.create(model=model, prompt="hello there", **GREEDY, extra_body=IGNORE_EOS).choices[0].text
 
 
+def test_best_of_returns_the_best_n_as_grpc_does(api, grpc_client, model):
+    sampled = {"temperature": 1.0, "seed": 3, "max_tokens": 8, "n": 2}
+    response = api.completions.create(model=model, prompt="hello there", best_of=4, **sampled)
+    choices, _ = collect(grpc_client.generate("hello there", best_of=4, **sampled))
+    assert [c.text for c in response.choices] == [choices[i]["text"] for i in range(2)]
+
+
 def test_logprobs_in_completions_and_chat(api, model):
     response = api.completions.create(model=model, prompt="hello", logprobs=2, **GREEDY, extra_body=IGNORE_EOS)
     logprobs = response.choices[0].logprobs

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Container, Coroutine, Sequence
 from typing import Any
 
+import msgspec
+
 from spindle.frontend.processing.image_processor import ImageProcessor
 from spindle.frontend.processing.input_processor import InputProcessor, ProcessedPrompt, refer_to_input
 from spindle.frontend.processing.output_processor import EMBEDDING_SAMPLING_PARAMS, RequestState
@@ -226,7 +228,7 @@ class Admission:
         request = EngineRequest(
             request_id,
             prompt.prompt_token_ids,
-            EMBEDDING_SAMPLING_PARAMS if pooling is not None else params,
+            EMBEDDING_SAMPLING_PARAMS if pooling is not None else engine_params(params),
             arrival_time,
             priority,
             lora_name,
@@ -252,6 +254,17 @@ class Admission:
         return InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, ImageProcessor.from_files(files)
         )
+
+
+def engine_params(params: SamplingParams) -> SamplingParams:
+    """The parameters the engine core runs a request with.
+
+    Where the request keeps the best ``n`` of ``best_of`` completions (:class:`RequestState`), the engine runs
+    ``best_of``, each with its tokens' log-probabilities, which rank them.
+    """
+    if params.best_of is None or params.best_of == params.n:
+        return params
+    return msgspec.structs.replace(params, n=params.best_of, logprobs=params.logprobs or 0)
 
 
 def check_request_id(request_id: str) -> None:

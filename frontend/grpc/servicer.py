@@ -508,10 +508,16 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                     f"sampling_params.{field}",
                     f"SamplingParams.{field} {what.format(size)} this server's limit of {limit} ({flag})",
                 )
-        if _given(message, "n") and message.n > self.config.max_n:
-            raise InvalidRequestError(
-                "sampling_params.n", f"n={message.n} is above this server's limit of {self.config.max_n}"
-            )
+        for field in ("n", "best_of"):  # vLLM's message has no best_of
+            if (
+                field in message.DESCRIPTOR.fields_by_name
+                and _given(message, field)
+                and getattr(message, field) > self.config.max_n
+            ):
+                raise InvalidRequestError(
+                    f"sampling_params.{field}",
+                    f"{field}={getattr(message, field)} is above this server's limit of {self.config.max_n}",
+                )
         limit = self.config.max_tokens_limit
         if limit and _given(message, "max_tokens") and message.max_tokens > limit:
             raise InvalidRequestError(

@@ -321,9 +321,6 @@ class OpenAIApp:
         logprobs, echo = field(body, "logprobs", "int"), bool(field(body, "echo", "bool"))
         set_here = {} if logprobs is None else {"logprobs": logprobs}
         params = self._sampling(body, **set_here)
-        best_of = field(body, "best_of", "int")
-        if best_of is not None and best_of != params.n:
-            raise InvalidRequestError("best_of", f"best_of={best_of} must equal n={params.n}: Spindle returns all")
         if echo and logprobs is not None:
             raise InvalidRequestError("echo", "echo with logprobs is not supported: leave one of them out")
         stream, include_usage = self._stream_flags(body)

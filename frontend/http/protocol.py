@@ -43,13 +43,14 @@ SAMPLING_FIELDS: dict[str, str] = {
     "allowed_token_ids": "ids",
     "bad_words": "strs",
     "truncate_prompt_tokens": "int",
+    "best_of": "int",
 }
 """The sampling parameters both generation routes take (OpenAI's and vLLM's extras), each with its JSON kind."""
 
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user", "priority", "response_format"})
 """The other fields both generation routes take."""
 
-COMPLETION_FIELDS = frozenset(SAMPLING_FIELDS) | COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+COMPLETION_FIELDS = frozenset(SAMPLING_FIELDS) | COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 """Every field ``/v1/completions`` takes; any other is refused."""
 CHAT_FIELDS = (
     frozenset(SAMPLING_FIELDS)

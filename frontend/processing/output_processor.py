@@ -90,16 +90,18 @@ class RequestState:
             params = EMBEDDING_SAMPLING_PARAMS
         self.params = params
         self.delta = delta
-        self.final_only = final_only
+        # best_of above n: the engine runs best_of completions, and the output, once they end, keeps the best n.
+        self.best_of = params.best_of if params.best_of is not None and params.best_of > params.n else None
+        self.final_only = final_only or self.best_of is not None
         self.tools = tools
-        want_logprobs = params.logprobs is not None
+        want_logprobs = params.logprobs is not None or self.best_of is not None
         self.completions = [
             _Completion(
                 IncrementalDetokenizer(tokenizer, params, prompt_token_ids),
                 logprobs=[] if want_logprobs else None,
                 cumulative_logprob=0.0 if want_logprobs else None,
             )
-            for _ in range(params.n)
+            for _ in range(self.best_of or params.n)
         ]
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
@@ -133,6 +135,18 @@ class RequestState:
             if c.finish_reason is None
         ]
         return msgspec.structs.replace(self.request, resumed=resumed)
+
+    def _best(self, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
+        """The ``n`` of ``best_of`` finished completions with the highest cumulative log-probability, best first.
+
+        They are numbered anew; without ``logprobs`` asked, their per-token log-probabilities are left out.
+        """
+        best = sorted(outputs, key=lambda output: -output.cumulative_logprob)[: self.params.n]
+        keep_logprobs = self.params.logprobs is not None
+        return [
+            msgspec.structs.replace(output, index=i, logprobs=output.logprobs if keep_logprobs else None)
+            for i, output in enumerate(best)
+        ]
 
     def output(self) -> RequestOutput | EmbeddingRequestOutput:
         """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode).
@@ -186,6 +200,8 @@ class RequestState:
                 )
             )
             c.num_sent_tokens = len(c.token_ids)
+        if self.best_of is not None:
+            outputs = self._best(outputs)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
