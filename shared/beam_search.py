@@ -42,18 +42,18 @@ class BeamSearchParams(msgspec.Struct, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= MAX_LOGPROBS:
             raise InvalidRequestError(
-                "beam_search_params.beam_width",
+                "beam_search.beam_width",
                 f"BeamSearchParams.beam_width={self.beam_width!r} is invalid: it must be an integer in [1, "
                 f"{MAX_LOGPROBS}]",
             )
         if self.max_tokens < 1:
             raise InvalidRequestError(
-                "beam_search_params.max_tokens",
+                "beam_search.max_tokens",
                 f"BeamSearchParams.max_tokens={self.max_tokens!r} is invalid: it must be an integer >= 1",
             )
         if not math.isfinite(self.length_penalty):
             raise InvalidRequestError(
-                "beam_search_params.length_penalty",
+                "beam_search.length_penalty",
                 f"BeamSearchParams.length_penalty={self.length_penalty!r} is invalid: it must be a finite number",
             )
 

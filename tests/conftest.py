@@ -100,7 +100,7 @@ TIERS = {
     "test_smollm2": "engine",
     "test_speculative": "engine",
     "test_reasoning": "process",  # the parsers, then an engine and a gRPC server with one
-    "test_beam_search": "engine",  # LLM.beam_search against transformers' num_beams
+    "test_beam_search": "process",  # LLM.beam_search against transformers' num_beams; then over gRPC and the CLI
     "test_transfers": "engine",
     "test_warm_up": "engine",
     "test_data_parallel": "process",

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_grpc import ServerThread, assert_invalid, refusal, tiny_config
 from transformers import AutoModelForCausalLM
 
-from spindle import LLM
+from spindle import LLM, cli
+from spindle.frontend.engine.connection import start_backend
 from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.errors import InvalidRequestError
+from spindle.v1 import spindle_pb2
 
 PROMPTS = [[5, 77, 140, 9, 33], [200, 13], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]]
 MAX_TOKENS = 10
@@ -152,3 +155,51 @@ def test_bad_parameters_are_refused(make, message):
 def test_a_width_past_the_logprobs_a_step_gives_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="beam_width=11 keeps 22 extensions .* at most 10"):
         llm.beam_search("hi", BeamSearchParams(beam_width=11, max_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def server(eos_model_dir: Path):
+    process, address = start_backend(tiny_config(eos_model_dir, block_size=8))
+    server = ServerThread(address, max_n=4, max_tokens_limit=64)
+    yield server
+    server.close()
+    process.terminate()
+    process.wait(30)
+
+
+def test_grpc_and_the_cli_give_the_llms_beams(llm, server, capsys):
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, length_penalty=0.5, early_stopping="never")
+    expected = llm.beam_search({"prompt_token_ids": PROMPTS[0]}, params)[0].sequences
+    with server.client(timeout=60) as client:
+        response = client.beam_search(
+            PROMPTS[0], 4, MAX_TOKENS, length_penalty=0.5, early_stopping=spindle_pb2.EARLY_STOPPING_NEVER
+        )
+    assert response.finished and [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [list(c.token_ids) for c in response.choices] == [s.output_token_ids for s in expected]
+    assert [c.cumulative_logprob for c in response.choices] == pytest.approx([s.cum_logprob for s in expected])
+    assert [c.finish_reason for c in response.choices] == [
+        spindle_pb2.FINISH_REASON_STOP if s.finish_reason == "stop" else spindle_pb2.FINISH_REASON_LENGTH
+        for s in expected
+    ]
+    assert response.usage.prompt_tokens == len(PROMPTS[0]) and response.timings.total_seconds > 0
+    text = llm.get_tokenizer().decode(PROMPTS[0])
+    by_text = llm.beam_search(text, params)[0].sequences
+    argv = ["beam-search", text, "--address", server.address, "--max-tokens", str(MAX_TOKENS)]
+    assert cli.main([*argv, "--length-penalty", "0.5", "--early-stopping", "never"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["text"] for p in printed] == [s.text for s in by_text]
+    assert [p["score"] for p in printed] == pytest.approx([s.score for s in by_text], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("call", "field", "message"),
+    [
+        (lambda c: c.beam_search("hi", 5, 4), "beam_search.beam_width", "above this server's limit of 4"),
+        (lambda c: c.beam_search("hi", 2, 65), "beam_search.max_tokens", "above this server's limit of 64"),
+        (lambda c: c.beam_search("hi", 0, 4), "beam_search.beam_width", "beam_width=0 is invalid"),
+    ],
+)
+def test_grpc_refuses_bad_beam_searches(server, call, field, message):
+    with server.client(timeout=60) as client:
+        error = refusal(lambda: call(client))
+    assert_invalid(error, [field], message)

@@ -139,7 +139,7 @@ def test_hugging_face_kernels_and_spindle_side_by_side(full_venv, outside):
     assert Path(kernels_file) == site / "kernels" / "__init__.py"
 
 
-CLIENT_COMMANDS = "generate,chat,embed,tokenize,detokenize,lora,watch-load,model-info,server-info,health"
+CLIENT_COMMANDS = "generate,chat,beam-search,embed,tokenize,detokenize,lora,watch-load,model-info,server-info,health"
 """The commands of spindle-client, as ``spindle --help`` lists them."""
 
 

@@ -1,8 +1,8 @@
 """The ``spindle`` command line: the clients of a running server, and the servers' commands.
 
-``spindle-client`` provides the client commands, one or more per RPC: ``generate``, ``chat``, ``embed``,
-``tokenize``, ``detokenize``, ``lora list|load|unload``, ``watch-load``, ``model-info``, ``server-info`` and
-``health``. Text streams as it is generated; structured answers (embeddings, adapters, load reports, model and
+``spindle-client`` provides the client commands, one or more per RPC: ``generate``, ``chat``, ``beam-search``,
+``embed``, ``tokenize``, ``detokenize``, ``lora list|load|unload``, ``watch-load``, ``model-info``, ``server-info``
+and ``health``. Text streams as it is generated; structured answers (embeddings, adapters, load reports, model and
 server info) print as JSON, one object a line. A call the server refuses prints ``spindle: CODE: details`` to stderr
 and exits 1; bad usage exits 2.
 
@@ -269,6 +269,27 @@ def _watch_load(args: argparse.Namespace) -> int:
 
 
 @_client_command
+def _beam_search(args: argparse.Namespace) -> int:
+    fields = {"ignore_eos": args.ignore_eos, "early_stopping": _EARLY_STOPPING[args.early_stopping]}
+    if args.length_penalty is not None:
+        fields["length_penalty"] = args.length_penalty
+    with _client(args) as client:
+        response = client.beam_search(args.prompt, args.beam_width, args.max_tokens, lora_name=args.lora_name, **fields)
+    penalty = 1.0 if args.length_penalty is None else args.length_penalty
+    for choice in response.choices:
+        score = choice.cumulative_logprob / len(choice.token_ids) ** penalty
+        print(json.dumps({"index": choice.index, "score": score, "text": choice.text}))
+    return 0
+
+
+_EARLY_STOPPING = {
+    "heuristic": spindle_pb2.EARLY_STOPPING_HEURISTIC,
+    "first-finished": spindle_pb2.EARLY_STOPPING_FIRST_FINISHED,
+    "never": spindle_pb2.EARLY_STOPPING_NEVER,
+}
+
+
+@_client_command
 def _model_info(args: argparse.Namespace) -> int:
     with _client(args) as client:
         _print_json(client.model_info())
@@ -340,6 +361,25 @@ def _add_client_commands(commands: argparse._SubParsersAction) -> None:
     chat.add_argument("--system", default=None, help="a system message that starts the conversation")
     _add_request_args(chat)
     chat.set_defaults(run=_chat)
+
+    beam = _add_command(
+        commands,
+        "beam-search",
+        _beam_search,
+        "print a prompt's most likely completions, best first, one line of JSON each",
+    )
+    beam.add_argument("prompt", help="the text to complete")
+    beam.add_argument("--beam-width", type=_positive_int, default=4, help="beams kept, and printed (default 4)")
+    beam.add_argument("--max-tokens", type=_positive_int, default=16, help="most tokens a completion has (default 16)")
+    beam.add_argument("--length-penalty", type=float, default=None, help="length exponent dividing scores (default 1)")
+    beam.add_argument("--ignore-eos", action="store_true", help="never end a beam at eos")
+    beam.add_argument(
+        "--early-stopping",
+        choices=list(_EARLY_STOPPING),
+        default="heuristic",
+        help="when to stop: transformers' early_stopping False, True or 'never' (default heuristic)",
+    )
+    beam.add_argument("--lora-name", default="", help="the server's LoRA adapter to search with (default: none)")
 
     embed = _add_command(commands, "embed", _embed, "print the embedding of each text, one line of JSON each")
     embed.add_argument("text", nargs="+", help="the texts to embed, in one call")

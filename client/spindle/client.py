@@ -110,9 +110,7 @@ class SpindleClient:
             ValueError: an image's bytes are of none of those formats.
 
         """
-        message = spindle_pb2.Prompt(text=prompt) if isinstance(prompt, str) else spindle_pb2.Prompt()
-        if not isinstance(prompt, str):
-            message.token_ids.ids.extend(prompt)
+        message = _prompt(prompt)
         message.multi_modal_data.extend(image_item(data) for data in images)
         request = spindle_pb2.GenerateRequest(
             request_id=request_id,
@@ -122,6 +120,28 @@ class SpindleClient:
             lora_name=lora_name,
         )
         return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
+
+    def beam_search(
+        self,
+        prompt: str | list[int],
+        beam_width: int,
+        max_tokens: int,
+        request_id: str = "",
+        *,
+        lora_name: str = "",
+        **fields: Any,
+    ) -> spindle_pb2.GenerateResponse:
+        """The ``beam_width`` most likely completions of a prompt, best first, as ``LLM.beam_search`` finds them.
+
+        ``fields`` are the other ``BeamSearchParams`` message fields (``ignore_eos``, ``length_penalty``,
+        ``early_stopping``). The server answers with one message, when the search ends, whose choices are the beams.
+        """
+        search = spindle_pb2.BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, **fields)
+        request = spindle_pb2.GenerateRequest(
+            request_id=request_id, prompt=_prompt(prompt), beam_search=search, lora_name=lora_name
+        )
+        (response,) = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
+        return response
 
     def chat(
         self,

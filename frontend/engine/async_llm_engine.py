@@ -2,13 +2,16 @@
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from spindle.frontend.engine.admission import Admission
 from spindle.frontend.engine.async_client import RankStats
+from spindle.frontend.engine.beam_search import BeamSearch, beam_prompts, step_params, top_logprobs
 from spindle.frontend.engine.client import AsyncEngineClient, make_async_client
 from spindle.frontend.engine.connection import EngineDeadError
 from spindle.frontend.engine.kv_events import KvEventHub
@@ -17,13 +20,16 @@ from spindle.frontend.processing.output_processor import OutputProcessor, Reques
 from spindle.frontend.processing.reasoning import ReasoningParser, reasoning_parser
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import (
+    CompletionOutput,
     EmbeddingRequestOutput,
     FinishReason,
     PoolingParams,
     PromptInputs,
+    RequestMetrics,
     RequestOutput,
     SamplingParams,
 )
+from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.config import EngineConfig, RecoveryConfig, SchedulerConfig, request_id_var
 from spindle.shared.errors import RequestRefusedError
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest, check_lora_name
@@ -171,6 +177,66 @@ class AsyncLLMEngine:
         Restarted (a backend this engine started) or reconnected to (one at ``backend_address``).
         """
         return self.client.num_restarts
+
+    async def beam_search(
+        self,
+        inputs: PromptInputs,
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Beam-search one prompt, as :meth:`LLM.beam_search <spindle.frontend.engine.llm.LLM.beam_search>` does.
+
+        It yields one output, when the search ends, whose completions are the ``beam_width`` beams, best first. Each
+        step's one-token requests (``<request_id>-beam<step>-<beam>``) run concurrently; cancelling the task
+        aborts them. A completion's ``cumulative_logprob`` is its beam's, and its score is that over its length to
+        the power ``length_penalty``.
+
+        Raises:
+            InvalidRequestError: a bad prompt (or one with images), or a ``beam_width`` the log-probabilities of a
+                step cannot serve.
+
+        """
+        request_id = request_id or uuid.uuid4().hex
+        arrival = time.time()
+        token_ids = beam_prompts(self.admission.input_processor, [inputs], params)
+        search = BeamSearch(token_ids, params, self.info.eos_token_ids, self.info.max_model_len)
+        step = step_params(search)
+
+        async def extend(beam: list[int], beam_request_id: str) -> dict[int, float]:
+            outputs = self.generate({"prompt_token_ids": beam}, step, beam_request_id, lora_request=lora_request)
+            final = [output async for output in outputs][-1]  # one token: one output
+            return top_logprobs(final, search.num_candidates)
+
+        first_token_time = None
+        for number in itertools.count():
+            beams = search.running()
+            if not beams:
+                break
+            search.advance(
+                await asyncio.gather(*(extend(beam, f"{request_id}-beam{number}-{i}") for i, beam in enumerate(beams)))
+            )
+            first_token_time = first_token_time or time.time()
+        (result,) = search.outputs(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        yield RequestOutput(
+            request_id=request_id,
+            prompt=inputs if isinstance(inputs, str) else inputs.get("prompt"),
+            prompt_token_ids=token_ids[0],
+            prompt_logprobs=None,
+            outputs=[
+                CompletionOutput(
+                    index=i,
+                    text=beam.text,
+                    token_ids=beam.output_token_ids,
+                    cumulative_logprob=beam.cum_logprob,
+                    finish_reason=beam.finish_reason,
+                )
+                for i, beam in enumerate(result.sequences)
+            ],
+            finished=True,
+            metrics=RequestMetrics(arrival, first_token_time=first_token_time, finished_time=time.time()),
+        )
 
     async def generate(
         self,

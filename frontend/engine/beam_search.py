@@ -7,16 +7,15 @@ so a step computes only the tokens past the last full block of each beam. What t
 are transformers' (``GenerationMixin._beam_search``), so that its beams are the same as ``generate(num_beams=...)``'s.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from spindle.frontend.processing.input_processor import InputProcessor
+from spindle.shared import PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.outputs import FinishReason
 from spindle.shared.sampling_params import MAX_LOGPROBS
-
-NextTokens = Callable[[list[list[int]], int], list[dict[int, float]]]
-"""``next_tokens(sequences, k)``: each token sequence's ``k`` most likely next tokens, with their log-probabilities."""
 
 
 @dataclass
@@ -36,11 +35,15 @@ class _Search:
         params: the search's parameters.
         eos_token_ids: the tokens that finish a beam (none with ``ignore_eos``).
         max_len: the most tokens a beam may have, the prompt's included (the model's context length).
+        num_candidates: the extensions kept at each step (transformers' ``(1 + eos tokens) x beam_width``).
 
     """
 
-    def __init__(self, prompt: list[int], params: BeamSearchParams, eos_token_ids: set[int], max_len: int) -> None:
+    def __init__(
+        self, prompt: list[int], params: BeamSearchParams, eos_token_ids: set[int], max_len: int, num_candidates: int
+    ) -> None:
         self.params = params
+        self.num_candidates = num_candidates  # the extensions kept a step: enough that width of them do not end
         self.eos = set() if params.ignore_eos else eos_token_ids
         self.num_prompt_tokens = len(prompt)
         self.max_new = min(params.max_tokens, max_len - len(prompt))
@@ -54,11 +57,6 @@ class _Search:
         """Whether the search has stopped."""
         full = len(self.finished) == self.params.beam_width
         return not self.running or not self.improvable or (self.params.early_stopping is True and full)
-
-    @property
-    def num_candidates(self) -> int:
-        """The extensions kept at each step: enough that ``beam_width`` of them do not end at eos."""
-        return max(2, 1 + len(self.eos)) * self.params.beam_width
 
     def advance(self, next_tokens: list[dict[int, float]]) -> None:
         """Extend the running beams by one token, given each one's most likely next tokens."""
@@ -109,43 +107,80 @@ class _Search:
         return BeamSearchOutput(sequences)
 
 
-def beam_search(
-    prompts: list[list[int]],
-    params: BeamSearchParams,
-    next_tokens: NextTokens,
-    eos_token_ids: list[int],
-    max_len: int,
-    decode: Callable[[list[int]], str],
-) -> list[BeamSearchOutput]:
-    """Beam-search every prompt, stepping all the prompts' running beams together.
+class BeamSearch:
+    """The beam searches of a batch of prompts, stepped together by a driver that runs the engine's requests.
+
+    A driver (:meth:`~spindle.frontend.engine.llm.LLM.beam_search`, or the gRPC servicer over the async engine)
+    loops: while :meth:`running` gives sequences, it asks the engine for each one's :attr:`num_candidates` most
+    likely next tokens and hands them to :meth:`advance`; then :meth:`outputs` has the beams.
 
     Args:
         prompts: the prompts' token ids.
         params: the search's parameters.
-        next_tokens: the engine's step (:data:`NextTokens`): called once per step over every running beam.
         eos_token_ids: the model's eos tokens.
         max_len: the most tokens a sequence may have (the engine's ``max_model_len``).
-        decode: a completion's text from its token ids.
-
-    Returns:
-        One output per prompt, in order.
 
     Raises:
         InvalidRequestError: ``beam_width`` needs more log-probabilities a step than the engine gives
             (:data:`~spindle.shared.sampling_params.MAX_LOGPROBS`).
 
     """
-    searches = [_Search(prompt, params, set(eos_token_ids), max_len) for prompt in prompts]
-    if searches and searches[0].num_candidates > MAX_LOGPROBS:
-        raise InvalidRequestError(
-            "beam_search_params.beam_width",
-            f"beam_width={params.beam_width} keeps {searches[0].num_candidates} extensions a step with this model's "
-            f"{len(searches[0].eos)} eos token(s), more than the {MAX_LOGPROBS} log-probabilities a step gives: use "
-            f"a beam_width of at most {MAX_LOGPROBS // (searches[0].num_candidates // params.beam_width)}",
-        )
-    while live := [search for search in searches if not search.done]:
-        beams = [beam.tokens for search in live for beam in search.running]
-        extensions = iter(next_tokens(beams, live[0].num_candidates))
-        for search in live:
+
+    def __init__(
+        self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: list[int], max_len: int
+    ) -> None:
+        eos = set(eos_token_ids)
+        self.num_candidates = max(2, 1 + (0 if params.ignore_eos else len(eos))) * params.beam_width
+        self.searches = [_Search(prompt, params, eos, max_len, self.num_candidates) for prompt in prompts]
+        if self.num_candidates > MAX_LOGPROBS:
+            raise InvalidRequestError(
+                "beam_search.beam_width",
+                f"beam_width={params.beam_width} keeps {self.num_candidates} extensions a step with this model's "
+                f"eos token(s), more than the {MAX_LOGPROBS} log-probabilities a step gives: use a beam_width of at "
+                f"most {MAX_LOGPROBS // (self.num_candidates // params.beam_width)}",
+            )
+        self._live: list[_Search] = []
+
+    def running(self) -> list[list[int]]:
+        """The token sequences of every running beam of every prompt, to extend by one token; none once done."""
+        self._live = [search for search in self.searches if not search.done]
+        return [beam.tokens for search in self._live for beam in search.running]
+
+    def advance(self, next_tokens: list[dict[int, float]]) -> None:
+        """Extend the beams :meth:`running` gave, given each one's most likely next tokens (token to logprob)."""
+        extensions = iter(next_tokens)
+        for search in self._live:
             search.advance([next(extensions) for _ in search.running])
-    return [search.output(decode) for search in searches]
+
+    def outputs(self, decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
+        """One output per prompt, in order, each completion decoded by ``decode``."""
+        return [search.output(decode) for search in self.searches]
+
+
+def beam_prompts(
+    processor: InputProcessor, prompts: Sequence[PromptInputs], params: BeamSearchParams
+) -> list[list[int]]:
+    """Each prompt checked and tokenized as a request's would be (text or token ids; no images).
+
+    Raises:
+        InvalidRequestError: a prompt is refused, or holds images.
+
+    """
+    token_ids = []
+    for i, prompt in enumerate(prompts):
+        processed = processor.process(prompt, SamplingParams(max_tokens=params.max_tokens))
+        if processed.images:
+            raise InvalidRequestError(f"prompts[{i}]", "beam search takes text or token prompts, not images")
+        token_ids.append(processed.prompt_token_ids)
+    return token_ids
+
+
+def step_params(search: BeamSearch) -> SamplingParams:
+    """The parameters of the one-token request that extends a beam: greedy, with the top log-probabilities."""
+    return SamplingParams(temperature=0, max_tokens=1, logprobs=search.num_candidates, ignore_eos=True)
+
+
+def top_logprobs(output: RequestOutput, k: int) -> dict[int, float]:
+    """The ``k`` most likely next tokens of a one-token request's output, with their log-probabilities."""
+    position = output.outputs[0].logprobs[0]
+    return dict(sorted(((token, entry.logprob) for token, entry in position.items()), key=lambda item: -item[1])[:k])

@@ -7,14 +7,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spindle.frontend.engine.beam_search import beam_search
+from spindle.frontend.engine.beam_search import BeamSearch, beam_prompts, step_params, top_logprobs
 from spindle.frontend.engine.llm_engine import LLMEngine
 from spindle.frontend.processing.generation_config import default_sampling_params
 from spindle.frontend.processing.tokenizer import Tokenizer
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
 from spindle.shared.beam_search import BeamSearchOutput, BeamSearchParams
 from spindle.shared.config import EngineConfig
-from spindle.shared.errors import InvalidRequestError
 from spindle.shared.lora import LoRARequest
 
 ChatMessages = list[dict[str, Any]]
@@ -254,37 +253,19 @@ class LLM:
                 ``beam_width`` needs more log-probabilities a step than the engine gives.
 
         """
+        engine = self.llm_engine
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        processor, tokenizer = self.llm_engine.input_processor, self.llm_engine.tokenizer
-        token_ids = []
-        for i, prompt in enumerate(prompt_list):
-            processed = processor.process(prompt, SamplingParams(max_tokens=params.max_tokens))
-            if processed.images:
-                raise InvalidRequestError(f"prompts[{i}]", "beam search takes text or token prompts, not images")
-            token_ids.append(processed.prompt_token_ids)
-        bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm, dynamic_ncols=True)
-
-        def next_tokens(beams: list[list[int]], k: int) -> list[dict[int, float]]:
-            step = SamplingParams(temperature=0, max_tokens=1, logprobs=k, ignore_eos=True)
-            adders = _adders(
-                self.llm_engine.add_request, "inputs", [{"prompt_token_ids": b} for b in beams], None, lora_request
-            )
-            outputs = self._run(adders, [step] * len(beams), use_tqdm=False)
-            bar.update(1)
-            top = [sorted(out.outputs[0].logprobs[0].items(), key=lambda item: -item[1].logprob)[:k] for out in outputs]
-            return [{token: logprob.logprob for token, logprob in entries} for entries in top]
-
-        try:
-            return beam_search(
-                token_ids,
-                params,
-                next_tokens,
-                self.llm_engine.client.info.eos_token_ids,
-                self.llm_engine.max_model_len,
-                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            )
-        finally:
-            bar.close()
+        token_ids = beam_prompts(engine.input_processor, prompt_list, params)
+        search = BeamSearch(token_ids, params, engine.client.info.eos_token_ids, engine.max_model_len)
+        step = step_params(search)
+        with tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while beams := search.running():
+                prompts = [{"prompt_token_ids": beam} for beam in beams]
+                adders = _adders(engine.add_request, "inputs", prompts, None, lora_request)
+                outputs = self._run(adders, [step] * len(beams), use_tqdm=False)
+                search.advance([top_logprobs(output, search.num_candidates) for output in outputs])
+                bar.update(1)
+        return search.outputs(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _run(
         self, adders: list[Callable[..., str]], params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool

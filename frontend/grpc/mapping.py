@@ -23,6 +23,7 @@ from spindle.shared import (
     RequestOutput,
     SamplingParams,
 )
+from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.json_depth import check_json_text
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest
@@ -84,6 +85,30 @@ def sampling_params_from_proto(
     if "structured_output" in kwargs:
         kwargs["structured_output"] = structured_output_from_proto(message.structured_output)
     return SamplingParams(**kwargs)
+
+
+_EARLY_STOPPING: dict[int, bool | str] = {
+    spindle_pb2.EARLY_STOPPING_HEURISTIC: False,
+    spindle_pb2.EARLY_STOPPING_FIRST_FINISHED: True,
+    spindle_pb2.EARLY_STOPPING_NEVER: "never",
+}
+"""The proto's early stopping rules as :class:`~spindle.shared.beam_search.BeamSearchParams` takes them."""
+
+
+def beam_search_params_from_proto(message: spindle_pb2.BeamSearchParams) -> BeamSearchParams:
+    """Build (and so validate) :class:`~spindle.shared.beam_search.BeamSearchParams` from the message.
+
+    Raises:
+        InvalidRequestError: a value is out of range (the field is ``beam_search_params.<name>``).
+
+    """
+    return BeamSearchParams(
+        beam_width=message.beam_width,
+        max_tokens=message.max_tokens,
+        ignore_eos=message.ignore_eos,
+        length_penalty=message.length_penalty if message.HasField("length_penalty") else 1.0,
+        early_stopping=_EARLY_STOPPING.get(message.early_stopping, False),
+    )
 
 
 def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> StructuredOutput:

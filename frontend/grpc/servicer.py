@@ -50,6 +50,7 @@ from spindle.frontend.grpc.admission_control import AdmissionControl, CallLimit,
 from spindle.frontend.grpc.args import CEILINGS, ServerConfig
 from spindle.frontend.grpc.mapping import (
     ResponseBuilder,
+    beam_search_params_from_proto,
     embed_inputs_from_proto,
     embed_response,
     lora_adapter_to_proto,
@@ -66,6 +67,7 @@ from spindle.frontend.grpc.read_ahead import read_ahead
 from spindle.frontend.grpc.tracing import RequestTracer
 from spindle.frontend.processing.generation_config import default_sampling_params, parse_override
 from spindle.shared import EmbeddingRequestOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
+from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.errors import (
     AlreadyExistsError,
     EngineUnavailableError,
@@ -254,7 +256,17 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
     async def Generate(  # noqa: N802 - gRPC method names are CamelCase
         self, request: spindle_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spindle_pb2.GenerateResponse]:
-        """Stream the completions of one prompt."""
+        """Stream the completions of one prompt (or, with ``beam_search``, its beams)."""
+        if request.HasField("beam_search"):
+            beams = self._beam_search_params(request)
+
+            def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+                inputs = prompt_inputs_from_proto(request.prompt)
+                return self.engine.beam_search(inputs, beams, request_id, lora_request=lora_request_from_proto(request))
+
+            async for response in self._stream(request, context, "Generate", start):
+                yield response
+            return
 
         def start(params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
             inputs = prompt_inputs_from_proto(request.prompt)
@@ -483,6 +495,25 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
         self._endings.add(ending)
         ending.add_done_callback(self._endings.discard)
         handler.cancel()
+
+    def _beam_search_params(self, request: spindle_pb2.GenerateRequest) -> BeamSearchParams:
+        """A request's beam search, checked: no sampling parameters beside it, a width within ``max_n``."""
+        if request.HasField("sampling_params"):
+            raise InvalidRequestError(
+                "sampling_params", "a beam search takes no sampling_params: its parameters are in beam_search"
+            )
+        params = beam_search_params_from_proto(request.beam_search)
+        if params.beam_width > self.config.max_n:
+            raise InvalidRequestError(
+                "beam_search.beam_width",
+                f"beam_width={params.beam_width} is above this server's limit of {self.config.max_n} (--max-n)",
+            )
+        limit = self.config.max_tokens_limit
+        if limit and params.max_tokens > limit:
+            raise InvalidRequestError(
+                "beam_search.max_tokens", f"max_tokens={params.max_tokens} is above this server's limit of {limit}"
+            )
+        return params
 
     def check_limits(self, message: Any) -> None:
         """Refuse sampling parameters over this server's ``max_n``, ``max_tokens_limit`` and per-token limits.

@@ -11,6 +11,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EARLY_STOPPING_HEURISTIC: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_FIRST_FINISHED: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
+
 class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
@@ -31,6 +37,9 @@ class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_TYPE_LAST: _ClassVar[PoolingType]
     POOLING_TYPE_MEAN: _ClassVar[PoolingType]
     POOLING_TYPE_CLS: _ClassVar[PoolingType]
+EARLY_STOPPING_HEURISTIC: EarlyStopping
+EARLY_STOPPING_FIRST_FINISHED: EarlyStopping
+EARLY_STOPPING_NEVER: EarlyStopping
 TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
 TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
 TOOL_CHOICE_MODE_NONE: ToolChoiceMode
@@ -154,18 +163,34 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling_params", "priority", "lora_name")
+    __slots__ = ("request_id", "prompt", "sampling_params", "priority", "lora_name", "beam_search")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     sampling_params: SamplingParams
     priority: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    beam_search: BeamSearchParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ...) -> None: ...
+
+class BeamSearchParams(_message.Message):
+    __slots__ = ("beam_width", "max_tokens", "ignore_eos", "length_penalty", "early_stopping")
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool
+    length_penalty: float
+    early_stopping: EarlyStopping
+    def __init__(self, beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "parts")
