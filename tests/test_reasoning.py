@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 from test_grpc import ServerThread, tiny_config
 
-from spindle import LLM, SamplingParams
+from spindle import LLM, SamplingParams, cli
 from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.processing.reasoning import REASONING_PARSERS, ReasoningSplit, reasoning_parser
 from spindle.shared.config import ReasoningParserName
@@ -135,7 +135,7 @@ def test_each_step_of_a_stream_carries_only_new_reasoning_and_content(llm, delta
         assert (outputs[-1].reasoning_content, outputs[-1].text.removesuffix("#")) == (thoughts, answer)
 
 
-def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm_dir):
+def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm_dir, capsys):
     process, address = start_backend(tiny_config(tiny_llm_dir))
     server = ServerThread(address, engine_args={"reasoning_parser": "qwen3"})
     try:
@@ -143,6 +143,10 @@ def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm
             start = time.time()
             constraint = spindle_pb2.StructuredOutput(regex=THINKING.regex)
             messages = list(client.generate("Question:", temperature=0, max_tokens=40, structured_output=constraint))
+        # The CLI: the answer on stdout, the thoughts on stderr.
+        argv = ["generate", "Question:", "--regex", THINKING.regex, "--temperature", "0", "--max-tokens", "40"]
+        assert cli.main([*argv, "--address", server.address]) == 0
+        printed = capsys.readouterr()
     finally:
         server.close()
         process.terminate()
@@ -152,6 +156,7 @@ def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm
     answer = "".join(d.text for d in deltas).removesuffix("#")
     assert thoughts and answer and "<think>" not in answer and "</think>" not in thoughts + answer
     assert re.fullmatch(THINKING.regex, f"<think>{thoughts}</think>{answer}")
+    assert printed.out.strip().removesuffix("#") == answer and printed.err.strip() == thoughts
     last = messages[-1]
     assert last.finished and not any(m.HasField("timings") for m in messages[:-1])
     timings = last.timings

@@ -159,13 +159,23 @@ def _client_command(run: _Command) -> _Command:
 
 
 def _print_stream(responses: Iterator[spindle_pb2.GenerateResponse]) -> str:
-    """Print choice 0's text as it streams; returns it."""
-    text = ""
+    """Print choice 0's text as it streams; returns it.
+
+    A reasoning model's thoughts (a server with ``--reasoning-parser``) go to stderr, so that stdout is the answer.
+    """
+    text, thinking = "", False
     for response in responses:
         for choice in response.choices:
-            if choice.index == 0:
-                text += choice.text
-                print(choice.text, end="", flush=True)
+            if choice.index != 0:
+                continue
+            if choice.HasField("reasoning_content"):
+                thinking = True
+                print(choice.reasoning_content, end="", file=sys.stderr, flush=True)
+            if choice.text and thinking:
+                thinking = False
+                print(file=sys.stderr)
+            text += choice.text
+            print(choice.text, end="", flush=True)
     print()
     return text
 
