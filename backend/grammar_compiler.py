@@ -168,6 +168,32 @@ def start_worker(tokenizer_info: str, parent_pid: int) -> None:
     _compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
+# xgrammar's JSON number rules: an integer part of unbounded digits, a fraction and an exponent of one or more.
+_INTEGER_PART = re.compile(r"\[1-9\] \[0-9\]\*")
+_FRACTION = re.compile(r'\("\." (\w+)\{1, -1\}\)')
+_EXPONENT = re.compile(r"\[eE\] (\w+) (\w+)\{1, -1\}")
+
+
+def bounded_numbers(ebnf: str) -> str:
+    """A JSON grammar's (xgrammar's EBNF) number literals bounded to what a double holds.
+
+    xgrammar lets a number have any count of digits, and a model writing one can go on until ``max_tokens`` cuts the
+    JSON off (``2000000000.000000000125000022393411251...``). Here an integer part has at most 16 digits (a double's
+    15-17 significant ones), a fraction at most 16, and an exponent at most 308: every literal parses to a finite
+    double, and a long one must end where a double would stop telling its digits apart.
+
+    Raises:
+        RuntimeError: the grammar has numbers whose rules are not the ones this rewrites (another xgrammar).
+
+    """
+    bounded = _INTEGER_PART.sub("[1-9] [0-9]{0, 15}", ebnf)
+    bounded = _FRACTION.sub(r'("." \1{1, 16})', bounded)
+    bounded = _EXPONENT.sub(r'[eE] \1 (\2 | \2 \2 | [0-2] \2 \2 | "30" [0-8])', bounded)
+    if "basic_number ::=" in ebnf and (bounded.count("{1, 16}") != 1 or "[0-8]" not in bounded):
+        raise RuntimeError("xgrammar's JSON number rules changed: bounded_numbers() needs updating")
+    return bounded
+
+
 def compile_in_worker(kind: str, text: str) -> str:
     """Compile a spec in a worker; its grammar serialized as JSON.
 
@@ -180,8 +206,11 @@ def compile_in_worker(kind: str, text: str) -> str:
     try:
         match kind:
             case "json_schema" | "json_object":
+                import xgrammar
+
                 # No free whitespace: a model could pad with it forever, and compact JSON is what it wants.
-                grammar = _compiler.compile_json_schema(text, any_whitespace=False)
+                schema = xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
+                grammar = _compiler.compile_grammar(bounded_numbers(str(schema)))
             case "regex":
                 grammar = _compiler.compile_regex(text)
             case _:  # grammar, and choice (turned into one)

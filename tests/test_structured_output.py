@@ -7,6 +7,7 @@ gRPC (a random model's strings need not end; a real one's do).
 """
 
 import json
+import math
 import os
 import re
 import time
@@ -173,6 +174,46 @@ def test_regex_and_choice_outputs_match(llm, params):
     if params.get("logprobs"):
         # Logprobs are those of the constrained distribution: the "-" after three digits is certain.
         assert all(c.logprobs[3][c.token_ids[3]].logprob == pytest.approx(0) for c in phones.outputs)
+
+
+@pytest.mark.parametrize(
+    ("literal", "accepted"),
+    [
+        ("1.5", True),
+        ("-0.25e-7", True),
+        ("1234567890123456", True),  # 16 digits
+        ("12345678901234567", False),  # 17
+        ("0." + "1" * 16, True),
+        ("0." + "1" * 17, False),
+        ("2000000000.000000000125000022393411251", False),  # what a model wrote until max_tokens cut it
+        ("1e308", True),
+        ("1E+299", True),
+        ("1e309", False),  # past a double: inf
+        ("1e1000", False),
+    ],
+)
+def test_json_number_literals_are_bounded_to_what_a_double_holds(literal, accepted):
+    import xgrammar
+
+    schema = json.dumps({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    ebnf = grammar_compiler.bounded_numbers(str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)))
+    # Within the bounds a literal parses to a finite double; past them the grammar refuses it.
+    assert (
+        xgrammar.testing._is_grammar_accept_string(xgrammar.Grammar.from_ebnf(ebnf), f'{{"x": {literal}}}') is accepted
+    )
+    assert math.isfinite(float(literal)) or not accepted
+
+
+def test_a_model_that_favours_digits_still_ends_its_json(llm):
+    """Digits biased up, a number would run until max_tokens cut the JSON; bounded, the object closes and parses."""
+    digits = {token: 8.0 for token in llm.get_tokenizer().encode("0123456789", add_special_tokens=False)}
+    schema = {"type": "object", "properties": {"population": {"type": "number"}}, "required": ["population"]}
+    params = SamplingParams(
+        temperature=0, max_tokens=80, logit_bias=digits, structured_output=StructuredOutput(json_schema=schema)
+    )
+    completion = llm.generate("The population is", params, use_tqdm=False)[0].outputs[0]
+    value = json.loads(answer(completion))["population"]
+    assert completion.finish_reason == "stop" and math.isfinite(value)
 
 
 def test_a_constrained_request_leaves_its_neighbours_alone(llm):
