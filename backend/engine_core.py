@@ -321,7 +321,8 @@ class EngineCore:
                 request's may fill the context), a generation request comes to an embedding model, an embedding
                 request's pooling parameters do not fit the model (``dimensions`` above the hidden size, ``n > 1``),
                 or a resumed request's completions do not fit it (an embedding request's, completions listed twice
-                or outside ``range(n)``, or one that has nothing left to generate).
+                or outside ``range(n)``, or one that has nothing left to generate), or its logits processors do not
+                build (an unknown name, arguments the class refuses).
             NotFoundError: ``lora_name`` names no loaded LoRA adapter (field ``lora_name``).
 
         """
@@ -347,6 +348,8 @@ class EngineCore:
             )
         if request.images:
             self._check_images(request)
+        if request.params.logits_processors:
+            self.runner.sampler.processors.build(request.params.logits_processors)  # refuses what would not build
         outputs = self._resumed_outputs(request)
         lora_id = self.runner.lora_id(request.lora_name) if request.lora_name else None
         seqs = [

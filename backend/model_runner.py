@@ -23,6 +23,7 @@ from tqdm import tqdm
 from spindle.backend import parallel
 from spindle.backend.encoder_cache import EncoderCache
 from spindle.backend.input_buffers import InputBuffers, StepInputs
+from spindle.backend.logits_processors import LogitsProcessors
 from spindle.backend.lora_manager import LoraManager
 from spindle.backend.memory import KVBudget, MemoryMeter, kv_cache_budget, release_freed_heap
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
@@ -334,7 +335,8 @@ class ModelRunner:
                     "them, on torch's own ops, slower."
                 ) from error
             logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
-        self.sampler = Sampler(checkpoint.vocab_size, checkpoint.eos_token_ids)
+        processors = LogitsProcessors(config.sampling.logits_processors)
+        self.sampler = Sampler(checkpoint.vocab_size, checkpoint.eos_token_ids, processors)
         self.lora = LoraManager(
             self.model,
             config.lora.max_loras,

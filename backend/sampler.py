@@ -3,7 +3,8 @@
 Every stage runs as a handful of tensor operations over the rows that use it and is skipped when none
 does, so an all-greedy batch without penalties, biases or logprobs costs one ``argmax``. The stages, in
 order: the token restrictions (the grammar mask of structured output, ``allowed_token_ids``, ``bad_words``),
-logprobs, logit bias, min_tokens, penalties (repetition, frequency, presence); then greedy
+logprobs, the request's logits processors (:mod:`spindle.backend.logits_processors`, row by row), logit bias,
+min_tokens, penalties (repetition, frequency, presence); then greedy
 rows take the argmax and the others go through temperature, top-k, top-p and min-p (Hugging Face's
 warper order) before an exponential race picks the token. Full-vocabulary temporaries are avoided
 where possible: on a CPU, allocating one costs more than the arithmetic on it. On CUDA nothing here waits for the
@@ -18,6 +19,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from spindle.backend.logits_processors import LogitsProcessors
 from spindle.backend.transfers import fetch, to_device
 from spindle.kernels import argmax
 from spindle.shared import SamplingParams, TokenLogprobs
@@ -142,9 +144,11 @@ class Sampler:
 
     """
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], processors: LogitsProcessors | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
+        self.processors = processors or LogitsProcessors()
+        self._instances = _PerRequest(lambda params: self.processors.build(params.logits_processors))
         self._biases = _PerRequest(self._bias_arrays)
         self._allowed = _PerRequest(self._allowed_positions)
         self._bad_words = _PerRequest(self._bad_word_sequences)
@@ -179,6 +183,7 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = _take(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
 
+        self._apply_logits_processors(logits, seqs)
         self._apply_logit_bias(logits, params)
         self._apply_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)
@@ -236,6 +241,15 @@ class Sampler:
             to_device(positions, torch.int64, logits.device),
             to_device(np.concatenate(values), torch.float32, logits.device),
         )
+
+    def _apply_logits_processors(self, logits: torch.Tensor, seqs: list[SampleRow]) -> None:
+        """Run each row's request's logits processors on its row (:mod:`spindle.backend.logits_processors`)."""
+        params = [s.params for s in seqs]
+        rows = [i for i, p in enumerate(params) if p.logits_processors]
+        for row, processors in zip(rows, self._instances.of(params, rows), strict=True):
+            seq = seqs[row]
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            logits[row] = self.processors.apply(processors, prompt, seq.output_token_ids, logits[row])
 
     def _bias_arrays(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
         """A request's logit bias as arrays of token ids (those in the vocabulary) and their biases."""

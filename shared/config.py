@@ -255,7 +255,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, list | tuple):  # from the command line: name=path strings
-            object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+            object.__setattr__(self, "lora_modules", parse_named(self.lora_modules, "lora module", "path"))
         _check_at_least(self, 1, "max_loras", "max_lora_rank", "max_loaded_loras")
         if self.allow_runtime_lora and not self.lora_dir:
             raise ValueError("allow_runtime_lora needs lora_dir: the directory runtime-loaded adapters must lie in")
@@ -339,11 +339,32 @@ class StructuredOutputConfig:
             raise ValueError(f"grammar_compile_timeout={self.grammar_compile_timeout} must be > 0 seconds")
 
 
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What the sampler may run besides its own stages.
+
+    Attributes:
+        logits_processors: logits processor classes requests may select by name, ``name=module:Class`` each (on the
+            command line ``--logits-processors ban=myproj.ban:BanTokens``), beside Spindle's own and those of the
+            ``spindle.logits_processors`` entry point group (:mod:`spindle.backend.logits_processors`). The module
+            must import in the backend process.
+
+    """
+
+    logits_processors: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logits_processors, list | tuple):  # from the command line: name=module:Class strings
+            named = parse_named(self.logits_processors, "logits processor", "module:Class")
+            object.__setattr__(self, "logits_processors", named)
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 SECTIONS["lora"] = LoraConfig
 SECTIONS["recovery"] = RecoveryConfig
 SECTIONS["backend"] = BackendConfig
 SECTIONS["structured_output"] = StructuredOutputConfig
+SECTIONS["sampling"] = SamplingConfig
 """The parts of :class:`EngineConfig`, each one concern's settings, by attribute name."""
 
 
@@ -364,6 +385,7 @@ class EngineConfig:
         recovery: the frontend's handling of a backend's death (:class:`RecoveryConfig`).
         backend: the backend process's liveness limit, socket secret and message size (:class:`BackendConfig`).
         structured_output: grammar compiles (:class:`StructuredOutputConfig`).
+        sampling: the logits processors requests may select (:class:`SamplingConfig`).
 
     """
 
@@ -375,6 +397,7 @@ class EngineConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     @classmethod
     def of(cls, **settings: object) -> "EngineConfig":
@@ -413,17 +436,21 @@ class EngineConfig:
 _PART_OF = {f.name: part for part, section in SECTIONS.items() for f in fields(section)}
 
 
-def parse_lora_modules(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """``["name=path", ...]`` (``--lora-modules``) as a dict, refusing a malformed entry or a repeated name."""
-    modules: dict[str, str] = {}
+def parse_named(specs: list[str] | tuple[str, ...], what: str, value: str) -> dict[str, str]:
+    """``["name=value", ...]`` (``--lora-modules``, ``--logits-processors``) as a dict.
+
+    A malformed entry or a repeated name is refused; ``what`` and ``value`` name the entries and their values in the
+    errors.
+    """
+    named: dict[str, str] = {}
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"lora module {spec!r} must be written name=path")
-        if name in modules:
-            raise ValueError(f"lora module name {name!r} is given twice")
-        modules[name] = path
-    return modules
+        name, sep, given = spec.partition("=")
+        if not sep or not name or not given:
+            raise ValueError(f"{what} {spec!r} must be written name={value}")
+        if name in named:
+            raise ValueError(f"{what} name {name!r} is given twice")
+        named[name] = given
+    return named
 
 
 def attribute_help(cls: type) -> dict[str, str]:

@@ -44,6 +44,32 @@ MAX_BAD_WORD_LENGTH = 256
 step."""
 
 
+MAX_LOGITS_PROCESSORS = 8
+"""The most logits processors a request may select."""
+
+
+class LogitsProcessorSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A logits processor the server registered, selected by name, with the keyword arguments it is built with.
+
+    The backend refuses an unknown name or arguments the class refuses, naming
+    ``sampling_params.logits_processors[i]`` (:mod:`spindle.backend.logits_processors`).
+
+    Attributes:
+        name: the processor's registered name (``no_repeat_ngram`` is Spindle's own).
+        args: its keyword arguments, a JSON object (nested at most
+            :data:`~spindle.shared.json_depth.MAX_JSON_DEPTH` levels).
+
+    """
+
+    name: str
+    args: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise InvalidRequestError("sampling_params.logits_processors", "a logits processor needs a name")
+        check_json_value(self.args, "sampling_params.logits_processors")
+
+
 class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A constraint on what a completion may be; set exactly one field.
 
@@ -166,6 +192,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             log-probability, best first (vLLM's); at least ``n``, and above ``n`` only when sampling (greedy
             completions would be the same). Above ``n``, the request has one output, when it finishes, and
             ``cumulative_logprob`` is set whether or not ``logprobs`` was asked.
+        logits_processors: processors the server registered, by name, with their arguments
+            (:class:`LogitsProcessorSpec`), applied in order to every row of the request after the token restrictions
+            and before the logit bias; at most :data:`~spindle.shared.sampling_params.MAX_LOGITS_PROCESSORS`.
 
     """
 
@@ -197,6 +226,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
+    logits_processors: list[LogitsProcessorSpec] | None = None
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
@@ -204,6 +234,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(name, value, math.isfinite(value), "a finite number")
         _check("n", self.n, self.n >= 1, "an integer >= 1")
         _check("best_of", self.best_of, self.best_of is None or self.best_of >= self.n, "None or an integer >= n")
+        _check_size("logits_processors", self.logits_processors, MAX_LOGITS_PROCESSORS, "processors")
         _check(
             "best_of",
             self.best_of,

@@ -76,6 +76,19 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _logits_processor(value: str) -> spindle_pb2.LogitsProcessor:
+    """``NAME`` or ``NAME=JSON`` (its arguments, a JSON object) as the message that selects the processor."""
+    name, _, args = value.partition("=")
+    if args:
+        try:
+            parsed = json.loads(args)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{name}'s arguments are not JSON: {error}") from None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{name}'s arguments must be a JSON object")
+    return spindle_pb2.LogitsProcessor(name=name, args_json=args)
+
+
 def _add_request_args(parser: argparse.ArgumentParser) -> None:
     """The sampling, structured output, scheduling and adapter flags of ``generate`` and ``chat``."""
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
@@ -97,6 +110,15 @@ def _add_request_args(parser: argparse.ArgumentParser) -> None:
         "--priority", type=int, default=0, help="lower runs first on a server with --scheduling-policy priority"
     )
     parser.add_argument("--lora-name", default="", help="the server's LoRA adapter to generate with (default: none)")
+    parser.add_argument(
+        "--logits-processor",
+        type=_logits_processor,
+        action="append",
+        default=None,
+        metavar="NAME[=JSON]",
+        help="a logits processor the server registered, with its arguments as a JSON object (repeatable; "
+        'e.g. no_repeat_ngram={"ngram_size": 3})',
+    )
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument(
         "--json-schema",
@@ -134,6 +156,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         "stop": args.stop,
         "num_speculative_tokens": args.speculate,
         "structured_output": _structured_output(args),
+        "logits_processors": args.logits_processor,
     }
 
 

@@ -27,7 +27,7 @@ from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.json_depth import check_json_text
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest
-from spindle.shared.sampling_params import StructuredOutput
+from spindle.shared.sampling_params import LogitsProcessorSpec, StructuredOutput
 from spindle.v1 import spindle_pb2
 
 _FINISH_REASONS = {
@@ -84,6 +84,8 @@ def sampling_params_from_proto(
             kwargs[field.name] = value
     if "structured_output" in kwargs:
         kwargs["structured_output"] = structured_output_from_proto(message.structured_output)
+    if message.logits_processors:
+        kwargs["logits_processors"] = [logits_processor_from_proto(m) for m in message.logits_processors]
     return SamplingParams(**kwargs)
 
 
@@ -109,6 +111,26 @@ def beam_search_params_from_proto(message: spindle_pb2.BeamSearchParams) -> Beam
         length_penalty=message.length_penalty if message.HasField("length_penalty") else 1.0,
         early_stopping=_EARLY_STOPPING.get(message.early_stopping, False),
     )
+
+
+def logits_processor_from_proto(message: spindle_pb2.LogitsProcessor) -> LogitsProcessorSpec:
+    """The :class:`~spindle.shared.sampling_params.LogitsProcessorSpec` of the message, its JSON arguments parsed.
+
+    Raises:
+        InvalidRequestError: the arguments are not a JSON object (field ``sampling_params.logits_processors``).
+
+    """
+    field = "sampling_params.logits_processors"
+    args = {}
+    if message.args_json:
+        check_json_text(message.args_json, field)
+        try:
+            args = json.loads(message.args_json)
+        except ValueError as error:
+            raise InvalidRequestError(field, f"args_json is not JSON: {error}") from error
+        if not isinstance(args, dict):
+            raise InvalidRequestError(field, f"args_json must be a JSON object, not {type(args).__name__}")
+    return LogitsProcessorSpec(name=message.name, args=args)
 
 
 def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> StructuredOutput:

@@ -44,6 +44,7 @@ SAMPLING_FIELDS: dict[str, str] = {
     "bad_words": "strs",
     "truncate_prompt_tokens": "int",
     "best_of": "int",
+    "logits_processors": "list",
 }
 """The sampling parameters both generation routes take (OpenAI's and vLLM's extras), each with its JSON kind."""
 
@@ -241,6 +242,8 @@ def sampling_message(body: dict[str, Any], names: dict[str, str] | None = None) 
                 getattr(message, name).extend(value)
             elif name == "logit_bias":
                 message.logit_bias.update({int(token): bias for token, bias in value.items()})
+            elif name == "logits_processors":
+                message.logits_processors.extend(_logits_processor(entry, given) for entry in value)
             else:
                 setattr(message, name, value)
         except (ValueError, TypeError, OverflowError) as error:
@@ -251,6 +254,16 @@ def sampling_message(body: dict[str, Any], names: dict[str, str] | None = None) 
         if constraint is not None:
             message.structured_output.CopyFrom(constraint)
     return message
+
+
+def _logits_processor(entry: object, given: str) -> spindle_pb2.LogitsProcessor:
+    """A ``{"name": ..., "args": {...}}`` entry of ``logits_processors`` as its message."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or set(entry) - {"name", "args"}:
+        raise InvalidRequestError(given, f'each of {given} must be {{"name": str, "args": object}}')
+    args = entry.get("args") or {}
+    if not isinstance(args, dict):
+        raise InvalidRequestError(given, f"{given}' args must be an object")
+    return spindle_pb2.LogitsProcessor(name=entry["name"], args_json=json.dumps(args))
 
 
 def _structured_output(response_format: dict[str, Any]) -> spindle_pb2.StructuredOutput | None:

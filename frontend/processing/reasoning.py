@@ -17,10 +17,10 @@ class ReasoningSplit(NamedTuple):
 
 
 class ReasoningParser:
-    """Splits the text of a model that thinks between :attr:`start` and :attr:`end` tags before it answers.
+    """Splits the text of a model that thinks between ``start`` and ``end`` tags before it answers.
 
-    A subclass names its family (:attr:`name`, what ``--reasoning-parser`` takes) and whether its text starts in the
-    thinking block without writing :attr:`start` (the chat template wrote it into the prompt).
+    A subclass names its family (``name``, what ``--reasoning-parser`` takes) and whether its text starts in the
+    thinking block without writing ``start`` (the chat template wrote it into the prompt).
     """
 
     name: ClassVar[str]
