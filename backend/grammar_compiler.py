@@ -13,6 +13,7 @@ xgrammar imports torch, and building its tokenizer table takes seconds, so nothi
 """
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -194,6 +195,23 @@ def bounded_numbers(ebnf: str) -> str:
     return bounded
 
 
+def structural_tag_format(text: str) -> str:
+    """A structural tag in xgrammar's ``format`` form.
+
+    The older ``structures``/``triggers`` form (vLLM's first) becomes the ``triggered_tags`` format it stands for;
+    the ``format`` form is taken as it is.
+    """
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return text
+    tags = [
+        {"begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]}, "end": s["end"]}
+        for s in tag["structures"]
+    ]
+    triggered = {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": triggered})
+
+
 def compile_in_worker(kind: str, text: str) -> str:
     """Compile a spec in a worker; its grammar serialized as JSON.
 
@@ -213,6 +231,11 @@ def compile_in_worker(kind: str, text: str) -> str:
                 grammar = _compiler.compile_grammar(bounded_numbers(str(schema)))
             case "regex":
                 grammar = _compiler.compile_regex(text)
+            case "structural_tag":
+                import xgrammar
+
+                tagged = xgrammar.Grammar.from_structural_tag(structural_tag_format(text))
+                grammar = _compiler.compile_grammar(bounded_numbers(str(tagged)))
             case _:  # grammar, and choice (turned into one)
                 grammar = _compiler.compile_grammar(text)
     except Exception as error:

@@ -86,6 +86,10 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         regex: a regular expression the whole output matches.
         grammar: a grammar in EBNF (xgrammar's dialect, GBNF-like, with a ``root`` rule).
         choice: the output is one of these strings, exactly.
+        structural_tag: an xgrammar structural tag, as JSON text or a dict (vLLM's ``structural_tag``): the
+            ``{"type": "structural_tag", "format": {...}}`` form, or the older ``{"structures": [{"begin", "schema",
+            "end"}], "triggers": [...]}``, in which free text may call structures that start at a trigger (tool calls
+            written inline: ``<function=get_weather>{...}</function>``).
 
     """
 
@@ -94,6 +98,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -116,6 +121,10 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise InvalidRequestError(
                     _JSON_SCHEMA_FIELD, f"a JSON schema is an object or a boolean, not {type(schema).__name__}"
                 )
+        if self.structural_tag is not None:
+            self.structural_tag = _json_object_text(
+                self.structural_tag, "sampling_params.structured_output.structural_tag"
+            )
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
                 raise InvalidRequestError(f"sampling_params.structured_output.{name}", f"the {name} is empty")
@@ -130,7 +139,24 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
-_CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
+_CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
+
+
+def _json_object_text(value: str | dict[str, Any], field: str) -> str:
+    """A JSON object given as a dict or as text, checked (an object, nested at most ``MAX_JSON_DEPTH``), as text."""
+    if isinstance(value, dict):
+        check_json_value(value, field)
+        return json.dumps(value)
+    check_json_text(value, field)
+    try:
+        parsed = json.loads(value)
+    except ValueError as error:
+        raise InvalidRequestError(field, f"{field} is not valid JSON: {error}") from error
+    if not isinstance(parsed, dict):
+        raise InvalidRequestError(field, f"{field} must be a JSON object, not {type(parsed).__name__}")
+    return value
+
+
 _JSON_SCHEMA_FIELD = "sampling_params.structured_output.json_schema"
 
 

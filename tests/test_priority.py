@@ -10,6 +10,7 @@ from spindle import LLM, LLMEngine, SamplingParams
 from spindle.frontend.grpc.args import ServerConfig
 from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.shared.config import EngineConfig, add_engine_args, config_from_args, config_from_json, config_to_json
+from spindle.shared.protocol import EngineInfo
 from spindle.v1 import spindle_pb2
 
 
@@ -72,6 +73,11 @@ def test_llm_takes_one_priority_per_prompt(tiny_llm_dir, monkeypatch, method):
 
 class RecordingEngine:
     """Stands in for AsyncLLMEngine: records the keywords each stream starts with, and streams nothing."""
+
+    # What the servicer reads of the engine when it starts (its served name, the generation config's files).
+    info = EngineInfo(
+        "tiny", max_model_len=128, vocab_size=256, eos_token_ids=[2], num_kv_blocks=8, block_size=16, tokenizer_files={}
+    )
 
     def __init__(self) -> None:
         self.keywords: list[dict[str, object]] = []

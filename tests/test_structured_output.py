@@ -216,6 +216,54 @@ def test_a_model_that_favours_digits_still_ends_its_json(llm):
     assert completion.finish_reason == "stop" and math.isfinite(value)
 
 
+STRUCTURAL_TAGS = {
+    "format": {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": "<answer>"},
+                {
+                    "type": "json_schema",
+                    "json_schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                },
+                {"type": "const_string", "value": "</answer>"},
+            ],
+        },
+    },
+    "legacy": {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"enum": [1, 2]}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    },
+}
+
+
+@pytest.mark.parametrize("form", STRUCTURAL_TAGS)
+def test_a_structural_tag_constrains_the_output(llm, form):
+    params = SamplingParams(
+        temperature=1.0, seed=5, max_tokens=60, structured_output=StructuredOutput(structural_tag=STRUCTURAL_TAGS[form])
+    )
+    text = answer(llm.generate("Answer:", params, use_tqdm=False)[0].outputs[0])
+    if form == "format":
+        match = re.fullmatch(r"<answer>(.*)</answer>", text, re.S)  # the format allows whitespace in the JSON
+        assert match is not None and isinstance(json.loads(match[1])["n"], int), text
+    else:  # free text; each call of the structure holds what its schema allows
+        assert all(call in ("1", "2") for call in re.findall(r"<f>(.*?)</f>", text)), text
+
+
+@pytest.mark.parametrize(
+    ("tag", "message"),
+    [
+        ("[1]", "must be a JSON object, not list"),
+        ("{", "is not valid JSON"),
+    ],
+)
+def test_a_malformed_structural_tag_is_refused_when_built(tag, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        StructuredOutput(structural_tag=tag)
+
+
 def test_a_constrained_request_leaves_its_neighbours_alone(llm):
     free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     alone = run(llm, ["the same free prompt"], [free])

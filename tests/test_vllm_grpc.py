@@ -172,7 +172,11 @@ def test_model_info_and_loads_match_the_engine(vllm, server):
         ({"kv_transfer_params_json": "{}"}, "kv_transfer_params_json"),
         ({"data_parallel_rank": 0}, "data_parallel_rank"),
         ({"media_refs": pb.MediaRefs(items=[pb.MediaRef(url="http://x/a.png")])}, "media_refs"),
-        ({"sampling_params": pb.SamplingParams(structural_tag="{}")}, "sampling_params.structural_tag"),
+        # A structural tag without its format: xgrammar's compile refuses it, as spindle.v1's would.
+        (
+            {"sampling_params": pb.SamplingParams(structural_tag="{}")},
+            "sampling_params.structured_output.structural_tag",
+        ),
         ({"sampling_params": pb.SamplingParams(n=5)}, "sampling_params.n"),  # over the server's max_n, as spindle.v1
     ],
 )

@@ -144,7 +144,7 @@ def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> Struc
     match message.WhichOneof("kind"):
         case None:
             raise InvalidRequestError(
-                field, f"{field} is empty: set one of json_schema, json_object, regex, grammar, choice"
+                field, f"{field} is empty: set one of json_schema, json_object, regex, grammar, choice, structural_tag"
             )
         case "json_object" if not message.json_object:
             raise InvalidRequestError(f"{field}.json_object", "json_object must be true when set")

@@ -8,7 +8,7 @@ chooses every error's code). Token ids go in and out: the gateway tokenizes and 
 ``complete`` per completion as it ends (finish reason, matched stop, token counts, ``cached_tokens``; its
 ``output_ids`` are empty, as the chunks carried them); without ``stream``, one ``complete`` per completion once all
 have ended, with every token id. A field that Spindle cannot honour (KV transfer params, multimodal inputs, media
-refs, a data-parallel rank, structural tags) is refused with ``INVALID_ARGUMENT`` naming it, never dropped.
+refs, a data-parallel rank) is refused with ``INVALID_ARGUMENT`` naming it, never dropped.
 ``GetTokenizer`` streams the tokenizer files the frontend loaded, as one zip archive. ``Embed`` pools a prompt's hidden
 states as ``spindle.v1`` ``Embed`` does by default. ``FlushCache`` resets every backend's prefix cache.
 
@@ -67,11 +67,6 @@ UNSUPPORTED_REQUEST_FIELDS = {
 }
 """``GenerateRequest`` fields Spindle cannot honour, and why: a request that sets one is refused."""
 
-UNSUPPORTED_SAMPLING_FIELDS = {
-    "structural_tag": "structural tags are not supported: use json_schema, regex, grammar, json_object or choice",
-}
-"""``SamplingParams`` fields Spindle cannot honour, and why."""
-
 KV_EPOCH_METADATA = "spindle-kv-epoch"
 """The ``SubscribeKvEvents`` stream's initial metadata key whose value changes when the frontend or a backend
 restarts (the protocol has no field for the producer's epoch)."""
@@ -91,13 +86,9 @@ def sampling_params_from_vllm(message: pb.SamplingParams) -> SamplingParams:
     ``top_p``, ``repetition_penalty``); an unset ``max_tokens`` generates up to the context's end, as vLLM does.
 
     Raises:
-        InvalidRequestError: a value is out of range, or the message sets a field of
-            ``UNSUPPORTED_SAMPLING_FIELDS``.
+        InvalidRequestError: a value is out of range.
 
     """
-    for name, reason in UNSUPPORTED_SAMPLING_FIELDS.items():
-        if message.HasField(name):
-            raise InvalidRequestError(f"sampling_params.{name}", f"sampling_params.{name}: {reason}")
     kwargs = {
         "n": message.n or 1,
         "top_p": message.top_p or 1.0,
