@@ -1,5 +1,6 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, a free list, reference counts and prefix sharing."""
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -11,6 +12,17 @@ from spindle.shared.protocol import KvBlockRemoved, KvBlockStored, KvCacheCleare
 def _image_hashes(seq: Sequence, start: int, end: int) -> bytes:
     """The content hashes of ``seq``'s images whose placeholders overlap positions ``[start, end)``, in order."""
     return b"".join(image.content_hash for image in seq.images if image.overlaps(start, end))
+
+
+def _root(seq: Sequence) -> bytes:
+    """What ``seq``'s first block chains from: its salt and adapter, and the embeddings of a prompt given as them.
+
+    Every prompt of embeddings has the same placeholder tokens: without its embeddings' hash, two would share K/V.
+    """
+    root = root_hash(seq.params.cache_salt, seq.lora_id)
+    if seq.prompt_embeds is None:
+        return root
+    return hashlib.sha256(root + seq.prompt_embeds.content_hash).digest()
 
 
 class Block:
@@ -162,7 +174,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         hits: list[int] = []
-        parent = root_hash(seq.params.cache_salt, seq.lora_id)
+        parent = _root(seq)
         for start in range(0, len(seq) - self.block_size + 1, self.block_size):
             end = start + self.block_size
             parent = block_hash(parent, seq.token_ids[start:end], _image_hashes(seq, start, end) if seq.images else b"")
@@ -274,7 +286,7 @@ class BlockManager:
             start, stop = i * self.block_size, (i + 1) * self.block_size
             images = _image_hashes(seq, start, stop) if seq.images else b""
             block.token_ids = seq.token_ids[start:stop]
-            chained = root_hash(seq.params.cache_salt, seq.lora_id) if parent is None else parent
+            chained = _root(seq) if parent is None else parent
             block.hash = block_hash(chained, block.token_ids, images)
             block.parent, block.lora_id = parent, seq.lora_id
             # Only the first block of a hash is cached (and stored): a second is a copy no lookup finds.

@@ -348,6 +348,8 @@ class EngineCore:
             )
         if request.images:
             self._check_images(request)
+        if request.prompt_embeds is not None:
+            self._check_prompt_embeds(request)
         if request.params.logits_processors:
             self.runner.sampler.processors.build(request.params.logits_processors)  # refuses what would not build
         outputs = self._resumed_outputs(request)
@@ -364,6 +366,7 @@ class EngineCore:
                 lora_id=lora_id,
                 images=request.images,
                 output_token_ids=outputs.get(i),
+                prompt_embeds=request.prompt_embeds,
             )
             for i in request.indices
         ]
@@ -401,6 +404,27 @@ class EngineCore:
                     f"max_model_len={self.max_model_len} with the prompt, and has nothing left to generate",
                 )
         return {completion.index: completion.token_ids for completion in request.resumed}
+
+    def _check_prompt_embeds(self, request: EngineRequest) -> None:
+        """Refuse embeddings that are not one row of the model's hidden size per prompt position.
+
+        Raises:
+            InvalidRequestError: for ``prompt.prompt_embeds``.
+
+        """
+        embeds = request.prompt_embeds
+        expected = [len(request.prompt_token_ids), self.checkpoint.hidden_size]
+        problem = None
+        if embeds.shape != expected:
+            problem = f"have shape {embeds.shape}; this prompt needs {expected} (the model's hidden size)"
+        elif len(embeds.data) != 4 * math.prod(embeds.shape):
+            problem = f"have {len(embeds.data)} bytes, not the {4 * math.prod(embeds.shape)} of their shape"
+        elif request.images:
+            problem = "come with images: a prompt is embeddings or has images, not both"
+        elif not hasattr(self.runner.model, "input_embeds"):
+            problem = f"are not taken by {type(self.runner.model).__name__}: send token ids"
+        if problem is not None:
+            raise InvalidRequestError("prompt.prompt_embeds", f"the prompt's embeddings {problem}")
 
     def _check_images(self, request: EngineRequest) -> None:
         """Refuse images the model cannot take: to a text-only model, or not as its vision encoder takes them.

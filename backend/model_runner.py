@@ -625,7 +625,10 @@ class ModelRunner:
         lora_slots = None if slots is None else [slots[i] for i in order]
         step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows, lora_slots)
 
-        images = self._image_rows(states, query_start_loc, scheduled.scheduled_images)
+        images = _joined(
+            self._image_rows(states, query_start_loc, scheduled.scheduled_images),
+            self._embeds_rows(states, query_start_loc),
+        )
         graphs = self.decode_graphs
         decode_only = len(input_ids) == len(states)  # a prompt's last token may be an image's: not a graph's step
         if (
@@ -637,7 +640,7 @@ class ModelRunner:
         ):
             hidden = graphs.replay(step)
         else:
-            # Only a vision-language model takes image rows: a text model keeps the four-argument contract.
+            # Rows of images or prompt embeddings only: a step without them keeps the four-argument contract.
             merge = {} if images is None else {"image_rows": images[0], "image_embeds": images[1]}
             with lora_mapping(step.lora):
                 hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, **merge)
@@ -747,6 +750,23 @@ class ModelRunner:
         embeds = [self.encoder_cache.get(content_hash)[start:end] for content_hash, _, start, end in pieces]
         return torch.cat(rows).to(self.device), torch.cat(embeds)
 
+    def _embeds_rows(
+        self, states: list[SequenceState], query_start_loc: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of this step's prompt positions given as embeddings, and those embeddings (None without any)."""
+        rows, embeds = [], []
+        for i, state in enumerate(states):
+            if state.prompt_embeds is None:
+                continue
+            start = state.num_computed_tokens
+            end = min(start + query_start_loc[i + 1] - query_start_loc[i], len(state.prompt_embeds))
+            if start < end:
+                rows.append(torch.arange(query_start_loc[i], query_start_loc[i] + end - start))
+                embeds.append(torch.tensor(state.prompt_embeds[start:end]))  # a copy: the array is read-only
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), self.model.input_embeds(torch.cat(embeds).to(self.device))
+
     def _encode_images(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
         """Run the vision encoder over ``images``, one batch per shape; their embeddings by content hash."""
         by_shape: dict[tuple[int, ...], list[ImageInput]] = {}
@@ -797,6 +817,20 @@ class ModelRunner:
         """Rank 0 under tensor parallelism: tell the workers to stop (they leave their loop and exit)."""
         if self.parallel.size > 1 and self.parallel.rank == 0:
             parallel.send_stop(self.device)
+
+
+def _joined(
+    *parts: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows and their embeddings from several sources (images, prompt embeddings) as one pair; None for none."""
+    given = [part for part in parts if part is not None]
+    if not given:
+        return None
+    if len(given) == 1:
+        return given[0]
+    rows, embeds = zip(*given, strict=True)
+    dtype = embeds[0].dtype
+    return torch.cat(rows), torch.cat([e.to(dtype) for e in embeds])
 
 
 def _prompt_spans(states: list[SequenceState], query_start_loc: list[int]) -> list[tuple[SequenceState, int, int, int]]:

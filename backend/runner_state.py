@@ -9,6 +9,7 @@ the scheduler never sees it, and the runner never sees the scheduler's sequences
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from spindle.backend.scheduler_output import CachedSequence, NewSequence, SchedulerOutput
@@ -33,6 +34,7 @@ class SequenceState:
         lora_id: its LoRA adapter, or None.
         pooling: how to pool it (an embedding sequence), or None.
         images: the prompt's images at their placeholders.
+        prompt_embeds: the prompt's embeddings, ``[prompt tokens, hidden]`` float32, when it was given as them.
         pooling_state: the pooling state after the chunks computed so far (a device tensor), or None.
         prompt_logprobs: the prompt log-probabilities computed so far, when it asked for them.
 
@@ -48,6 +50,7 @@ class SequenceState:
     lora_id: int | None = None
     pooling: PoolingParams | None = None
     images: list[ImageInput] = field(default_factory=list)
+    prompt_embeds: np.ndarray | None = None
     pooling_state: torch.Tensor | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -65,6 +68,7 @@ class SequenceState:
             new.lora_id,
             new.pooling,
             new.images,
+            None if new.prompt_embeds is None else new.prompt_embeds.array(),
         )
 
     def update(self, cached: CachedSequence, block_size: int) -> None:

@@ -294,6 +294,7 @@ class Scheduler:
                     seq.lora_id,
                     seq.pooling,
                     seq.images,
+                    seq.prompt_embeds,
                 )
             )
         seq.num_runner_tokens = len(seq)

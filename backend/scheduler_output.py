@@ -12,7 +12,7 @@ travel as they are.
 import msgspec
 
 from spindle.shared.pooling_params import PoolingParams
-from spindle.shared.protocol import ImageInput
+from spindle.shared.protocol import ImageInput, PromptEmbeds
 from spindle.shared.sampling_params import SamplingParams
 
 
@@ -31,6 +31,7 @@ class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
         lora_id: its LoRA adapter, or None for the base model.
         pooling: how to pool it, for an embedding sequence (which samples nothing).
         images: the prompt's images at their placeholders.
+        prompt_embeds: the embeddings of a prompt given as embeddings, or None.
 
     """
 
@@ -44,6 +45,7 @@ class NewSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_id: int | None = None
     pooling: PoolingParams | None = None
     images: list[ImageInput] = []
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class CachedSequence(msgspec.Struct, array_like=True):

@@ -5,7 +5,7 @@ from itertools import count
 
 from spindle.shared import FinishReason, SamplingParams
 from spindle.shared.pooling_params import PoolingParams
-from spindle.shared.protocol import ImageInput
+from spindle.shared.protocol import ImageInput, PromptEmbeds
 
 
 class SequenceStatus(enum.Enum):
@@ -28,7 +28,8 @@ class Sequence:
 
     With ``pooling`` set it is an embedding request's: its prompt is prefilled and pooled
     (:mod:`spindle.backend.pooler`), and it ends when the prompt is complete, generating nothing. A vision-language
-    prompt has ``images``, each at its placeholder tokens. A resumed completion starts with ``output_token_ids``, the
+    prompt has ``images``, each at its placeholder tokens; a prompt given as embeddings has ``prompt_embeds``, its
+    token ids placeholders. A resumed completion starts with ``output_token_ids``, the
     output it had generated on a backend that died: it is recomputed as a preempted sequence is, and goes on from there.
     """
 
@@ -46,6 +47,7 @@ class Sequence:
         lora_id: int | None = None,
         images: list[ImageInput] | None = None,
         output_token_ids: list[int] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
@@ -70,6 +72,7 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.pooling = pooling
         self.images = images or []
+        self.prompt_embeds = prompt_embeds
         # How many of its tokens the model runner holds (0: none, it holds no state of it): the rest go to it in the
         # next step that schedules it.
         self.num_runner_tokens = 0

@@ -1,6 +1,6 @@
 """Types both processes speak: prompt inputs, sampling and pooling parameters, and request outputs."""
 
-from spindle.shared.inputs import PromptInputs, TextPrompt, TokensPrompt
+from spindle.shared.inputs import EmbedsPrompt, PromptInputs, TextPrompt, TokensPrompt
 from spindle.shared.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -19,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "EmbedsPrompt",
     "FinishReason",
     "Logprob",
     "PoolingParams",

@@ -26,5 +26,16 @@ class TokensPrompt(TypedDict):
     multi_modal_data: NotRequired[dict[str, Any]]
 
 
-PromptInputs = str | TextPrompt | TokensPrompt
-"""One prompt: a plain string, a :class:`TextPrompt` or a :class:`TokensPrompt`."""
+class EmbedsPrompt(TypedDict):
+    """A prompt given as its input embeddings, ``[tokens, hidden_size]`` floats (vLLM's ``prompt_embeds``).
+
+    A numpy array or anything ``numpy.asarray`` reads (a CPU ``torch.Tensor``; bfloat16 must be cast first), with a
+    batch dimension of one or not: the model runs them in place of its token embeddings, as it would those of the
+    tokens they stand for. Text models only.
+    """
+
+    prompt_embeds: Any
+
+
+PromptInputs = str | TextPrompt | TokensPrompt | EmbedsPrompt
+"""One prompt: a plain string, a :class:`TextPrompt`, a :class:`TokensPrompt` or an :class:`EmbedsPrompt`."""

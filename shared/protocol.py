@@ -74,6 +74,35 @@ class ImageInput(msgspec.Struct, array_like=True):
         return np.frombuffer(self.pixels, dtype="<f4").reshape(self.shape)
 
 
+class PromptEmbeds(msgspec.Struct, array_like=True):
+    """A prompt's input embeddings: little-endian float32 values of ``shape`` (``[tokens, hidden_size]``), C order.
+
+    The request's prompt token ids are placeholders (:data:`EMBEDS_PLACEHOLDER`), one per row; ``content_hash``
+    (SHA-256 of the shape and the values) keys the prefix cache's blocks, so requests share the KV of the same
+    embeddings only. Build one with :meth:`from_array`.
+    """
+
+    data: bytes
+    shape: list[int]
+    content_hash: bytes
+
+    @classmethod
+    def from_array(cls, values: np.ndarray) -> "PromptEmbeds":
+        """The embeddings of the ``[tokens, hidden_size]`` array ``values`` (any float dtype)."""
+        data = np.ascontiguousarray(values, dtype="<f4")
+        shape = list(data.shape)
+        digest = hashlib.sha256(b"spindle-prompt-embeds\0" + np.asarray(shape, dtype="<i8").tobytes() + data.tobytes())
+        return cls(data.tobytes(), shape, digest.digest())
+
+    def array(self) -> np.ndarray:
+        """The embeddings as a read-only float32 array of ``shape`` (a view of ``data``)."""
+        return np.frombuffer(self.data, dtype="<f4").reshape(self.shape)
+
+
+EMBEDS_PLACEHOLDER = 0
+"""The token id a prompt of embeddings has at each of its positions (the model reads the embeddings instead)."""
+
+
 class ResumedCompletion(msgspec.Struct, array_like=True):
     """One completion of a resumed request: its index and the tokens it had generated when its backend died."""
 
@@ -87,7 +116,8 @@ class EngineRequest(msgspec.Struct):
     ``priority`` orders it under the priority policy (lower first); ``lora_name`` names the LoRA adapter it
     generates with (``None``: the base model). With ``pooling`` set it is an embedding request: the engine prefills
     the prompt, pools its hidden states and finishes it, generating nothing (``params`` is then unused). ``images``
-    are the prompt's images in prompt order, each at its placeholder tokens (a vision-language model only).
+    are the prompt's images in prompt order, each at its placeholder tokens (a vision-language model only);
+    ``prompt_embeds`` the embeddings of a prompt given as embeddings, whose token ids are then placeholders.
 
     ``resumed`` makes it a request that a dead backend held, sent again: only the completions it lists run, each
     after the tokens it had generated, which the engine takes as that completion's output so far, not as prompt (its
@@ -104,6 +134,7 @@ class EngineRequest(msgspec.Struct):
     pooling: PoolingParams | None = None
     images: list[ImageInput] = []
     resumed: list[ResumedCompletion] | None = None
+    prompt_embeds: PromptEmbeds | None = None
 
     @property
     def indices(self) -> list[int]:

@@ -99,6 +99,7 @@ TIERS = {
     "test_sliding_window": "engine",  # kernels, then a Mistral engine against transformers
     "test_smollm2": "engine",
     "test_speculative": "engine",
+    "test_prompt_embeds": "process",  # the engine, then one gRPC round trip
     "test_logits_processors": "process",  # the engine against transformers, then one gRPC round trip
     "test_reasoning": "process",  # the parsers, then an engine and a gRPC server with one
     "test_beam_search": "process",  # LLM.beam_search against transformers' num_beams; then over gRPC and the CLI

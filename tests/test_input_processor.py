@@ -77,8 +77,12 @@ def refused(call, fields: tuple[str, ...], message: str) -> InvalidRequestError:
     [
         (42, "prompt", "a prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, not int"),
         (["a list"], "prompt", "not list"),
-        ({}, "prompt", "exactly one of 'prompt' and 'prompt_token_ids', got []"),
-        ({"prompt": "a", "prompt_token_ids": [1]}, "prompt", "exactly one of 'prompt' and 'prompt_token_ids'"),
+        ({}, "prompt", "exactly one of 'prompt', 'prompt_token_ids' and 'prompt_embeds', got []"),
+        (
+            {"prompt": "a", "prompt_token_ids": [1]},
+            "prompt",
+            "exactly one of 'prompt', 'prompt_token_ids' and 'prompt_embeds'",
+        ),
         ({"prompt": "a", "max_tokens": 5}, "prompt", "unknown prompt keys ['max_tokens']: the allowed keys are"),
         ({"prompt": b"bytes"}, "prompt.text", "'prompt' must be a str, not bytes"),
         ({"prompt_token_ids": "1 2"}, "prompt.token_ids", "'prompt_token_ids' must be a list of ints, not str"),

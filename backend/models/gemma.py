@@ -99,6 +99,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         """The embeddings of ``input_ids``, scaled by ``sqrt(hidden_size)``."""
         return super()._embed(input_ids) * self.embed_scale
 
+    def input_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """A prompt's own embeddings, scaled by ``sqrt(hidden_size)`` as token embeddings are."""
+        return super().input_embeds(embeds) * self.embed_scale
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """As :meth:`LlamaForCausalLM.compute_logits`, soft-capped: ``cap * tanh(logits / cap)``."""
         logits = super().compute_logits(hidden)

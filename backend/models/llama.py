@@ -385,6 +385,13 @@ class LlamaForCausalLM(nn.Module):
         self._stack, self._stack_caches = stack, kv_caches
         return stack
 
+    def input_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """A prompt's own embeddings (``prompt_embeds``) as they replace token embeddings: as given, in the model dtype.
+
+        A family that scales its token embeddings scales these too, as transformers does ``inputs_embeds``.
+        """
+        return embeds.to(self.embed_tokens.dtype)
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids``.
 

@@ -234,6 +234,7 @@ class Admission:
             lora_name,
             pooling,
             images=prompt.images,
+            prompt_embeds=prompt.prompt_embeds,
         )
         state = RequestState(
             request_id,

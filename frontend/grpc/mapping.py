@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 
 from spindle.frontend.processing.input_processor import refer_to_input
@@ -166,7 +167,9 @@ def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
     """
     kind = prompt.WhichOneof("input")
     if kind is None:
-        raise InvalidRequestError("prompt", "the prompt is empty: set prompt.text or prompt.token_ids")
+        raise InvalidRequestError("prompt", "the prompt is empty: set prompt.text, prompt.token_ids or prompt.embeds")
+    if kind == "embeds":
+        return {"prompt_embeds": _embeds_array(prompt.embeds)}
     inputs: dict[str, Any] = (
         {"prompt": prompt.text} if kind == "text" else {"prompt_token_ids": list(prompt.token_ids.ids)}
     )
@@ -177,6 +180,23 @@ def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:
         ]
         inputs["multi_modal_data"] = {"image": images}
     return inputs
+
+
+def _embeds_array(embeds: spindle_pb2.PromptEmbeds) -> np.ndarray:
+    """A ``PromptEmbeds`` message's values as a ``[tokens, hidden_size]`` float32 array.
+
+    Raises:
+        InvalidRequestError: the shape is not two positive sizes, or the data is not that many float32 values.
+
+    """
+    shape = list(embeds.shape)
+    if len(shape) != 2 or min(shape) < 1 or len(embeds.data) != 4 * shape[0] * shape[1]:
+        raise InvalidRequestError(
+            "prompt.embeds",
+            f"prompt.embeds has shape {shape} and {len(embeds.data)} bytes: it needs [tokens, hidden_size] and "
+            "4 bytes (little-endian float32) per value",
+        )
+    return np.frombuffer(embeds.data, dtype="<f4").reshape(shape)
 
 
 def _image_bytes(item: spindle_pb2.MultiModalItem, field: str) -> bytes:

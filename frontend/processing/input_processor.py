@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from spindle.frontend.processing.image_processor import ImageProcessor
 from spindle.frontend.processing.tokenizer import Tokenizer
@@ -23,7 +24,7 @@ from spindle.frontend.processing.tools import ChatTools
 from spindle.shared import PromptInputs, SamplingParams, ToolCall
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.json_depth import check_json_text, check_json_value
-from spindle.shared.protocol import ImageInput
+from spindle.shared.protocol import EMBEDS_PLACEHOLDER, ImageInput, PromptEmbeds
 
 OFF_LOOP_CHARACTERS = 16_384
 """Text longer than this is tokenized in a worker thread by the ``*_async`` methods, not on the event loop.
@@ -32,7 +33,7 @@ A thread hop costs tens of microseconds; tokenizing 16k characters about a milli
 seconds, which would stall every stream the loop serves.
 """
 
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
 _ALLOWED_KEYS = frozenset((*_PROMPT_KEYS, "multi_modal_data"))
 _CONTENT_PARTS = (
     "{'type': 'text', 'text': str}, {'type': 'image', 'image': PIL image or bytes} or "
@@ -50,6 +51,7 @@ class ProcessedPrompt:
         images: the prompt's preprocessed images in prompt order, each at its run of image tokens (a vision-language
             model only).
         tools: a chat request's tools and tool choice, ``None`` when it has none (or chose ``"none"``).
+        prompt_embeds: the embeddings of a prompt given as embeddings (its token ids are then placeholders).
 
     """
 
@@ -57,6 +59,7 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     images: list[ImageInput] = dataclasses.field(default_factory=list)
     tools: ChatTools | None = None
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class InputProcessor:
@@ -93,9 +96,10 @@ class InputProcessor:
         one image token is a placeholder, and so is a run already as long as an image's tokens.
 
         Args:
-            inputs: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``, each dict optionally with
-                ``multi_modal_data``: ``{"image": image}`` or ``{"image": [image, ...]}`` (one per placeholder, in
-                order), an image being a PIL image or encoded image bytes (see
+            inputs: a string, ``{"prompt": str}``, ``{"prompt_token_ids": list[int]}`` or ``{"prompt_embeds":
+                array}`` (``[tokens, hidden_size]`` floats, whose token ids become placeholders), the first two
+                optionally with ``multi_modal_data``: ``{"image": image}`` or ``{"image": [image, ...]}`` (one per
+                placeholder, in order), an image being a PIL image or encoded image bytes (see
                 :meth:`~spindle.frontend.processing.image_processor.ImageProcessor.preprocess`).
             params: the request's sampling parameters (``max_tokens`` must fit after the prompt); ``None`` for an
                 embedding request, whose prompt may fill the context since nothing is generated after it.
@@ -127,8 +131,11 @@ class InputProcessor:
         given = [key for key in _PROMPT_KEYS if key in inputs]
         if len(given) != 1:
             raise InvalidRequestError(
-                "prompt", f"a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids', got {given}"
+                "prompt",
+                f"a prompt dict needs exactly one of 'prompt', 'prompt_token_ids' and 'prompt_embeds', got {given}",
             )
+        if "prompt_embeds" in inputs:
+            return self._embeds_prompt(inputs, params)
         images = self._prompt_images(inputs.get("multi_modal_data"))
         if "prompt" in inputs:
             prompt = inputs["prompt"]
@@ -153,6 +160,40 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len} tokens: shorten it",
             )
         return ProcessedPrompt(prompt, token_ids, self._preprocess(images, offsets))
+
+    def _embeds_prompt(self, inputs: dict[str, Any], params: SamplingParams | None) -> ProcessedPrompt:
+        """A prompt of embeddings: ``[tokens, hidden]`` floats (a batch dimension of one allowed), finite.
+
+        Its token ids are placeholders; the backend checks the width against the model's hidden size.
+        """
+        if "multi_modal_data" in inputs:
+            raise InvalidRequestError("prompt.multi_modal_data", "a prompt of embeddings takes no multi_modal_data")
+        field = "prompt.prompt_embeds"
+        try:
+            embeds = np.asarray(inputs["prompt_embeds"])
+        except (TypeError, ValueError, RuntimeError) as error:  # a tensor on a GPU, or one numpy has no dtype for
+            raise InvalidRequestError(field, f"prompt_embeds does not convert to a numpy array: {error}") from error
+        if embeds.ndim == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        if embeds.dtype.kind != "f" or embeds.ndim != 2 or not embeds.size:
+            raise InvalidRequestError(
+                field,
+                f"prompt_embeds must be a non-empty float array of [tokens, hidden_size], not {embeds.dtype} of "
+                f"shape {list(embeds.shape)}",
+            )
+        if not np.isfinite(embeds).all():
+            raise InvalidRequestError(field, "prompt_embeds has values that are not finite (NaN or infinity)")
+        if params is not None and params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            embeds = embeds[-keep:]
+        token_ids = [EMBEDS_PLACEHOLDER] * len(embeds)
+        if params is not None:
+            token_ids = self._prepare_request(token_ids, [], params)
+        elif len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(token_ids)} embeddings, more than max_model_len={self.max_model_len}"
+            )
+        return ProcessedPrompt(None, token_ids, prompt_embeds=PromptEmbeds.from_array(embeds))
 
     async def process_async(self, inputs: PromptInputs, params: SamplingParams | None) -> ProcessedPrompt:
         """:meth:`process` for an event loop: in a worker thread for a vision-language model or a long text.

@@ -68,14 +68,24 @@ class MultiModalItem(_message.Message):
     def __init__(self, mime_type: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("text", "token_ids", "multi_modal_data")
+    __slots__ = ("text", "token_ids", "embeds", "multi_modal_data")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
     MULTI_MODAL_DATA_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
+    embeds: PromptEmbeds
     multi_modal_data: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., multi_modal_data: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., embeds: _Optional[_Union[PromptEmbeds, _Mapping]] = ..., multi_modal_data: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
+
+class PromptEmbeds(_message.Message):
+    __slots__ = ("data", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens", "cache_salt", "num_speculative_tokens", "structured_output", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "best_of", "logits_processors")
