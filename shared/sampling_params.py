@@ -221,6 +221,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         logits_processors: processors the server registered, by name, with their arguments
             (:class:`LogitsProcessorSpec`), applied in order to every row of the request after the token restrictions
             and before the logit bias; at most :data:`~spindle.shared.sampling_params.MAX_LOGITS_PROCESSORS`.
+        detokenize: turn the tokens into text; ``False`` leaves every output's ``text`` empty and saves the
+            decoding (token ids only, as vLLM's), and takes no stop strings, which need the text.
 
     """
 
@@ -253,6 +255,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
     logits_processors: list[LogitsProcessorSpec] | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
@@ -261,6 +264,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check("n", self.n, self.n >= 1, "an integer >= 1")
         _check("best_of", self.best_of, self.best_of is None or self.best_of >= self.n, "None or an integer >= n")
         _check_size("logits_processors", self.logits_processors, MAX_LOGITS_PROCESSORS, "processors")
+        _check("detokenize", self.detokenize, self.detokenize or not self.stop, "True when stop strings are given")
         _check(
             "best_of",
             self.best_of,

@@ -249,14 +249,32 @@ def test_best_of_streams_one_output_when_the_request_ends(tiny_llm_dir):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["final", "streamed"])
+def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny_llm_dir, prompts, expected, delta):
+    engine = tiny_engine(tiny_llm_dir)
+    try:
+        engine.add_request(
+            "r", {"prompt_token_ids": prompts[3]}, msgspec.structs.replace(GREEDY, detokenize=False), delta=delta
+        )
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+    finally:
+        engine.shutdown()
+    tokens = [t for out in outputs for t in out.outputs[0].token_ids] if delta else outputs[-1].outputs[0].token_ids
+    assert tokens == expected[3] and all(out.outputs[0].text == "" for out in outputs)
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
+        (dict(detokenize=False, stop=["x"]), "detokenize=False is invalid: it must be True when stop strings"),
         (dict(n=3, best_of=2), "best_of=2 is invalid: it must be None or an integer >= n"),
         (dict(best_of=2, temperature=0), "best_of=2 is invalid: it must be n (or None) when decoding greedily"),
     ],
 )
-def test_bad_best_of_is_refused(fields, message):
+def test_bad_best_of_or_detokenize_is_refused(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**fields)
 

@@ -168,7 +168,7 @@ class RequestState:
         for index, c in enumerate(self.completions):
             finished = c.finish_reason is not None
             start = c.num_sent_tokens if self.delta else 0
-            new_text = c.detokenizer.get_delta(finished)
+            new_text = c.detokenizer.get_delta(finished) if self.params.detokenize else ""
             c.text += new_text
             text, reasoning = (new_text if self.delta else c.text), None
             content = c.text
@@ -356,8 +356,12 @@ class OutputProcessor:
             for lp in delta.new_logprobs:
                 c.logprobs.append(self._logprob_dict(lp))
                 c.cumulative_logprob += lp.logprobs[0]
-        if state.final_only and not c.detokenizer.has_stop_strings and delta.finish_reason is None:
-            return False  # decoded when it finishes: no stop string needs its text sooner
+        if not state.params.detokenize or (
+            state.final_only and not c.detokenizer.has_stop_strings and delta.finish_reason is None
+        ):
+            if delta.finish_reason is not None:  # no text: nothing but the engine core ends it
+                c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+            return False  # decoded when it finishes (no stop string needs its text sooner), or never
         stop_str = c.detokenizer.update(c.token_ids[c.num_decoded_tokens :])
         c.num_decoded_tokens = len(c.token_ids)
         if stop_str is not None:
