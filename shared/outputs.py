@@ -73,8 +73,8 @@ class CompletionOutput(msgspec.Struct):
         finish_reason: a :class:`FinishReason` (equal to ``"stop"``, ``"length"`` or ``"abort"``) once finished, else
             ``None``.
         stop_reason: the stop string or stop token id that ended it, ``None`` for eos or length.
-        tool_calls: the tool calls parsed from the whole text, once finished, for a chat request with tools;
-            ``None`` otherwise.
+        tool_calls: a chat request with tools: its calls, each as soon as it is whole in the text (all so far, or
+            in delta mode the new ones; ``[]`` where it finishes without new ones); ``None`` otherwise.
         num_draft_tokens: draft tokens (speculative decoding, ``num_speculative_tokens``) verified for this
             completion so far.
         num_accepted_draft_tokens: those of them the model agreed with, which became output.

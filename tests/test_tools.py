@@ -20,6 +20,7 @@ from spindle.frontend.grpc.mapping import (
     tool_choice_from_proto,
     tools_from_proto,
 )
+from spindle.frontend.http.app import _ChatShaper
 from spindle.frontend.processing.input_processor import InputProcessor
 from spindle.frontend.processing.output_processor import OutputProcessor, RequestState
 from spindle.frontend.processing.tokenizer import Tokenizer
@@ -464,6 +465,63 @@ def test_each_completion_carries_its_calls_from_where_it_finishes(tool_tokenizer
         assert sent == [[(0, []), (1, [])], [(0, [(call.id, "now", "{}")]), (1, [])], [(1, [])]]
 
 
+CALL_PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+STREAMED_REPLIES = {  # (reply, tool choice, the reply's start that makes its first call whole)
+    "hermes": (f"<tool_call>{CALL_NOW}</tool_call>\n<tool_call>{CALL_PARIS}</tool_call>", "auto", "</tool_call>"),
+    "json-array": (f"[{CALL_NOW}, {CALL_PARIS}]", "required", CALL_NOW[-1]),
+}
+
+
+def stream_by_character(tokenizer: Tokenizer, text: str, tools: ChatTools, delta: bool) -> list:
+    """The outputs of a reply streamed a character at a time (``[(characters so far, completion output)]``)."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(RequestState("r", None, [1], SamplingParams(), tokenizer, 0.0, delta, tools=tools))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    outputs = []
+    for i, token in enumerate(ids):
+        end = FinishReason.STOP if i == len(ids) - 1 else None
+        for output in processor.process([SequenceDelta("r", 0, [token], finish_reason=end)]).outputs:
+            outputs.append((tokenizer.decode(ids[: i + 1]), output.outputs[0]))
+    return outputs
+
+
+@pytest.mark.parametrize("form", STREAMED_REPLIES)
+@pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])
+def test_each_call_streams_as_soon_as_it_is_whole(tool_tokenizer, form, delta):
+    """The first call comes in the output whose text closes it, long before the reply ends; ids never change."""
+    text, choice, closing = STREAMED_REPLIES[form]
+    outputs = stream_by_character(tool_tokenizer, text, chat_tools(choice), delta)
+    firsts = [i for i, (_, completion) in enumerate(outputs) if completion.tool_calls]
+    whole = text[: text.index(CALL_NOW) + len(CALL_NOW)]
+    whole += closing if closing == "</tool_call>" else ""
+    closed = next(i for i, (so_far, _) in enumerate(outputs) if so_far.startswith(whole))
+    assert firsts[0] == closed < len(outputs) - 1
+    if delta:
+        streamed = [call for _, completion in outputs for call in completion.tool_calls or []]
+        assert outputs[-1][1].tool_calls is not None  # the end says so, even with nothing new
+    else:
+        streamed = outputs[-1][1].tool_calls
+        assert all(
+            outputs[i + 1][1].tool_calls[: len(c.tool_calls)] == c.tool_calls
+            for i, (_, c) in enumerate(outputs[:-1])
+            if c.tool_calls
+        )
+    assert calls_of(streamed) == [("now", {}), ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_the_openai_stream_sends_each_call_with_its_index_as_it_completes(tool_tokenizer):
+    text, choice, _ = STREAMED_REPLIES["hermes"]
+    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, parse_tools=True)
+    chunks = [shaper.part(0, c, None) for _, c in stream_by_character(tool_tokenizer, text, chat_tools(choice), True)]
+    sent = [chunk for chunk in chunks if chunk is not None]
+    calls = [call for chunk in sent for call in chunk["delta"].get("tool_calls", [])]
+    # The first call before the end; the second closes with the reply's last token, so it comes with the end.
+    assert [call["index"] for call in calls] == [0, 1] and sent[0]["finish_reason"] is None
+    assert sent[-1]["finish_reason"] == "tool_calls" and "content" not in sent[-1]["delta"]
+    message = shaper.response()["choices"][0]["message"]
+    assert [c["id"] for c in message["tool_calls"]] == [call["id"] for call in calls] and message["content"] is None
+
+
 def test_requests_without_tools_carry_no_calls(tool_tokenizer):
     processor = OutputProcessor(tool_tokenizer)
     processor.add_request(RequestState("r", None, [1], SamplingParams(), tool_tokenizer, 0.0, False))
@@ -495,7 +553,7 @@ class FinishedRequests:
 @pytest.mark.parametrize(
     "tools,extra_delta,failing_step,cause",
     [
-        (BrokenTools(TOOLS, "auto"), None, 1, KeyError),  # parsing the finished completion 0 raises
+        (BrokenTools(chat_tools("auto").tools, "auto"), None, 1, KeyError),  # parsing the finished completion 0 raises
         (None, SequenceDelta("bad", 7, [5]), 0, IndexError),  # a delta for a completion the request does not have
     ],
     ids=["parser", "delta"],
@@ -646,14 +704,16 @@ def test_llm_chat_constrains_the_reply_to_valid_calls(smollm2, tool_choice):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
-def test_grpc_chat_sends_valid_calls_in_the_final_message(smollm2_server, tool_choice):
+def test_grpc_chat_streams_valid_calls(smollm2_server, tool_choice):
+    """Each call comes once, in the message where it is whole (the last, at the latest); together they are valid."""
     with smollm2_server.client(timeout=120) as client:
         choices, messages = collect(client.chat(E2E_MESSAGES, tools=E2E_TOOLS, tool_choice=tool_choice, **E2E_PARAMS))
     assert choices[0]["finish"] == [(spindle_pb2.FINISH_REASON_STOP, None)], choices[0]["text"]
     [final] = [delta for message in messages for delta in message.choices if delta.finish_reason]
-    assert not any(delta.tool_calls for message in messages[:-1] for delta in message.choices)
     assert final in messages[-1].choices
-    assert_valid_calls([(call.name, call.arguments) for call in final.tool_calls], tool_choice)
+    calls = [call for message in messages for delta in message.choices for call in delta.tool_calls]
+    assert len({call.id for call in calls}) == len(calls)
+    assert_valid_calls([(call.name, call.arguments) for call in calls], tool_choice)
 
 
 @pytest.mark.slow

@@ -340,11 +340,10 @@ def _completion_delta(completion: CompletionOutput, finish_reason: FinishReason 
         delta.stop_string = completion.stop_reason
     elif finish_reason is not None and isinstance(completion.stop_reason, int):
         delta.stop_token_id = completion.stop_reason
-    if finish_reason is not None:
-        delta.tool_calls.extend(
-            spindle_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
-            for call in completion.tool_calls or []
-        )
+    delta.tool_calls.extend(  # each call in the message where it is whole
+        spindle_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+        for call in completion.tool_calls or []
+    )
     return delta
 
 

@@ -590,8 +590,9 @@ class _ChatShaper(_Shaper):
     A reasoning model's thoughts (with ``--reasoning-parser``) come as ``reasoning_content``, beside ``content``, in
     the message and in each delta that has new ones, as vLLM gives them.
 
-    With tools (and a tool choice other than ``none``), a choice's reply is held until it ends, as its calls are
-    parsed from the whole text: it then comes as ``tool_calls`` (finish reason ``tool_calls``), or as content.
+    With tools (and a tool choice other than ``none``), a choice's text is held until it ends, as it may be calls:
+    each call comes as a ``tool_calls`` delta as soon as it is whole (finish reason ``tool_calls``), and a reply
+    without calls comes as content when it ends.
     ``max_calls`` keeps a reply's first calls only (``parallel_tool_calls: false`` keeps one).
     """
 
@@ -611,6 +612,7 @@ class _ChatShaper(_Shaper):
         self.parse_tools = parse_tools
         self.max_calls = max_calls
         self.texts: dict[int, str] = {}
+        self.calls: dict[int, list[Any]] = {}
         self.reasoning: dict[int, str] = {}
         self.logprobs: dict[int, list[dict[str, Any]]] = {}
         self.ends: dict[int, CompletionOutput] = {}
@@ -631,11 +633,16 @@ class _ChatShaper(_Shaper):
         if not self.parse_tools:
             choice = {"index": index, "delta": thoughts | {"content": completion.text}, "logprobs": logprobs}
             return choice | self._ending(completion)
-        if completion.finish_reason is None:
-            return None
+        calls = self.calls.setdefault(index, [])
+        first = len(calls)
+        calls += (completion.tool_calls or [])[: None if self.max_calls is None else self.max_calls - first]
+        new = _tool_calls(calls[first:], streamed=True, first=first)
+        if completion.finish_reason is None:  # the text is held; each call goes as soon as it is whole
+            return (
+                {"index": index, "delta": {"tool_calls": new}, "logprobs": None, "finish_reason": None} if new else None
+            )
         held = {"content": self.logprobs.get(index, [])} if self.params.logprobs is not None else None
-        calls = self._calls(completion)
-        delta = {"tool_calls": _tool_calls(calls, streamed=True)} if calls else {"content": self.texts[index]}
+        delta = ({"tool_calls": new} if new else {}) if calls else {"content": self.texts[index]}
         if index in self.reasoning:
             delta = {"reasoning_content": self.reasoning[index]} | delta
         return {"index": index, "delta": delta, "logprobs": held} | self._ending(completion)
@@ -652,12 +659,9 @@ class _ChatShaper(_Shaper):
             events.append(self.chunk(roles))
         return events + super().stream_events(choices)
 
-    def _calls(self, completion: CompletionOutput) -> list[Any]:
-        return (completion.tool_calls or [])[: self.max_calls]
-
     def _ending(self, completion: CompletionOutput) -> dict[str, Any]:
         reason = completion.finish_reason
-        if reason is not None and completion.tool_calls:
+        if reason is not None and self.calls.get(completion.index):
             reason = "tool_calls"
         return {"finish_reason": reason, "stop_reason": protocol.stop_reason(completion)}
 
@@ -666,7 +670,7 @@ class _ChatShaper(_Shaper):
         choices = []
         for index in sorted(self.texts):
             end = self.ends.get(index)
-            calls = self._calls(end) if end is not None else None
+            calls = self.calls.get(index)
             message: dict[str, Any] = {"role": "assistant", "content": None if calls else self.texts[index]}
             if index in self.reasoning:
                 message["reasoning_content"] = self.reasoning[index]
@@ -685,10 +689,10 @@ class _ChatShaper(_Shaper):
         }
 
 
-def _tool_calls(calls: list[Any], streamed: bool) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls``: each call's id and function; in a stream's delta, its index too."""
+def _tool_calls(calls: list[Any], streamed: bool, first: int = 0) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls``: each call's id and function; in a stream's delta, its index too (from ``first``)."""
     result = []
-    for index, call in enumerate(calls):
+    for index, call in enumerate(calls, start=first):
         entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
         result.append(({"index": index} | entry) if streamed else entry)
     return result

@@ -52,15 +52,17 @@ class _Completion:
     num_decoded_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
-    # Parsed once, when the completion finishes (a chat request with tools only).
+    # A chat request with tools: the calls found so far (each sent once whole), and whether the reply is parsed whole.
     tool_calls: list[ToolCall] | None = None
+    calls_done: bool = False
 
 
 class RequestState:
     """Everything the frontend tracks for one request between steps.
 
-    ``tools``, for a chat request with tools, parses each completion's tool calls once it finishes (from its
-    content, apart from its reasoning, with a ``reasoning`` parser, which splits each completion's text). With
+    ``tools``, for a chat request with tools, parses each completion's tool calls as each is whole, and the reply
+    whole once it finishes (from its content, apart from its reasoning, with a ``reasoning`` parser, which splits
+    each completion's text). With
     ``final_only`` the request has one output, when it finishes; a completion without stop strings is decoded then,
     in one call of its detokenizer (the same text: the detokenizer steps through the same tokens). Given
     :class:`~spindle.shared.PoolingParams` instead of sampling parameters, it is an embedding request's: one
@@ -136,6 +138,31 @@ class RequestState:
         ]
         return msgspec.structs.replace(self.request, resumed=resumed)
 
+    def _tool_calls(self, c: _Completion, content: str, new_text: str, finished: bool) -> list[ToolCall] | None:
+        """The completion's tool calls for this output: each as soon as it is whole, with its id kept.
+
+        Cumulative: every call so far (None before the first, unless finished). In delta mode: the calls new in this
+        output, ``[]`` in the one where the completion finishes without new ones, None otherwise. The finished reply
+        is parsed whole; should it disagree with the calls already sent (a JSON reply that turned out not to be
+        one), those stand and nothing is added.
+        """
+        assert self.tools is not None
+        new = None
+        # A call becomes whole only with a closing "}" or ">": without one the text so far is not parsed again.
+        if not c.calls_done and (finished or "}" in new_text or ">" in new_text):
+            sent = c.tool_calls or []
+            found = self.tools.parse(content) if finished else self.tools.parse_so_far(content)
+            same = [(call.name, call.arguments) for call in found[: len(sent)]] == [
+                (call.name, call.arguments) for call in sent
+            ]
+            new = found[len(sent) :] if same else []
+            if new or finished:
+                c.tool_calls = sent + new
+            c.calls_done = finished
+        if not self.delta:
+            return c.tool_calls
+        return new if new or (finished and new is not None) else None
+
     def _best(self, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
         """The ``n`` of ``best_of`` finished completions with the highest cumulative log-probability, best first.
 
@@ -151,8 +178,8 @@ class RequestState:
     def output(self) -> RequestOutput | EmbeddingRequestOutput:
         """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode).
 
-        A finished completion of a chat request with tools carries its tool calls: in every output from then on,
-        or in delta mode only in the one where it finishes. An embedding request's is an ``EmbeddingRequestOutput``.
+        A completion of a chat request with tools carries its tool calls as each is whole (:meth:`_tool_calls`): all
+        so far, or in delta mode the new ones. An embedding request's is an ``EmbeddingRequestOutput``.
         """
         if self.pooling is not None:
             return EmbeddingRequestOutput(
@@ -178,12 +205,7 @@ class RequestState:
                 text = content[c.num_sent_content :] if self.delta else content
                 reasoning = (thoughts[c.num_sent_reasoning :] if self.delta else split.reasoning) or None
                 c.num_sent_content, c.num_sent_reasoning = len(content), len(thoughts)
-            tool_calls = None
-            if finished and self.tools is not None:
-                if c.tool_calls is None:
-                    c.tool_calls = tool_calls = self.tools.parse(content)
-                elif not self.delta:
-                    tool_calls = c.tool_calls
+            tool_calls = self._tool_calls(c, content, new_text, finished) if self.tools is not None else None
             outputs.append(
                 CompletionOutput(
                     index=index,

@@ -34,6 +34,7 @@ reply (``items.anyOf[i].properties.arguments``), which must stay within
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_CLOSED_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _CODE_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 # Markers some models write before a JSON reply of calls (Mistral, Llama 3.1), when they decode as text.
 _CALL_PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")
@@ -159,8 +160,18 @@ class ChatTools:
             is_object = False
         return [ToolCall(new_tool_call_id(), self.name, arguments)] if is_object else []
 
+    def parse_so_far(self, text: str) -> list[ToolCall]:
+        """The calls that are whole in a reply still being written, so that a stream can send each as it completes.
 
-def parse_tool_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
+        Hermes blocks count once closed (``</tool_call>``), JSON calls once their object is; a named choice's
+        arguments, and anything else, only when the reply ends (:meth:`parse`).
+        """
+        if self.choice == "named":
+            return []
+        return parse_tool_calls(text, self.names, partial=True)
+
+
+def parse_tool_calls(text: str, tool_names: Collection[str], partial: bool = False) -> list[ToolCall]:
     """Read the tool calls a model wrote in its reply, in the formats chat models use.
 
     - Hermes / Qwen / SmolLM3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any number, each
@@ -176,19 +187,25 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
     Args:
         text: the reply.
         tool_names: the names of the request's tools.
+        partial: the reply is still being written: only closed blocks, and the JSON values that are whole (those
+            before the first one that does not decode yet), count.
 
     Returns:
         The calls in order, each with a fresh id and its arguments as compact JSON text.
 
     """
     if "<tool_call>" in text:
-        values = [value for block in _TOOL_CALL_BLOCK.findall(text) for value in _json_values(block)]
+        blocks = _CLOSED_TOOL_CALL_BLOCK.findall(text) if partial else _TOOL_CALL_BLOCK.findall(text)
+        values = [value for block in blocks for value in _json_values(block)]
     else:
         body = text.strip()
         for prefix in _CALL_PREFIXES:
             body = body.removeprefix(prefix).lstrip()
-        fence = _CODE_FENCE.fullmatch(body)
-        values = _json_values(fence[1] if fence else body)
+        if partial:
+            values = _whole_json_values(body.removeprefix("```json").removeprefix("```").lstrip())
+        else:
+            fence = _CODE_FENCE.fullmatch(body)
+            values = _json_values(fence[1] if fence else body)
     calls = []
     for value in values:
         for item in value if isinstance(value, list) else [value]:
@@ -211,6 +228,27 @@ def _json_values(text: str) -> list[Any]:
             value, position = _DECODER.raw_decode(text, position)
         except _UNPARSEABLE:
             return []
+        values.append(value)
+
+
+def _whole_json_values(text: str) -> list[Any]:
+    """The JSON values at the start of a reply still being written that are whole.
+
+    Those decoded before the first that does not decode (yet); the elements of a list that has begun, one by one.
+    """
+    values: list[Any] = []
+    position, inside_list = 0, text.startswith("[")
+    if inside_list:
+        position = 1
+    while True:
+        while position < len(text) and text[position] in _JSON_SEPARATORS:
+            position += 1
+        if position == len(text) or (inside_list and text[position] == "]"):
+            return values
+        try:
+            value, position = _DECODER.raw_decode(text, position)
+        except _UNPARSEABLE:
+            return values
         values.append(value)
 
 
