@@ -178,7 +178,7 @@ class RequestState:
     def output(self) -> RequestOutput | EmbeddingRequestOutput:
         """The request's state as a ``RequestOutput`` (only what is new since the last one in delta mode).
 
-        A completion of a chat request with tools carries its tool calls as each is whole (:meth:`_tool_calls`): all
+        A completion of a chat request with tools carries its tool calls as each is whole in its text: all
         so far, or in delta mode the new ones. An embedding request's is an ``EmbeddingRequestOutput``.
         """
         if self.pooling is not None:
