@@ -122,7 +122,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
                     _JSON_SCHEMA_FIELD, f"a JSON schema is an object or a boolean, not {type(schema).__name__}"
                 )
         if self.structural_tag is not None:
-            self.structural_tag = _json_object_text(
+            self.structural_tag = _structural_tag_text(
                 self.structural_tag, "sampling_params.structured_output.structural_tag"
             )
         for name in ("regex", "grammar"):
@@ -142,18 +142,25 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 
-def _json_object_text(value: str | dict[str, Any], field: str) -> str:
-    """A JSON object given as a dict or as text, checked (an object, nested at most ``MAX_JSON_DEPTH``), as text."""
+def _structural_tag_text(value: str | dict[str, Any], field: str) -> str:
+    """A structural tag given as a dict or as JSON text, checked, as text.
+
+    It must be an object with a ``format`` (or, in the older form, ``structures``), nested at most ``MAX_JSON_DEPTH``
+    levels; what is inside is the compiler's to check.
+    """
     if isinstance(value, dict):
         check_json_value(value, field)
-        return json.dumps(value)
-    check_json_text(value, field)
-    try:
-        parsed = json.loads(value)
-    except ValueError as error:
-        raise InvalidRequestError(field, f"{field} is not valid JSON: {error}") from error
+        parsed, value = value, json.dumps(value)
+    else:
+        check_json_text(value, field)
+        try:
+            parsed = json.loads(value)
+        except ValueError as error:
+            raise InvalidRequestError(field, f"{field} is not valid JSON: {error}") from error
     if not isinstance(parsed, dict):
         raise InvalidRequestError(field, f"{field} must be a JSON object, not {type(parsed).__name__}")
+    if "format" not in parsed and "structures" not in parsed:
+        raise InvalidRequestError(field, f"{field} needs a 'format' (or, in the older form, 'structures')")
     return value
 
 

@@ -204,6 +204,15 @@ def test_json_number_literals_are_bounded_to_what_a_double_holds(literal, accept
     assert math.isfinite(float(literal)) or not accepted
 
 
+def test_bounding_numbers_keeps_every_schema_shape_compiling():
+    """The ten shapes below (bounded strings, ranges, nesting) compile with their numbers bounded."""
+    import xgrammar
+
+    for schema in SCHEMAS:
+        ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        xgrammar.Grammar.from_ebnf(grammar_compiler.bounded_numbers(ebnf))
+
+
 def test_a_model_that_favours_digits_still_ends_its_json(llm):
     """Digits biased up, a number would run until max_tokens cut the JSON; bounded, the object closes and parses."""
     digits = {token: 8.0 for token in llm.get_tokenizer().encode("0123456789", add_special_tokens=False)}
@@ -257,6 +266,7 @@ def test_a_structural_tag_constrains_the_output(llm, form):
     [
         ("[1]", "must be a JSON object, not list"),
         ("{", "is not valid JSON"),
+        ("{}", r"needs a 'format' \(or, in the older form, 'structures'\)"),
     ],
 )
 def test_a_malformed_structural_tag_is_refused_when_built(tag, message):

@@ -91,6 +91,7 @@ def sampling_params_from_proto(
 
 
 _EARLY_STOPPING: dict[int, bool | str] = {
+    spindle_pb2.EARLY_STOPPING_UNSPECIFIED: False,
     spindle_pb2.EARLY_STOPPING_HEURISTIC: False,
     spindle_pb2.EARLY_STOPPING_FIRST_FINISHED: True,
     spindle_pb2.EARLY_STOPPING_NEVER: "never",

@@ -13,6 +13,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
+    EARLY_STOPPING_UNSPECIFIED: _ClassVar[EarlyStopping]
     EARLY_STOPPING_HEURISTIC: _ClassVar[EarlyStopping]
     EARLY_STOPPING_FIRST_FINISHED: _ClassVar[EarlyStopping]
     EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
@@ -37,6 +38,7 @@ class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_TYPE_LAST: _ClassVar[PoolingType]
     POOLING_TYPE_MEAN: _ClassVar[PoolingType]
     POOLING_TYPE_CLS: _ClassVar[PoolingType]
+EARLY_STOPPING_UNSPECIFIED: EarlyStopping
 EARLY_STOPPING_HEURISTIC: EarlyStopping
 EARLY_STOPPING_FIRST_FINISHED: EarlyStopping
 EARLY_STOPPING_NEVER: EarlyStopping
