@@ -503,16 +503,8 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                 "sampling_params", "a beam search takes no sampling_params: its parameters are in beam_search"
             )
         params = beam_search_params_from_proto(request.beam_search)
-        if params.beam_width > self.config.max_n:
-            raise InvalidRequestError(
-                "beam_search.beam_width",
-                f"beam_width={params.beam_width} is above this server's limit of {self.config.max_n} (--max-n)",
-            )
-        limit = self.config.max_tokens_limit
-        if limit and params.max_tokens > limit:
-            raise InvalidRequestError(
-                "beam_search.max_tokens", f"max_tokens={params.max_tokens} is above this server's limit of {limit}"
-            )
+        _check_limit("beam_search.beam_width", params.beam_width, self.config.max_n)
+        _check_limit("beam_search.max_tokens", params.max_tokens, self.config.max_tokens_limit)
         return params
 
     def check_limits(self, message: Any) -> None:
@@ -539,21 +531,13 @@ class SpindleServicer(spindle_pb2_grpc.SpindleServiceServicer):
                     f"sampling_params.{field}",
                     f"SamplingParams.{field} {what.format(size)} this server's limit of {limit} ({flag})",
                 )
-        for field in ("n", "best_of"):  # vLLM's message has no best_of
-            if (
-                field in message.DESCRIPTOR.fields_by_name
-                and _given(message, field)
-                and getattr(message, field) > self.config.max_n
-            ):
-                raise InvalidRequestError(
-                    f"sampling_params.{field}",
-                    f"{field}={getattr(message, field)} is above this server's limit of {self.config.max_n}",
-                )
-        limit = self.config.max_tokens_limit
-        if limit and _given(message, "max_tokens") and message.max_tokens > limit:
-            raise InvalidRequestError(
-                "sampling_params.max_tokens", f"max_tokens={message.max_tokens} is above this server's limit of {limit}"
-            )
+        for field, limit in (
+            ("n", self.config.max_n),
+            ("best_of", self.config.max_n),
+            ("max_tokens", self.config.max_tokens_limit),
+        ):
+            if field in message.DESCRIPTOR.fields_by_name and _given(message, field):  # vLLM's message has no best_of
+                _check_limit(f"sampling_params.{field}", getattr(message, field), limit)
 
     async def admitted_outputs(
         self,
@@ -686,6 +670,18 @@ def scoped_id(peer: str, request_id: str) -> str:
     """The engine's id of ``request_id`` made by the caller at ``peer``: ``<digest of peer>-<request_id>``."""
     caller = hashlib.sha256(peer.encode()).hexdigest()[:16]
     return f"{caller}-{request_id}"
+
+
+def _check_limit(field: str, value: int, limit: int) -> None:
+    """Refuse ``value`` of ``field`` (``sampling_params.max_tokens``) above this server's ``limit`` (0: none).
+
+    Raises:
+        InvalidRequestError: for ``field``, naming its last part, the value and the limit.
+
+    """
+    if limit and value > limit:
+        name = field.rsplit(".", 1)[-1]
+        raise InvalidRequestError(field, f"{name}={value} is above this server's limit of {limit}")
 
 
 def _given(message: Any, name: str) -> bool:
