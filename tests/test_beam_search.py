@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpc import ServerThread, assert_invalid, refusal, tiny_config
+from test_grpc import assert_invalid, refusal, served
 from transformers import AutoModelForCausalLM
 
 from spindle import LLM, cli
-from spindle.frontend.engine.connection import start_backend
 from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.errors import InvalidRequestError
 from spindle.v1 import spindle_pb2
@@ -159,12 +158,8 @@ def test_a_width_past_the_logprobs_a_step_gives_is_refused(llm):
 
 @pytest.fixture(scope="module")
 def server(eos_model_dir: Path):
-    process, address = start_backend(tiny_config(eos_model_dir, block_size=8))
-    server = ServerThread(address, max_n=4, max_tokens_limit=64)
-    yield server
-    server.close()
-    process.terminate()
-    process.wait(30)
+    with served(eos_model_dir, backend_args={"block_size": 8}, max_n=4, max_tokens_limit=64) as server:
+        yield server
 
 
 def test_grpc_and_the_cli_give_the_llms_beams(llm, server, capsys):

@@ -1,6 +1,7 @@
 """The gRPC service over a real loopback channel: parity with ``LLM.generate``, errors, health, reflection, stubs."""
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -73,12 +75,34 @@ class ServerThread:
         self.thread.join(10)
 
 
+@contextlib.contextmanager
+def backend_of(model_dir: Path, **backend_args) -> Iterator[str]:
+    """The address of a backend child serving the tiny model in ``model_dir``, stopped on leaving."""
+    process, address = start_backend(tiny_config(model_dir, **backend_args))
+    try:
+        yield address
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@contextlib.contextmanager
+def served(
+    model_dir: Path, engine_args: dict | None = None, backend_args: dict | None = None, **config
+) -> Iterator[ServerThread]:
+    """A backend of the tiny model in ``model_dir`` and a server in front of it, both stopped on leaving."""
+    with backend_of(model_dir, **(backend_args or {})) as address:
+        server = ServerThread(address, engine_args, **config)
+        try:
+            yield server
+        finally:
+            server.close()
+
+
 @pytest.fixture(scope="module")
 def backend(tiny_llm_dir):
-    process, address = start_backend(tiny_config(tiny_llm_dir))
-    yield address
-    process.terminate()
-    process.wait(30)
+    with backend_of(tiny_llm_dir) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ import re
 
 import pytest
 import torch
-from test_grpc import ServerThread, assert_invalid, refusal, tiny_config
+from test_grpc import assert_invalid, refusal, served
 from transformers import AutoModelForCausalLM
 
 from spindle import LLM, SamplingParams, cli
 from spindle.backend.logits_processors import LogitsProcessors
-from spindle.frontend.engine.connection import start_backend
 from spindle.shared.config import EngineConfig
 from spindle.shared.errors import InvalidRequestError
 from spindle.shared.sampling_params import LogitsProcessorSpec
@@ -110,11 +109,9 @@ def test_grpc_and_the_cli_select_processors_by_name_with_json_arguments(llm, tin
     expected = llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy(logits_processors=no_repeat(2)), use_tqdm=False)
     plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logits_processors=no_repeat(2))  # as the CLI asks
     text = llm.generate("so so so so", plain, use_tqdm=False)[0].outputs[0].text
-    process, address = start_backend(tiny_config(tiny_llm_dir))
-    server = ServerThread(address)
     selection = [spindle_pb2.LogitsProcessor(name="no_repeat_ngram", args_json='{"ngram_size": 2}')]
     fields = {"temperature": 0, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}
-    try:
+    with served(tiny_llm_dir) as server:
         with server.client(timeout=60) as client:
             tokens = [
                 t
@@ -127,10 +124,6 @@ def test_grpc_and_the_cli_select_processors_by_name_with_json_arguments(llm, tin
         argv = ["generate", "so so so so", "--temperature", "0", "--max-tokens", str(MAX_TOKENS)]
         code = cli.main([*argv, "--logits-processor", 'no_repeat_ngram={"ngram_size": 2}', "--address", server.address])
         printed = capsys.readouterr().out
-    finally:
-        server.close()
-        process.terminate()
-        process.wait(30)
     assert tokens == expected[0].outputs[0].token_ids
     assert code == 0 and printed == text + "\n"
     assert_invalid(error, ["sampling_params.logits_processors"], "args_json must be a JSON object, not list")

@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from test_grpc import ServerThread, assert_invalid, collect, refusal, tiny_config
+from test_grpc import assert_invalid, collect, refusal, served
 from transformers import AutoModelForCausalLM
 
 from spindle import LLM, SamplingParams
-from spindle.frontend.engine.connection import start_backend
 from spindle.shared.errors import InvalidRequestError
 from spindle.v1 import spindle_pb2
 
@@ -70,8 +69,6 @@ def test_bad_embeddings_are_refused(llm, embeddings, make, field, message):
 
 def test_grpc_takes_embeddings_as_little_endian_floats_with_a_shape(llm, embeddings, tiny_llm_dir):
     expected = llm.generate({"prompt_embeds": embeddings[1]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    process, address = start_backend(tiny_config(tiny_llm_dir))
-    server = ServerThread(address)
     params = spindle_pb2.SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
 
     def request(data: bytes, shape: list[int]) -> spindle_pb2.GenerateRequest:
@@ -79,13 +76,8 @@ def test_grpc_takes_embeddings_as_little_endian_floats_with_a_shape(llm, embeddi
         return spindle_pb2.GenerateRequest(prompt=spindle_pb2.Prompt(embeds=embeds), sampling_params=params)
 
     data = embeddings[1].astype("<f4").tobytes()
-    try:
-        with server.client(timeout=60) as client:
-            choices, _ = collect(client.stub.Generate(request(data, [2, 64]), timeout=60))
-            error = refusal(lambda: client.stub.Generate(request(data, [2, 63]), timeout=60))
-    finally:
-        server.close()
-        process.terminate()
-        process.wait(30)
+    with served(tiny_llm_dir) as server, server.client(timeout=60) as client:
+        choices, _ = collect(client.stub.Generate(request(data, [2, 64]), timeout=60))
+        error = refusal(lambda: client.stub.Generate(request(data, [2, 63]), timeout=60))
     assert choices[0]["token_ids"] == expected
     assert_invalid(error, ["prompt.embeds"], "prompt.embeds has shape [2, 63] and 512 bytes")

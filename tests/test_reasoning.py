@@ -6,10 +6,9 @@ import time
 from typing import get_args
 
 import pytest
-from test_grpc import ServerThread, tiny_config
+from test_grpc import served
 
 from spindle import LLM, SamplingParams, cli
-from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.processing.reasoning import REASONING_PARSERS, ReasoningSplit, reasoning_parser
 from spindle.shared.config import ReasoningParserName
 from spindle.shared.sampling_params import StructuredOutput
@@ -136,9 +135,7 @@ def test_each_step_of_a_stream_carries_only_new_reasoning_and_content(llm, delta
 
 
 def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm_dir, capsys):
-    process, address = start_backend(tiny_config(tiny_llm_dir))
-    server = ServerThread(address, engine_args={"reasoning_parser": "qwen3"})
-    try:
+    with served(tiny_llm_dir, engine_args={"reasoning_parser": "qwen3"}) as server:
         with server.client(timeout=30) as client:
             start = time.time()
             constraint = spindle_pb2.StructuredOutput(regex=THINKING.regex)
@@ -147,10 +144,6 @@ def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm
         argv = ["generate", "Question:", "--regex", THINKING.regex, "--temperature", "0", "--max-tokens", "40"]
         assert cli.main([*argv, "--address", server.address]) == 0
         printed = capsys.readouterr()
-    finally:
-        server.close()
-        process.terminate()
-        process.wait(30)
     deltas = [delta for message in messages for delta in message.choices]
     thoughts = "".join(d.reasoning_content for d in deltas if d.HasField("reasoning_content"))
     answer = "".join(d.text for d in deltas).removesuffix("#")

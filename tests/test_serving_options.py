@@ -14,10 +14,9 @@ import openai
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from test_data_parallel import serve_args
-from test_grpc import ServerThread, collect, tiny_config
+from test_grpc import ServerThread, backend_of, collect
 
 from spindle import LLM
-from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.grpc.args import ServerConfig, server_config_from_args
 from spindle.frontend.grpc.mapping import sampling_params_from_proto
 from spindle.frontend.grpc.server import GrpcServer
@@ -55,10 +54,8 @@ def model_dir(tiny_llm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(model_dir):
-    process, address = start_backend(tiny_config(model_dir))
-    yield address
-    process.terminate()
-    process.wait(30)
+    with backend_of(model_dir) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
