@@ -8,6 +8,7 @@ field nested too deep is refused with an :class:`~spindle.shared.errors.InvalidR
 """
 
 import itertools
+import json
 import re
 
 from spindle.shared.errors import InvalidRequestError
@@ -38,6 +39,20 @@ def check_json_text(text: str, field: str, limit: int = MAX_JSON_DEPTH) -> None:
     changes = map(_LEVEL_CHANGE.get, _TOKEN.findall(text), itertools.repeat(0))
     if max(itertools.accumulate(changes), default=0) > limit:
         _refuse(field, limit)
+
+
+def load_json_text(text: str, field: str, what: str) -> object:
+    """``text`` decoded, once :func:`check_json_text` found it shallow enough.
+
+    Raises:
+        InvalidRequestError: for ``field``: nested too deep, or not JSON (``what`` names the text in the message).
+
+    """
+    check_json_text(text, field)
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise InvalidRequestError(field, f"{what} is not valid JSON: {error}") from error
 
 
 def check_json_value(value: object, field: str, limit: int = MAX_JSON_DEPTH) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from spindle.shared.errors import InvalidRequestError
-from spindle.shared.json_depth import check_json_text, check_json_value
+from spindle.shared.json_depth import check_json_value, load_json_text
 
 MAX_LOGPROBS = 20
 """The most top log-probabilities a request may ask for, per generated or prompt token (vLLM's default limit)."""
@@ -108,23 +108,19 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"StructuredOutput needs exactly one of {', '.join(_CONSTRAINTS)}; got "
                 + (", ".join(given) if given else "none"),
             )
-        if isinstance(self.json_schema, dict):
-            check_json_value(self.json_schema, _JSON_SCHEMA_FIELD)
-            self.json_schema = json.dumps(self.json_schema)
-        elif self.json_schema is not None:
-            check_json_text(self.json_schema, _JSON_SCHEMA_FIELD)
-            try:
-                schema = json.loads(self.json_schema)
-            except ValueError as error:
-                raise InvalidRequestError(_JSON_SCHEMA_FIELD, f"the JSON schema is not valid JSON: {error}") from error
+        if self.json_schema is not None:
+            self.json_schema, schema = _json_text(self.json_schema, _JSON_SCHEMA_FIELD, "the JSON schema")
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError(
                     _JSON_SCHEMA_FIELD, f"a JSON schema is an object or a boolean, not {type(schema).__name__}"
                 )
         if self.structural_tag is not None:
-            self.structural_tag = _structural_tag_text(
-                self.structural_tag, "sampling_params.structured_output.structural_tag"
-            )
+            field = "sampling_params.structured_output.structural_tag"
+            self.structural_tag, tag = _json_text(self.structural_tag, field, field)
+            if not isinstance(tag, dict):
+                raise InvalidRequestError(field, f"{field} must be a JSON object, not {type(tag).__name__}")
+            if "format" not in tag and "structures" not in tag:
+                raise InvalidRequestError(field, f"{field} needs a 'format' (or, in the older form, 'structures')")
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
                 raise InvalidRequestError(f"sampling_params.structured_output.{name}", f"the {name} is empty")
@@ -142,26 +138,17 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 
-def _structural_tag_text(value: str | dict[str, Any], field: str) -> str:
-    """A structural tag given as a dict or as JSON text, checked, as text.
+def _json_text(value: str | dict[str, Any], field: str, what: str) -> tuple[str, Any]:
+    """JSON given as a dict or as text, checked to nest at most ``MAX_JSON_DEPTH`` levels: its text and its value.
 
-    It must be an object with a ``format`` (or, in the older form, ``structures``), nested at most ``MAX_JSON_DEPTH``
-    levels; what is inside is the compiler's to check.
+    Raises:
+        InvalidRequestError: for ``field``: nested too deep, or text that is not JSON (``what`` names it).
+
     """
     if isinstance(value, dict):
         check_json_value(value, field)
-        parsed, value = value, json.dumps(value)
-    else:
-        check_json_text(value, field)
-        try:
-            parsed = json.loads(value)
-        except ValueError as error:
-            raise InvalidRequestError(field, f"{field} is not valid JSON: {error}") from error
-    if not isinstance(parsed, dict):
-        raise InvalidRequestError(field, f"{field} must be a JSON object, not {type(parsed).__name__}")
-    if "format" not in parsed and "structures" not in parsed:
-        raise InvalidRequestError(field, f"{field} needs a 'format' (or, in the older form, 'structures')")
-    return value
+        return json.dumps(value), value
+    return value, load_json_text(value, field, what)
 
 
 _JSON_SCHEMA_FIELD = "sampling_params.structured_output.json_schema"

@@ -26,7 +26,7 @@ from spindle.shared import (
 )
 from spindle.shared.beam_search import BeamSearchParams
 from spindle.shared.errors import InvalidRequestError
-from spindle.shared.json_depth import check_json_text
+from spindle.shared.json_depth import check_json_text, load_json_text
 from spindle.shared.lora import LoraAdapterInfo, LoRARequest
 from spindle.shared.sampling_params import LogitsProcessorSpec, StructuredOutput
 from spindle.v1 import spindle_pb2
@@ -123,15 +123,9 @@ def logits_processor_from_proto(message: spindle_pb2.LogitsProcessor) -> LogitsP
 
     """
     field = "sampling_params.logits_processors"
-    args = {}
-    if message.args_json:
-        check_json_text(message.args_json, field)
-        try:
-            args = json.loads(message.args_json)
-        except ValueError as error:
-            raise InvalidRequestError(field, f"args_json is not JSON: {error}") from error
-        if not isinstance(args, dict):
-            raise InvalidRequestError(field, f"args_json must be a JSON object, not {type(args).__name__}")
+    args = load_json_text(message.args_json, field, "args_json") if message.args_json else {}
+    if not isinstance(args, dict):
+        raise InvalidRequestError(field, f"args_json must be a JSON object, not {type(args).__name__}")
     return LogitsProcessorSpec(name=message.name, args=args)
 
 
