@@ -332,7 +332,7 @@ class Scheduler:
             # The rejected drafts' K/V is not the sequence's: step back over it.
             self.drafter.record(num_drafts, num_accepted)
             seq.num_computed_tokens -= num_drafts - num_accepted
-        constrained = self.structured_output.is_constrained(seq.seq_id)
+        constrained = self.structured_output.follows(seq.seq_id)
         emitted = 0
         for token_id in token_ids:
             seq.token_ids.append(token_id)

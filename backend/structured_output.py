@@ -11,6 +11,14 @@ Each step, while the device runs the forward pass, the manager fills the bitmask
 sequence may sample next (one bit per token) and the sampler masks the others out of the logits; the scheduler then
 feeds it the tokens chosen, and ends the sequence when its grammar is complete.
 
+A sequence near its length limit (``max_tokens`` or the context) closes its structure instead of being cut: once
+the shortest completion of its grammar (:class:`~spindle.backend.grammar_closer.GrammarCloser`) takes all but
+:data:`CLOSING_MARGIN` of the tokens left, the bitmask allows only that completion's tokens, then eos, so a length
+finish still parses (``StructuredOutput.close_at_max_tokens=False`` opts out).
+
+A reasoning model's request (``EngineRequest.grammar_after``) thinks freely first: its sequences sample with no mask
+until their output writes the end of the thinking block, and the grammar constrains what follows.
+
 xgrammar imports torch, and building its tokenizer table takes seconds, so nothing here is loaded before the first
 constrained request arrives (on the compile pool's thread).
 """
@@ -19,7 +27,7 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from spindle.backend.grammar_closer import GrammarCloser
 from spindle.backend.grammar_compiler import CompileAbandonedError, GrammarCompilePool
 from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
@@ -40,6 +49,13 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 512
 """Distinct specs whose compiled grammar (or compile error) is kept; the least recently used goes first."""
 
+CLOSING_MARGIN = 8
+"""Tokens of room kept beyond a sequence's shortest closing: it closes once that closing takes all but these of the
+tokens left, so a sampled token that lengthens the closing by up to this many still leaves room for it."""
+
+CLOSING_RECHECK = 16
+"""Tokens between two searches for a sequence's closing while the limit is still far from it."""
+
 REFUSAL_TTL = 600.0
 """Seconds a spec whose compile ran out of time or crashed its worker stays refused at once, with no new compile:
 a client sending the same hostile spec again cannot keep the workers busy, and a spec that only met a busy machine
@@ -52,6 +68,22 @@ class _Cached:
 
     future: "Future[CompiledGrammar]"
     expires: float = math.inf
+
+
+@dataclass
+class _Limit:
+    """A constrained sequence's room before its length limit, and the closing it writes once it must close.
+
+    Attributes:
+        tokens_left: the tokens the sequence may still emit.
+        check_at: search for its closing again once ``tokens_left`` is this or fewer.
+        closing: once it closes, the tokens of its closing still to emit, then eos (``None`` before).
+
+    """
+
+    tokens_left: int
+    check_at: int
+    closing: list[int] | None = None
 
 
 @dataclass
@@ -102,16 +134,33 @@ class StructuredOutputManager:
         self._matchers: dict[int, GrammarMatcher] = {}
         # By seq_id, the output a resumed sequence had generated: its matcher accepts it before the sequence runs.
         self._replays: dict[int, list[int]] = {}
+        # By seq_id, the room left to each sequence that closes its structure at its limit.
+        self._limits: dict[int, _Limit] = {}
+        # By seq_id, the sequences still thinking: the tokens that end their thinking, and their last tokens.
+        self._thinking: dict[int, tuple[list[int], deque[int]]] = {}
+        self._closer: GrammarCloser | None = None
 
     def add_request(
-        self, request_id: str, seq_ids: list[int], spec: StructuredOutput, replay: dict[int, list[int]] | None = None
+        self,
+        request_id: str,
+        seq_ids: list[int],
+        spec: StructuredOutput,
+        replay: dict[int, list[int]] | None = None,
+        tokens_left: dict[int, int] | None = None,
+        after: list[int] | None = None,
     ) -> None:
         """Start compiling a request's spec; its sequences wait until :meth:`collect` finds it compiled.
 
-        ``replay`` holds, by ``seq_id``, the output of each sequence of a resumed request that had generated some.
+        ``replay`` holds, by ``seq_id``, the output of each sequence of a resumed request that had generated some;
+        ``tokens_left``, the tokens each sequence may still emit, when the spec closes at the limit; ``after``, the
+        tokens that end a reasoning model's thinking, which the grammar constrains the output after.
         """
         self._compiling[request_id] = (self.compile(spec), seq_ids)
         self._replays.update(replay or {})
+        if after:
+            self._thinking.update({seq_id: (after, deque(maxlen=len(after))) for seq_id in seq_ids})
+        if spec.close_at_max_tokens:
+            self._limits.update({seq_id: _Limit(left, check_at=left) for seq_id, left in (tokens_left or {}).items()})
 
     def remove_request(self, request_id: str, seq_ids: list[int]) -> None:
         """Forget a request (finished or aborted): its compile, if under way, and its sequences' matchers."""
@@ -119,6 +168,8 @@ class StructuredOutputManager:
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
             self._replays.pop(seq_id, None)
+            self._limits.pop(seq_id, None)
+            self._thinking.pop(seq_id, None)
 
     def is_compiling(self, request_id: str) -> bool:
         """Whether the request's grammar is not compiled yet (its sequences may not run)."""
@@ -146,7 +197,9 @@ class StructuredOutputManager:
     def _start_matchers(self, grammar: "CompiledGrammar", seq_ids: list[int]) -> InvalidRequestError | None:
         """Give each sequence its matcher, past its replayed output; why not, if an output does not follow it."""
         matchers = {seq_id: self.matcher(grammar) for seq_id in seq_ids}
-        replays = {seq_id: self._replays.pop(seq_id, []) for seq_id in seq_ids}
+        if self._closer is None and any(seq_id in self._limits for seq_id in seq_ids):
+            self._closer = GrammarCloser(grammar.tokenizer_info)
+        replays = {seq_id: self._after_thinking(seq_id, self._replays.pop(seq_id, [])) for seq_id in seq_ids}
         for seq_id, matcher in matchers.items():
             if not all(matcher.accept_token(token_id) for token_id in replays[seq_id]) or matcher.is_terminated():
                 return InvalidRequestError(
@@ -155,23 +208,48 @@ class StructuredOutputManager:
         self._matchers.update(matchers)
         return None
 
+    def _after_thinking(self, seq_id: int, output: list[int]) -> list[int]:
+        """The part of ``output`` that the sequence's grammar constrains: what follows the end of its thinking."""
+        for i, token_id in enumerate(output):
+            if seq_id not in self._thinking:
+                return output[i:]
+            self._think(seq_id, token_id)
+        return []
+
+    def _think(self, seq_id: int, token_id: int) -> None:
+        """Follow a thinking sequence's token; once its output ends the thinking block, its grammar applies."""
+        end, last = self._thinking[seq_id]
+        last.append(token_id)
+        if list(last) == end:
+            del self._thinking[seq_id]
+
     def wait_for_compile(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a compile under way to end (at once when none is)."""
         if self._compiling:
             wait([future for future, _ in self._compiling.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def is_constrained(self, seq_id: int) -> bool:
-        """Whether the sequence samples under a grammar (compiled)."""
+        """Whether the sequence samples under a grammar (compiled, and past its thinking)."""
+        return seq_id in self._matchers and seq_id not in self._thinking
+
+    def follows(self, seq_id: int) -> bool:
+        """Whether :meth:`advance` must see the sequence's tokens: it has a grammar, now or after its thinking."""
         return seq_id in self._matchers
 
     def allowed_drafts(self, seq_id: int, drafts: list[int]) -> list[int]:
         """The leading ``drafts`` that the sequence's grammar accepts (all of them for an unconstrained sequence).
 
-        Drafts it forbids would be rejected anyway, and the bitmask rows after them would be those of a dead end.
+        Drafts it forbids would be rejected anyway, and the bitmask rows after them would be those of a dead end. Near
+        its limit a sequence gets none: its closing is searched for, and written, a token a step.
         """
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             return drafts
+        if seq_id in self._thinking:
+            return self._thinking_drafts(seq_id, drafts)
+        limit = self._limits.get(seq_id)
+        if limit is not None:
+            drafts = drafts[: max(0, limit.tokens_left - limit.check_at - 1)] if limit.closing is None else []
         accepted = 0
         for token_id in drafts:
             if not matcher.accept_token(token_id):
@@ -180,14 +258,39 @@ class StructuredOutputManager:
         matcher.rollback(accepted)
         return drafts[:accepted]
 
+    def _thinking_drafts(self, seq_id: int, drafts: list[int]) -> list[int]:
+        """The drafts of a thinking sequence short of the last token that would end its thinking.
+
+        The token after the last draft is sampled in the same step, with no mask: were the thinking to end at a
+        draft, that token would escape the grammar.
+        """
+        end, last = self._thinking[seq_id]
+        window = deque(last, maxlen=len(end))
+        for i, token_id in enumerate(drafts):
+            window.append(token_id)
+            if list(window) == end:
+                return drafts[:i]
+        return drafts
+
     def advance(self, request_id: str, seq_id: int, token_id: int) -> bool:
         """Feed a sampled token to the sequence's matcher; whether the sequence must end there.
 
         It ends when its grammar is complete, or when the token does not continue it: only a token outside the mask
         gets that far (``min_tokens`` held back eos where the grammar allowed nothing else, or every allowed token had
-        a logit of -inf); the output so far is a valid prefix, so it stops there.
+        a logit of -inf); the output so far is a valid prefix, so it stops there. A token of a sequence still thinking
+        only brings it nearer the end of its thinking.
         """
         matcher = self._matchers[seq_id]
+        limit = self._limits.get(seq_id)
+        if limit is not None:
+            limit.tokens_left -= 1
+            if limit.closing and limit.closing[0] == token_id:
+                limit.closing.pop(0)
+            elif limit.closing:  # something else was sampled (min_tokens held eos back): search again
+                limit.closing, limit.check_at = None, limit.tokens_left
+        if seq_id in self._thinking:
+            self._think(seq_id, token_id)
+            return False
         if not matcher.accept_token(token_id):
             logger.warning(
                 "Token %d does not continue the grammar: ending the completion",
@@ -213,6 +316,12 @@ class StructuredOutputManager:
         for seq_id, seq_drafts in zip(scheduled.grammar_seq_ids, drafts, strict=True):
             matcher = self._matchers[seq_id]
             first_row[seq_id] = row
+            forced = self._closing_token(seq_id, matcher)
+            if forced is not None:
+                mask[row] = 0
+                mask[row, forced // 32] = _int32(1 << forced % 32)
+                row += 1
+                continue
             for i in range(len(seq_drafts) + 1):
                 matcher.fill_next_token_bitmask(mask, row + i)
                 if i < len(seq_drafts):
@@ -220,6 +329,27 @@ class StructuredOutputManager:
             matcher.rollback(len(seq_drafts))
             row += len(seq_drafts) + 1
         return GrammarBitmask(mask, first_row)
+
+    def _closing_token(self, seq_id: int, matcher: "GrammarMatcher") -> int | None:
+        """The token the sequence must emit next to close its structure in time (``None`` while it samples freely).
+
+        Searched for (:class:`~spindle.backend.grammar_closer.GrammarCloser`) every :data:`CLOSING_RECHECK` tokens,
+        then every step once its closing and :data:`CLOSING_MARGIN` twice over take all the room left; once the
+        closing takes all but :data:`CLOSING_MARGIN`, its tokens are emitted one a step, then eos.
+        """
+        limit = self._limits.get(seq_id)
+        if limit is None:
+            return None
+        if limit.closing is None and limit.tokens_left <= limit.check_at:
+            assert self._closer is not None
+            closing = self._closer.closing(matcher)
+            if closing is None:
+                limit.check_at = limit.tokens_left - CLOSING_RECHECK
+            elif len(closing) + CLOSING_MARGIN >= limit.tokens_left:
+                limit.closing = closing + self.eos_token_ids[:1]
+            else:
+                limit.check_at = max(len(closing) + 2 * CLOSING_MARGIN, limit.tokens_left - CLOSING_RECHECK)
+        return limit.closing[0] if limit.closing else None
 
     def compile(self, spec: StructuredOutput) -> "Future[CompiledGrammar]":
         """The compiled grammar of ``spec``, now or later: a finished future when it is cached.
@@ -267,6 +397,11 @@ def _set_expiry(cached: _Cached, future: "Future[CompiledGrammar]") -> None:
         cached.expires = time.monotonic() + REFUSAL_TTL
     elif isinstance(error, EngineUnavailableError):
         cached.expires = -math.inf
+
+
+def _int32(word: int) -> int:
+    """A 32-bit mask word as the bitmask's int32 holds it (bit 31 is the sign)."""
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 def _spec_text(spec: StructuredOutput) -> str:

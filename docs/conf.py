@@ -45,7 +45,7 @@ nitpick_ignore_regex = [
         r"|xgrammar|concurrent\.futures|PIL)\..*",
     ),
     # xgrammar's classes, named in annotations only when type-checking (the backend imports xgrammar lazily).
-    ("py:class", r"(Future|CompiledGrammar|GrammarCompiler|GrammarMatcher)(\[.*\])?"),
+    ("py:class", r"(Future|CompiledGrammar|GrammarCompiler|GrammarMatcher|TokenizerInfo)(\[.*\])?"),
     # The generated protobuf message classes: the gRPC reference page documents them from the .proto files.
     ("py:class", r"spindle\.v1\..*"),
     # Model and kernel internals these pages do not cover.

@@ -118,6 +118,8 @@ class EngineRequest(msgspec.Struct):
     the prompt, pools its hidden states and finishes it, generating nothing (``params`` is then unused). ``images``
     are the prompt's images in prompt order, each at its placeholder tokens (a vision-language model only);
     ``prompt_embeds`` the embeddings of a prompt given as embeddings, whose token ids are then placeholders.
+    ``grammar_after``, for a constrained request of a reasoning model, is the end of its thinking block (the token ids
+    of ``</think>``): the output is free until it writes them, and its structured output constrains what follows.
 
     ``resumed`` makes it a request that a dead backend held, sent again: only the completions it lists run, each
     after the tokens it had generated, which the engine takes as that completion's output so far, not as prompt (its
@@ -135,6 +137,7 @@ class EngineRequest(msgspec.Struct):
     images: list[ImageInput] = []
     resumed: list[ResumedCompletion] | None = None
     prompt_embeds: PromptEmbeds | None = None
+    grammar_after: list[int] | None = None
 
     @property
     def indices(self) -> list[int]:

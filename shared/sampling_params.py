@@ -90,6 +90,10 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
             ``{"type": "structural_tag", "format": {...}}`` form, or the older ``{"structures": [{"begin", "schema",
             "end"}], "triggers": [...]}``, in which free text may call structures that start at a trigger (tool calls
             written inline: ``<function=get_weather>{...}</function>``).
+        close_at_max_tokens: near its length limit (``max_tokens``, or the context), the completion writes the
+            shortest text that completes the grammar (``"}`` in a JSON string value; ``,"b":0}`` when a required
+            property is missing), then ends, so that a ``length`` finish still parses; ``False`` lets the limit cut
+            it wherever it falls.
 
     """
 
@@ -99,6 +103,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
     choice: list[str] | None = None
     structural_tag: str | dict[str, Any] | None = None
+    close_at_max_tokens: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]

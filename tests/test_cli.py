@@ -108,6 +108,9 @@ def test_chat_prints_the_replies(server, client, capsys, monkeypatch, args, stdi
 def test_request_flags_reach_the_call(server, client, capsys, monkeypatch, command, prompt, sent):  # noqa: F811
     flags = ["--temperature", "0.9", "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--max-tokens", "24"]
     flags += ["--stop", "zz", "--stop", "q", "--speculate", "2", "--priority", "1", "--regex", "[a-z ]+"]
+    flags += ["--best-of", "2", "--bad-word", "hi", "--truncate-prompt-tokens", "6"]
+    allowed = client.tokenize("abcdefghij ", add_special_tokens=False)
+    flags += [flag for token_id in allowed for flag in ("--allowed-token-id", str(token_id))]
     kwargs = {
         "priority": 1,
         "lora_name": "",
@@ -119,6 +122,10 @@ def test_request_flags_reach_the_call(server, client, capsys, monkeypatch, comma
         "stop": ["zz", "q"],
         "num_speculative_tokens": 2,
         "structured_output": spindle_pb2.StructuredOutput(regex="[a-z ]+"),
+        "best_of": 2,
+        "bad_words": ["hi"],
+        "truncate_prompt_tokens": 6,
+        "allowed_token_ids": allowed,
     }
     calls = []
     real_call = getattr(SpindleClient, command)
@@ -133,7 +140,9 @@ def test_request_flags_reach_the_call(server, client, capsys, monkeypatch, comma
     assert {
         name: called[name] for name in kwargs
     } == kwargs  # speculation, priority and an unmet stop leave the text unchanged
-    assert capsys.readouterr().out == streamed_text(real_call(client, sent, **kwargs)) + "\n"
+    printed = capsys.readouterr().out
+    assert printed == streamed_text(real_call(client, sent, **kwargs)) + "\n"
+    assert set(printed.removesuffix("\n")) <= set("abcdefghij ") and "hi" not in printed
 
 
 def test_generate_with_a_lora_adapter(server, client, capsys):  # noqa: F811
@@ -161,12 +170,17 @@ REGEX = r"[0-9]{3}-[a-c]"
         ),
         (["--regex", REGEX], spindle_pb2.StructuredOutput(regex=REGEX), lambda text: re.fullmatch(REGEX, text)),
         (
+            ["--regex", "[a-c]{40}", "--no-close"],
+            spindle_pb2.StructuredOutput(regex="[a-c]{40}", close_at_max_tokens=False),
+            lambda text: re.fullmatch("[a-c]{16}", text),
+        ),
+        (
             ["--json-schema", "@SCHEMA_FILE"],
             spindle_pb2.StructuredOutput(json_schema=COLOURS),
             lambda text: json.loads(text) in ("red", "green"),
         ),
     ],
-    ids=["choice", "regex", "json-schema-file"],
+    ids=["choice", "regex", "regex-cut-at-max-tokens", "json-schema-file"],
 )
 def test_generate_constrained(server, client, capsys, tmp_path, flags, spec, valid):  # noqa: F811
     schema_file = tmp_path / "schema.json"

@@ -242,11 +242,18 @@ def test_response_format_json_schema_output_validates(api, model):
         model=model, messages=MESSAGES, response_format=response_format, max_tokens=60, seed=1, stop=EOS_TEXT
     )
     jsonschema.validate(json.loads(response.choices[0].message.content), WEATHER)
-    # Any JSON object: the random model writes one string key for ever, but it starts as an object.
-    anything = api.chat.completions.create(
-        model=model, messages=MESSAGES, response_format={"type": "json_object"}, max_tokens=8, temperature=0.0
-    )
-    assert anything.choices[0].message.content.startswith('{"')
+    # Any JSON object: the random model writes one string key for ever, and max_tokens would cut it; the object
+    # closes in time instead, unless close_at_max_tokens is false.
+    any_object = {"messages": MESSAGES, "response_format": {"type": "json_object"}, "max_tokens": 12, "temperature": 0}
+    closed = api.chat.completions.create(model=model, **any_object).choices[0].message.content
+    assert isinstance(json.loads(closed.removesuffix(EOS_TEXT[0])), dict)
+    cut = api.chat.completions.create(model=model, **any_object, extra_body={"close_at_max_tokens": False})
+    assert cut.choices[0].message.content.startswith('{"') and cut.choices[0].finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="needs a response_format") as caught:
+        api.chat.completions.create(model=model, messages=MESSAGES, extra_body={"close_at_max_tokens": False})
+    assert caught.value.param == "close_at_max_tokens"
 
 
 def test_embeddings_equal_grpc_embed_as_floats_or_base64(api, grpc_client, model):

@@ -1,17 +1,20 @@
 """Reasoning parsers on the formats DeepSeek-R1 and Qwen3 write, whole and streamed token by token."""
 
 import itertools
+import json
 import re
 import time
+from pathlib import Path
 from typing import get_args
 
 import pytest
+import torch
 from test_grpc import served
 
 from spindle import LLM, SamplingParams, cli
 from spindle.frontend.processing.reasoning import REASONING_PARSERS, ReasoningSplit, reasoning_parser
 from spindle.shared.config import ReasoningParserName
-from spindle.shared.sampling_params import StructuredOutput
+from spindle.shared.sampling_params import LogitsProcessorSpec, StructuredOutput
 from spindle.v1 import spindle_pb2
 
 # Completions in the two families' formats, as their chat templates make the models write them, with the split
@@ -88,36 +91,77 @@ def test_unknown_parsers_are_refused_with_the_names():
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
 
 
-# A reasoning format forced on the tiny random model by a regex, so that the engine runs it end to end: a thinking
-# block of lower-case words, then an answer.
-THINKING = StructuredOutput(regex=r"<think>[a-z ]{3,12}</think>[a-z]{2,6}")
-THINKING_PARAMS = SamplingParams(temperature=0, max_tokens=40, structured_output=THINKING)
+class Write:
+    """A logits processor the tests register: the output starts with ``token_ids``, whatever the model prefers."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, prompt_token_ids: list[int], output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output_token_ids) < len(self.token_ids):
+            forced = self.token_ids[len(output_token_ids)]
+            logits[torch.arange(len(logits)) != forced] = float("-inf")
+        return logits
+
+
+# A thinking block written for the tiny random model (by the processor), then an answer its regex constrains: the
+# grammar applies after the block, to the answer alone.
+THOUGHTS = "<think>two and two</think>"
+ANSWER = "[a-z]{2,6}"
+PROCESSORS = {"write": f"{__name__}:Write"}
+
+
+def thinking_params(llm: LLM) -> SamplingParams:
+    """Greedy, the thinking block written first, the answer constrained."""
+    thoughts = llm.get_tokenizer().encode(THOUGHTS, add_special_tokens=False)
+    return SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        structured_output=StructuredOutput(regex=ANSWER),
+        logits_processors=[LogitsProcessorSpec(name="write", args={"token_ids": thoughts})],
+    )
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llm_dir):
-    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB", reasoning_parser="qwen3")
+    llm = LLM(
+        str(tiny_llm_dir),
+        dtype="float32",
+        kv_cache_memory="4MiB",
+        reasoning_parser="qwen3",
+        logits_processors=PROCESSORS,
+    )
     yield llm
     llm.shutdown()
 
 
 def expected_split(text: str) -> tuple[str, str]:
-    """The regex's thinking block and answer, split by hand."""
+    """The thinking block and the answer, split by hand; the answer follows its grammar."""
     match = re.fullmatch(r"<think>(.*)</think>(.*?)#?", text, re.S)
-    assert match is not None, text
+    assert match is not None and re.fullmatch(ANSWER, match[2]), text
     return match[1], match[2]
 
 
 def test_the_llm_gives_reasoning_apart_from_the_answer(llm):
-    completion = llm.generate("Question:", THINKING_PARAMS, use_tqdm=False)[0].outputs[0]
+    completion = llm.generate("Question:", thinking_params(llm), use_tqdm=False)[0].outputs[0]
     raw = llm.get_tokenizer().decode(completion.token_ids)  # the text the model wrote, tags and all
     assert (completion.reasoning_content, completion.text.removesuffix("#")) == expected_split(raw)
+    assert completion.reasoning_content == "two and two"
+
+
+def test_a_prompt_whose_thinking_block_is_closed_is_constrained_from_the_start(llm):
+    """Qwen3 with ``enable_thinking=False`` ends its prompt with an empty block: the grammar applies at once."""
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(regex=ANSWER))
+    completion = llm.generate("Question: <think>\n\n</think>\n\n", params, use_tqdm=False)[0].outputs[0]
+    assert completion.reasoning_content is None and re.fullmatch(ANSWER, completion.text.removesuffix("#"))
+    thinking = llm.generate("Question: <think>", params, use_tqdm=False)[0].outputs[0]  # a block left open
+    assert "</think>" not in thinking.text and not re.fullmatch(ANSWER, thinking.text.removesuffix("#"))
 
 
 @pytest.mark.parametrize("delta", [True, False], ids=["delta", "cumulative"])
 def test_each_step_of_a_stream_carries_only_new_reasoning_and_content(llm, delta):
     engine = llm.llm_engine
-    engine.add_request("r", "Question:", THINKING_PARAMS, delta=delta)
+    engine.add_request("r", "Question:", thinking_params(llm), delta=delta)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [out.outputs[0] for out in engine.step()]
@@ -134,21 +178,29 @@ def test_each_step_of_a_stream_carries_only_new_reasoning_and_content(llm, delta
         assert (outputs[-1].reasoning_content, outputs[-1].text.removesuffix("#")) == (thoughts, answer)
 
 
-def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm_dir, capsys):
-    with served(tiny_llm_dir, engine_args={"reasoning_parser": "qwen3"}) as server:
+def test_grpc_streams_reasoning_apart_and_ends_with_the_request_timings(tiny_llm_dir, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the backend child imports Write from here
+    backend_args = {"logits_processors": PROCESSORS}
+    with served(tiny_llm_dir, engine_args={"reasoning_parser": "qwen3"}, backend_args=backend_args) as server:
         with server.client(timeout=30) as client:
             start = time.time()
-            constraint = spindle_pb2.StructuredOutput(regex=THINKING.regex)
-            messages = list(client.generate("Question:", temperature=0, max_tokens=40, structured_output=constraint))
+            thoughts = client.tokenize(THOUGHTS, add_special_tokens=False)
+            write = spindle_pb2.LogitsProcessor(name="write", args_json=json.dumps({"token_ids": thoughts}))
+            constraint = spindle_pb2.StructuredOutput(regex=ANSWER)
+            messages = list(
+                client.generate(
+                    "Question:", temperature=0, max_tokens=40, structured_output=constraint, logits_processors=[write]
+                )
+            )
         # The CLI: the answer on stdout, the thoughts on stderr.
-        argv = ["generate", "Question:", "--regex", THINKING.regex, "--temperature", "0", "--max-tokens", "40"]
+        argv = ["generate", "Question:", "--regex", ANSWER, "--temperature", "0", "--max-tokens", "40"]
+        argv += ["--logits-processor", f"write={write.args_json}"]
         assert cli.main([*argv, "--address", server.address]) == 0
         printed = capsys.readouterr()
     deltas = [delta for message in messages for delta in message.choices]
     thoughts = "".join(d.reasoning_content for d in deltas if d.HasField("reasoning_content"))
     answer = "".join(d.text for d in deltas).removesuffix("#")
-    assert thoughts and answer and "<think>" not in answer and "</think>" not in thoughts + answer
-    assert re.fullmatch(THINKING.regex, f"<think>{thoughts}</think>{answer}")
+    assert thoughts == "two and two" and re.fullmatch(ANSWER, answer)
     assert printed.out.strip().removesuffix("#") == answer and printed.err.strip() == thoughts
     last = messages[-1]
     assert last.finished and not any(m.HasField("timings") for m in messages[:-1])

@@ -117,6 +117,33 @@ def test_a_spec_compiles_once(manager):
     wait_until(lambda: manager.compiler.num_compiles == compiles + 1, "the other spec is sent to a worker")
 
 
+def compiled(manager: StructuredOutputManager, request_id: str) -> None:
+    """Wait for the request's grammar, its sequences' matchers started."""
+    wait_until(lambda: not manager.collect() and not manager.is_compiling(request_id), "the grammar compiled")
+
+
+def test_a_thinking_sequence_is_free_until_its_thinking_ends(manager, llm):
+    """Its tokens only bring it to the end of the thinking block; the grammar constrains the tokens after it."""
+    ids = llm.get_tokenizer().encode("x</t>ab", add_special_tokens=False)
+    end, eos = ids[1:5], 2
+    manager.add_request("think", [901], StructuredOutput(regex="ab"), after=end)
+    compiled(manager, "think")
+    assert manager.follows(901) and not manager.is_constrained(901)
+    # Drafts stop short of the block's last token: the token sampled after them would escape the grammar.
+    assert manager.allowed_drafts(901, ids[:7]) == ids[:4]
+    assert not any(manager.advance("think", 901, token_id) for token_id in ids[:5])
+    assert manager.is_constrained(901) and manager.allowed_drafts(901, ids[5:]) == ids[5:]
+    assert not manager.advance("think", 901, ids[5]) and not manager.advance("think", 901, ids[6])
+    assert manager.advance("think", 901, eos)  # the grammar is complete
+    # A resumed sequence replays its thinking and the answer after it.
+    manager.add_request("resumed", [902], StructuredOutput(regex="ab"), replay={902: ids[:6]}, after=end)
+    compiled(manager, "resumed")
+    assert manager.is_constrained(902) and manager.allowed_drafts(902, [ids[6], ids[6]]) == [ids[6]]  # past "a"
+    assert not manager.advance("resumed", 902, ids[6]) and manager.advance("resumed", 902, eos)
+    manager.remove_request("think", [901])
+    manager.remove_request("resumed", [902])
+
+
 def test_a_spec_past_the_timeout_stays_refused_for_a_while(manager, monkeypatch):
     spec = StructuredOutput(json_schema=SLOW_SCHEMA)
     with pytest.raises(CompileAbandonedError, match="the json_schema did not compile within 2 s") as error:
@@ -223,6 +250,44 @@ def test_a_model_that_favours_digits_still_ends_its_json(llm):
     completion = llm.generate("The population is", params, use_tqdm=False)[0].outputs[0]
     value = json.loads(answer(completion))["population"]
     assert completion.finish_reason == "stop" and math.isfinite(value)
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "size": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+    },
+    "required": ["name", "tags", "size"],
+}
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "name", "finish_reason"),
+    # 44 tokens (one a byte) hold the smallest valid object exactly; with 61, the name runs until the closing
+    # (36 tokens from inside it) and its margin of 8 take all the room left, and eos ends it early.
+    [(44, "", "length"), (61, "hhhhhhhhc", "stop")],
+)
+def test_a_constrained_output_near_max_tokens_closes_and_parses(llm, max_tokens, name, finish_reason):
+    """Letters biased up, the name string would run past max_tokens; its shortest closing is forced in time."""
+    letters = {token: 8.0 for token in llm.get_tokenizer().encode("abcdefgh", add_special_tokens=False)}
+    spec = StructuredOutput(json_schema=NESTED)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logit_bias=letters, structured_output=spec)
+    completion = llm.generate("Name:", params, use_tqdm=False)[0].outputs[0]
+    value = json.loads(answer(completion))
+    assert value == {"name": name, "tags": [""], "size": {"n": 0}} and completion.finish_reason == finish_reason
+    assert len(completion.token_ids) == min(max_tokens, len(answer(completion)) + 1)
+
+
+def test_close_at_max_tokens_false_lets_the_limit_cut(llm):
+    letters = {token: 8.0 for token in llm.get_tokenizer().encode("abcdefgh", add_special_tokens=False)}
+    spec = StructuredOutput(json_schema=NESTED, close_at_max_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=61, logit_bias=letters, structured_output=spec)
+    completion = llm.generate("Name:", params, use_tqdm=False)[0].outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 61
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(answer(completion))
 
 
 STRUCTURAL_TAGS = {
@@ -362,6 +427,8 @@ def test_structured_output_from_proto():
     proto = spindle_pb2.StructuredOutput
     assert structured_output_from_proto(proto(choice=spindle_pb2.Choices(choices=["a", "b"]))).choice == ["a", "b"]
     assert structured_output_from_proto(proto(regex="x+")).regex == "x+"
+    assert structured_output_from_proto(proto(regex="x+")).close_at_max_tokens
+    assert not structured_output_from_proto(proto(regex="x+", close_at_max_tokens=False)).close_at_max_tokens
     assert structured_output_from_proto(proto(json_object=True)).json_object
     with pytest.raises(InvalidRequestError, match="must be true"):
         structured_output_from_proto(proto(json_object=False))

@@ -107,6 +107,35 @@ def _add_request_args(parser: argparse.ArgumentParser) -> None:
         help="up to N draft tokens a step by prompt lookup (n-gram speculation); exact",
     )
     parser.add_argument(
+        "--best-of",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="sample N completions and print the one of highest cumulative logprob",
+    )
+    parser.add_argument(
+        "--bad-word",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="a word the completion may not write (repeatable)",
+    )
+    parser.add_argument(
+        "--allowed-token-id",
+        type=int,
+        action="append",
+        default=None,
+        metavar="ID",
+        help="sample only among these token ids (repeatable)",
+    )
+    parser.add_argument(
+        "--truncate-prompt-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="keep only the prompt's last N tokens",
+    )
+    parser.add_argument(
         "--priority", type=int, default=0, help="lower runs first on a server with --scheduling-policy priority"
     )
     parser.add_argument("--lora-name", default="", help="the server's LoRA adapter to generate with (default: none)")
@@ -130,17 +159,27 @@ def _add_request_args(parser: argparse.ArgumentParser) -> None:
     constraint.add_argument(
         "--choice", action="append", metavar="TEXT", help="the output is exactly one of the choices (repeatable)"
     )
+    parser.add_argument(
+        "--no-close",
+        dest="close_at_max_tokens",
+        action="store_false",
+        help="let --max-tokens cut a constrained output anywhere (by default it closes the structure in time)",
+    )
     _add_connection_args(parser)
 
 
 def _structured_output(args: argparse.Namespace) -> spindle_pb2.StructuredOutput | None:
     if args.json_schema is not None:
-        return spindle_pb2.StructuredOutput(json_schema=args.json_schema)
-    if args.regex is not None:
-        return spindle_pb2.StructuredOutput(regex=args.regex)
-    if args.choice:
-        return spindle_pb2.StructuredOutput(choice=spindle_pb2.Choices(choices=args.choice))
-    return None
+        spec = spindle_pb2.StructuredOutput(json_schema=args.json_schema)
+    elif args.regex is not None:
+        spec = spindle_pb2.StructuredOutput(regex=args.regex)
+    elif args.choice:
+        spec = spindle_pb2.StructuredOutput(choice=spindle_pb2.Choices(choices=args.choice))
+    else:
+        return None
+    if not args.close_at_max_tokens:
+        spec.close_at_max_tokens = False
+    return spec
 
 
 def _request(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,6 +196,10 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens": args.speculate,
         "structured_output": _structured_output(args),
         "logits_processors": args.logits_processor,
+        "best_of": args.best_of,
+        "bad_words": args.bad_word,
+        "allowed_token_ids": args.allowed_token_id,
+        "truncate_prompt_tokens": args.truncate_prompt_tokens,
     }
 
 

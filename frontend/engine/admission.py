@@ -235,6 +235,7 @@ class Admission:
             pooling,
             images=prompt.images,
             prompt_embeds=prompt.prompt_embeds,
+            grammar_after=self._reasoning_end(prompt.prompt_token_ids, params),
         )
         state = RequestState(
             request_id,
@@ -250,11 +251,28 @@ class Admission:
         )
         return request, state
 
+    def _reasoning_end(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> list[int] | None:
+        """The tokens after which a constrained request's grammar applies: the end of the thinking block, if any.
+
+        ``None`` without a reasoning parser or a constraint, and when the prompt's last thinking block is closed
+        already (Qwen3 with ``enable_thinking=False``: its template writes an empty one), as vLLM decides it.
+        """
+        if self.reasoning is None or isinstance(params, PoolingParams) or params.structured_output is None:
+            return None
+        start = self.tokenizer.encode(self.reasoning.start, add_special_tokens=False)
+        end = self.tokenizer.encode(self.reasoning.end, add_special_tokens=False)
+        return None if _last_index(prompt_token_ids, end) > _last_index(prompt_token_ids, start) else end
+
     def _input_processor(self) -> InputProcessor:
         files = self.info.tokenizer_files
         return InputProcessor(
             self.tokenizer, self.info.max_model_len, self.info.vocab_size, ImageProcessor.from_files(files)
         )
+
+
+def _last_index(tokens: list[int], part: list[int]) -> int:
+    """Where ``part`` last starts in ``tokens`` (-1 when it does not occur)."""
+    return next((i for i in range(len(tokens) - len(part), -1, -1) if tokens[i : i + len(part)] == part), -1)
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:

@@ -137,6 +137,7 @@ def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> Struc
 
     """
     field = "sampling_params.structured_output"
+    close = message.close_at_max_tokens if message.HasField("close_at_max_tokens") else True
     match message.WhichOneof("kind"):
         case None:
             raise InvalidRequestError(
@@ -145,9 +146,9 @@ def structured_output_from_proto(message: spindle_pb2.StructuredOutput) -> Struc
         case "json_object" if not message.json_object:
             raise InvalidRequestError(f"{field}.json_object", "json_object must be true when set")
         case "choice":
-            return StructuredOutput(choice=list(message.choice.choices))
+            return StructuredOutput(choice=list(message.choice.choices), close_at_max_tokens=close)
         case kind:
-            return StructuredOutput(**{kind: getattr(message, kind)})
+            return StructuredOutput(**{kind: getattr(message, kind)}, close_at_max_tokens=close)
 
 
 def prompt_inputs_from_proto(prompt: spindle_pb2.Prompt) -> PromptInputs:

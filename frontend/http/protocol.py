@@ -48,7 +48,9 @@ SAMPLING_FIELDS: dict[str, str] = {
 }
 """The sampling parameters both generation routes take (OpenAI's and vLLM's extras), each with its JSON kind."""
 
-COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user", "priority", "response_format"})
+COMMON_FIELDS = frozenset(
+    {"model", "stream", "stream_options", "user", "priority", "response_format", "close_at_max_tokens"}
+)
 """The other fields both generation routes take."""
 
 COMPLETION_FIELDS = frozenset(SAMPLING_FIELDS) | COMMON_FIELDS | {"prompt", "logprobs", "echo"}
@@ -223,7 +225,8 @@ def sampling_message(body: dict[str, Any], names: dict[str, str] | None = None) 
     """The ``spindle.v1`` sampling parameters that ``body`` sets, each checked for its JSON kind.
 
     ``names`` maps a parameter to the body's name for it where a route names it otherwise (chat's
-    ``max_completion_tokens``). ``response_format`` becomes the structured output constraint.
+    ``max_completion_tokens``). ``response_format`` becomes the structured output constraint, and
+    ``close_at_max_tokens`` (spindle's extension) whether it closes at the length limit.
 
     Raises:
         InvalidRequestError: a value of the wrong kind or outside the message's range (naming the parameter).
@@ -253,6 +256,13 @@ def sampling_message(body: dict[str, Any], names: dict[str, str] | None = None) 
         constraint = _structured_output(response_format)
         if constraint is not None:
             message.structured_output.CopyFrom(constraint)
+    close = field(body, "close_at_max_tokens", "bool")
+    if close is not None:
+        if not message.HasField("structured_output"):
+            raise InvalidRequestError(
+                "close_at_max_tokens", "close_at_max_tokens needs a response_format of json_object or json_schema"
+            )
+        message.structured_output.close_at_max_tokens = close
     return message
 
 

@@ -1,0 +1,137 @@
+"""The shortest way to close a constrained output: what a sequence about to reach its length limit writes instead.
+
+A JSON value cut by ``max_tokens`` does not parse, though the request finished cleanly. So as a constrained
+sequence nears its limit, :class:`~spindle.backend.structured_output.StructuredOutputManager` asks
+:class:`GrammarCloser` how many tokens the grammar needs to be complete from where the output stands (``"}`` in a
+string value of a flat object; ``,"b":0}`` when a required property is missing) and, once that is about all the
+room left, forces those tokens instead of sampling.
+
+The search walks the grammar one character at a time with the matcher itself (accept a character's token, roll it
+back), depth first, trying closers before everything else: ``"`` ``}`` ``]`` ``)``, then the separators a required
+part needs (``,`` ``:``), digits, other punctuation, letters, and openers and whitespace last, so that it ends
+strings and numbers at once and opens nothing it need not. A grammar whose next character is outside ASCII (a choice
+of non-ASCII words) takes the first token it allows there. The characters found are then written in as few tokens
+of the vocabulary as they can be (``"}`` is often one token).
+"""
+
+import string
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher, TokenizerInfo
+
+PREFERENCE = '"}]),:' + string.digits + ".;-_!?@#$%&*+=/\\|<>~^`'" + string.ascii_letters + "{[( \n\t"
+"""The characters the search tries, in order: see the module's docstring."""
+
+MAX_CHARACTERS = 256
+"""The longest closing the search looks for, in characters."""
+
+MAX_TRIES = 5000
+"""Characters the search may try (accepted or not) before it gives up (~5 ms): closing then is not attempted."""
+
+
+class GrammarCloser:
+    """Finds, for a matcher, a short token sequence after which its grammar is complete.
+
+    Args:
+        tokenizer_info: xgrammar's table of the model's vocabulary (the one the grammars were compiled for).
+
+    """
+
+    def __init__(self, tokenizer_info: "TokenizerInfo") -> None:
+        self.texts = [bytes(text) for text in tokenizer_info.decoded_vocab]
+        special = set(tokenizer_info.special_token_ids)
+        self.tokens: dict[bytes, int] = {}
+        for token_id, text in enumerate(self.texts):
+            if token_id not in special and text:
+                self.tokens.setdefault(text, token_id)
+        self.characters = [self.tokens[c.encode()] for c in PREFERENCE if c.encode() in self.tokens]
+        self.character_set = set(self.characters)
+        self.longest = max(map(len, self.tokens), default=1)
+        self.vocab_size = tokenizer_info.vocab_size
+
+    def closing(self, matcher: "GrammarMatcher") -> list[int] | None:
+        """The tokens after which ``matcher``'s grammar is complete (``[]`` when it is now); ``None`` if none found.
+
+        The matcher is left as it was.
+        """
+        path = self._search(matcher)
+        if path is None:
+            return None
+        tokens = self._fewest_tokens(b"".join(self.texts[token_id] for token_id in path))
+        return tokens if tokens is not None and _completes(matcher, tokens) else path
+
+    def _search(self, matcher: "GrammarMatcher") -> list[int] | None:
+        """The closing the search finds, a token a character (tried on ``matcher`` and rolled back)."""
+        path: list[int] = []
+        tries = 0
+
+        def extend() -> bool:
+            nonlocal tries
+            if matcher.is_completed():
+                return True
+            if len(path) >= MAX_CHARACTERS:
+                return False
+            for token_id in self._candidates(matcher):
+                if tries >= MAX_TRIES:
+                    return False
+                tries += 1
+                if matcher.accept_token(token_id):
+                    path.append(token_id)
+                    if extend():
+                        return True
+                    path.pop()
+                    matcher.rollback(1)
+            return False
+
+        found = extend()
+        matcher.rollback(len(path))
+        return path if found else None
+
+    def _candidates(self, matcher: "GrammarMatcher") -> Iterator[int]:
+        """The tokens to try next: the characters in order, then the first other token the grammar allows."""
+        yield from self.characters
+        import xgrammar
+
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        for word in mask[0].nonzero().flatten().tolist():
+            bits = int(mask[0, word]) & 0xFFFFFFFF
+            while bits:
+                token_id = word * 32 + (bits & -bits).bit_length() - 1
+                if token_id not in self.character_set:
+                    yield token_id
+                    return
+                bits &= bits - 1
+
+    def _fewest_tokens(self, text: bytes) -> list[int] | None:
+        """``text`` written in the fewest tokens of the vocabulary (``None`` if some byte has no token)."""
+        # fewest[end]: how few tokens write text[:end], and the last of them.
+        fewest: list[tuple[int, int] | None] = [(0, -1)] + [None] * len(text)
+        for end in range(1, len(text) + 1):
+            for start in range(max(0, end - self.longest), end):
+                token_id = self.tokens.get(text[start:end])
+                before, current = fewest[start], fewest[end]
+                if token_id is not None and before is not None and (current is None or before[0] + 1 < current[0]):
+                    fewest[end] = (before[0] + 1, token_id)
+        if fewest[-1] is None:
+            return None
+        tokens, end = [], len(text)
+        while end:
+            token_id = fewest[end][1]
+            tokens.append(token_id)
+            end -= len(self.texts[token_id])
+        return tokens[::-1]
+
+
+def _completes(matcher: "GrammarMatcher", tokens: list[int]) -> bool:
+    """Whether ``matcher`` accepts ``tokens`` and is complete after them (rolled back either way)."""
+    accepted = 0
+    for token_id in tokens:
+        if not matcher.accept_token(token_id):
+            break
+        accepted += 1
+    complete = accepted == len(tokens) and matcher.is_completed()
+    matcher.rollback(accepted)
+    return complete
