@@ -15,6 +15,7 @@ from waiting import wait_until
 
 from spindle.frontend.engine.connection import start_backend
 from spindle.frontend.http.app import _ChatShaper
+from spindle.frontend.processing.tools import ChatTools
 from spindle.shared import CompletionOutput, FinishReason, SamplingParams, ToolCall
 
 KEY = "http-test-key"
@@ -193,23 +194,28 @@ def test_tool_choice_gives_tool_calls_whose_arguments_validate(api, model, strea
     }
     if stream:
         deltas = [c for chunk in api.chat.completions.create(**request, stream=True) for c in chunk.choices]
-        calls = [call for d in deltas for call in d.delta.tool_calls or []]
+        fragments = [call for d in deltas for call in d.delta.tool_calls or []]
         finish = deltas[-1].finish_reason
         assert not any(d.delta.content for d in deltas)
+        # The head (index, id, name), then the arguments as they are written, as OpenAI's SDK accumulates them.
+        assert fragments[0].id and all(f.index == 0 and f.id is None for f in fragments[1:])
+        name, call_id = fragments[0].function.name, fragments[0].id
+        arguments = "".join(f.function.arguments for f in fragments)
     else:
         choice = api.chat.completions.create(**request).choices[0]
-        calls, finish = choice.message.tool_calls, choice.finish_reason
+        [call], finish = choice.message.tool_calls, choice.finish_reason
+        name, call_id, arguments = call.function.name, call.id, call.function.arguments
         assert choice.message.content is None
-    assert finish == "tool_calls" and len(calls) == 1
-    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    assert finish == "tool_calls" and name == "get_weather" and call_id.startswith("call_")
+    jsonschema.validate(json.loads(arguments), WEATHER)
 
 
 @pytest.mark.parametrize("parallel, expected", [(None, ["a", "b"]), (1, ["a"])])
 def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
     calls = [ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")]
     reply = CompletionOutput(0, "[...]", [1, 2], finish_reason=FinishReason.STOP, tool_calls=calls)
-    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, parse_tools=True, max_calls=parallel)
+    tools = ChatTools.from_request([{"name": "a"}, {"name": "b"}], "auto", SamplingParams())
+    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, tools, max_calls=parallel)
     streamed = shaper.part(0, reply, None)
     assert [call["function"]["name"] for call in streamed["delta"]["tool_calls"]] == expected
     message = shaper.response()["choices"][0]["message"]
@@ -220,7 +226,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
 def test_reasoning_content_comes_beside_the_content_as_vllm_gives_it(parse_tools):
     """Deltas (``--reasoning-parser``: thoughts, then the answer) become ``reasoning_content`` and ``content``."""
     pieces = [("Two and ", ""), ("two is four.", ""), (None, "Four"), (None, ".")]
-    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, parse_tools=parse_tools)
+    tools = ChatTools.from_request([{"name": "a"}], "auto", SamplingParams()) if parse_tools else None
+    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, tools)
     streamed = []
     for i, (thoughts, text) in enumerate(pieces):
         ending = FinishReason.STOP if i == len(pieces) - 1 else None

@@ -509,17 +509,48 @@ def test_each_call_streams_as_soon_as_it_is_whole(tool_tokenizer, form, delta):
     assert calls_of(streamed) == [("now", {}), ("get_weather", {"city": "Paris", "unit": "celsius"})]
 
 
-def test_the_openai_stream_sends_each_call_with_its_index_as_it_completes(tool_tokenizer):
-    text, choice, _ = STREAMED_REPLIES["hermes"]
-    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, parse_tools=True)
-    chunks = [shaper.part(0, c, None) for _, c in stream_by_character(tool_tokenizer, text, chat_tools(choice), True)]
-    sent = [chunk for chunk in chunks if chunk is not None]
-    calls = [call for chunk in sent for call in chunk["delta"].get("tool_calls", [])]
-    # The first call before the end; the second closes with the reply's last token, so it comes with the end.
-    assert [call["index"] for call in calls] == [0, 1] and sent[0]["finish_reason"] is None
+def openai_stream(tokenizer: Tokenizer, text: str, tools: ChatTools, max_calls: int | None = None) -> list[dict]:
+    """The chat chunks' choices of a reply streamed a character at a time through the OpenAI route's shaper."""
+    shaper = _ChatShaper("chatcmpl-1", "m", SamplingParams(), 0, tools, max_calls)
+    outputs = stream_by_character(tokenizer, text, tools, True)
+    return [chunk for chunk in (shaper.part(0, c, None) for _, c in outputs) if chunk is not None], shaper
+
+
+@pytest.mark.parametrize("form", STREAMED_REPLIES)
+def test_the_openai_stream_sends_each_calls_arguments_as_they_are_written(tool_tokenizer, form):
+    """As vLLM streams them: index, id and name once the arguments start, then their text in fragments."""
+    text, choice, _ = STREAMED_REPLIES[form]
+    sent, shaper = openai_stream(tool_tokenizer, text, chat_tools(choice))
+    deltas = [call for chunk in sent for call in chunk["delta"].get("tool_calls", [])]
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in heads] == [(0, "now"), (1, "get_weather")]
+    arguments = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i) for i in (0, 1)]
+    assert arguments == ["{}", '{"city": "Paris", "unit": "celsius"}']  # as written, whole once joined
+    fragments = [d for d in deltas if d["index"] == 1]
+    assert len(fragments) > 10 and all(set(d) == {"index", "function"} for d in fragments[1:])
     assert sent[-1]["finish_reason"] == "tool_calls" and "content" not in sent[-1]["delta"]
+    assert all(chunk["finish_reason"] is None for chunk in sent[:-1])
     message = shaper.response()["choices"][0]["message"]
-    assert [c["id"] for c in message["tool_calls"]] == [call["id"] for call in calls] and message["content"] is None
+    assert [c["id"] for c in message["tool_calls"]] == [d["id"] for d in heads] and message["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [json.loads(a) for a in arguments]
+
+
+def test_a_named_choice_streams_its_arguments_and_parallel_false_keeps_one_call(tool_tokenizer):
+    named, _ = openai_stream(tool_tokenizer, '{"city": "Paris"}', chat_tools("get_weather"))
+    deltas = [call for chunk in named for call in chunk["delta"].get("tool_calls", [])]
+    assert deltas[0]["function"]["name"] == "get_weather" and len(deltas) > 5
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Paris"}'
+    text = STREAMED_REPLIES["hermes"][0]
+    one, _ = openai_stream(tool_tokenizer, text, chat_tools("auto"), max_calls=1)
+    assert {call["index"] for chunk in one for call in chunk["delta"].get("tool_calls", [])} == {0}
+
+
+def test_a_call_given_as_a_string_of_json_comes_whole(tool_tokenizer):
+    """Arguments written as a JSON string cannot be followed as an object: the call comes once it is whole."""
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>'
+    sent, _ = openai_stream(tool_tokenizer, text, chat_tools("auto"))
+    [delta] = [call for chunk in sent for call in chunk["delta"].get("tool_calls", [])]
+    assert json.loads(delta["function"]["arguments"]) == {"city": "Paris"} and delta["id"].startswith("call_")
 
 
 def test_requests_without_tools_carry_no_calls(tool_tokenizer):

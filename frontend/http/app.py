@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,7 +26,8 @@ from spindle.frontend.grpc.mapping import sampling_params_from_proto
 from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.frontend.http import protocol
 from spindle.frontend.http.protocol import RequestError, field
-from spindle.shared import CompletionOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams
+from spindle.frontend.processing.tools import ChatTools, new_tool_call_id
+from spindle.shared import CompletionOutput, PoolingParams, PromptInputs, RequestOutput, SamplingParams, ToolCall
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError
 from spindle.shared.lora import LoRARequest
 
@@ -365,6 +367,7 @@ class OpenAIApp:
             params.max_tokens = self.config.max_tokens_limit or None
         tools = field(body, "tools", "list")
         tool_choice = body.get("tool_choice") or "auto"
+        chat_tools = ChatTools.from_request(tools, tool_choice, params)
         add_generation_prompt = field(body, "add_generation_prompt", "bool")
         max_calls = 1 if field(body, "parallel_tool_calls", "bool") is False else None
         stream, include_usage = self._stream_flags(body)
@@ -385,8 +388,7 @@ class OpenAIApp:
                     lora_request=lora,
                 )
 
-            parse_tools = bool(tools) and tool_choice != "none"
-            shaper = _ChatShaper(request_id, model, params, top if top is not None else 0, parse_tools, max_calls)
+            shaper = _ChatShaper(request_id, model, params, top if top is not None else 0, chat_tools, max_calls)
             outputs = merged([self._outputs(request, request_id, start, stalled)])
             return shaper.events(outputs, stream, include_usage)
 
@@ -590,10 +592,13 @@ class _ChatShaper(_Shaper):
     A reasoning model's thoughts (with ``--reasoning-parser``) come as ``reasoning_content``, beside ``content``, in
     the message and in each delta that has new ones, as vLLM gives them.
 
-    With tools (and a tool choice other than ``none``), a choice's text is held until it ends, as it may be calls:
-    each call comes as a ``tool_calls`` delta as soon as it is whole (finish reason ``tool_calls``), and a reply
-    without calls comes as content when it ends.
-    ``max_calls`` keeps a reply's first calls only (``parallel_tool_calls: false`` keeps one).
+    With ``tools`` (a tool choice other than ``none``), a choice's text is held until it ends, as it may be calls.
+    Each call streams as OpenAI's and vLLM's do: a ``tool_calls`` delta with its index, id and name (and the start of
+    its arguments) once its arguments begin, then deltas of the arguments' text as the model writes it, whose
+    concatenation is the arguments' JSON; a call whose arguments cannot be followed so (given as a JSON string, or
+    after the name) comes whole as soon as it is. The finish reason is then ``tool_calls``; a reply without calls
+    comes as content when it ends. ``max_calls`` keeps a reply's first calls only (``parallel_tool_calls: false``
+    keeps one).
     """
 
     object = "chat.completion.chunk"
@@ -604,15 +609,17 @@ class _ChatShaper(_Shaper):
         model: str,
         params: SamplingParams,
         top: int,
-        parse_tools: bool,
+        tools: ChatTools | None,
         max_calls: int | None = None,
     ) -> None:
         super().__init__(request_id, model, params)
         self.top = top
-        self.parse_tools = parse_tools
+        self.tools = tools
         self.max_calls = max_calls
         self.texts: dict[int, str] = {}
-        self.calls: dict[int, list[Any]] = {}
+        self.calls: dict[int, list[ToolCall]] = {}
+        # By choice, the id and the arguments' text sent so far of each call streamed as it is written.
+        self.streamed: dict[int, list[tuple[str, str]]] = {}
         self.reasoning: dict[int, str] = {}
         self.logprobs: dict[int, list[dict[str, Any]]] = {}
         self.ends: dict[int, CompletionOutput] = {}
@@ -630,14 +637,12 @@ class _ChatShaper(_Shaper):
             self.logprobs.setdefault(index, []).extend(logprobs["content"])
         if completion.finish_reason is not None:
             self.ends[index] = completion
-        if not self.parse_tools:
+        if self.tools is None:
             choice = {"index": index, "delta": thoughts | {"content": completion.text}, "logprobs": logprobs}
             return choice | self._ending(completion)
-        calls = self.calls.setdefault(index, [])
-        first = len(calls)
-        calls += (completion.tool_calls or [])[: None if self.max_calls is None else self.max_calls - first]
-        new = _tool_calls(calls[first:], streamed=True, first=first)
-        if completion.finish_reason is None:  # the text is held; each call goes as soon as it is whole
+        new = self._call_deltas(index, completion)
+        calls = self.calls[index]
+        if completion.finish_reason is None:  # the text is held; the calls stream as they are written
             return (
                 {"index": index, "delta": {"tool_calls": new}, "logprobs": None, "finish_reason": None} if new else None
             )
@@ -646,6 +651,42 @@ class _ChatShaper(_Shaper):
         if index in self.reasoning:
             delta = {"reasoning_content": self.reasoning[index]} | delta
         return {"index": index, "delta": delta, "logprobs": held} | self._ending(completion)
+
+    def _call_deltas(self, index: int, completion: CompletionOutput) -> list[dict[str, Any]]:
+        """The ``tool_calls`` deltas of this output: the rest of each call now whole, then the call being written."""
+        assert self.tools is not None
+        calls = self.calls.setdefault(index, [])
+        streamed = self.streamed.setdefault(index, [])
+        first = len(calls)
+        calls += (completion.tool_calls or [])[: None if self.max_calls is None else self.max_calls - first]
+        writing = self.tools.writing(self.texts[index])
+        deltas = []
+        for i in range(first, len(calls)):
+            if i < len(streamed):  # streamed as it was written: the rest of its arguments, under its id
+                call_id, sent = streamed[i]
+                calls[i] = msgspec.structs.replace(calls[i], id=call_id)
+                whole = writing[i].arguments if i < len(writing) and writing[i].complete else calls[i].arguments
+                if whole.startswith(sent) and len(whole) > len(sent):
+                    deltas.append({"index": i, "function": {"arguments": whole[len(sent) :]}})
+            else:
+                deltas += _tool_calls([calls[i]], streamed=True, first=i)
+        i = len(calls)
+        if completion.finish_reason is None and i < len(writing) and (self.max_calls is None or i < self.max_calls):
+            call = writing[i]
+            if i == len(streamed):
+                streamed.append((new_tool_call_id(), call.arguments))
+                call_id = streamed[i][0]
+                entry = {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                deltas.append({"index": i} | entry)
+            elif len(call.arguments) > len(streamed[i][1]):
+                call_id, sent = streamed[i]
+                streamed[i] = (call_id, call.arguments)
+                deltas.append({"index": i, "function": {"arguments": call.arguments[len(sent) :]}})
+        return deltas
 
     def stream_events(self, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The role chunk of every choice before the first content, then the choices."""

@@ -39,9 +39,28 @@ _CODE_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 # Markers some models write before a JSON reply of calls (Mistral, Llama 3.1), when they decode as text.
 _CALL_PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")
 _JSON_SEPARATORS = " \t\r\n;,"
+# Where a call's arguments object starts: after its name (the name first, as models write calls).
+_CALL_START = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _DECODER = json.JSONDecoder()
 # What decoding (and encoding again) a model's JSON can raise: bad JSON, or JSON nested past the recursion limit.
 _UNPARSEABLE = (ValueError, RecursionError)
+
+
+@dataclass(frozen=True)
+class CallInProgress:
+    """A tool call as a reply writes it: its tool, and the JSON text of its arguments so far.
+
+    Attributes:
+        name: the tool's name.
+        arguments: the arguments object's text as the model wrote it, up to where the reply stands (the whole
+            object once ``complete``).
+        complete: the arguments object is closed.
+
+    """
+
+    name: str
+    arguments: str
+    complete: bool
 
 
 def new_tool_call_id() -> str:
@@ -160,6 +179,31 @@ class ChatTools:
             is_object = False
         return [ToolCall(new_tool_call_id(), self.name, arguments)] if is_object else []
 
+    def writing(self, text: str) -> list[CallInProgress]:
+        """The calls in a reply still being written, each with its arguments' text so far, for streaming them.
+
+        A named choice's reply is its call's arguments; any other reply's calls are the objects that start
+        ``{"name": "<a tool>", "arguments": {`` (or ``"parameters"``), in order, in whichever format holds them.
+        """
+        if self.choice == "named":
+            assert self.name is not None
+            arguments = text.lstrip()
+            end = _object_end(arguments, 0)
+            return [CallInProgress(self.name, arguments[:end], end is not None)] if arguments.startswith("{") else []
+        calls, position = [], 0
+        while (match := _CALL_START.search(text, position)) is not None:
+            try:
+                name = json.loads(f'"{match[1]}"')
+            except _UNPARSEABLE:
+                name = None
+            end = _object_end(text, match.end())
+            if name in self.names:
+                calls.append(CallInProgress(name, text[match.end() : end], end is not None))
+            if end is None:
+                break
+            position = end
+        return calls
+
     def parse_so_far(self, text: str) -> list[ToolCall]:
         """The calls that are whole in a reply still being written, so that a stream can send each as it completes.
 
@@ -213,6 +257,29 @@ def parse_tool_calls(text: str, tool_names: Collection[str], partial: bool = Fal
             if call is not None:
                 calls.append(call)
     return calls
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Where the JSON object at ``text[start]`` ends (the index after its ``}``); ``None`` while it is open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        character = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif character == "\\":
+                escaped = True
+            elif character == '"':
+                in_string = False
+        elif character == '"':
+            in_string = True
+        elif character in "{[":
+            depth += 1
+        elif character in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def _json_values(text: str) -> list[Any]:
