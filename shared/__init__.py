@@ -13,7 +13,7 @@ from spindle.shared.outputs import (
     ToolCall,
 )
 from spindle.shared.pooling_params import PoolingParams
-from spindle.shared.sampling_params import SamplingParams, StructuredOutput
+from spindle.shared.sampling_params import RequestOutputKind, SamplingParams, StructuredOutput
 
 __all__ = [
     "CompletionOutput",
@@ -26,6 +26,7 @@ __all__ = [
     "PromptInputs",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutput",
     "TextPrompt",

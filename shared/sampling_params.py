@@ -1,5 +1,6 @@
 """Sampling parameters of one request, validated when they are built."""
 
+import enum
 import json
 import math
 from collections.abc import Sized
@@ -159,6 +160,17 @@ def _json_text(value: str | dict[str, Any], field: str, what: str) -> tuple[str,
 _JSON_SCHEMA_FIELD = "sampling_params.structured_output.json_schema"
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request carries, as vLLM's ``RequestOutputKind`` (``SamplingParams.output_kind``)."""
+
+    CUMULATIVE = 0
+    """Everything so far: the text and tokens since the start."""
+    DELTA = 1
+    """Only what is new since the previous output."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes."""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample the completion(s) of one prompt; the fields mean what they mean in vLLM.
 
@@ -222,6 +234,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             and before the logit bias; at most :data:`~spindle.shared.sampling_params.MAX_LOGITS_PROCESSORS`.
         detokenize: turn the tokens into text; ``False`` leaves every output's ``text`` empty and saves the
             decoding (token ids only, as vLLM's), and takes no stop strings, which need the text.
+        output_kind: what each of the request's outputs carries in the Python engines (:class:`RequestOutputKind`,
+            as vLLM's): everything so far, only what is new, or one output at the end; the same as ``delta=True``
+            and ``final_only=True`` of ``LLMEngine.add_request`` (either one set there wins). gRPC and HTTP
+            streams are made of deltas whatever it says.
 
     """
 
@@ -255,6 +271,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     best_of: int | None = None
     logits_processors: list[LogitsProcessorSpec] | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from spindle import LLM, FinishReason, LLMEngine, SamplingParams
+from spindle import LLM, FinishReason, LLMEngine, RequestOutputKind, SamplingParams
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 5, 15, 16, 17, 33, 48, 70, 101]
@@ -176,11 +176,18 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm_dir, prompts):
     assert llm.generate({"prompt_token_ids": prompts[4]}, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
-def test_step_streams_cumulative_delta_and_final_only_outputs(tiny_llm_dir, prompts, expected):
+@pytest.mark.parametrize("asked_by", ["keywords", "output_kind"])
+def test_step_streams_cumulative_delta_and_final_only_outputs(tiny_llm_dir, prompts, expected, asked_by):
+    """Asked by ``add_request``'s keywords, or by vLLM's ``SamplingParams.output_kind``."""
     engine = tiny_engine(tiny_llm_dir)
-    engine.add_request("cum", {"prompt_token_ids": prompts[2]}, GREEDY)
-    engine.add_request("delta", {"prompt_token_ids": prompts[2]}, GREEDY, delta=True)
-    engine.add_request("final", {"prompt_token_ids": prompts[2]}, GREEDY, final_only=True)
+    prompt = {"prompt_token_ids": prompts[2]}
+    engine.add_request("cum", prompt, GREEDY)
+    if asked_by == "keywords":
+        engine.add_request("delta", prompt, GREEDY, delta=True)
+        engine.add_request("final", prompt, GREEDY, final_only=True)
+    else:
+        engine.add_request("delta", prompt, msgspec.structs.replace(GREEDY, output_kind=RequestOutputKind.DELTA))
+        engine.add_request("final", prompt, msgspec.structs.replace(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY))
     seen: dict[str, list] = {"cum": [], "delta": [], "final": []}
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -20,7 +20,7 @@ import zmq
 from conftest import LLAVA_IMAGE_SIZE
 from waiting import DEADLINE, SLACK, wait_until, wait_until_async
 
-from spindle import LLM, FinishReason, LLMEngine, SamplingParams
+from spindle import LLM, FinishReason, LLMEngine, RequestOutputKind, SamplingParams
 from spindle.backend.engine_process import prepare_address
 from spindle.frontend.engine.async_llm_engine import AsyncLLMEngine
 from spindle.frontend.engine.connection import (
@@ -520,6 +520,23 @@ def test_n_completions_all_arrive_through_the_split(backend, tiny_llm_dir):
     final = run_engine(backend, scenario)
     assert final.finished and [c.finish_reason for c in final.outputs] == ["length"] * 3
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_the_async_engine_streams_as_output_kind_asks(backend):
+    """vLLM's ``output_kind``: deltas that add up to the cumulative stream's last output, or that output alone."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def scenario(engine):
+        streams = []
+        for kind in RequestOutputKind:
+            kind_params = msgspec.structs.replace(params, output_kind=kind)
+            streams.append([output async for output in engine.generate(prompts_for(1)[0], kind_params)])
+        return streams
+
+    cumulative, delta, final_only = run_engine(backend, scenario)
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == [1, 2, 3, 4, 5, 6]
+    assert sum((o.outputs[0].token_ids for o in delta), []) == cumulative[-1].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in final_only] == [cumulative[-1].outputs[0].token_ids]
 
 
 def test_finish_reasons_cross_the_split_as_finish_reason_members(backend):

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from spindle.shared.outputs import RequestOutput as RequestOutput
     from spindle.shared.outputs import ToolCall as ToolCall
     from spindle.shared.pooling_params import PoolingParams as PoolingParams
+    from spindle.shared.sampling_params import RequestOutputKind as RequestOutputKind
     from spindle.shared.sampling_params import SamplingParams as SamplingParams
     from spindle.shared.sampling_params import StructuredOutput as StructuredOutput
 
@@ -55,6 +56,7 @@ _PUBLIC = {
     "AsyncLLMEngine": "spindle.frontend.engine.async_llm_engine",
     "EngineConfig": "spindle.shared.config",
     "SamplingParams": "spindle.shared.sampling_params",
+    "RequestOutputKind": "spindle.shared.sampling_params",
     "BeamSearchParams": "spindle.shared.beam_search",
     "BeamSearchOutput": "spindle.shared.beam_search",
     "StructuredOutput": "spindle.shared.sampling_params",

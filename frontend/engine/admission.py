@@ -21,7 +21,7 @@ from spindle.frontend.processing.input_processor import InputProcessor, Processe
 from spindle.frontend.processing.output_processor import EMBEDDING_SAMPLING_PARAMS, RequestState
 from spindle.frontend.processing.reasoning import ReasoningParser
 from spindle.frontend.processing.tokenizer import Tokenizer
-from spindle.shared import PoolingParams, PromptInputs, SamplingParams
+from spindle.shared import PoolingParams, PromptInputs, RequestOutputKind, SamplingParams
 from spindle.shared.errors import AlreadyExistsError, InvalidRequestError
 from spindle.shared.lora import LoRARequest, check_same_adapter
 from spindle.shared.protocol import Command, EngineInfo, EngineRequest, ListLoras, LoadLora
@@ -106,8 +106,10 @@ class Admission:
             params: sampling parameters, or :class:`~spindle.shared.PoolingParams` for an embedding request.
             in_use: the ids of the requests in flight, which this one may not take.
             arrival_time: when the request came (``time.time()``; now when ``None``).
-            delta: the request's outputs hold only what is new since the previous one.
-            final_only: the request has one output, when it finishes (:class:`RequestState`).
+            delta: the request's outputs hold only what is new since the previous one (also when the parameters'
+                ``output_kind`` is ``DELTA``).
+            final_only: the request has one output, when it finishes (:class:`RequestState`; also when the
+                parameters' ``output_kind`` is ``FINAL_ONLY``).
             priority: its place under the priority scheduling policy (lower first).
             lora_request: the adapter to generate with (:meth:`lora_name`).
 
@@ -118,6 +120,9 @@ class Admission:
         """
         request_id = self.request_id(request_id, in_use)
         lora_name = await self.lora_name(lora_request)
+        if isinstance(params, SamplingParams):
+            delta = delta or params.output_kind == RequestOutputKind.DELTA
+            final_only = final_only or params.output_kind == RequestOutputKind.FINAL_ONLY
         return self.request(
             request_id,
             prompt,
