@@ -28,7 +28,8 @@ MAX_CHARACTERS = 256
 """The longest closing the search looks for, in characters."""
 
 MAX_TRIES = 5000
-"""Characters the search may try (accepted or not) before it gives up (~5 ms): closing then is not attempted."""
+"""Characters the search may try (accepted or not) before it gives up (~5 ms): closing then is not attempted. It
+gives up at once on reaching :data:`MAX_CHARACTERS`."""
 
 
 class GrammarCloser:
@@ -72,6 +73,7 @@ class GrammarCloser:
             if matcher.is_completed():
                 return True
             if len(path) >= MAX_CHARACTERS:
+                tries = MAX_TRIES  # too long a closing: give up at once rather than backtrack through it
                 return False
             for token_id in self._candidates(matcher):
                 if tries >= MAX_TRIES:

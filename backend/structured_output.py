@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spindle.backend.grammar_closer import GrammarCloser
+from spindle.backend.grammar_closer import MAX_CHARACTERS, GrammarCloser
 from spindle.backend.grammar_compiler import CompileAbandonedError, GrammarCompilePool
 from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.shared.errors import EngineUnavailableError, InvalidRequestError, RequestRefusedError
@@ -160,7 +160,8 @@ class StructuredOutputManager:
         if after:
             self._thinking.update({seq_id: (after, deque(maxlen=len(after))) for seq_id in seq_ids})
         if spec.close_at_max_tokens:
-            self._limits.update({seq_id: _Limit(left, check_at=left) for seq_id, left in (tokens_left or {}).items()})
+            check_at = MAX_CHARACTERS + 2 * CLOSING_MARGIN  # no closing is longer: no search before
+            self._limits.update({seq_id: _Limit(left, check_at) for seq_id, left in (tokens_left or {}).items()})
 
     def remove_request(self, request_id: str, seq_ids: list[int]) -> None:
         """Forget a request (finished or aborted): its compile, if under way, and its sequences' matchers."""
@@ -333,9 +334,11 @@ class StructuredOutputManager:
     def _closing_token(self, seq_id: int, matcher: "GrammarMatcher") -> int | None:
         """The token the sequence must emit next to close its structure in time (``None`` while it samples freely).
 
-        Searched for (:class:`~spindle.backend.grammar_closer.GrammarCloser`) every :data:`CLOSING_RECHECK` tokens,
-        then every step once its closing and :data:`CLOSING_MARGIN` twice over take all the room left; once the
-        closing takes all but :data:`CLOSING_MARGIN`, its tokens are emitted one a step, then eos.
+        Searched for (:class:`~spindle.backend.grammar_closer.GrammarCloser`) once the tokens left are within the
+        longest closing it finds (:data:`~spindle.backend.grammar_closer.MAX_CHARACTERS`) and twice the margin, then
+        every :data:`CLOSING_RECHECK` tokens (four times that after a search that found none), then every step once
+        its closing and :data:`CLOSING_MARGIN` twice over take all the room left; once the closing takes all but
+        :data:`CLOSING_MARGIN`, its tokens are emitted one a step, then eos.
         """
         limit = self._limits.get(seq_id)
         if limit is None:
@@ -343,8 +346,8 @@ class StructuredOutputManager:
         if limit.closing is None and limit.tokens_left <= limit.check_at:
             assert self._closer is not None
             closing = self._closer.closing(matcher)
-            if closing is None:
-                limit.check_at = limit.tokens_left - CLOSING_RECHECK
+            if closing is None:  # too long, or not found: the search is costly, so not again soon
+                limit.check_at = limit.tokens_left - 4 * CLOSING_RECHECK
             elif len(closing) + CLOSING_MARGIN >= limit.tokens_left:
                 limit.closing = closing + self.eos_token_ids[:1]
             else:

@@ -3,15 +3,17 @@
 Every request is a chat prompt asking for JSON records, run through ``LLM.chat`` on the embedded SmolLM2, greedy; the
 constrained ones carry a JSON schema (an array of at least 8 records with strings, integers, enums and booleans: a
 grammar with real work in each step's mask). Every request generates exactly ``--max-tokens`` tokens (the free ones
-ignore eos, the constrained ones' arrays are longer than that), so each batch does the same work and the rates
-compare. Also printed: the compile time of the first schema (with xgrammar's import and tokenizer table, once per
-backend) and of a new schema after that.
+ignore eos, the constrained ones' arrays are longer than that: their closing before ``max_tokens``, longer than the
+search looks, is searched for and not found), so each batch does the same work and the rates compare; the last run
+turns the closing off, which gives its cost. Also printed: the compile time of the first schema (with xgrammar's
+import and tokenizer table, once per backend) and of a new schema after that.
 
     .venv/bin/python -m bench.structured_output --num-prompts 32 --max-tokens 96 --repeats 3
 """
 
 import argparse
 import statistics
+import sys
 import time
 
 from spindle import LLM, SamplingParams, StructuredOutput
@@ -31,7 +33,8 @@ SCHEMA = {
         "required": ["name", "age", "role", "active"],
     },
 }
-FRACTIONS = (0.0, 0.5, 1.0)
+RUNS = ((0.0, True), (0.5, True), (1.0, True), (1.0, False))
+"""(fraction constrained, closing before max_tokens) of each batch measured."""
 
 
 def chats(num_prompts: int) -> list[list[dict[str, str]]]:
@@ -42,10 +45,15 @@ def chats(num_prompts: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def params_for(num_prompts: int, fraction: float, max_tokens: int, schema: dict) -> list[SamplingParams]:
-    """The first ``fraction`` of the requests constrained by ``schema``, the others free; greedy all."""
+def params_for(
+    num_prompts: int, fraction: float, max_tokens: int, schema: dict, close: bool = True
+) -> list[SamplingParams]:
+    """The first ``fraction`` of the requests constrained by ``schema``, the others free; greedy all.
+
+    ``close=False`` turns off the closing before ``max_tokens``: the rates with and without it compare its search.
+    """
     constrained = round(num_prompts * fraction)
-    spec = StructuredOutput(json_schema=schema)
+    spec = StructuredOutput(json_schema=schema, close_at_max_tokens=close)
     return [
         SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=spec)
         if i < constrained
@@ -75,6 +83,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
+    # The grammar compile workers are spawned processes, which import the main module again: by name they would
+    # not find it (the bench package takes the repository root off sys.path), by its file they do.
+    sys.modules["__main__"].__spec__ = None
 
     llm = LLM(args.model, kv_cache_memory="2GiB")
     conversations = chats(args.num_prompts)
@@ -83,17 +94,18 @@ def main() -> None:
     print(f"compile: first schema {cold:.2f} s (xgrammar loads), a new schema after that {warm * 1e3:.0f} ms")
     llm.chat(conversations[:2], params_for(2, 0.5, 8, SCHEMA), use_tqdm=False)  # warm-up
 
-    rates: dict[float, list[float]] = {f: [] for f in FRACTIONS}
-    for _ in range(args.repeats):  # interleaved, so that the machine's drift hits every fraction alike
-        for fraction in FRACTIONS:
-            rates[fraction].append(
-                rate(llm, conversations, params_for(len(conversations), fraction, args.max_tokens, SCHEMA))
-            )
-    base = statistics.median(rates[0.0])
+    rates: dict[tuple[float, bool], list[float]] = {run: [] for run in RUNS}
+    for _ in range(args.repeats):  # interleaved, so that the machine's drift hits every run alike
+        for fraction, close in RUNS:
+            params = params_for(len(conversations), fraction, args.max_tokens, SCHEMA, close)
+            rates[fraction, close].append(rate(llm, conversations, params))
+    base = statistics.median(rates[0.0, True])
     print(f"{args.num_prompts} prompts, greedy, up to {args.max_tokens} tokens, median of {args.repeats}:")
-    for fraction in FRACTIONS:
-        median = statistics.median(rates[fraction])
-        print(f"  {fraction:4.0%} constrained: {median:7.1f} tok/s  ({median / base:.2f}x the unconstrained rate)")
+    for fraction, close in RUNS:
+        median = statistics.median(rates[fraction, close])
+        closing = "" if close else ", no closing"
+        ratio = median / base
+        print(f"  {fraction:4.0%} constrained{closing}: {median:7.1f} tok/s  ({ratio:.2f}x the unconstrained rate)")
     outputs = llm.chat(conversations[:2], params_for(2, 1.0, args.max_tokens, SCHEMA), use_tqdm=False)
     completion = outputs[0].outputs[0]
     print(f"example ({completion.finish_reason}):", completion.text[:160])
