@@ -19,10 +19,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from xgrammar import GrammarMatcher, TokenizerInfo
 
 PREFERENCE = '"}]),:' + string.digits + ".;-_!?@#$%&*+=/\\|<>~^`'" + string.ascii_letters + "{[( \n\t"
 """The characters the search tries, in order: see the module's docstring."""
+
+OPENERS = b",{["
+"""The characters that open a new element, object or array: a sequence near its limit samples no token holding one
+(other than its closing's next token)."""
 
 MAX_CHARACTERS = 256
 """The longest closing the search looks for, in characters."""
@@ -38,6 +43,9 @@ class GrammarCloser:
     Args:
         tokenizer_info: xgrammar's table of the model's vocabulary (the one the grammars were compiled for).
 
+    Attributes:
+        openers: the bitmask of the tokens that hold one of :data:`OPENERS`.
+
     """
 
     def __init__(self, tokenizer_info: "TokenizerInfo") -> None:
@@ -51,6 +59,9 @@ class GrammarCloser:
         self.character_set = set(self.characters)
         self.longest = max(map(len, self.tokens), default=1)
         self.vocab_size = tokenizer_info.vocab_size
+        self.openers = _bitmask(
+            [token_id for token_id, text in enumerate(self.texts) if any(c in text for c in OPENERS)], self.vocab_size
+        )
 
     def closing(self, matcher: "GrammarMatcher") -> list[int] | None:
         """The tokens after which ``matcher``'s grammar is complete (``[]`` when it is now); ``None`` if none found.
@@ -125,6 +136,17 @@ class GrammarCloser:
             tokens.append(token_id)
             end -= len(self.texts[token_id])
         return tokens[::-1]
+
+
+def _bitmask(token_ids: list[int], vocab_size: int) -> "torch.Tensor":
+    """The int32 bitmask (xgrammar's layout: bit ``t % 32`` of word ``t // 32``) with the bits of ``token_ids`` set."""
+    import numpy as np
+    import torch
+
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    return torch.from_numpy(words.view(np.int32))
 
 
 def _completes(matcher: "GrammarMatcher", tokens: list[int]) -> bool:

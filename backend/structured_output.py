@@ -12,9 +12,11 @@ sequence may sample next (one bit per token) and the sampler masks the others ou
 feeds it the tokens chosen, and ends the sequence when its grammar is complete.
 
 A sequence near its length limit (``max_tokens`` or the context) closes its structure instead of being cut: once
-the shortest completion of its grammar (:class:`~spindle.backend.grammar_closer.GrammarCloser`) takes all but
-:data:`CLOSING_MARGIN` of the tokens left, the bitmask allows only that completion's tokens, then eos, so a length
-finish still parses (``StructuredOutput.close_at_max_tokens=False`` opts out).
+the shortest completion of its grammar (:class:`~spindle.backend.grammar_closer.GrammarCloser`) and twice
+:data:`CLOSING_MARGIN` take the tokens left, it may sample no token that opens something new (a ``,``, ``{`` or
+``[``: a new element would lengthen the closing past the room); once the closing takes all but the margin, the
+bitmask allows only that completion's tokens, then eos, so a length finish still parses
+(``StructuredOutput.close_at_max_tokens=False`` opts out).
 
 A reasoning model's request (``EngineRequest.grammar_after``) thinks freely first: its sequences sample with no mask
 until their output writes the end of the thinking block, and the grammar constrains what follows.
@@ -317,10 +319,16 @@ class StructuredOutputManager:
         for seq_id, seq_drafts in zip(scheduled.grammar_seq_ids, drafts, strict=True):
             matcher = self._matchers[seq_id]
             first_row[seq_id] = row
-            forced = self._closing_token(seq_id, matcher)
-            if forced is not None:
-                mask[row] = 0
-                mask[row, forced // 32] = _int32(1 << forced % 32)
+            closing = self._closing_token(seq_id, matcher)
+            if closing is not None:  # near the limit: the closing's token, and (unless forced) what opens nothing
+                token_id, forced = closing
+                if forced:
+                    mask[row] = 0
+                else:
+                    assert self._closer is not None
+                    matcher.fill_next_token_bitmask(mask, row)
+                    mask[row] &= ~self._closer.openers
+                mask[row, token_id // 32] |= _int32(1 << token_id % 32)
                 row += 1
                 continue
             for i in range(len(seq_drafts) + 1):
@@ -331,14 +339,15 @@ class StructuredOutputManager:
             row += len(seq_drafts) + 1
         return GrammarBitmask(mask, first_row)
 
-    def _closing_token(self, seq_id: int, matcher: "GrammarMatcher") -> int | None:
-        """The token the sequence must emit next to close its structure in time (``None`` while it samples freely).
+    def _closing_token(self, seq_id: int, matcher: "GrammarMatcher") -> tuple[int, bool] | None:
+        """The next token of the sequence's closing, and whether it must be the one sampled; ``None`` while far off.
 
         Searched for (:class:`~spindle.backend.grammar_closer.GrammarCloser`) once the tokens left are within the
         longest closing it finds (:data:`~spindle.backend.grammar_closer.MAX_CHARACTERS`) and twice the margin, then
         every :data:`CLOSING_RECHECK` tokens (four times that after a search that found none), then every step once
-        its closing and :data:`CLOSING_MARGIN` twice over take all the room left; once the closing takes all but
-        :data:`CLOSING_MARGIN`, its tokens are emitted one a step, then eos.
+        its closing and :data:`CLOSING_MARGIN` twice over take all the room left: the sequence is near, it opens
+        nothing more. Once the closing takes all but :data:`CLOSING_MARGIN`, its tokens are emitted one a step,
+        then eos.
         """
         limit = self._limits.get(seq_id)
         if limit is None:
@@ -352,7 +361,10 @@ class StructuredOutputManager:
                 limit.closing = closing + self.eos_token_ids[:1]
             else:
                 limit.check_at = max(len(closing) + 2 * CLOSING_MARGIN, limit.tokens_left - CLOSING_RECHECK)
-        return limit.closing[0] if limit.closing else None
+                near = limit.tokens_left <= len(closing) + 2 * CLOSING_MARGIN
+                following = (closing + self.eos_token_ids[:1])[:1]
+                return (following[0], False) if near and following else None
+        return (limit.closing[0], True) if limit.closing else None
 
     def compile(self, spec: StructuredOutput) -> "Future[CompiledGrammar]":
         """The compiled grammar of ``spec``, now or later: a finished future when it is cached.

@@ -103,3 +103,9 @@ def test_the_closing_is_written_in_the_fewest_tokens(compiler, closer):
 def test_a_closing_out_of_reach_is_none(compiler, closer):
     """Past the search's length bound (a regex of 300 fixed characters), nothing is forced."""
     assert close(closer, compiler.compile_regex("a{300}"), "") is None
+
+
+def test_the_openers_mask_holds_the_tokens_that_open_something(closer, tokenizer_info):
+    bits = closer.openers.view(-1).tolist()
+    marked = {t for t in range(len(VOCAB)) if bits[t // 32] >> (t % 32) & 1}
+    assert marked == {VOCAB.index(c) for c in ",{["}  # no multi-character token of VOCAB holds one

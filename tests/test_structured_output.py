@@ -280,6 +280,29 @@ def test_a_constrained_output_near_max_tokens_closes_and_parses(llm, max_tokens,
     assert len(completion.token_ids) == min(max_tokens, len(answer(completion)) + 1)
 
 
+POINTS = {
+    "type": "array",
+    "items": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+    "minItems": 1,
+}
+
+
+def test_near_its_limit_an_output_opens_nothing_more(llm):
+    """Biased to open a new element at every turn, each output still closes, whatever its max_tokens falls on.
+
+    A ``,`` opening one more ``{"x": 0}`` lengthens the closing by 9 tokens at once, more than the margin: near the
+    limit such a token is masked, so the closing always fits.
+    """
+    openers = {token: 6.0 for token in llm.get_tokenizer().encode(',{}"x: 0', add_special_tokens=False)}
+    spec = StructuredOutput(json_schema=POINTS)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, logit_bias=openers, structured_output=spec) for n in range(24, 56)
+    ]
+    outputs = llm.generate(["Points:"] * len(params), params, use_tqdm=False)
+    values = [json.loads(answer(output.outputs[0])) for output in outputs]
+    assert all(len(value) >= 1 for value in values) and max(map(len, values)) > 2  # several elements opened
+
+
 def test_close_at_max_tokens_false_lets_the_limit_cut(llm):
     letters = {token: 8.0 for token in llm.get_tokenizer().encode("abcdefgh", add_special_tokens=False)}
     spec = StructuredOutput(json_schema=NESTED, close_at_max_tokens=False)
