@@ -100,7 +100,8 @@ class LogitsProcessors:
             self.classes[entry.name] = load_class(entry.value, entry.name)
         for name, path in (configured or {}).items():
             self.classes[name] = load_class(path, name)
-        self._failed: set[int] = set()
+        # The classes whose processors have failed: each is logged once (a broken class fails every request).
+        self._failed: set[type] = set()
 
     def build(self, specs: list[LogitsProcessorSpec]) -> list[LogitsProcessor]:
         """Instances of the processors ``specs`` select, in order.
@@ -130,15 +131,15 @@ class LogitsProcessors:
     ) -> torch.Tensor:
         """One row's logits through its request's processors.
 
-        A processor that raises leaves the row as it was and is logged once per processor instance: its request
+        A processor that raises leaves the row as it was, and the first failure of its class is logged: its request
         samples on, unprocessed, and the batch's other rows are not touched.
         """
         for processor in processors:
             try:
                 logits = processor(prompt, output, logits)
             except Exception:
-                if id(processor) not in self._failed:
-                    self._failed.add(id(processor))
+                if type(processor) not in self._failed:
+                    self._failed.add(type(processor))
                     logger.exception(
                         "Logits processor %s failed: the row is left unprocessed", type(processor).__name__
                     )

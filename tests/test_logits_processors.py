@@ -105,6 +105,16 @@ def test_a_processor_that_fails_leaves_its_row_unprocessed_and_the_batch_alone(l
     assert mixed[1].outputs[0].token_ids == expected_second.outputs[0].token_ids
 
 
+def test_a_failing_class_is_logged_once_however_many_requests_use_it(caplog):
+    registry = LogitsProcessors({"broken": f"{__name__}:Broken"})
+    logits = torch.zeros(8)
+    for _ in range(3):  # three requests, each with its own instance, over two steps
+        [processor] = registry.build([LogitsProcessorSpec(name="broken")])
+        for _ in range(2):
+            assert registry.apply([processor], [1], [2], logits) is logits
+    assert [r.getMessage() for r in caplog.records] == ["Logits processor Broken failed: the row is left unprocessed"]
+
+
 def test_grpc_and_the_cli_select_processors_by_name_with_json_arguments(llm, tiny_llm_dir, capsys):
     expected = llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy(logits_processors=no_repeat(2)), use_tqdm=False)
     plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logits_processors=no_repeat(2))  # as the CLI asks
