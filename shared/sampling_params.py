@@ -371,6 +371,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether the request decodes greedily (temperature 0)."""
         return self.temperature == 0
 
+    @property
+    def keeps_best_of(self) -> bool:
+        """Whether ``best_of`` asks for more completions than ``n``: ``best_of`` run, the best ``n`` of them kept."""
+        return self.best_of is not None and self.best_of > self.n
+
 
 _FLOAT_FIELDS = tuple(field.name for field in msgspec.structs.fields(SamplingParams) if field.type is float)
 

@@ -286,7 +286,7 @@ def engine_params(params: SamplingParams) -> SamplingParams:
     Where the request keeps the best ``n`` of ``best_of`` completions (:class:`RequestState`), the engine runs
     ``best_of``, each with its tokens' log-probabilities, which rank them.
     """
-    if params.best_of is None or params.best_of == params.n:
+    if not params.keeps_best_of:
         return params
     return msgspec.structs.replace(params, n=params.best_of, logprobs=params.logprobs or 0)
 

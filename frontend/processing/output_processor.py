@@ -93,7 +93,7 @@ class RequestState:
         self.params = params
         self.delta = delta
         # best_of above n: the engine runs best_of completions, and the output, once they end, keeps the best n.
-        self.best_of = params.best_of if params.best_of is not None and params.best_of > params.n else None
+        self.best_of = params.best_of if params.keeps_best_of else None
         self.final_only = final_only or self.best_of is not None
         self.tools = tools
         want_logprobs = params.logprobs is not None or self.best_of is not None
