@@ -9,9 +9,10 @@ room left, forces those tokens instead of sampling.
 The search walks the grammar one character at a time with the matcher itself (accept a character's token, roll it
 back), depth first, trying closers before everything else: ``"`` ``}`` ``]`` ``)``, then the separators a required
 part needs (``,`` ``:``), digits, other punctuation, letters, and openers and whitespace last, so that it ends
-strings and numbers at once and opens nothing it need not. A grammar whose next character is outside ASCII (a choice
-of non-ASCII words) takes the first token it allows there. The characters found are then written in as few tokens
-of the vocabulary as they can be (``"}`` is often one token).
+strings and numbers at once and opens nothing it need not (a string that must hold more characters gets ``a``).
+A grammar whose next character is outside ASCII (a choice of non-ASCII words) takes the first token it allows
+there. The characters found are then written in as few tokens of the vocabulary as they can be (``"}`` is often
+one token).
 """
 
 import string
@@ -57,6 +58,7 @@ class GrammarCloser:
                 self.tokens.setdefault(text, token_id)
         self.characters = [self.tokens[c.encode()] for c in PREFERENCE if c.encode() in self.tokens]
         self.character_set = set(self.characters)
+        self.letter = self.tokens.get(b"a")
         self.longest = max(map(len, self.tokens), default=1)
         self.vocab_size = tokenizer_info.vocab_size
         self.openers = _bitmask(
@@ -103,8 +105,17 @@ class GrammarCloser:
         return path if found else None
 
     def _candidates(self, matcher: "GrammarMatcher") -> Iterator[int]:
-        """The tokens to try next: the characters in order, then the first other token the grammar allows."""
-        yield from self.characters
+        """The tokens to try next: the characters in order, then the first other token the grammar allows.
+
+        Where ``"`` does not end the text but both ``a`` and ``}`` would continue it (a JSON string that needs more
+        characters), ``a`` comes right after it: a string is filled with letters, not with the closers after ``"``.
+        """
+        first, *rest = self.characters
+        yield first
+        if self.letter is not None and _accepts(matcher, self.letter) and _accepts(matcher, self.tokens.get(b"}")):
+            yield self.letter
+            rest.remove(self.letter)
+        yield from rest
         import xgrammar
 
         mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
@@ -147,6 +158,14 @@ def _bitmask(token_ids: list[int], vocab_size: int) -> "torch.Tensor":
     ids = np.asarray(token_ids, dtype=np.int64)
     np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
     return torch.from_numpy(words.view(np.int32))
+
+
+def _accepts(matcher: "GrammarMatcher", token_id: int | None) -> bool:
+    """Whether ``matcher`` accepts ``token_id`` next (tried and rolled back)."""
+    if token_id is None or not matcher.accept_token(token_id):
+        return False
+    matcher.rollback(1)
+    return True
 
 
 def _completes(matcher: "GrammarMatcher", tokens: list[int]) -> bool:

@@ -66,6 +66,7 @@ SCHEMA = {
         ('{"name": "P", "n": 2, "tags": ["a", "b', '"], "ok": false}'),
         ('{"name": "P", "n": 2, "tags": ["a"], "ok": tr', "ue}"),
         ('{"name": "P", "n": 2, "tags": ["a"], "ok": true', "}"),
+        ('{"name": "P", "n": 2, "tags": ["', '"], "ok": false}'),
     ],
 )
 def test_a_json_value_closes_with_closers_first_and_required_parts_smallest(compiler, closer, prefix, closing):
@@ -85,6 +86,12 @@ def test_a_json_value_closes_with_closers_first_and_required_parts_smallest(comp
 )
 def test_a_regex_closes(compiler, closer, spec, prefix, closing):
     assert close(closer, compiler.compile_regex(spec), prefix) == closing
+
+
+def test_a_string_that_needs_characters_is_filled_with_letters(compiler, closer):
+    schema = {"type": "object", "properties": {"id": {"type": "string", "minLength": 3}}, "required": ["id"]}
+    grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    assert close(closer, grammar, '{"id": "x') == 'aa"}'
 
 
 def test_non_ascii_words_are_reached_through_the_tokens_the_grammar_allows(compiler, closer):
