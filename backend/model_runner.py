@@ -49,7 +49,7 @@ from spindle.kernels.lora import LoraMapping, lora_mapping
 from spindle.shared import SamplingParams
 from spindle.shared.config import EngineConfig
 from spindle.shared.lora import LoraAdapterInfo
-from spindle.shared.protocol import ImageInput, KVCacheReport
+from spindle.shared.protocol import ImageInput, KVCacheReport, kv_block_bytes
 from spindle.shared.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -376,13 +376,17 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers: 2 (K, V) x layers x kv heads x head size x block size x dtype size.
+        """Bytes of one KV block over all layers (:func:`~spindle.shared.protocol.kv_block_bytes`).
 
         The kv heads are this rank's (:class:`~spindle.backend.models.checkpoint_config.Shard`).
         """
-        mc = self.checkpoint
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.shard.num_kv_heads * mc.head_dim * self.block_size * element_size
+        return kv_block_bytes(
+            self.checkpoint.num_layers,
+            self.shard.num_kv_heads,
+            self.checkpoint.head_dim,
+            self.block_size,
+            self.dtype.itemsize,
+        )
 
     def init_cache(self, max_model_len: int) -> int:
         """Profile one maximal step, size the KV cache from the memory budget, allocate it.
@@ -461,7 +465,7 @@ class ModelRunner:
             num_kv_heads=self.shard.num_kv_heads,
             head_dim=self.checkpoint.head_dim,
             block_size=self.block_size,
-            element_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            element_bytes=self.dtype.itemsize,
             budget_bytes=budget,
             num_blocks=num_blocks,
             max_model_len=max_model_len,

@@ -247,6 +247,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     lora_adapters: list[str] = []
 
 
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
+    """Bytes of one KV cache block over all layers: 2 (K, V) x layers x KV heads x head size x block size x value."""
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * element_bytes
+
+
 class KVCacheReport(msgspec.Struct, frozen=True):
     """How cache initialisation sized the KV cache: the arithmetic's inputs and its result (:doc:`cache`).
 
@@ -287,8 +292,8 @@ class KVCacheReport(msgspec.Struct, frozen=True):
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over all layers: 2 (K, V) x layers x KV heads x head size x block size x dtype size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * self.element_bytes
+        """Bytes of one block over all layers (:func:`kv_block_bytes`)."""
+        return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.element_bytes)
 
     @property
     def num_tokens(self) -> int:
