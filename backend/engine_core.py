@@ -373,10 +373,7 @@ class EngineCore:
         if request.params.structured_output is not None:
             seq_ids = [seq.seq_id for seq in seqs]
             replay = {seq.seq_id: seq.output_token_ids for seq in seqs if seq.num_output_tokens}
-            max_tokens = request.params.max_tokens or self.max_model_len
-            tokens_left = {
-                seq.seq_id: min(max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) for seq in seqs
-            }
+            tokens_left = {seq.seq_id: seq.tokens_left(self.max_model_len) for seq in seqs}
             self.structured_output.add_request(
                 request.request_id,
                 seq_ids,

@@ -381,7 +381,7 @@ class Scheduler:
                 return self._finish(seq, FinishReason.STOP)
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 return self._finish(seq, FinishReason.STOP, token_id)
-        if seq.num_output_tokens >= (params.max_tokens or self.max_model_len) or len(seq) >= self.max_model_len:
+        if seq.tokens_left(self.max_model_len) <= 0:
             self._finish(seq, FinishReason.LENGTH)
 
     def observe(self, scheduled: SchedulerOutput, seconds: float) -> None:

@@ -95,6 +95,10 @@ class Sequence:
         """How many tokens have been generated."""
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """How many more tokens it may generate: up to ``max_tokens`` (the context without one) and the context."""
+        return min((self.params.max_tokens or max_model_len) - self.num_output_tokens, max_model_len - len(self))
+
     @property
     def skips_prefix_cache(self) -> bool:
         """Whether every prompt position must be computed: for prompt log-probabilities, or ``mean``/``cls`` pooling.

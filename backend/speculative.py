@@ -97,8 +97,7 @@ class DraftProposer:
         for seq in running:
             wanted = seq.params.num_speculative_tokens
             if wanted and len(seq) - seq.num_computed_tokens == 1:
-                max_tokens = seq.params.max_tokens or self.max_model_len
-                wanted = min(wanted, max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1)
+                wanted = min(wanted, seq.tokens_left(self.max_model_len) - 1)
                 proposed = self.structured_output.allowed_drafts(seq.seq_id, propose(seq.token_ids, wanted))
                 if proposed:
                     drafts[seq.seq_id] = proposed
