@@ -673,15 +673,10 @@ class _ChatShaper(_Shaper):
         i = len(calls)
         if completion.finish_reason is None and i < len(writing) and (self.max_calls is None or i < self.max_calls):
             call = writing[i]
-            if i == len(streamed):
-                streamed.append((new_tool_call_id(), call.arguments))
-                call_id = streamed[i][0]
-                entry = {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                deltas.append({"index": i} | entry)
+            if i == len(streamed):  # its head: index, id and name, with its arguments so far
+                call_id = new_tool_call_id()
+                streamed.append((call_id, call.arguments))
+                deltas += _tool_calls([ToolCall(call_id, call.name, call.arguments)], streamed=True, first=i)
             elif len(call.arguments) > len(streamed[i][1]):
                 call_id, sent = streamed[i]
                 streamed[i] = (call_id, call.arguments)
