@@ -58,7 +58,7 @@ class GrammarCloser:
                 self.tokens.setdefault(text, token_id)
         self.characters = [self.tokens[c.encode()] for c in PREFERENCE if c.encode() in self.tokens]
         self.character_set = set(self.characters)
-        self.letter = self.tokens.get(b"a")
+        self.letter, self.brace = self.tokens.get(b"a"), self.tokens.get(b"}")
         self.longest = max(map(len, self.tokens), default=1)
         self.vocab_size = tokenizer_info.vocab_size
         self.openers = _bitmask(
@@ -112,7 +112,7 @@ class GrammarCloser:
         """
         first, *rest = self.characters
         yield first
-        if self.letter is not None and _accepts(matcher, self.letter) and _accepts(matcher, self.tokens.get(b"}")):
+        if self.letter is not None and _accepts(matcher, self.letter) and _accepts(matcher, self.brace):
             yield self.letter
             rest.remove(self.letter)
         yield from rest

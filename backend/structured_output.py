@@ -357,13 +357,14 @@ class StructuredOutputManager:
             closing = self._closer.closing(matcher)
             if closing is None:  # too long, or not found: the search is costly, so not again soon
                 limit.check_at = limit.tokens_left - 4 * CLOSING_RECHECK
-            elif len(closing) + CLOSING_MARGIN >= limit.tokens_left:
-                limit.closing = closing + self.eos_token_ids[:1]
             else:
-                limit.check_at = max(len(closing) + 2 * CLOSING_MARGIN, limit.tokens_left - CLOSING_RECHECK)
-                near = limit.tokens_left <= len(closing) + 2 * CLOSING_MARGIN
-                following = (closing + self.eos_token_ids[:1])[:1]
-                return (following[0], False) if near and following else None
+                ending = closing + self.eos_token_ids[:1]
+                if len(closing) + CLOSING_MARGIN >= limit.tokens_left:
+                    limit.closing = ending
+                else:
+                    near = len(closing) + 2 * CLOSING_MARGIN
+                    limit.check_at = max(near, limit.tokens_left - CLOSING_RECHECK)
+                    return (ending[0], False) if limit.tokens_left <= near and ending else None
         return (limit.closing[0], True) if limit.closing else None
 
     def compile(self, spec: StructuredOutput) -> "Future[CompiledGrammar]":
