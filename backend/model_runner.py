@@ -598,17 +598,24 @@ class ModelRunner:
             parallel.send_step(scheduled, self.device)
         states = apply_scheduler_output(self.states, scheduled, self.block_size)
         self.lora.release_unused(scheduled.lora_ids_in_use)
-        # Decodes (one query token) go first: the CPU attention path batches them together. With adapters, each
-        # group is ordered by slot: a slot's tokens are then one run in each (spindle.kernels.lora's CPU path).
+        # Decodes (one query token) go first, then decodes verifying drafts, whose tokens attend as decodes each
+        # (InputBuffers): the CPU attention path batches decodes together, and a step of them alone runs as a decode
+        # step. With adapters, each group is ordered by slot: a slot's tokens are then one run in each
+        # (spindle.kernels.lora's CPU path).
         query_lens = [scheduled.num_scheduled_tokens[state.seq_id] for state in states]
+        groups = [
+            0 if n == 1 else 1 if state.seq_id in scheduled.spec_token_ids else 2
+            for state, n in zip(states, query_lens, strict=True)
+        ]
         lora_ids = [state.lora_id for state in states]
         slots = self.lora.assign(lora_ids, scheduled.running_lora_ids) if any(i is not None for i in lora_ids) else None
         if slots is None:
-            order = sorted(range(len(states)), key=lambda i: query_lens[i] != 1)
+            order = sorted(range(len(states)), key=lambda i: groups[i])
         else:
-            order = sorted(range(len(states)), key=lambda i: (query_lens[i] != 1, slots[i]))
+            order = sorted(range(len(states)), key=lambda i: (groups[i], slots[i]))
         states = [states[i] for i in order]
         query_lens = [query_lens[i] for i in order]
+        num_decode_seqs = sum(group < 2 for group in groups)
         input_ids: list[int] = []
         sampling: list[tuple[int, list[int]]] = []  # (index in states, drafts) of each sequence that samples
         for i, (state, n) in enumerate(zip(states, query_lens, strict=True)):
@@ -627,7 +634,7 @@ class ModelRunner:
         spans = _prompt_spans(states, query_start_loc)
         prompt_rows = [row for _, start, end, first in spans for row in range(first, first + end - start)]
         lora_slots = None if slots is None else [slots[i] for i in order]
-        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows, lora_slots)
+        step = self.inputs.build(states, query_lens, input_ids, rows + prompt_rows, lora_slots, num_decode_seqs)
 
         images = _joined(
             self._image_rows(states, query_start_loc, scheduled.scheduled_images),

@@ -151,3 +151,24 @@ def test_block_tables_are_written_incrementally_and_anew_when_replaced() -> None
     step = buffers.build([a], [2], [0, 1], [1])
     assert step.meta.block_tables.tolist() == [[7, 4]]
     assert step.meta.slot_mapping.tolist() == [4 * 4 + 1, 4 * 4 + 2]
+
+
+def test_a_decode_verifying_drafts_attends_as_one_decode_per_token() -> None:
+    buffers = InputBuffers(max_tokens=32, max_seqs=5, max_blocks=6, block_size=4, device=torch.device("cpu"))
+    plain, verifying = sequence([7, 3], computed=5, tokens=6), sequence([1, 2, 4], computed=6, tokens=7)
+    prompt = sequence([9], computed=0, tokens=3)
+
+    # The verifying sequence's last token and 2 drafts (positions 6-8): three decodes whose contexts end at each.
+    step = buffers.build([plain, verifying, prompt], [1, 3, 3], [5, 6, 60, 61, 0, 1, 2], [0, 1, 2, 3, 6], None, 2)
+    assert step.meta.num_decodes == 4 and step.meta.query_lens_list == [1, 1, 1, 1, 3]
+    assert step.meta.seq_lens.tolist() == step.meta.seq_lens_list == [6, 7, 8, 9, 3]
+    assert step.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 7]
+    assert step.meta.block_tables.tolist() == [[7, 3, 0], *[[1, 2, 4]] * 3, [9, 0, 0]]
+    assert step.positions.tolist() == [5, 6, 7, 8, 0, 1, 2]
+    assert step.meta.slot_mapping.tolist() == [3 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 4 * 4, 36, 37, 38]
+
+    # More rows than max_num_seqs: a row per sequence, the verification attending as a prefill chunk.
+    wide = sequence([5, 6, 8], computed=6, tokens=7)
+    step = buffers.build([plain, verifying, wide], [1, 3, 4], list(range(8)), [0, 3], None, 3)
+    assert step.meta.query_lens_list == [1, 3, 4] and step.meta.num_decodes == 1
+    assert step.meta.seq_lens_list == [6, 9, 10]
