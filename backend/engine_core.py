@@ -139,7 +139,9 @@ class EngineCore:
             compile_workers=config.structured_output.grammar_compile_workers,
             compile_timeout=config.structured_output.grammar_compile_timeout,
         )
-        self.drafter = DraftProposer(self.max_model_len, self.structured_output)
+        self.drafter = DraftProposer(
+            self.max_model_len, self.structured_output, adaptive=config.scheduler.adaptive_drafts
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,

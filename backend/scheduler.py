@@ -316,6 +316,7 @@ class Scheduler:
         """
         if output.seconds is not None:
             self.observe(scheduled, output.seconds)
+            self.drafter.observe(sum(scheduled.num_scheduled_tokens.values()), output.seconds)
         for seq_id, num_new in scheduled.num_scheduled_tokens.items():
             self.seqs[seq_id].num_computed_tokens += num_new
         deltas = [self._finish_embedding(self.seqs[seq_id], data) for seq_id, data in output.embeddings.items()]
@@ -330,7 +331,7 @@ class Scheduler:
         num_accepted = len(token_ids) - 1 if num_drafts else 0
         if num_drafts:
             # The rejected drafts' K/V is not the sequence's: step back over it.
-            self.drafter.record(num_drafts, num_accepted)
+            self.drafter.record(seq.seq_id, num_drafts, num_accepted)
             seq.num_computed_tokens -= num_drafts - num_accepted
         constrained = self.structured_output.follows(seq.seq_id)
         emitted = 0
@@ -517,6 +518,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free_blocks(seq)
         self._leave_runner(seq)
+        self.drafter.forget(seq.seq_id)
         del self.seqs[seq.seq_id]
         if seq.lora_id is not None:
             self.lora_users[seq.lora_id] -= 1

@@ -10,8 +10,17 @@ step computes the last token and the drafts in one pass (like a short prefill ch
 budget and the runner verifies them) and counts the drafts verified and accepted. A step's drafts live in its
 :class:`~spindle.backend.scheduler_output.SchedulerOutput` alone; the scheduler gives back the rejected ones' cache
 slots when it applies the step's output.
+
+A draft is not free: verifying it adds a token to the step. Where a step reads the weights from memory (one stream on
+a CPU with VNNI, or on a GPU) a few more tokens cost almost nothing, but where the projections are compute-bound (a
+batch, or one stream on an AVX2 CPU: SmolLM2's 8-token step costs three 1-token steps there) a rejected draft costs
+as much as a token. So by default each step verifies only the drafts that pay for themselves
+(:meth:`DraftProposer.worth_verifying`): it weighs each draft's chance of being accepted, learned per sequence
+(:class:`Acceptance`), against the step's seconds by its token count, learned from the steps run (:class:`StepCosts`),
+and keeps the drafts that give the most expected tokens per second.
 """
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -69,12 +78,85 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     return sampled[: len(drafts) + 1]
 
 
+COST_SMOOTHING = 0.2
+"""The newest step's weight in :class:`StepCosts`' running average of a token count's seconds."""
+
+ACCEPTANCE_PRIOR = 0.8
+"""The chance assumed that a draft is accepted, once the drafts before it were, before any draft was verified:
+optimistic, so that drafting is tried (and its worth measured) rather than ruled out by a guess."""
+
+PRIOR_WEIGHT = 4.0
+"""How many verified drafts the prior is worth in an estimate of acceptance: a sequence's own few steps soon
+outweigh the engine's rate, which soon outweighs :data:`ACCEPTANCE_PRIOR`."""
+
+
+class StepCosts:
+    """The seconds of a step by the number of tokens it computes: a running average per count, from the steps run.
+
+    A count never measured is estimated at the nearest smaller count's seconds (a step of more tokens costs at least
+    as much), an optimistic guess that lets the drafter try it and so measure it.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Learn from a step of ``num_tokens`` tokens that took ``seconds``."""
+        known = self.seconds.get(num_tokens)
+        self.seconds[num_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
+
+    def estimates(self, first: int, last: int) -> list[float] | None:
+        """The estimated seconds of steps of ``first`` to ``last`` tokens; None until one of at most ``last`` was timed.
+
+        Counts below every measured one are taken at the smallest measured count's seconds.
+        """
+        below = next((self.seconds[n] for n in range(first, 0, -1) if n in self.seconds), None)
+        out = []
+        for n in range(first, last + 1):
+            below = self.seconds.get(n, below)
+            out.append(below)
+        smallest = next((cost for cost in out if cost is not None), None)
+        if smallest is None:
+            return None
+        return [smallest if cost is None else cost for cost in out]  # below every measured count: the smallest's
+
+
+class Acceptance:
+    """How often drafts are accepted, as a chance per draft given that the drafts before it were.
+
+    A sequence's estimate is its own record with the engine's rate as a prior worth :data:`PRIOR_WEIGHT` drafts (a
+    summary copies its input, a story does not); the engine's, its record with :data:`ACCEPTANCE_PRIOR` as the prior.
+    A draft is *tried* when every draft before it in its step was accepted.
+    """
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.tried = 0
+        self.by_seq: dict[int, tuple[int, int]] = {}
+
+    def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        """Count a step's verified drafts of ``seq_id``, ``num_accepted`` of them accepted."""
+        tried = num_accepted + (num_accepted < num_drafts)
+        accepted, seq_tried = self.by_seq.get(seq_id, (0, 0))
+        self.by_seq[seq_id] = (accepted + num_accepted, seq_tried + tried)
+        self.accepted += num_accepted
+        self.tried += tried
+
+    def rate(self, seq_id: int) -> float:
+        """The chance that a draft of ``seq_id`` is accepted, given the drafts before it were."""
+        engine = (self.accepted + PRIOR_WEIGHT * ACCEPTANCE_PRIOR) / (self.tried + PRIOR_WEIGHT)
+        accepted, tried = self.by_seq.get(seq_id, (0, 0))
+        return (accepted + PRIOR_WEIGHT * engine) / (tried + PRIOR_WEIGHT)
+
+
 class DraftProposer:
     """Proposes the drafts of the decoding sequences that speculate, and keeps the acceptance counts.
 
     Args:
         max_model_len: the context length: a step never computes a draft past it.
         structured_output: trims a constrained sequence's drafts to what its grammar accepts.
+        adaptive: verify only the drafts that pay for themselves (:meth:`worth_verifying`); False: every proposal
+            up to its sequence's ``num_speculative_tokens``.
 
     Attributes:
         num_draft_tokens: the drafts verified since start-up.
@@ -82,28 +164,69 @@ class DraftProposer:
 
     """
 
-    def __init__(self, max_model_len: int, structured_output: "StructuredOutputManager") -> None:
+    def __init__(self, max_model_len: int, structured_output: "StructuredOutputManager", adaptive: bool = True) -> None:
         self.max_model_len = max_model_len
         self.structured_output = structured_output
+        self.adaptive = adaptive
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        self.costs = StepCosts()
+        self.acceptance = Acceptance()
 
     def propose(self, running: Iterable["Sequence"]) -> dict[int, list[int]]:
         """By ``seq_id``, the drafts of each decoding sequence that asks for ``num_speculative_tokens`` and finds some.
 
-        Never past ``max_tokens`` or the context: a step emits up to one token more than its drafts.
+        Never past ``max_tokens`` or the context: a step emits up to one token more than its drafts. Adaptive, only
+        those worth verifying.
         """
-        drafts = {}
+        drafts, decodes = {}, 0
         for seq in running:
+            if len(seq) - seq.num_computed_tokens != 1:
+                continue
+            decodes += 1
             wanted = seq.params.num_speculative_tokens
-            if wanted and len(seq) - seq.num_computed_tokens == 1:
+            if wanted:
                 wanted = min(wanted, seq.tokens_left(self.max_model_len) - 1)
                 proposed = self.structured_output.allowed_drafts(seq.seq_id, propose(seq.token_ids, wanted))
                 if proposed:
                     drafts[seq.seq_id] = proposed
-        return drafts
+        if not self.adaptive or not drafts:
+            return drafts
+        return self.worth_verifying(drafts, decodes)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def worth_verifying(self, drafts: dict[int, list[int]], num_decodes: int) -> dict[int, list[int]]:
+        """The first drafts of each sequence that give a step of ``num_decodes`` decodes the most tokens per second.
+
+        The ``i``-th draft of a sequence is accepted with the chance ``rate ** i`` (:class:`Acceptance`); drafts are
+        taken best chance first, and the step keeps as many as maximise ``(num_decodes + their chances) / seconds``,
+        its seconds those of a step of ``num_decodes`` tokens plus the drafts (:class:`StepCosts`).
+        """
+        chances = sorted(
+            ((self.acceptance.rate(seq_id) ** i, seq_id) for seq_id, d in drafts.items() for i in range(1, len(d) + 1)),
+            reverse=True,
+        )
+        costs = self.costs.estimates(num_decodes, num_decodes + len(chances))
+        if costs is None:  # no step measured yet: try them all
+            return drafts
+        best, expected = 0, float(num_decodes)
+        best_rate = expected / costs[0]
+        for m, (chance, _) in enumerate(chances, 1):
+            expected += chance
+            if expected / costs[m] > best_rate:
+                best, best_rate = m, expected / costs[m]
+        counts = Counter(seq_id for _, seq_id in chances[:best])
+        return {seq_id: d[: counts[seq_id]] for seq_id, d in drafts.items() if counts[seq_id]}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Learn from a step that computed ``num_tokens`` tokens in ``seconds``."""
+        self.costs.observe(num_tokens, seconds)
+
+    def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """Count one sequence's verified drafts, ``num_accepted`` of them accepted."""
         self.num_draft_tokens += num_drafts
         self.num_accepted_draft_tokens += num_accepted
+        self.acceptance.record(seq_id, num_drafts, num_accepted)
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what was learned of a sequence that finished."""
+        self.acceptance.by_seq.pop(seq_id, None)

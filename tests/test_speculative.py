@@ -12,7 +12,8 @@ from spindle.backend.model_runner import sample_rows
 from spindle.backend.runner_state import SequenceState
 from spindle.backend.sampler import Sampler
 from spindle.backend.sequence import Sequence
-from spindle.backend.speculative import accepted_tokens, propose
+from spindle.backend.speculative import ACCEPTANCE_PRIOR, DraftProposer, StepCosts, accepted_tokens, propose
+from spindle.backend.structured_output import StructuredOutputManager
 
 
 @pytest.mark.parametrize(
@@ -161,3 +162,45 @@ def test_each_completion_counts_its_own_drafts(tiny_llm_dir: Path) -> None:
     assert speculated.num_accepted_draft_tokens == stats.num_accepted_draft_tokens > 0
     assert plain.num_draft_tokens == plain.num_accepted_draft_tokens == 0
     assert speculated.token_ids == plain.token_ids
+
+
+def drafter_with_costs(seconds: dict[int, float]) -> DraftProposer:
+    """A drafter that has measured steps of these token counts (each at these seconds)."""
+    drafter = DraftProposer(1_000, StructuredOutputManager(Path(), vocab_size=100, eos_token_ids=[]))
+    for num_tokens, value in seconds.items():
+        drafter.observe(num_tokens, value)
+    return drafter
+
+
+def test_step_costs_average_each_count_and_guess_unmeasured_ones_optimistically() -> None:
+    costs = StepCosts()
+    assert costs.estimates(1, 3) is None  # nothing measured: no estimate
+    costs.observe(2, 1.0)
+    costs.observe(2, 2.0)  # a running average, the newest step weighing 0.2
+    costs.observe(5, 3.0)
+    assert costs.estimates(1, 6) == pytest.approx([1.2, 1.2, 1.2, 1.2, 3.0, 3.0])
+
+
+def test_drafts_are_verified_where_a_step_of_more_tokens_costs_little() -> None:
+    drafts = {0: [5, 6, 7, 8], 1: [9, 9]}
+    # Memory-bound (more tokens cost nothing): every draft pays.
+    assert drafter_with_costs({2: 1.0, 8: 1.0}).worth_verifying(drafts, 2) == drafts
+    # Compute-bound (each token costs a step's share): none can, as each is accepted with a chance below 1.
+    assert drafter_with_costs({n: n / 2 for n in range(2, 9)}).worth_verifying(drafts, 2) == {}
+    # Flat up to 4 tokens, then linear: the two drafts with the best chances.
+    costs = {n: max(1.0, n / 4) for n in range(2, 9)}
+    assert drafter_with_costs(costs).worth_verifying(drafts, 2) == {0: [5], 1: [9]}
+    # Before any step was measured, all are tried.
+    assert drafter_with_costs({}).worth_verifying(drafts, 2) == drafts
+
+
+def test_a_sequence_whose_drafts_are_accepted_keeps_drafting_where_one_whose_drafts_fail_stops() -> None:
+    drafter = drafter_with_costs({n: 1.0 + 0.1 * max(0, n - 3) for n in range(2, 12)})
+    for _ in range(10):
+        drafter.record(0, 4, 4)  # every draft accepted
+        drafter.record(1, 4, 0)  # the first draft rejected each time
+    assert drafter.acceptance.rate(0) > ACCEPTANCE_PRIOR > 0.25 > drafter.acceptance.rate(1)
+    assert drafter.worth_verifying({0: [1, 2, 3, 4], 1: [5, 6, 7, 8]}, 2) == {0: [1, 2, 3, 4]}
+    drafter.forget(0)  # finished: the next sequence 0 starts from the engine's rate
+    assert drafter.acceptance.rate(0) == pytest.approx(drafter.acceptance.rate(99))
+    assert drafter.num_draft_tokens == 80 and drafter.num_accepted_draft_tokens == 40
