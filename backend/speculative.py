@@ -20,6 +20,7 @@ as much as a token. So by default each step verifies only the drafts that pay fo
 and keeps the drafts that give the most expected tokens per second.
 """
 
+import bisect
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -93,32 +94,30 @@ outweigh the engine's rate, which soon outweighs :data:`ACCEPTANCE_PRIOR`."""
 class StepCosts:
     """The seconds of a step by the number of tokens it computes: a running average per count, from the steps run.
 
-    A count never measured is estimated at the nearest smaller count's seconds (a step of more tokens costs at least
-    as much), an optimistic guess that lets the drafter try it and so measure it.
+    A count never measured is estimated from the measured ones: between two, on the line through them; above them all,
+    at the largest one's seconds (a guess that errs cheap, so that the drafter tries such a step and so measures it);
+    below them all, at the smallest one's.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
+        self.counts: list[int] = []  # the measured counts, sorted
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Learn from a step of ``num_tokens`` tokens that took ``seconds``."""
         known = self.seconds.get(num_tokens)
+        if known is None:
+            bisect.insort(self.counts, num_tokens)
         self.seconds[num_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
 
-    def estimates(self, first: int, last: int) -> list[float] | None:
-        """The estimated seconds of steps of ``first`` to ``last`` tokens; None until one of at most ``last`` was timed.
-
-        Counts below every measured one are taken at the smallest measured count's seconds.
-        """
-        below = next((self.seconds[n] for n in range(first, 0, -1) if n in self.seconds), None)
-        out = []
-        for n in range(first, last + 1):
-            below = self.seconds.get(n, below)
-            out.append(below)
-        smallest = next((cost for cost in out if cost is not None), None)
-        if smallest is None:
+    def estimates(self, first: int, last: int) -> np.ndarray | None:
+        """The estimated seconds of steps of ``first`` to ``last`` tokens; None until one of at most ``last`` ran."""
+        if not self.counts or self.counts[0] > last:
             return None
-        return [smallest if cost is None else cost for cost in out]  # below every measured count: the smallest's
+        # The measured counts that bound the range, and those within it.
+        start = max(bisect.bisect_right(self.counts, first) - 1, 0)
+        counts = self.counts[start : bisect.bisect_left(self.counts, last) + 1]
+        return np.interp(np.arange(first, last + 1), counts, [self.seconds[n] for n in counts])
 
 
 class Acceptance:

@@ -151,7 +151,7 @@ def record_steps(core: EngineCore) -> list[set[int | None]]:
 
 @pytest.mark.parametrize(
     ("engine_args", "speculative"),
-    [(dict(), 0), (dict(max_num_batched_tokens=16), 0), (dict(), 4)],
+    [(dict(), 0), (dict(max_num_batched_tokens=16), 0), (dict(adaptive_drafts=False), 4)],
     ids=["one_batch", "chunked_prefill", "ngram4"],
 )
 def test_a_batch_of_two_adapters_and_the_base_matches_peft(

@@ -208,7 +208,7 @@ def test_ngram_speculation_keeps_transformers_tokens(
 ) -> None:
     """Decodes verify 4 n-gram drafts a step (several tokens of a sequence in one query) beside prefill chunks."""
     model_dir = make_tiny_model(variant)
-    core = tiny_core(model_dir, max_num_batched_tokens=16)
+    core = tiny_core(model_dir, max_num_batched_tokens=16, adaptive_drafts=False)
 
     got, _ = generate(core, [(ids, None) for ids in prompts], num_speculative_tokens=4)
 

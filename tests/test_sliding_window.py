@@ -278,7 +278,12 @@ def test_mistral_releases_the_blocks_outside_its_window(
     of their window (at most ceil(24 / 8) + 1 each in a decode step, one more for up to 4 drafts), they all run at
     once, none preempted. With n-gram speculation the rejected drafts' blocks are trimmed after the release."""
     engine = LLMEngine.from_args(
-        model=str(mistral_dir), dtype="float32", kv_cache_memory=72 * 4096, block_size=8, max_num_batched_tokens=64
+        model=str(mistral_dir),
+        dtype="float32",
+        kv_cache_memory=72 * 4096,
+        block_size=8,
+        max_num_batched_tokens=64,
+        adaptive_drafts=False,
     )
     core = engine.engine_core
     assert core.num_blocks == 72 and core.block_manager.sliding_window == 24

@@ -33,9 +33,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def parity_llm(**engine_args: object) -> LLM:
-    """A float32 engine on the embedded model whose projections keep float activations."""
+    """A float32 engine on the embedded model whose projections keep float activations; it verifies every draft."""
     with weight_only():
-        return LLM(dtype="float32", **{"max_model_len": 2048, **engine_args})
+        return LLM(dtype="float32", **{"max_model_len": 2048, "adaptive_drafts": False, **engine_args})
 
 
 @pytest.fixture(scope="module")

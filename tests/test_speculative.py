@@ -122,7 +122,7 @@ def test_seeded_sampling_keeps_its_distribution_under_speculation(tiny_llm_dir: 
     accepts few drafts (about 1 in 10), so the verifier's exactness is proven by the test above; this one proves
     the engine's path (drafts, rows, rollback) leaves sampled output as it was.
     """
-    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB", adaptive_drafts=False)
     # The prompt ends in the model's own greedy output, which falls into a loop: the drafts continue the loop, and
     # with top_k 3 they have a fair chance of being what the model samples.
     start = [5, 6, 7, 8, 9]
@@ -148,7 +148,7 @@ def test_seeded_sampling_keeps_its_distribution_under_speculation(tiny_llm_dir: 
 
 def test_each_completion_counts_its_own_drafts(tiny_llm_dir: Path) -> None:
     """A completion reports the drafts verified for it and those accepted: over a run they add up to the engine's."""
-    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB", adaptive_drafts=False)
     start = [5, 6, 7, 8, 9]
     greedy = llm.generate({"prompt_token_ids": start}, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     looping = {"prompt_token_ids": start + greedy[0].outputs[0].token_ids}  # drafts continue its loop
@@ -164,21 +164,24 @@ def test_each_completion_counts_its_own_drafts(tiny_llm_dir: Path) -> None:
     assert speculated.token_ids == plain.token_ids
 
 
-def drafter_with_costs(seconds: dict[int, float]) -> DraftProposer:
+def drafter_with_costs(seconds: dict[int, float], adaptive: bool = True) -> DraftProposer:
     """A drafter that has measured steps of these token counts (each at these seconds)."""
-    drafter = DraftProposer(1_000, StructuredOutputManager(Path(), vocab_size=100, eos_token_ids=[]))
+    structured_output = StructuredOutputManager(Path(), vocab_size=100, eos_token_ids=[])
+    drafter = DraftProposer(1_000, structured_output, adaptive=adaptive)
     for num_tokens, value in seconds.items():
         drafter.observe(num_tokens, value)
     return drafter
 
 
-def test_step_costs_average_each_count_and_guess_unmeasured_ones_optimistically() -> None:
+def test_step_costs_average_each_count_and_interpolate_the_others() -> None:
     costs = StepCosts()
     assert costs.estimates(1, 3) is None  # nothing measured: no estimate
     costs.observe(2, 1.0)
     costs.observe(2, 2.0)  # a running average, the newest step weighing 0.2
     costs.observe(5, 3.0)
-    assert costs.estimates(1, 6) == pytest.approx([1.2, 1.2, 1.2, 1.2, 3.0, 3.0])
+    # Below every measured count: the smallest's; between two, on their line; above them all: the largest's.
+    assert costs.estimates(1, 6).tolist() == pytest.approx([1.2, 1.2, 1.8, 2.4, 3.0, 3.0])
+    assert costs.estimates(3, 4).tolist() == pytest.approx([1.8, 2.4])
 
 
 def test_drafts_are_verified_where_a_step_of_more_tokens_costs_little() -> None:
@@ -204,3 +207,12 @@ def test_a_sequence_whose_drafts_are_accepted_keeps_drafting_where_one_whose_dra
     drafter.forget(0)  # finished: the next sequence 0 starts from the engine's rate
     assert drafter.acceptance.rate(0) == pytest.approx(drafter.acceptance.rate(99))
     assert drafter.num_draft_tokens == 80 and drafter.num_accepted_draft_tokens == 40
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_propose_drafts_for_decodes_and_keeps_every_draft_unless_adaptive(adaptive: bool) -> None:
+    decode = Sequence("a", 0, [1, 2, 3, 9, 1, 2, 3], SamplingParams(max_tokens=50, num_speculative_tokens=3), 0.0)
+    prefill = Sequence("b", 0, [1, 2, 3, 9, 1, 2, 3], SamplingParams(max_tokens=50, num_speculative_tokens=3), 0.0)
+    decode.num_computed_tokens = len(decode) - 1
+    compute_bound = drafter_with_costs({n: float(n) for n in range(1, 9)}, adaptive)
+    assert compute_bound.propose([decode, prefill]) == ({} if adaptive else {decode.seq_id: [9, 1, 2]})

@@ -26,7 +26,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def llm(tiny_llm_dir) -> LLM:
-    return LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB")
+    return LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="4MiB", adaptive_drafts=False)
 
 
 @pytest.fixture(scope="module")
