@@ -46,6 +46,7 @@ from spindle.shared.config import (
     configure_logging,
 )
 from spindle.shared.errors import EngineUnavailableError, RequestRefusedError
+from spindle.shared.gc_heap import freeze_startup_heap
 from spindle.shared.model_registry import ModelRegistry, add_register_model_args
 from spindle.shared.protocol import (
     FRONTEND_TIMEOUT,
@@ -474,6 +475,7 @@ def run_backend(args: argparse.Namespace) -> int:
         process = EngineProcess(config, args.listen, args.grace_period, trust_frontends=trusted)
         signal.signal(signal.SIGTERM, process.drain)
         signal.signal(signal.SIGINT, process.drain)
+        freeze_startup_heap()
         process.run()
     finally:
         if args.remove_socket_dir:

@@ -71,6 +71,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != RE
 TIERS = {
     "test_block_manager": "unit",
     "test_detokenizer": "unit",
+    "test_gc_heap": "unit",
     "test_grammar_closer": "unit",
     "test_image_processor": "unit",
     "test_input_processor": "unit",

@@ -32,6 +32,7 @@ from spindle.frontend.grpc.metrics import MetricsServer
 from spindle.frontend.grpc.servicer import SpindleServicer
 from spindle.frontend.grpc.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
 from spindle.frontend.grpc.vllm_servicer import VllmEngineServicer
+from spindle.shared.gc_heap import freeze_startup_heap
 from spindle.v1 import spindle_pb2, spindle_pb2_grpc
 
 if TYPE_CHECKING:
@@ -383,6 +384,7 @@ async def serve(engine: AsyncLLMEngine, config: ServerConfig) -> None:
         print(f"spindle serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     await server.start()
+    freeze_startup_heap()
     print(f"spindle: serving {server.servicer.served_model_names[0]} on {config.host}:{server.port}", flush=True)
     if server.http is not None:
         print(f"spindle: OpenAI-compatible API on http://{config.http_host}:{server.http.port}/v1", flush=True)
