@@ -90,6 +90,12 @@ PRIOR_WEIGHT = 4.0
 """How many verified drafts the prior is worth in an estimate of acceptance: a sequence's own few steps soon
 outweigh the engine's rate, which soon outweighs :data:`ACCEPTANCE_PRIOR`."""
 
+EXPLORE_EVERY = 64
+"""Every this many steps with drafts, the sequence whose drafts have the best chance verifies all of its drafts,
+whatever the estimates say, so that the counts the drafter stopped choosing stay measured: a count timed once on a
+slow step (another process's burst, a collection) would otherwise never be tried again. It costs one sequence's
+drafts every 64 steps."""
+
 
 class StepCosts:
     """The seconds of a step by the number of tokens it computes: a running average per count, from the steps run.
@@ -171,6 +177,7 @@ class DraftProposer:
         self.num_accepted_draft_tokens = 0
         self.costs = StepCosts()
         self.acceptance = Acceptance()
+        self.steps_with_drafts = 0
 
     def propose(self, running: Iterable["Sequence"]) -> dict[int, list[int]]:
         """By ``seq_id``, the drafts of each decoding sequence that asks for ``num_speculative_tokens`` and finds some.
@@ -198,8 +205,10 @@ class DraftProposer:
 
         The ``i``-th draft of a sequence is accepted with the chance ``rate ** i`` (:class:`Acceptance`); drafts are
         taken best chance first, and the step keeps as many as maximise ``(num_decodes + their chances) / seconds``,
-        its seconds those of a step of ``num_decodes`` tokens plus the drafts (:class:`StepCosts`).
+        its seconds those of a step of ``num_decodes`` tokens plus the drafts (:class:`StepCosts`). Every
+        :data:`EXPLORE_EVERY` calls, the best chance's sequence keeps all of its drafts.
         """
+        self.steps_with_drafts += 1
         chances = sorted(
             ((self.acceptance.rate(seq_id) ** i, seq_id) for seq_id, d in drafts.items() for i in range(1, len(d) + 1)),
             reverse=True,
@@ -214,6 +223,8 @@ class DraftProposer:
             if expected / costs[m] > best_rate:
                 best, best_rate = m, expected / costs[m]
         counts = Counter(seq_id for _, seq_id in chances[:best])
+        if self.steps_with_drafts % EXPLORE_EVERY == 0:
+            counts[chances[0][1]] = len(drafts[chances[0][1]])
         return {seq_id: d[: counts[seq_id]] for seq_id, d in drafts.items() if counts[seq_id]}
 
     def observe(self, num_tokens: int, seconds: float) -> None:

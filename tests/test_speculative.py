@@ -12,7 +12,14 @@ from spindle.backend.model_runner import sample_rows
 from spindle.backend.runner_state import SequenceState
 from spindle.backend.sampler import Sampler
 from spindle.backend.sequence import Sequence
-from spindle.backend.speculative import ACCEPTANCE_PRIOR, DraftProposer, StepCosts, accepted_tokens, propose
+from spindle.backend.speculative import (
+    ACCEPTANCE_PRIOR,
+    EXPLORE_EVERY,
+    DraftProposer,
+    StepCosts,
+    accepted_tokens,
+    propose,
+)
 from spindle.backend.structured_output import StructuredOutputManager
 
 
@@ -188,8 +195,12 @@ def test_drafts_are_verified_where_a_step_of_more_tokens_costs_little() -> None:
     drafts = {0: [5, 6, 7, 8], 1: [9, 9]}
     # Memory-bound (more tokens cost nothing): every draft pays.
     assert drafter_with_costs({2: 1.0, 8: 1.0}).worth_verifying(drafts, 2) == drafts
-    # Compute-bound (each token costs a step's share): none can, as each is accepted with a chance below 1.
-    assert drafter_with_costs({n: n / 2 for n in range(2, 9)}).worth_verifying(drafts, 2) == {}
+    # Compute-bound (each token costs a step's share): none can, as each is accepted with a chance below 1; but every
+    # EXPLORE_EVERY steps the best sequence verifies its drafts anyway, so that their costs stay measured.
+    compute_bound = drafter_with_costs({n: n / 2 for n in range(2, 9)})
+    kept = [compute_bound.worth_verifying(drafts, 2) for _ in range(2 * EXPLORE_EVERY)]
+    explored = {i for i, step in enumerate(kept, 1) if step}
+    assert explored == {EXPLORE_EVERY, 2 * EXPLORE_EVERY} and kept[EXPLORE_EVERY - 1] == {1: [9, 9]}
     # Flat up to 4 tokens, then linear: the two drafts with the best chances.
     costs = {n: max(1.0, n / 4) for n in range(2, 9)}
     assert drafter_with_costs(costs).worth_verifying(drafts, 2) == {0: [5], 1: [9]}
