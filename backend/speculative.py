@@ -153,6 +153,10 @@ class Acceptance:
         accepted, tried = self.by_seq.get(seq_id, (0, 0))
         return (accepted + PRIOR_WEIGHT * engine) / (tried + PRIOR_WEIGHT)
 
+    def forget(self, seq_id: int) -> None:
+        """Drop the record of ``seq_id`` (the engine's rate keeps its drafts)."""
+        self.by_seq.pop(seq_id, None)
+
 
 class DraftProposer:
     """Proposes the drafts of the decoding sequences that speculate, and keeps the acceptance counts.
@@ -239,4 +243,4 @@ class DraftProposer:
 
     def forget(self, seq_id: int) -> None:
         """Drop what was learned of a sequence that finished."""
-        self.acceptance.by_seq.pop(seq_id, None)
+        self.acceptance.forget(seq_id)
