@@ -316,7 +316,7 @@ class Scheduler:
         """
         if output.seconds is not None:
             self.observe(scheduled, output.seconds)
-            self.drafter.observe(sum(scheduled.num_scheduled_tokens.values()), output.seconds)
+            self.drafter.observe(scheduled.total_num_scheduled_tokens, output.seconds)
         for seq_id, num_new in scheduled.num_scheduled_tokens.items():
             self.seqs[seq_id].num_computed_tokens += num_new
         deltas = [self._finish_embedding(self.seqs[seq_id], data) for seq_id, data in output.embeddings.items()]

@@ -13,11 +13,11 @@ slots when it applies the step's output.
 
 A draft is not free: verifying it adds a token to the step. Where a step reads the weights from memory (one stream on
 a CPU with VNNI, or on a GPU) a few more tokens cost almost nothing, but where the projections are compute-bound (a
-batch, or one stream on an AVX2 CPU: SmolLM2's 8-token step costs three 1-token steps there) a rejected draft costs
-as much as a token. So by default each step verifies only the drafts that pay for themselves
-(:meth:`DraftProposer.worth_verifying`): it weighs each draft's chance of being accepted, learned per sequence
-(:class:`Acceptance`), against the step's seconds by its token count, learned from the steps run (:class:`StepCosts`),
-and keeps the drafts that give the most expected tokens per second.
+batch, or one stream on an AVX2 CPU: bench/results/single_stream.md) a rejected draft costs as much as a token. So
+by default each step verifies only the drafts that pay for themselves (:meth:`DraftProposer.worth_verifying`): it
+weighs each draft's chance of being accepted, learned per sequence (:class:`Acceptance`), against the step's seconds
+by its token count, learned from the steps run (:class:`StepCosts`), and keeps the drafts that give the most
+expected tokens per second.
 """
 
 import bisect
@@ -213,9 +213,9 @@ class DraftProposer:
         :data:`EXPLORE_EVERY` calls, the best chance's sequence keeps all of its drafts.
         """
         self.steps_with_drafts += 1
+        rates = {seq_id: self.acceptance.rate(seq_id) for seq_id in drafts}
         chances = sorted(
-            ((self.acceptance.rate(seq_id) ** i, seq_id) for seq_id, d in drafts.items() for i in range(1, len(d) + 1)),
-            reverse=True,
+            ((rates[seq_id] ** i, seq_id) for seq_id, d in drafts.items() for i in range(1, len(d) + 1)), reverse=True
         )
         costs = self.costs.estimates(num_decodes, num_decodes + len(chances))
         if costs is None:  # no step measured yet: try them all
