@@ -57,7 +57,11 @@ constexpr int64_t ROWS = 8;          // output rows a packed panel interleaves (
 constexpr int64_t CHUNK = 4;         // consecutive inputs of a row in one 32-bit lane
 constexpr int64_t TOKEN_BLOCK = 4;   // tokens run against a panel together (accumulators in registers)
 constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
-static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0, "a block of tokens never crosses a panel");
+// Tokens a pass of panel_dots_int4 (int4 without VNNI) takes: its accumulators and int16 sums, 8 of each, and 8 ran
+// SmolLM2's projections at 8-64 tokens 5-7% faster than 4 or 6 on a Zen 3 (bench/results/a8_linear.md, stop 62).
+constexpr int64_t INT4_TOKEN_BLOCK = 8;
+static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0 && TOKEN_PANEL % INT4_TOKEN_BLOCK == 0,
+              "a block of tokens never crosses a panel");
 
 // Each row of x as int8 blocks of BLOCK inputs with one scale each; and, for offsets, the sums of the quantized x
 // over each weight group.
@@ -237,18 +241,13 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
   for (int m = 0; m < M; ++m) {
     const int8_t* xm = x + m * inputs;
     const __m256 token_scale = _mm256_set1_ps(token_scales[m * blocks]);
-    if constexpr (F == Format::INT4) {  // 8 x 2 x 15 x 127 fits int16
+    if constexpr (F == Format::INT4) {  // with VNNI; without, int4 runs panel_dots_int4
 #ifdef SPINDLE_A8_VNNI
       __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains of dependent vpdpbusd
       for (int k = 0; k < 8; ++k) sums[k % 2] = dot4(sums[k % 2], w[k], broadcast4(xm + 4 * k));
-      const __m256i total = _mm256_add_epi32(sums[0], sums[1]);
-#else
-      __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(xm));
-      for (int k = 1; k < 8; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], broadcast4(xm + 4 * k)));
-      const __m256i total = _mm256_madd_epi16(pairs, ones);
-#endif
       const __m256 scale = _mm256_mul_ps(scales[0], token_scale);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1])), scale, acc[m]);
+#endif
     } else {
       __m256i halves[2];
       for (int h = 0; h < 2; ++h) {
@@ -333,6 +332,59 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
     scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, acc);
   }
 }
+
+#ifndef SPINDLE_A8_VNNI
+// panel_dots for int4 weights in groups of 32 or more without VNNI. Chunk by chunk: each chunk's two unpacked halves
+// meet every token's activations, so only two of the block's 8 chunks are in registers at once, and block_dots'
+// M x 8 live values (which spilled to the stack, accumulators included) become M int16 sums and M accumulators.
+// The empty asm after each sum's add keeps it a chain: gcc otherwise reassociated the 8 adds into a tree that held
+// every product at once, and spilled again.
+template <int M, typename Scales>
+inline void panel_dots_int4(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
+                            int64_t group_size, bool prefetch, __m256 acc[M]) {
+  constexpr int64_t block_bytes = block_bytes_of(Format::INT4);
+  const int64_t blocks = inputs / BLOCK, group_blocks = group_size / BLOCK, per_super = SUPER_BLOCK / BLOCK;
+  const int8_t* x = a.values.data() + m0 * inputs;
+  const float* token_scales = a.scales.data() + m0 * blocks;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 sums[M];
+  for (int m = 0; m < M; ++m) sums[m] = acc[m];
+  for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += group_blocks, ++g) {
+    const __m256 group_scale = scales.scale(g, b0 / per_super);
+    for (int64_t b = b0; b < b0 + group_blocks; ++b) {
+      const uint8_t* block = q + b * block_bytes;
+      for (int64_t line = 0; prefetch && line < block_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + line + PREFETCH_DISTANCE), _MM_HINT_T0);
+      const __m256i* chunks = reinterpret_cast<const __m256i*>(block);
+      const int8_t* xb = x + b * BLOCK;
+      __m256i pairs[M];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(chunks + c);
+        const __m256i low = _mm256_and_si256(raw, nibble), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xm = xb + m * inputs;
+          const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(xm + 4 * c)),
+                                                _mm256_maddubs_epi16(high, broadcast4(xm + 16 + 4 * c)));
+          pairs[m] = c == 0 ? both : _mm256_add_epi16(pairs[m], both);
+          asm("" : "+x"(pairs[m]));
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256 scale = _mm256_mul_ps(group_scale, _mm256_set1_ps(token_scales[m * blocks + b]));
+        sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[m], ones)), scale, sums[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) acc[m] = sums[m];
+  if (scales.offsets != nullptr) {
+    const int64_t groups = inputs / group_size;
+    scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, acc);
+  }
+}
+#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPINDLE_A8_512 1
@@ -484,7 +536,12 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 #endif
   const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
   // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block.
-  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK : TOKEN_BLOCK;
+#ifdef SPINDLE_A8_VNNI
+  constexpr bool int4_chunks = false;
+#else
+  constexpr bool int4_chunks = F == Format::INT4;  // panel_dots_int4
+#endif
+  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK : int4_chunks ? INT4_TOKEN_BLOCK : TOKEN_BLOCK;
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
@@ -510,7 +567,11 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 #endif
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
+          if constexpr (int4_chunks) {
+            panel_dots_int4<M>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
+          } else {
+            panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
+          }
           for (int m = 0; m < M; ++m) store(m0 + m, p, acc[m]);
         });
       }
