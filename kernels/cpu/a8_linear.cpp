@@ -57,10 +57,10 @@ constexpr int64_t ROWS = 8;          // output rows a packed panel interleaves (
 constexpr int64_t CHUNK = 4;         // consecutive inputs of a row in one 32-bit lane
 constexpr int64_t TOKEN_BLOCK = 4;   // tokens run against a panel together (accumulators in registers)
 constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
-// Tokens a pass of panel_dots_int4 (int4 without VNNI) takes: its accumulators and int16 sums, 8 of each, and 8 ran
-// SmolLM2's projections at 8-64 tokens 5-7% faster than 4 or 6 on a Zen 3 (bench/results/a8_linear.md, stop 62).
-constexpr int64_t INT4_TOKEN_BLOCK = 8;
-static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0 && TOKEN_PANEL % INT4_TOKEN_BLOCK == 0,
+// Tokens a pass of panel_dots_chunked (AVX2 without VNNI) takes: 8 ran SmolLM2's int4 projections at 8-64 tokens
+// 5-7% faster than 4 or 6 on a Zen 3, and its int8 LM head no slower (bench/results/a8_linear.md, stop 62).
+constexpr int64_t CHUNKED_TOKEN_BLOCK = 8;
+static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0 && TOKEN_PANEL % CHUNKED_TOKEN_BLOCK == 0,
               "a block of tokens never crosses a panel");
 
 // Each row of x as int8 blocks of BLOCK inputs with one scale each; and, for offsets, the sums of the quantized x
@@ -241,7 +241,7 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
   for (int m = 0; m < M; ++m) {
     const int8_t* xm = x + m * inputs;
     const __m256 token_scale = _mm256_set1_ps(token_scales[m * blocks]);
-    if constexpr (F == Format::INT4) {  // with VNNI; without, int4 runs panel_dots_int4
+    if constexpr (F == Format::INT4) {  // with VNNI; without, int4 runs panel_dots_chunked
 #ifdef SPINDLE_A8_VNNI
       __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains of dependent vpdpbusd
       for (int k = 0; k < 8; ++k) sums[k % 2] = dot4(sums[k % 2], w[k], broadcast4(xm + 4 * k));
@@ -334,15 +334,16 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
 }
 
 #ifndef SPINDLE_A8_VNNI
-// panel_dots for int4 weights in groups of 32 or more without VNNI. Chunk by chunk: each chunk's two unpacked halves
-// meet every token's activations, so only two of the block's 8 chunks are in registers at once, and block_dots'
-// M x 8 live values (which spilled to the stack, accumulators included) become M int16 sums and M accumulators.
-// The empty asm after each sum's add keeps it a chain: gcc otherwise reassociated the 8 adds into a tree that held
-// every product at once, and spilled again.
-template <int M, typename Scales>
-inline void panel_dots_int4(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
-                            int64_t group_size, bool prefetch, __m256 acc[M]) {
-  constexpr int64_t block_bytes = block_bytes_of(Format::INT4);
+// panel_dots for int4, and int8 in groups of 32 or more, without VNNI. Chunk by chunk: each chunk (int4: its two
+// unpacked halves) meets every token's activations, so one or two of the block's 8 chunks are in registers at once,
+// and block_dots' M x 8 live values (which spilled to the stack, accumulators included) become M integer sums and M
+// accumulators. The empty asm after each sum's add keeps it a chain: gcc otherwise reassociated the 8 adds into a
+// tree that held every product at once, and spilled again. On one Zen 3 core, 64 tokens: SmolLM2's int4 projections
+// 105 -> 130 GOP/s, an int8 LM head 70 -> 100-109.
+template <int M, Format F, typename Scales>
+inline void panel_dots_chunked(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q,
+                               const Scales& scales, int64_t group_size, bool prefetch, __m256 acc[M]) {
+  constexpr int64_t block_bytes = block_bytes_of(F);
   const int64_t blocks = inputs / BLOCK, group_blocks = group_size / BLOCK, per_super = SUPER_BLOCK / BLOCK;
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
@@ -357,24 +358,40 @@ inline void panel_dots_int4(const Activations& a, int64_t m0, int64_t inputs, co
         _mm_prefetch(reinterpret_cast<const char*>(block + line + PREFETCH_DISTANCE), _MM_HINT_T0);
       const __m256i* chunks = reinterpret_cast<const __m256i*>(block);
       const int8_t* xb = x + b * BLOCK;
-      __m256i pairs[M];
+      __m256i totals[M];  // int4: int16 pairs until the block's end; int8: int32
+      if constexpr (F == Format::INT4) {
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m256i raw = _mm256_loadu_si256(chunks + c);
-        const __m256i low = _mm256_and_si256(raw, nibble), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i raw = _mm256_loadu_si256(chunks + c);
+          const __m256i low = _mm256_and_si256(raw, nibble);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          const int8_t* xm = xb + m * inputs;
-          const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(xm + 4 * c)),
-                                                _mm256_maddubs_epi16(high, broadcast4(xm + 16 + 4 * c)));
-          pairs[m] = c == 0 ? both : _mm256_add_epi16(pairs[m], both);
-          asm("" : "+x"(pairs[m]));
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xm = xb + m * inputs;
+            const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(xm + 4 * c)),
+                                                  _mm256_maddubs_epi16(high, broadcast4(xm + 16 + 4 * c)));
+            totals[m] = c == 0 ? both : _mm256_add_epi16(totals[m], both);
+            asm("" : "+x"(totals[m]));
+          }
+        }
+        for (int m = 0; m < M; ++m) totals[m] = _mm256_madd_epi16(totals[m], ones);
+      } else {  // |w| against x with w's sign; each product pair may fill int16, so into int32 at once
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const __m256i raw = _mm256_loadu_si256(chunks + k), magnitude = _mm256_abs_epi8(raw);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const __m256i x4 = _mm256_sign_epi8(broadcast4(xb + m * inputs + 4 * k), raw);
+            const __m256i four = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x4), ones);
+            totals[m] = k == 0 ? four : _mm256_add_epi32(totals[m], four);
+            asm("" : "+x"(totals[m]));
+          }
         }
       }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const __m256 scale = _mm256_mul_ps(group_scale, _mm256_set1_ps(token_scales[m * blocks + b]));
-        sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[m], ones)), scale, sums[m]);
+        sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[m]), scale, sums[m]);
       }
     }
   }
@@ -537,11 +554,11 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
   const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
   // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block.
 #ifdef SPINDLE_A8_VNNI
-  constexpr bool int4_chunks = false;
+  constexpr bool chunked = false;
 #else
-  constexpr bool int4_chunks = F == Format::INT4;  // panel_dots_int4
+  constexpr bool chunked = F == Format::INT4 || (F == Format::INT8 && !SIXTEEN);  // panel_dots_chunked
 #endif
-  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK : int4_chunks ? INT4_TOKEN_BLOCK : TOKEN_BLOCK;
+  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK : chunked ? CHUNKED_TOKEN_BLOCK : TOKEN_BLOCK;
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
@@ -567,8 +584,8 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 #endif
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          if constexpr (int4_chunks) {
-            panel_dots_int4<M>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
+          if constexpr (chunked) {
+            panel_dots_chunked<M, F>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
           } else {
             panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
           }
