@@ -584,7 +584,7 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 #endif
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          if constexpr (chunked) {
+          if constexpr (chunked && (F == Format::INT4 || M > 1)) {  // one int8 token: block_dots, faster there
             panel_dots_chunked<M, F>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
           } else {
             panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
