@@ -241,13 +241,18 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
   for (int m = 0; m < M; ++m) {
     const int8_t* xm = x + m * inputs;
     const __m256 token_scale = _mm256_set1_ps(token_scales[m * blocks]);
-    if constexpr (F == Format::INT4) {  // with VNNI; without, int4 runs panel_dots_chunked
+    if constexpr (F == Format::INT4) {  // 8 x 2 x 15 x 127 fits int16
 #ifdef SPINDLE_A8_VNNI
       __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains of dependent vpdpbusd
       for (int k = 0; k < 8; ++k) sums[k % 2] = dot4(sums[k % 2], w[k], broadcast4(xm + 4 * k));
-      const __m256 scale = _mm256_mul_ps(scales[0], token_scale);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1])), scale, acc[m]);
+      const __m256i total = _mm256_add_epi32(sums[0], sums[1]);
+#else
+      __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(xm));
+      for (int k = 1; k < 8; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], broadcast4(xm + 4 * k)));
+      const __m256i total = _mm256_madd_epi16(pairs, ones);
 #endif
+      const __m256 scale = _mm256_mul_ps(scales[0], token_scale);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[m]);
     } else {
       __m256i halves[2];
       for (int h = 0; h < 2; ++h) {
@@ -584,7 +589,7 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 #endif
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          if constexpr (chunked && (F == Format::INT4 || M > 1)) {  // one int8 token: block_dots, faster there
+          if constexpr (chunked && M > 1) {  // one token: block_dots, as fast there
             panel_dots_chunked<M, F>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
           } else {
             panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
