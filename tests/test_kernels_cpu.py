@@ -559,12 +559,12 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
 def test_a8_kernel_matches_the_reference(
     dtype: torch.dtype, bits: int, group_size: int, zeros: bool, half_scales: bool
 ) -> None:
-    """Blocks of tokens (4 a pass; 8 for int4 without VNNI) and their remainders, panels of 8 rows with 1 left over
-    (97 outputs), activation blocks of very different magnitudes (as outlier channels make them), more tokens than
-    one panel of 64. ``bits`` 6: int8 values in -32..31 (GGUF's Q6_K), which pack in 6 bits. Results also go into a
-    column slice of a wider output, and a call of many tokens gives each row bit for bit what a call of that row
-    alone does. Scales and offsets that float16 holds exactly (``half_scales``, as GGUF's Q4_0, Q4_1 and Q8_0 store
-    them) are packed in float16."""
+    """Blocks of tokens (4 a pass; without VNNI, 8 for int4 and for int8 in groups of 32 or more) and their
+    remainders, panels of 8 rows with 1 left over (97 outputs), activation blocks of very different magnitudes (as
+    outlier channels make them), more tokens than one panel of 64. ``bits`` 6: int8 values in -32..31 (GGUF's
+    Q6_K), which pack in 6 bits. Results also go into a column slice of a wider output, and a call of many tokens
+    gives each row bit for bit what a call of that row alone does. Scales and offsets that float16 holds exactly
+    (``half_scales``, as GGUF's Q4_0, Q4_1 and Q8_0 store them) are packed in float16."""
     if not cpu.a8_linear_supported():
         pytest.skip("a8_linear needs AVX2")
     quantized = layout(8 if bits == 6 else bits, group_size, zeros, 97, 192, bits + group_size)

@@ -343,8 +343,7 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
 // unpacked halves) meets every token's activations, so one or two of the block's 8 chunks are in registers at once,
 // and block_dots' M x 8 live values (which spilled to the stack, accumulators included) become M integer sums and M
 // accumulators. The empty asm after each sum's add keeps it a chain: gcc otherwise reassociated the 8 adds into a
-// tree that held every product at once, and spilled again. On one Zen 3 core, 64 tokens: SmolLM2's int4 projections
-// 105 -> 130 GOP/s, an int8 LM head 70 -> 100-109.
+// tree that held every product at once, and spilled again (rates: bench/results/a8_linear.md, stop 62).
 template <int M, Format F, typename Scales>
 inline void panel_dots_chunked(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q,
                                const Scales& scales, int64_t group_size, bool prefetch, __m256 acc[M]) {
