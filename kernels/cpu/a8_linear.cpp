@@ -57,7 +57,7 @@ constexpr int64_t ROWS = 8;          // output rows a packed panel interleaves (
 constexpr int64_t CHUNK = 4;         // consecutive inputs of a row in one 32-bit lane
 constexpr int64_t TOKEN_BLOCK = 4;   // tokens run against a panel together (accumulators in registers)
 constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
-// Tokens a pass of panel_dots_chunked (AVX2 without VNNI) takes: 8 ran SmolLM2's int4 projections at 8-64 tokens
+// Tokens a pass of block_dots_chunked (AVX2 without VNNI) takes: 8 ran SmolLM2's int4 projections at 8-64 tokens
 // 5-7% faster than 4 or 6 on a Zen 3, and its int8 LM head no slower (bench/results/a8_linear.md, stop 62).
 constexpr int64_t CHUNKED_TOKEN_BLOCK = 8;
 static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0 && TOKEN_PANEL % CHUNKED_TOKEN_BLOCK == 0,
@@ -208,6 +208,66 @@ struct CompactScales {
 };
 
 
+// Whether block_dots runs block_dots_chunked: several tokens without VNNI, int4 or int8 in groups of 32 or more.
+template <int M, Format F, bool SIXTEEN>
+constexpr bool chunked_dots() {
+#ifdef SPINDLE_A8_VNNI
+  return false;
+#else
+  return M > 1 && (F == Format::INT4 || (F == Format::INT8 && !SIXTEEN));
+#endif
+}
+
+#ifndef SPINDLE_A8_VNNI
+// block_dots for several tokens without VNNI, int4 and int8 in groups of 32 or more, chunk by chunk: each chunk (int4:
+// its two nibble halves; int8: its magnitudes, their signs moved to x) meets every token's activations, so that one
+// or two chunks are live at once, not the block's 8 against every token (which spilled to the stack). The empty asm
+// after each sum's add keeps it a chain: gcc otherwise reassociated the adds into a tree that held every product at
+// once, and spilled again. The integers and the float steps are block_dots', so the results are too (rates:
+// bench/results/a8_linear.md, stop 62; 6 bits in groups of 16 ran no faster this way, stop 63).
+template <int M, Format F>
+inline void block_dots_chunked(const uint8_t* q, const int8_t* x, int64_t inputs, const float* token_scales,
+                               int64_t blocks, const __m256& scale, __m256 acc[M]) {
+  const __m256i* chunks = reinterpret_cast<const __m256i*>(q);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i totals[M];  // int4: int16 pairs until the block's end; int8: int32
+  if constexpr (F == Format::INT4) {  // 8 x 2 x 15 x 127 fits int16
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(chunks + c);
+      const __m256i low = _mm256_and_si256(raw, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xm = x + m * inputs;
+        const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(xm + 4 * c)),
+                                              _mm256_maddubs_epi16(high, broadcast4(xm + 16 + 4 * c)));
+        totals[m] = c == 0 ? both : _mm256_add_epi16(totals[m], both);
+        asm("" : "+x"(totals[m]));
+      }
+    }
+    for (int m = 0; m < M; ++m) totals[m] = _mm256_madd_epi16(totals[m], ones);
+  } else {  // each product pair may fill int16: into int32 at once
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const __m256i raw = _mm256_loadu_si256(chunks + k), magnitude = _mm256_abs_epi8(raw);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256i x4 = _mm256_sign_epi8(broadcast4(x + m * inputs + 4 * k), raw);
+        const __m256i four = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x4), ones);
+        totals[m] = k == 0 ? four : _mm256_add_epi32(totals[m], four);
+        asm("" : "+x"(totals[m]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    const __m256 token_scale = _mm256_set1_ps(token_scales[m * blocks]);
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[m]), _mm256_mul_ps(scale, token_scale), acc[m]);
+  }
+}
+#endif
+
 // One block of 32 inputs of a packed panel (q: its block_bytes_of(F) bytes) against M tokens' blocks (x: token m0's,
 // the others a row of inputs after it; half_sums: token m0's, for 6 bits): acc[m] += the 8 rows' dot products x
 // scale x token scale. SIXTEEN: scales are the block's two halves' scales, 8 rows each; else scales[0] is the
@@ -215,6 +275,13 @@ struct CompactScales {
 template <int M, Format F, bool SIXTEEN>
 inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const float* token_scales, int64_t blocks,
                        const int32_t* half_sums, const __m256 scales[2], __m256 acc[M]) {
+#ifndef SPINDLE_A8_VNNI
+  // One token (a single stream's step) keeps this order: the chunked one was no faster there.
+  if constexpr (chunked_dots<M, F, SIXTEEN>()) {
+    block_dots_chunked<M, F>(q, x, inputs, token_scales, blocks, scales[0], acc);
+    return;
+  }
+#endif
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i* chunks = reinterpret_cast<const __m256i*>(q);
   __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4, 6-bit unpacked; int8 as |w|)
@@ -323,89 +390,24 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
   const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
+  // A local copy: stores through acc, which the int8 loads may alias, would keep the sums in memory.
+  __m256 sums[M];
+  for (int m = 0; m < M; ++m) sums[m] = acc[m];
   auto block = [&](int64_t b, const __m256 block_scales[2]) {
     for (int64_t line = 0; prefetch && line < block_bytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(q + b * block_bytes + line + PREFETCH_DISTANCE), _MM_HINT_T0);
     }
     block_dots<M, F, SIXTEEN>(q + b * block_bytes, x + b * BLOCK, inputs, token_scales + b, blocks,
-                              half_sums ? half_sums + 2 * b : nullptr, block_scales, acc);
+                              half_sums ? half_sums + 2 * b : nullptr, block_scales, sums);
   };
   const auto scale = [&](int64_t g, int64_t super) { return scales.scale(g, super); };
   for_each_block<SIXTEEN>(inputs, group_size, _mm256_setzero_ps(), scale, block);
   if (scales.offsets != nullptr) {
     const int64_t groups = inputs / group_size;
-    scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, acc);
-  }
-}
-
-#ifndef SPINDLE_A8_VNNI
-// panel_dots for int4, and int8 in groups of 32 or more, without VNNI. Chunk by chunk: each chunk (int4: its two
-// unpacked halves) meets every token's activations, so one or two of the block's 8 chunks are in registers at once,
-// and block_dots' M x 8 live values (which spilled to the stack, accumulators included) become M integer sums and M
-// accumulators. The empty asm after each sum's add keeps it a chain: gcc otherwise reassociated the 8 adds into a
-// tree that held every product at once, and spilled again (rates: bench/results/a8_linear.md, stop 62).
-template <int M, Format F, typename Scales>
-inline void panel_dots_chunked(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q,
-                               const Scales& scales, int64_t group_size, bool prefetch, __m256 acc[M]) {
-  constexpr int64_t block_bytes = block_bytes_of(F);
-  const int64_t blocks = inputs / BLOCK, group_blocks = group_size / BLOCK, per_super = SUPER_BLOCK / BLOCK;
-  const int8_t* x = a.values.data() + m0 * inputs;
-  const float* token_scales = a.scales.data() + m0 * blocks;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 sums[M];
-  for (int m = 0; m < M; ++m) sums[m] = acc[m];
-  for (int64_t b0 = 0, g = 0; b0 < blocks; b0 += group_blocks, ++g) {
-    const __m256 group_scale = scales.scale(g, b0 / per_super);
-    for (int64_t b = b0; b < b0 + group_blocks; ++b) {
-      const uint8_t* block = q + b * block_bytes;
-      for (int64_t line = 0; prefetch && line < block_bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + line + PREFETCH_DISTANCE), _MM_HINT_T0);
-      const __m256i* chunks = reinterpret_cast<const __m256i*>(block);
-      const int8_t* xb = x + b * BLOCK;
-      __m256i totals[M];  // int4: int16 pairs until the block's end; int8: int32
-      if constexpr (F == Format::INT4) {
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-          const __m256i raw = _mm256_loadu_si256(chunks + c);
-          const __m256i low = _mm256_and_si256(raw, nibble);
-          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-#pragma GCC unroll 8
-          for (int m = 0; m < M; ++m) {
-            const int8_t* xm = xb + m * inputs;
-            const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(xm + 4 * c)),
-                                                  _mm256_maddubs_epi16(high, broadcast4(xm + 16 + 4 * c)));
-            totals[m] = c == 0 ? both : _mm256_add_epi16(totals[m], both);
-            asm("" : "+x"(totals[m]));
-          }
-        }
-        for (int m = 0; m < M; ++m) totals[m] = _mm256_madd_epi16(totals[m], ones);
-      } else {  // |w| against x with w's sign; each product pair may fill int16, so into int32 at once
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-          const __m256i raw = _mm256_loadu_si256(chunks + k), magnitude = _mm256_abs_epi8(raw);
-#pragma GCC unroll 8
-          for (int m = 0; m < M; ++m) {
-            const __m256i x4 = _mm256_sign_epi8(broadcast4(xb + m * inputs + 4 * k), raw);
-            const __m256i four = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x4), ones);
-            totals[m] = k == 0 ? four : _mm256_add_epi32(totals[m], four);
-            asm("" : "+x"(totals[m]));
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const __m256 scale = _mm256_mul_ps(group_scale, _mm256_set1_ps(token_scales[m * blocks + b]));
-        sums[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[m]), scale, sums[m]);
-      }
-    }
+    scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, sums);
   }
   for (int m = 0; m < M; ++m) acc[m] = sums[m];
-  if (scales.offsets != nullptr) {
-    const int64_t groups = inputs / group_size;
-    scales.template add_offsets<M>(a.sums.data() + m0 * groups, groups, group_size, acc);
-  }
 }
-#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPINDLE_A8_512 1
@@ -556,13 +558,11 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
   const int64_t panels_per_unit = 1;
 #endif
   const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
-  // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block.
-#ifdef SPINDLE_A8_VNNI
-  constexpr bool chunked = false;
-#else
-  constexpr bool chunked = F == Format::INT4 || (F == Format::INT8 && !SIXTEEN);  // panel_dots_chunked
-#endif
-  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK : chunked ? CHUNKED_TOKEN_BLOCK : TOKEN_BLOCK;
+  // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block;
+  // block_dots_chunked keeps fewer values live a token.
+  const int64_t token_block = panels_per_unit == 2                ? 2 * TOKEN_BLOCK
+                              : chunked_dots<2, F, SIXTEEN>() ? CHUNKED_TOKEN_BLOCK
+                                                              : TOKEN_BLOCK;
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
@@ -588,11 +588,7 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
 #endif
           __m256 acc[M];
           for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          if constexpr (chunked && M > 1) {  // one token: block_dots, as fast there
-            panel_dots_chunked<M, F>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
-          } else {
-            panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
-          }
+          panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
           for (int m = 0; m < M; ++m) store(m0 + m, p, acc[m]);
         });
       }
