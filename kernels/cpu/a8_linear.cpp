@@ -208,15 +208,14 @@ struct CompactScales {
 };
 
 
-// Whether block_dots runs block_dots_chunked: several tokens without VNNI, int4 or int8 in groups of 32 or more.
-template <int M, Format F, bool SIXTEEN>
-constexpr bool chunked_dots() {
+// The forms whose calls of several tokens run block_dots_chunked: int4, and int8 in groups of 32 or more, without VNNI.
 #ifdef SPINDLE_A8_VNNI
-  return false;
+template <Format F, bool SIXTEEN>
+constexpr bool CHUNKED = false;
 #else
-  return M > 1 && (F == Format::INT4 || (F == Format::INT8 && !SIXTEEN));
+template <Format F, bool SIXTEEN>
+constexpr bool CHUNKED = F == Format::INT4 || (F == Format::INT8 && !SIXTEEN);
 #endif
-}
 
 #ifndef SPINDLE_A8_VNNI
 // block_dots for several tokens without VNNI, int4 and int8 in groups of 32 or more, chunk by chunk: each chunk (int4:
@@ -277,7 +276,7 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
                        const int32_t* half_sums, const __m256 scales[2], __m256 acc[M]) {
 #ifndef SPINDLE_A8_VNNI
   // One token (a single stream's step) keeps this order: the chunked one was no faster there.
-  if constexpr (chunked_dots<M, F, SIXTEEN>()) {
+  if constexpr (M > 1 && CHUNKED<F, SIXTEEN>) {
     block_dots_chunked<M, F>(q, x, inputs, token_scales, blocks, scales[0], acc);
     return;
   }
@@ -560,9 +559,9 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
   const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
   // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block;
   // block_dots_chunked keeps fewer values live a token.
-  const int64_t token_block = panels_per_unit == 2                ? 2 * TOKEN_BLOCK
-                              : chunked_dots<2, F, SIXTEEN>() ? CHUNKED_TOKEN_BLOCK
-                                                              : TOKEN_BLOCK;
+  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK
+                              : CHUNKED<F, SIXTEEN>   ? CHUNKED_TOKEN_BLOCK
+                                                      : TOKEN_BLOCK;
 #pragma omp parallel
   for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
 #pragma omp for schedule(static) nowait
