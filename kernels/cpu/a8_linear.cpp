@@ -52,11 +52,12 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;        // inputs per activation scale
-constexpr int64_t ROWS = 8;          // output rows a packed panel interleaves (one float lane each)
-constexpr int64_t CHUNK = 4;         // consecutive inputs of a row in one 32-bit lane
-constexpr int64_t TOKEN_BLOCK = 4;   // tokens run against a panel together (accumulators in registers)
-constexpr int64_t TOKEN_PANEL = 64;  // tokens whose int8 rows stay in L2 while the weights stream past them
+constexpr int64_t BLOCK = 32;         // inputs per activation scale
+constexpr int64_t ROWS = 8;           // output rows a packed panel interleaves (one float lane each)
+constexpr int64_t CHUNK = 4;          // consecutive inputs of a row in one 32-bit lane
+constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
+constexpr int64_t TOKEN_BLOCK = 4;    // tokens run against a panel together (accumulators in registers)
+constexpr int64_t TOKEN_PANEL = 64;   // tokens whose int8 rows stay in L2 while the weights stream past them
 // Tokens a pass of block_dots_chunked (AVX2 without VNNI) takes: 8 ran SmolLM2's int4 projections at 8-64 tokens
 // 5-7% faster than 4 or 6 on a Zen 3, and its int8 LM head no slower (bench/results/a8_linear.md, stop 62).
 constexpr int64_t CHUNKED_TOKEN_BLOCK = 8;
@@ -142,7 +143,6 @@ inline __m256i broadcast4(const int8_t* x) {
   return _mm256_set1_epi32(four);
 }
 
-constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
 // Bytes ahead of the block in use that each block prefetches: a single stream decode is a race to read the weights, and
 // the hardware prefetcher alone left them at 60-75% of the read bandwidth (bench/results/a8_linear.md, prefetch).
 constexpr int64_t PREFETCH_DISTANCE = 4096;
