@@ -545,10 +545,14 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
   const int64_t panels = (outputs + ROWS - 1) / ROWS, panel_bytes = inputs / BLOCK * block_bytes_of(F);
   // Token m's results of panel p, acc's lanes, written to its row of out.
   const auto store = [&](int64_t m, int64_t p, __m256 acc) {
+    T* row = out + m * out_stride + p * ROWS;
+    if ((p + 1) * ROWS <= outputs) {
+      store8(row, acc);
+      return;
+    }
     alignas(32) float totals[ROWS];
     _mm256_store_ps(totals, acc);
-    T* row = out + m * out_stride + p * ROWS;
-    for (int64_t j = 0; j < std::min(ROWS, outputs - p * ROWS); ++j) row[j] = from_float<T>(totals[j]);
+    for (int64_t j = 0; j < outputs - p * ROWS; ++j) row[j] = from_float<T>(totals[j]);
   };
   // The work is split in units of two panels where AVX-512 runs them together, else of one.
 #ifdef SPINDLE_A8_512

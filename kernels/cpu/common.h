@@ -18,7 +18,7 @@
 #include <omp.h>
 
 // AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own.
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -70,6 +70,22 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   const bool nan = (bits & NO_SIGN) > INFINITY_BITS;  // an integer test, as is_nan's
   return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
 }
+
+// Eight floats stored as the dtype, bf16 rounded as from_float rounds each value (NaN included), in vector ops: a
+// from_float loop per 8 outputs was a call of its own in a8_linear (bench/results/a8_linear.md, stop 64).
+#ifdef __AVX2__
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(NO_SIGN))),
+                                         _mm256_set1_epi32(static_cast<int>(INFINITY_BITS)));
+  const __m256i halves = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
 
 // Sixteen values of a model dtype as float in an AVX-512 register, and back.
 #ifdef __AVX512F__
