@@ -190,7 +190,7 @@ def test_layer_windows_follow_transformers(family: str, listed: bool) -> None:
     assert any(windows) == (not family.endswith("_unwindowed"))
 
 
-MAX_TOKENS = 30
+MAX_TOKENS = 24
 # Prompts shorter than, as long as and longer than the window of 24; every generation goes past it.
 PROMPT_LENGTHS = [5, 23, 24, 25, 40, 70]
 
