@@ -17,10 +17,10 @@
 
 #include <omp.h>
 
-// AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own.
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// AVX-512 with its bf16 instructions (Zen 4, Sapphire Rapids): the attention kernels have bf16 walks of their own.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define SPINDLE_AVX512_BF16 1
 #endif
@@ -78,7 +78,8 @@ inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(NO_SIGN))),
                                          _mm256_set1_epi32(static_cast<int>(INFINITY_BITS)));
   const __m256i halves = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
