@@ -36,6 +36,9 @@
 typedef float f8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
+// Eight floats stored at p (an AVX2 __m256 converts to f8 as it is).
+inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
@@ -71,10 +74,9 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
 }
 
-// Eight floats stored as the dtype, bf16 rounded as from_float rounds each value (NaN included), in vector ops: a
-// from_float loop per 8 outputs was a call of its own in a8_linear (bench/results/a8_linear.md, stop 64).
+// Eight floats stored as bf16, rounded as from_float rounds each value (NaN included), in vector ops: a from_float
+// loop per 8 outputs was a call of its own in a8_linear (bench/results/a8_linear.md, stop 64).
 #ifdef __AVX2__
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
