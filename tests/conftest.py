@@ -72,6 +72,7 @@ TIERS = {
     "test_block_manager": "unit",
     "test_detokenizer": "unit",
     "test_gc_heap": "unit",
+    "test_huge_pages": "unit",
     "test_grammar_closer": "unit",
     "test_image_processor": "unit",
     "test_input_processor": "unit",

@@ -21,7 +21,7 @@ from spindle.kernels import (
     rms_norm,
     silu_and_mul,
 )
-from spindle.kernels.linear import Projection, linear, quantized_embedding
+from spindle.kernels.linear import Projection, gather_weights, linear, quantized_embedding
 from spindle.kernels.lora import LoraSlots, current_lora_mapping
 from spindle.kernels.quant import QuantizedWeight
 
@@ -301,6 +301,7 @@ class LlamaForCausalLM(nn.Module):
         if table is not None and self.lm_head is not None:
             self.embed_quantized = table
             self.embed_tokens.data = torch.empty(0, dtype=self.embed_tokens.dtype, device=self.embed_tokens.device)
+        built: list[Projection] = []
         for name, (module, attr) in self.projections().items():
             weight = getattr(module, attr)
             form = quantized.get(name)
@@ -310,10 +311,13 @@ class LlamaForCausalLM(nn.Module):
             projection = Projection(dense, bias, form)
             target = self if name == "lm_head" else module
             target.prepared[name.rsplit(".", 1)[-1]] = projection
+            built.append(projection)
             if attr == "embed_tokens" and form is not None:
                 self.embed_quantized = form
             if projection.dense is None and (attr != "embed_tokens" or form is not None):
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        # In the order a decode step reads them: one stream of weights on huge pages (spindle.kernels.huge_pages).
+        gather_weights(built)
 
     def forward(
         self,
