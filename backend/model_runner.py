@@ -7,6 +7,7 @@ keeps its own state of each sequence, and never sees the scheduler's.
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Collection
@@ -43,7 +44,7 @@ from spindle.backend.scheduler_output import SchedulerOutput
 from spindle.backend.speculative import accepted_tokens
 from spindle.backend.structured_output import GrammarBitmask
 from spindle.backend.transfers import fetch, to_device
-from spindle.kernels import AttentionMetadata, eager
+from spindle.kernels import AttentionMetadata, eager, huge_pages
 from spindle.kernels.cpu import cpu_ops
 from spindle.kernels.lora import LoraMapping, lora_mapping
 from spindle.shared import SamplingParams
@@ -536,6 +537,12 @@ class ModelRunner:
         # Zeros, not empty: batched decodes read padding slots (with zero weight), and garbage NaNs would spread.
         mc = self.checkpoint
         shape = (num_blocks, self.block_size, self.shard.num_kv_heads, mc.head_dim)
+        if self.device.type == "cpu":
+            # On huge pages, as the weights are (spindle.kernels.huge_pages): attention streams the cache as a decode
+            # streams the weights. Written once here, so that the memory is taken now, as torch.zeros takes it.
+            block = huge_pages.empty(2 * mc.num_layers * math.prod(shape) * self.dtype.itemsize)
+            caches = block.view(self.dtype).view(mc.num_layers, 2, *shape).zero_()
+            return [(layer[0], layer[1]) for layer in caches]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

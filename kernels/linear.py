@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from spindle.kernels import cpu, huge_pages, is_eager, is_forced_triton, quantized_linear
+from spindle.kernels import cpu, is_eager, is_forced_triton, quantized_linear
 from spindle.kernels.quant import A8_BLOCK, ACTIVATION_GROUP_SIZE, SUPER_BLOCK, QuantizedWeight, dequantize
 
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
@@ -217,7 +217,7 @@ class Projection:
         return [*tensors, *([] if self.tiled is None else [self.tiled]), *(self.w8a8 or ())]
 
     def move_kernel_tensors(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace each of :meth:`kernel_tensors` by ``moved(tensor)``, a copy of it (:func:`gather_weights`)."""
+        """Replace each of :meth:`kernel_tensors` by ``moved(tensor)``, a copy of it (``huge_pages.gather``)."""
         self._a8_parts = [
             (tuple(None if tensor is None else moved(tensor) for tensor in packed), outputs, group_size)
             for packed, outputs, group_size in self._a8_parts
@@ -274,38 +274,6 @@ class Projection:
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
-
-
-def gather_weights(projections: list[Projection]) -> int:
-    """Move the CPU kernels' weight layouts of ``projections`` into one block on huge pages, in the order given.
-
-    The layouts are ``a8_linear``'s parts, ``bf16_linear``'s tiles and W8A8's tiles (:meth:`Projection.kernel_tensors`);
-    the block comes from :mod:`spindle.kernels.huge_pages`. Given in the order a forward reads them, a decode step's
-    weights are then one stream that crosses a page every 2 MiB. Each tensor is copied and replaced by a view of the
-    block, one projection at a time, so that the memory held grows by at most one projection's tensors while it runs.
-    Returns the bytes moved (0 where none of them has such a layout: CUDA, eager, oneDNN's packed weights).
-    """
-    layouts = [tensor for projection in projections for tensor in projection.kernel_tensors()]
-    if not layouts:
-        return 0
-    block = huge_pages.empty(sum(_aligned(tensor.nbytes) for tensor in layouts))
-    start = 0
-
-    def moved(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal start
-        view = block[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
-        start += _aligned(tensor.nbytes)
-        return view
-
-    for projection in projections:
-        projection.move_kernel_tensors(moved)
-    return start
-
-
-def _aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of 64-byte cache lines: where the next tensor of a block starts."""
-    return -(-nbytes // 64) * 64
 
 
 EAGER_PANEL_ROWS = 1024

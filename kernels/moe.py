@@ -18,7 +18,9 @@ offsets for Q5_1 and Q5_K). Every path runs every such layout as it is stored an
 op and the Triton kernel in registers, the reference one expert at a time.
 """
 
+import dataclasses
 import importlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +176,31 @@ class Experts:
     def keeps_dense(self) -> bool:
         """Whether the caller's dense ``w13`` and ``w2`` are still read (else they may be released)."""
         return not (self.tiled or self.quantized)
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """The tensors the C++ op reads, ``w13``'s then ``w2``'s: tiles or quantized stacks; none for another path."""
+        if self.eager or self.triton or not (self.tiled or self.quantized):
+            return []
+        if self.tiled:
+            return [self.w13, self.w2]
+        return [t for stack in (self.w13, self.w2) for t in (stack.qweight, stack.scales, stack.zeros) if t is not None]
+
+    def move_kernel_tensors(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace each of :meth:`kernel_tensors` by ``moved(tensor)``, a copy of it (``huge_pages.gather``)."""
+        if not self.kernel_tensors():
+            return
+        if self.tiled:
+            self.w13, self.w2 = moved(self.w13), moved(self.w2)
+            return
+        self.w13, self.w2 = (
+            dataclasses.replace(
+                stack,
+                qweight=moved(stack.qweight),
+                scales=moved(stack.scales),
+                zeros=None if stack.zeros is None else moved(stack.zeros),
+            )
+            for stack in (self.w13, self.w2)
+        )
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Each token's weighted sum of its routed experts, ``x [tokens, hidden]``: see :func:`fused_moe_reference`."""

@@ -1,12 +1,14 @@
 """The CPU kernels' weights gathered onto huge pages: aligned, advised, and computing what they computed before."""
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from spindle.kernels import huge_pages, quant
-from spindle.kernels.linear import Projection, gather_weights
+from spindle.kernels.linear import Projection
+from spindle.kernels.moe import Experts, quantize_experts
 
 
 def vm_flags(address: int) -> list[str]:
@@ -33,21 +35,14 @@ def test_empty_is_zeroed_and_starts_on_a_huge_page() -> None:
         assert "hg" in vm_flags(block.data_ptr())  # advised: MADV_HUGEPAGE
 
 
-def test_gather_weights_moves_every_layout_into_one_block_and_keeps_the_results() -> None:
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(96, 128, generator=generator) * 0.1 for _ in range(3)]
-    projections = [
-        Projection(weights[0].to(torch.bfloat16), None, quant.quantize(weights[0], 4)),  # a8_linear where AVX2 is
-        Projection(weights[1].to(torch.bfloat16)),  # bf16_linear's tiles where AVX-512 bf16 is
-        Projection(weights[2].to(torch.bfloat16), None, quant.quantize(weights[2], 8)),  # W8A8 where VNNI is
-    ]
-    x = torch.randn(3, 128, generator=generator).to(torch.bfloat16)
-    before = [projection(x) for projection in projections]
-    layouts = [projection.kernel_tensors() for projection in projections]
+def assert_gathered(holders: list[huge_pages.KernelWeights], run: Callable[[], list[torch.Tensor]]) -> None:
+    """Gather ``holders`` and check it: one block, in order, the same tensors, and ``run()`` computing as before."""
+    before = run()
+    layouts = [holder.kernel_tensors() for holder in holders]
 
-    moved = gather_weights(projections)
+    moved = huge_pages.gather(holders)
 
-    after = [projection.kernel_tensors() for projection in projections]
+    after = [holder.kernel_tensors() for holder in holders]
     assert [len(tensors) for tensors in after] == [len(tensors) for tensors in layouts]
     if not any(layouts):  # a CPU where none of these kernels runs: nothing to move
         assert moved == 0
@@ -57,16 +52,42 @@ def test_gather_weights_moves_every_layout_into_one_block_and_keeps_the_results(
     addresses = [tensor.data_ptr() for tensor in flat]
     assert addresses == sorted(addresses) and all(address % 64 == 0 for address in addresses)  # in order, lines apart
     assert moved == sum(-(-tensor.nbytes // 64) * 64 for tensor in flat)
-    for old, new in zip([t for ts in layouts for t in ts], flat, strict=True):
-        assert torch.equal(old, new) and old.dtype == new.dtype
-    for projection, expected in zip(projections, before, strict=True):
-        assert torch.equal(projection(x), expected)
+    for old, new in zip([tensor for tensors in layouts for tensor in tensors], flat, strict=True):
+        assert old.dtype == new.dtype and torch.equal(old, new)
+    for got, expected in zip(run(), before, strict=True):
+        assert torch.equal(got, expected)
 
 
-def test_gather_weights_moves_nothing_without_kernel_layouts() -> None:
+def test_gather_moves_every_projection_layout_into_one_block_and_keeps_the_results() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(96, 128, generator=generator) * 0.1 for _ in range(3)]
+    projections = [
+        Projection(weights[0].to(torch.bfloat16), None, quant.quantize(weights[0], 4)),  # a8_linear where AVX2 is
+        Projection(weights[1].to(torch.bfloat16)),  # bf16_linear's tiles where AVX-512 bf16 is
+        Projection(weights[2].to(torch.bfloat16), None, quant.quantize(weights[2], 8)),  # W8A8 where VNNI is
+    ]
+    x = torch.randn(3, 128, generator=generator).to(torch.bfloat16)
+
+    assert_gathered(projections, lambda: [projection(x) for projection in projections])
+
+
+def test_gather_moves_the_experts_tiles_and_quantized_stacks() -> None:
+    generator = torch.Generator().manual_seed(1)
+    w13 = (torch.randn(4, 64, 64, generator=generator) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(4, 64, 32, generator=generator) * 0.1).to(torch.bfloat16)
+    experts = [Experts(w13, w2), Experts(quantize_experts(w13.float(), 4), quantize_experts(w2.float(), 8))]
+    x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    weights = torch.rand(5, 2, generator=generator)
+    ids = torch.randint(0, 4, (5, 2), generator=generator)
+
+    assert_gathered(experts, lambda: [layer(x, weights, ids) for layer in experts])
+    assert experts[1].kernel_tensors()  # the quantized stacks run the C++ op on every CPU
+
+
+def test_gather_moves_nothing_without_kernel_layouts() -> None:
     dense = Projection(torch.randn(16, 32))  # float32: oneDNN's packed weight or the plain one, no layout of ours
 
-    assert dense.kernel_tensors() == [] and gather_weights([dense]) == 0
+    assert dense.kernel_tensors() == [] and huge_pages.gather([dense]) == 0
 
 
 @pytest.mark.parametrize("nbytes", [1, huge_pages.HUGE_PAGE + 1])

@@ -16,12 +16,13 @@ from spindle.kernels import (
     attention_metadata,
     build_cos_sin_cache,
     cpu,
+    huge_pages,
     is_eager,
     is_forced_triton,
     rms_norm,
     silu_and_mul,
 )
-from spindle.kernels.linear import Projection, gather_weights, linear, quantized_embedding
+from spindle.kernels.linear import Projection, linear, quantized_embedding
 from spindle.kernels.lora import LoraSlots, current_lora_mapping
 from spindle.kernels.quant import QuantizedWeight
 
@@ -317,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
             if projection.dense is None and (attr != "embed_tokens" or form is not None):
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         # In the order a decode step reads them: one stream of weights on huge pages (spindle.kernels.huge_pages).
-        gather_weights(built)
+        huge_pages.gather(built)
 
     def forward(
         self,

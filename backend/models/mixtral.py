@@ -14,6 +14,7 @@ from torch import nn
 from spindle.backend import parallel
 from spindle.backend.models.checkpoint_config import CheckpointConfig, Shard
 from spindle.backend.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, _weight
+from spindle.kernels import huge_pages
 from spindle.kernels.moe import Experts, quantize_experts, route_tokens
 from spindle.kernels.quant import QuantizedWeight
 
@@ -153,6 +154,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
                     f"the layers' projections are quantized to {sorted(widths)} bits: the experts take one"
                 )
             layer.prepare_experts(next(iter(widths), None))
+        # The experts in a block of their own on huge pages, as the projections are (spindle.kernels.huge_pages).
+        huge_pages.gather([layer.experts for layer in self.layers if getattr(layer, "experts", None) is not None])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load as the parent does; transformers v5's fused expert tensors are first split into this family's names.
