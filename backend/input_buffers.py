@@ -106,6 +106,8 @@ class InputBuffers:
         self.tables = np.zeros((max_seqs, max_blocks), dtype=np.int32)
         self._rows: dict[int, _TableRow] = {}
         self._free_slots = list(range(max_seqs))
+        self._view_sizes: tuple[int, ...] = ()  # the sizes of the step whose views _views holds
+        self._views: tuple[torch.Tensor, ...] = ()
 
     def build(
         self,
@@ -194,25 +196,39 @@ class InputBuffers:
         ``query_lens`` and ``seq_lens`` are the host lists of the attention metadata.
         """
         num_tokens, num_seqs, num_rows, width, num_decodes, max_seq_len, _ = layout
-        t, s = _aligned(num_tokens), _aligned(num_seqs)
-        b = s + _aligned(num_seqs + 1)
-        device_longs, device_ints = self._device_longs, self._device_ints
-        query_start_loc = device_ints[s : s + num_seqs + 1]
+        sizes = (num_tokens, num_seqs, num_rows, width)
+        if sizes != self._view_sizes:  # the views of the last sizes serve again: a decode step's rarely change
+            self._view_sizes, self._views = sizes, self._slices(*sizes)
+        input_ids, positions, slot_mapping, sample_rows, seq_lens_view, query_start_loc, block_tables = self._views
         meta = AttentionMetadata(
-            slot_mapping=device_longs[2 * t : 2 * t + num_tokens],
+            slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
-            seq_lens=device_ints[:num_seqs],
-            block_tables=device_ints[b : b + num_seqs * width].view(num_seqs, width),
+            seq_lens=seq_lens_view,
+            block_tables=block_tables,
             num_decodes=num_decodes,
             max_seq_len=max_seq_len,
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
-        return StepInputs(
-            input_ids=device_longs[:num_tokens],
-            positions=device_longs[t : t + num_tokens],
-            meta=meta,
-            sample_rows=device_longs[3 * t : 3 * t + num_rows],
+        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, sample_rows=sample_rows)
+
+    def _slices(self, num_tokens: int, num_seqs: int, num_rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """The device buffers' views a step of these sizes reads.
+
+        Input ids, positions, slot mapping and sample rows (int64), then sequence lengths, query starts and block tables
+        (int32).
+        """
+        t, s = _aligned(num_tokens), _aligned(num_seqs)
+        b = s + _aligned(num_seqs + 1)
+        longs, ints = self._device_longs, self._device_ints
+        return (
+            longs[:num_tokens],
+            longs[t : t + num_tokens],
+            longs[2 * t : 2 * t + num_tokens],
+            longs[3 * t : 3 * t + num_rows],
+            ints[:num_seqs],
+            ints[s : s + num_seqs + 1],
+            ints[b : b + num_seqs * width].view(num_seqs, width),
         )
 
     @staticmethod

@@ -153,6 +153,26 @@ def test_block_tables_are_written_incrementally_and_anew_when_replaced() -> None
     assert step.meta.slot_mapping.tolist() == [4 * 4 + 1, 4 * 4 + 2]
 
 
+def test_steps_of_the_same_sizes_reuse_their_views_with_the_new_values() -> None:
+    buffers = InputBuffers(max_tokens=32, max_seqs=3, max_blocks=6, block_size=4, device=torch.device("cpu"))
+    a, b = sequence([7, 3], computed=5, tokens=6), sequence([1, 2], computed=6, tokens=7)
+
+    first = buffers.build([a, b], [1, 1], [11, 12], [0, 1])
+    a.num_computed_tokens, b.num_computed_tokens = 6, 7
+    second = buffers.build([a, b], [1, 1], [21, 22], [0, 1])
+
+    # The tensors are the first step's (views of the same buffers), holding the second step's values.
+    assert second.input_ids is first.input_ids and second.meta.block_tables is first.meta.block_tables
+    assert second.input_ids.tolist() == [21, 22] and second.positions.tolist() == [6, 7]
+    assert second.meta.seq_lens.tolist() == second.meta.seq_lens_list == [7, 8]
+    assert second.meta.slot_mapping.tolist() == [3 * 4 + 2, 2 * 4 + 3]
+    a.block_table.append(5)  # a third block column: new sizes, new views
+    a.num_computed_tokens = 8
+    third = buffers.build([a, b], [1, 1], [31, 32], [0, 1])
+    assert third.meta.block_tables is not first.meta.block_tables
+    assert third.meta.block_tables.tolist() == [[7, 3, 5], [1, 2, 0]] and third.positions.tolist() == [8, 7]
+
+
 def test_a_decode_verifying_drafts_attends_as_one_decode_per_token() -> None:
     buffers = InputBuffers(max_tokens=32, max_seqs=5, max_blocks=6, block_size=4, device=torch.device("cpu"))
     plain, verifying = sequence([7, 3], computed=5, tokens=6), sequence([1, 2, 4], computed=6, tokens=7)
