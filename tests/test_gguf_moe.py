@@ -180,12 +180,18 @@ def test_gguf_moe_serves_its_experts_blocks(
     for name in from_file:
         dim, index = (2, half) if name.endswith("w2") else (1, torch.cat([half, half + 256]))
         assert torch.equal(experts_values(ours[name]), experts_values(kept[name]).index_select(dim, index)), name
-    # The prepared model runs the stacks alone.
+    # The prepared model runs the stacks alone, copied into one block on huge pages (spindle.kernels.huge_pages).
     dense.prepare_weights(kept)
+    blocks = set()
     for i, layer in enumerate(dense.layers):
         assert isinstance(layer, MixtralDecoderLayer)
         assert layer.w13.numel() == 0 and layer.w2.numel() == 0
-        assert layer.experts.w13 is kept[f"layers.{i}.w13"] and layer.experts.w2 is kept[f"layers.{i}.w2"]
+        for stack, given in ((layer.experts.w13, kept[f"layers.{i}.w13"]), (layer.experts.w2, kept[f"layers.{i}.w2"])):
+            assert torch.equal(stack.qweight, given.qweight) and torch.equal(stack.scales, given.scales)
+            assert (stack.zeros is None) == (given.zeros is None)
+            assert stack.zeros is None or torch.equal(stack.zeros, given.zeros)
+        blocks |= {tensor.untyped_storage().data_ptr() for tensor in layer.experts.kernel_tensors()}
+    assert len(blocks) == 1
 
 
 def experts_values(stack: QuantizedWeight) -> torch.Tensor:
