@@ -177,9 +177,14 @@ class Experts:
         """Whether the caller's dense ``w13`` and ``w2`` are still read (else they may be released)."""
         return not (self.tiled or self.quantized)
 
+    @property
+    def _has_cpu_layout(self) -> bool:
+        """Whether the C++ op runs the experts' own layout (tiles or quantized stacks), not the caller's tensors."""
+        return not (self.eager or self.triton or self.keeps_dense)
+
     def kernel_tensors(self) -> list[torch.Tensor]:
         """The tensors the C++ op reads, ``w13``'s then ``w2``'s: tiles or quantized stacks; none for another path."""
-        if self.eager or self.triton or not (self.tiled or self.quantized):
+        if not self._has_cpu_layout:
             return []
         if self.tiled:
             return [self.w13, self.w2]
@@ -187,7 +192,7 @@ class Experts:
 
     def move_kernel_tensors(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace each of :meth:`kernel_tensors` by ``moved(tensor)``, a copy of it (``huge_pages.gather``)."""
-        if not self.kernel_tensors():
+        if not self._has_cpu_layout:
             return
         if self.tiled:
             self.w13, self.w2 = moved(self.w13), moved(self.w2)
