@@ -5,6 +5,7 @@ package's writer and block quantizers), then serves it: greedy tokens equal tran
 file's Q8_0 / Q4_0 blocks kept as they are (the fused Phi-3 ones cut into their parts' rows).
 """
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,12 +31,36 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2Config"),
     "qwen3": ("qwen3", "Qwen3Config"),
     "phi3": ("phi3", "Phi3Config"),
+    "gemma2": ("gemma2", "Gemma2Config"),
+    "gemma3": ("gemma3", "Gemma3TextConfig"),
 }
 """Our tiny family -> its llama.cpp architecture and transformers config class (none of them permutes q/k rows).
 
-transformers' reader maps neither ``head_dim`` (``attention.key_length``) nor Phi-3's LongRoPE factors from a file,
-so these checkpoints keep the head size ``hidden / heads`` and the default rope: what a GGUF of them can hold.
+transformers' reader maps neither ``head_dim`` (``attention.key_length``) for Qwen3 nor Phi-3's LongRoPE factors from
+a file, so these checkpoints keep the head size ``hidden / heads`` and the default rope: what a GGUF of them can hold.
 """
+
+GEMMA_CHECKPOINTS = {
+    "gemma2": {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5},
+    "gemma3": {
+        "query_pre_attn_scalar": 16,
+        "num_hidden_layers": 6,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    },
+}
+"""The Gemma checkpoints' fields past ``TINY_COMMON`` besides a head size of 16, an 8-token window and tied
+embeddings (Gemma files have no output matrix): what a file holds and transformers' reader leaves at its defaults
+(Gemma 2's soft-caps, small enough to bite on random weights; Gemma 3's linear rope scaling) or does not hold and
+llama.cpp derives (``query_pre_attn_scalar``: the head size, below the 27B models' depth), and Gemma 3's six layers,
+five sliding then a global one, the pattern its files imply."""
+
+
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+"""llama.cpp's Gemma architectures: their norms are stored as the ``1 + w`` they multiply by (transformers' reader
+subtracts the 1), with the head size, window and (Gemma 2) soft-caps in the metadata."""
 
 
 Encoder = Callable[[str, np.ndarray], tuple[np.ndarray, gguf.GGMLQuantizationType]]
@@ -74,8 +99,21 @@ def write_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    # Gemma 3's are per layer type: the file holds the global layers' (the local base is llama.cpp's fixed 10,000).
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    gemma = architecture in GEMMA_ARCHITECTURES
+    if gemma:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
+        if architecture == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:
         writer.add_expert_count(experts)
@@ -114,6 +152,8 @@ def write_gguf(
                 blocks, kind = encode(name, data)
                 writer.add_tensor(name, blocks, raw_dtype=kind)
                 data = gguf.quants.dequantize(blocks, kind)
+            elif gemma and name.endswith("norm.weight"):
+                writer.add_tensor(name, data + 1)  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
             else:
                 writer.add_tensor(name, data)
             if heads is not None and architecture == "llama":
@@ -144,6 +184,8 @@ def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
             config_class, extra = GGUF_ARCHITECTURES[family][1], {"tie_word_embeddings": False}
             if family == "phi3":
                 extra |= {"sliding_window": None, "pad_token_id": 0}
+            if family in GEMMA_CHECKPOINTS:
+                extra = {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True, **GEMMA_CHECKPOINTS[family]}
             config = getattr(transformers, config_class)(**{**TINY_COMMON, **extra})
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -160,12 +202,16 @@ def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
 
 def tokens_of_both(
-    file: Path, monkeypatch: pytest.MonkeyPatch, reference: transformers.PreTrainedModel | None = None
+    file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reference: transformers.PreTrainedModel | None = None,
+    read_as: dict[str, object] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], CausalLM, Path]:
     """transformers' greedy tokens on ``file`` and Spindle's (``--quantization auto``) on three random prompts, then
     Spindle's dense model and the directory it converted the file into, under a cache beside the file.
 
-    transformers' model is its GGUF reader's, unless a ``reference`` model is given. Spindle's projections run
+    transformers' model is its GGUF reader's (with the config fields ``read_as`` where its reader drops what the
+    file holds), unless a ``reference`` model is given. Spindle's projections run
     weight-only, their activations float as transformers' are: the default, int8 activations, is checked against
     its own reference (test_model_families' quantized tokens).
     """
@@ -173,10 +219,11 @@ def tokens_of_both(
     monkeypatch.setenv("SPINDLE_CACHE_DIR", str(file.parent / "cache"))
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (22, 5, 17)]
+    read_as = read_as or {}
     if reference is None:
         with gguf_read_once(file):
             reference = transformers.AutoModelForCausalLM.from_pretrained(
-                file.parent, gguf_file=file.name, dtype=torch.float32
+                file.parent, gguf_file=file.name, dtype=torch.float32, **read_as
             ).eval()
     kwargs = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     with torch.inference_mode():
@@ -207,11 +254,35 @@ def test_gguf_tokens_match_transformers_reader(
         tmp_path / f"{family}.gguf",
         quantized_as(gguf.GGMLQuantizationType[qtype]),
     )
-    expected, got, dense, model_dir = tokens_of_both(file, monkeypatch)
+    expected, got, dense, model_dir = tokens_of_both(file, monkeypatch, read_as=GEMMA_CHECKPOINTS.get(family))
     kept = quantized_weights(dense, model_dir, BITS[qtype])
 
     assert got == expected
+    # What the file holds and transformers' reader drops (Gemma's soft-caps and rope scaling) is in the conversion.
+    converted = json.loads((model_dir / "config.json").read_text())
+    written = GEMMA_CHECKPOINTS.get(family, {})
+    assert {key: converted[key] for key in written} == written
     # Every projection is the file's blocks (transformers' dequantized copy, to rounding), the fused Phi-3 ones and
     # the Q8_0 lm head included: none was quantized again at load.
     for name, (module, attr) in dense.projections().items():
         torch.testing.assert_close(dequantize(kept[name]), getattr(module, attr), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "layers"), [("gemma2", 46), ("gemma3", 62)])
+def test_gemma_file_of_the_27b_depth_scales_attention_as_llama_cpp(
+    family: str, layers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Gemma file as deep as the 27B model (llama.cpp's sign of it) converts with ``query_pre_attn_scalar`` =
+    hidden / heads, as llama.cpp scales its scores; a shallower one with the head size."""
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
+    scalars = {}
+    for depth in (layers, 2):
+        config = getattr(transformers, GGUF_ARCHITECTURES[family][1])(
+            **{**TINY_COMMON, "num_hidden_layers": depth, "head_dim": 32, "tie_word_embeddings": True}
+        )
+        model_dir = tmp_path / f"{family}-{depth}"
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+        file = write_gguf(model_dir, family, model_dir / "model.gguf", quantized_as(gguf.GGMLQuantizationType.Q8_0))
+        scalars[depth] = json.loads((resolve_model(file) / "config.json").read_text())["query_pre_attn_scalar"]
+
+    assert scalars == {layers: TINY_COMMON["hidden_size"] // TINY_COMMON["num_attention_heads"], 2: 32}

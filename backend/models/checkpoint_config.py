@@ -10,8 +10,9 @@ from spindle.shared.model_registry import BUILTIN_MODELS, ModelRegistry
 SUPPORTED_ARCHITECTURES = tuple(
     name for name, target in BUILTIN_MODELS.items() if target.startswith("spindle.backend.models.llama:")
 )
-"""The built-in text-only architectures (the Llama family), the only ones a GGUF file is converted for; LLaVA is
-built in too (:data:`~spindle.shared.model_registry.BUILTIN_MODELS`) but GGUF files do not carry it."""
+"""The built-in architectures of the Llama family (the Llama class runs them). The other built-in families have
+classes of their own (:data:`~spindle.shared.model_registry.BUILTIN_MODELS`); ``loader.GGUF_ARCHITECTURES`` names
+those a GGUF file is converted for (not LLaVA, which GGUF files do not carry)."""
 
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 """The decoders a ``text_config`` (LLaVA's) may describe, by its ``model_type``: the Llama family."""

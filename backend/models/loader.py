@@ -86,12 +86,15 @@ GGUF_ARCHITECTURES = (
     *SUPPORTED_ARCHITECTURES,
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-"""The architectures a GGUF file is converted for: the Llama family, the two built-in dense families past it that
-transformers' GGUF reader maps (``qwen3``, ``phi3``), and the mixture-of-experts ones: Mixtral (which llama.cpp
-writes as ``llama`` with an ``expert_count``) and Qwen3-MoE (``qwen3moe``)."""
+"""The architectures a GGUF file is converted for: the Llama family, the built-in dense families past it that
+transformers' GGUF reader maps (``qwen3``, ``phi3``, ``gemma2``, and ``gemma3``'s text model), and the
+mixture-of-experts ones: Mixtral (which llama.cpp writes as ``llama`` with an ``expert_count``) and Qwen3-MoE
+(``qwen3moe``)."""
 
 GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 """llama.cpp's name of a layer's stacked experts' matrices, ``[experts, out, in]`` (``ne`` reversed), by role."""
@@ -99,6 +102,11 @@ GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 GGUF_PERMUTED_QK = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp interleaves for its rotary, which transformers un-permutes (its
 ``LlamaTensorProcessor``; Mistral files say ``llama`` too). Qwen3's and Phi-3's rows are stored as they are."""
+
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+"""The depth by which llama.cpp tells a Gemma file of the 27B models, whose attention scores are scaled by
+``(hidden_size / num_attention_heads) ** -0.5`` (Gemma 2 27B's ``query_pre_attn_scalar``, 144; Gemma 3's, 168); at
+every other size by ``head_dim ** -0.5`` (256 for the published 2B to 12B models). A GGUF file does not say."""
 
 NATIVE_BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
 """``torch.cpu.get_capabilities()`` flags of CPUs that compute in bf16 natively (x86 AVX-512/AMX, Arm)."""
@@ -221,7 +229,7 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
 
         reader = gguf.GGUFReader(gguf_file)
         read = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        config = _gguf_moe_config(reader, read)
+        config = _gguf_config(reader, read)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -244,22 +252,31 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def _gguf_field(reader: "gguf.GGUFReader", key: str) -> str | int | None:
-    """The GGUF metadata value ``key`` (a string or an integer), None where the file has none."""
+def _gguf_field(reader: "gguf.GGUFReader", key: str) -> str | int | float | None:
+    """The GGUF metadata value ``key`` (a string, an integer or a float), None where the file has none."""
     field = reader.fields.get(key)
     if field is None:
         return None
     value = field.parts[field.data[0]]
-    return bytes(value).decode() if field.types[0].name == "STRING" else int(value[0])
+    kind = field.types[0].name
+    if kind == "STRING":
+        return bytes(value).decode()
+    return float(value[0]) if kind.startswith("FLOAT") else int(value[0])
 
 
-def _gguf_moe_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "PretrainedConfig":
-    """The config transformers reads off a GGUF file, completed where it maps a mixture-of-experts file short.
+def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "PretrainedConfig":
+    """The config transformers reads off a GGUF file, completed where its reader maps the file short.
 
-    llama.cpp writes a Mixtral as architecture ``llama`` with ``llama.expert_count`` / ``expert_used_count``, which
-    transformers reads as a dense Llama: the config becomes a Mixtral one with the same fields and those two. For
-    ``qwen3moe`` transformers maps no ``expert_feed_forward_length``, leaving ``moe_intermediate_size`` at its
-    default: it is read here. Other configs are returned as they are.
+    - llama.cpp writes a Mixtral as architecture ``llama`` with ``llama.expert_count`` / ``expert_used_count``,
+      which transformers reads as a dense Llama: the config becomes a Mixtral one with the same fields and those two.
+    - For ``qwen3moe`` transformers maps no ``expert_feed_forward_length``, leaving ``moe_intermediate_size`` at its
+      default: it is read here.
+    - For Gemma 2 and 3 it maps neither the soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``) nor
+      Gemma 3's rope scaling (``rope.scaling.type`` / ``factor``, the global layers' linear factor of the 4B to 27B
+      models), leaving its defaults: the file's values are read here, as llama.cpp runs them. A file holds no
+      ``query_pre_attn_scalar``: it is llama.cpp's (:data:`GEMMA_27B_LAYERS`), not transformers' default of 256.
+
+    Other configs are returned as they are.
     """
     from transformers import MixtralConfig
 
@@ -272,6 +289,19 @@ def _gguf_moe_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "
         return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used)
     if config.model_type == "qwen3_moe":
         config.moe_intermediate_size = _gguf_field(reader, f"{architecture}.expert_feed_forward_length")
+    if config.model_type in ("gemma2", "gemma3_text"):
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = _gguf_field(reader, f"{architecture}.{key}")
+            if value is not None:
+                setattr(config, key, value)
+        if config.model_type == "gemma3_text" and _gguf_field(reader, f"{architecture}.rope.scaling.type") == "linear":
+            factor = _gguf_field(reader, f"{architecture}.rope.scaling.factor")
+            full = config.rope_parameters["full_attention"]
+            config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": factor}
+        if config.num_hidden_layers == GEMMA_27B_LAYERS[config.model_type]:
+            config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+        else:
+            config.query_pre_attn_scalar = config.head_dim
     return config
 
 
