@@ -5,6 +5,7 @@ package's writer and block quantizers), then serves it: greedy tokens equal tran
 file's Q8_0 / Q4_0 blocks kept as they are (the fused Phi-3 ones cut into their parts' rows).
 """
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -31,31 +32,48 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2Config"),
     "qwen3": ("qwen3", "Qwen3Config"),
     "phi3": ("phi3", "Phi3Config"),
+    "phi4_mini": ("phi3", "Phi3Config"),
     "gemma2": ("gemma2", "Gemma2Config"),
     "gemma3": ("gemma3", "Gemma3TextConfig"),
 }
-"""Our tiny family -> its llama.cpp architecture and transformers config class (none of them permutes q/k rows).
+"""Our tiny family -> its llama.cpp architecture and transformers config class (none of them permutes q/k rows)."""
 
-transformers' reader maps neither ``head_dim`` (``attention.key_length``) for Qwen3 nor Phi-3's LongRoPE factors from
-a file, so these checkpoints keep the head size ``hidden / heads`` and the default rope: what a GGUF of them can hold.
-"""
+CHECKPOINTS = {
+    "phi3": {"sliding_window": None, "pad_token_id": 0},
+    "phi4_mini": {"hidden_size": 128, "sliding_window": None, "pad_token_id": 0, "tie_word_embeddings": True},
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True},
+    "gemma3": {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True, "num_hidden_layers": 6},
+}
+"""The checkpoints' fields past ``TINY_COMMON`` (untied embeddings unless given) that a file carries through
+transformers' reader: Gemma files have no output matrix, and Gemma 3's six layers are five sliding then a global
+one, the pattern its files imply."""
 
-GEMMA_CHECKPOINTS = {
+FILE_FIELDS = {
+    "qwen3": {"head_dim": 32},
+    "phi4_mini": {
+        "original_max_position_embeddings": 32,  # Phi-3's top-level one, which wins over the rope's
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + i / 8 for i in range(12)],
+            "long_factor": [1.0 + i for i in range(12)],
+            "original_max_position_embeddings": 32,
+        },
+    },
     "gemma2": {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5},
     "gemma3": {
         "query_pre_attn_scalar": 16,
-        "num_hidden_layers": 6,
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         },
     },
 }
-"""The Gemma checkpoints' fields past ``TINY_COMMON`` besides a head size of 16, an 8-token window and tied
-embeddings (Gemma files have no output matrix): what a file holds and transformers' reader leaves at its defaults
-(Gemma 2's soft-caps, small enough to bite on random weights; Gemma 3's linear rope scaling) or does not hold and
-llama.cpp derives (``query_pre_attn_scalar``: the head size, below the 27B models' depth), and Gemma 3's six layers,
-five sliding then a global one, the pattern its files imply."""
+"""The checkpoints' fields that a file holds (or, for ``query_pre_attn_scalar``, implies as llama.cpp reads it) and
+transformers' reader leaves at its defaults: Qwen3's head size (its default is 128), Phi-4-mini's rotary share and
+LongRoPE factors, Gemma 2's soft-caps (small enough to bite on random weights) and Gemma 3's rope scaling. The
+conversion reads them from the file; transformers is given them to compare with."""
 
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -98,18 +116,24 @@ def write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    # Gemma 3's are per layer type: the file holds the global layers' (the local base is llama.cpp's fixed 10,000).
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Gemma 3's rope is per layer type: the file holds the global layers' (the local base is llama.cpp's 10,000).
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_dimension_count(int(head_size * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "longrope":  # Phi-3's factors as tensors, as llama.cpp's converter writes them
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    if getattr(config, "head_dim", None):
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     gemma = architecture in GEMMA_ARCHITECTURES
     if gemma:
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
         writer.add_sliding_window(config.sliding_window)
         if architecture == "gemma2":
             writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -181,11 +205,11 @@ def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
     def save(family: str) -> Path:
         if family not in saved:
-            config_class, extra = GGUF_ARCHITECTURES[family][1], {"tie_word_embeddings": False}
-            if family == "phi3":
-                extra |= {"sliding_window": None, "pad_token_id": 0}
-            if family in GEMMA_CHECKPOINTS:
-                extra = {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True, **GEMMA_CHECKPOINTS[family]}
+            config_class = GGUF_ARCHITECTURES[family][1]
+            # Copies: transformers' configs rewrite the rope dicts they are given.
+            extra = copy.deepcopy(
+                {"tie_word_embeddings": False, **CHECKPOINTS.get(family, {}), **FILE_FIELDS.get(family, {})}
+            )
             config = getattr(transformers, config_class)(**{**TINY_COMMON, **extra})
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -254,13 +278,13 @@ def test_gguf_tokens_match_transformers_reader(
         tmp_path / f"{family}.gguf",
         quantized_as(gguf.GGMLQuantizationType[qtype]),
     )
-    expected, got, dense, model_dir = tokens_of_both(file, monkeypatch, read_as=GEMMA_CHECKPOINTS.get(family))
+    expected, got, dense, model_dir = tokens_of_both(file, monkeypatch, read_as=copy.deepcopy(FILE_FIELDS.get(family)))
     kept = quantized_weights(dense, model_dir, BITS[qtype])
 
     assert got == expected
-    # What the file holds and transformers' reader drops (Gemma's soft-caps and rope scaling) is in the conversion.
+    # What the file holds and transformers' reader drops is in the conversion.
     converted = json.loads((model_dir / "config.json").read_text())
-    written = GEMMA_CHECKPOINTS.get(family, {})
+    written = FILE_FIELDS.get(family, {})
     assert {key: converted[key] for key in written} == written
     # Every projection is the file's blocks (transformers' dequantized copy, to rounding), the fused Phi-3 ones and
     # the Q8_0 lm head included: none was quantized again at load.

@@ -275,6 +275,11 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
       Gemma 3's rope scaling (``rope.scaling.type`` / ``factor``, the global layers' linear factor of the 4B to 27B
       models), leaving its defaults: the file's values are read here, as llama.cpp runs them. A file holds no
       ``query_pre_attn_scalar``: it is llama.cpp's (:data:`GEMMA_27B_LAYERS`), not transformers' default of 256.
+    - For Qwen3 it maps no ``attention.key_length``, leaving ``head_dim`` at its default (128, every published
+      Qwen3's): the file's is read here.
+    - For Phi-3 it drops the LongRoPE factors (the ``rope_factors_long`` / ``rope_factors_short`` tensors, with
+      ``rope.scaling.original_context_length``) of the 128k-context models and the rotary share of Phi-4-mini
+      (``rope.dimension_count`` below the head size): :func:`_gguf_phi3_rope` reads them.
 
     Other configs are returned as they are.
     """
@@ -289,20 +294,63 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
         return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used)
     if config.model_type == "qwen3_moe":
         config.moe_intermediate_size = _gguf_field(reader, f"{architecture}.expert_feed_forward_length")
-    if config.model_type in ("gemma2", "gemma3_text"):
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = _gguf_field(reader, f"{architecture}.{key}")
-            if value is not None:
-                setattr(config, key, value)
-        if config.model_type == "gemma3_text" and _gguf_field(reader, f"{architecture}.rope.scaling.type") == "linear":
-            factor = _gguf_field(reader, f"{architecture}.rope.scaling.factor")
-            full = config.rope_parameters["full_attention"]
-            config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": factor}
-        if config.num_hidden_layers == GEMMA_27B_LAYERS[config.model_type]:
-            config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
-        else:
-            config.query_pre_attn_scalar = config.head_dim
+    if config.model_type in GEMMA_27B_LAYERS:
+        _complete_gemma(reader, architecture, config)
+    if config.model_type == "qwen3":
+        config.head_dim = _gguf_field(reader, f"{architecture}.attention.key_length") or config.head_dim
+    if config.model_type == "phi3":
+        rope = _gguf_phi3_rope(reader, architecture, config)
+        # Phi-3's config keeps it at the top level too, where it wins (its default is 4096): set first, as setting
+        # the rope copies it in.
+        config.original_max_position_embeddings = rope.get(
+            "original_max_position_embeddings", config.original_max_position_embeddings
+        )
+        config.rope_parameters = rope
     return config
+
+
+def _complete_gemma(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> None:
+    """Complete a Gemma 2 or 3 file's config in place.
+
+    The soft-caps and Gemma 3's rope scaling from the file, and llama.cpp's ``query_pre_attn_scalar``
+    (:data:`GEMMA_27B_LAYERS`), which no file holds.
+    """
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _gguf_field(reader, f"{architecture}.{key}")
+        if value is not None:
+            setattr(config, key, value)
+    if config.model_type == "gemma3_text" and _gguf_field(reader, f"{architecture}.rope.scaling.type") == "linear":
+        factor = _gguf_field(reader, f"{architecture}.rope.scaling.factor")
+        full = config.rope_parameters["full_attention"]
+        config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": factor}
+    if config.num_hidden_layers == GEMMA_27B_LAYERS[config.model_type]:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+
+
+def _gguf_phi3_rope(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> dict:
+    """A Phi-3 file's rope as transformers' ``rope_parameters``, which its reader leaves at the default.
+
+    The rotated share of each head where ``rope.dimension_count`` is below the head size (Phi-4-mini's 0.75), and
+    LongRoPE where the file holds its factors (llama.cpp's converter writes them as the ``rope_factors_long`` /
+    ``rope_factors_short`` tensors, beside ``rope.scaling.original_context_length``).
+    """
+    rope = dict(config.rope_parameters)
+    head_size = config.hidden_size // config.num_attention_heads
+    rotated = _gguf_field(reader, f"{architecture}.rope.dimension_count") or head_size
+    if rotated < head_size:
+        rope["partial_rotary_factor"] = rotated / head_size
+    factors = {tensor.name: tensor.data.tolist() for tensor in reader.tensors if tensor.name.startswith("rope_factors")}
+    if factors:
+        original = _gguf_field(reader, f"{architecture}.rope.scaling.original_context_length")
+        rope |= {
+            "rope_type": "longrope",
+            "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+            "original_max_position_embeddings": original,
+        }
+    return rope
 
 
 def _gguf_moe_tensors(
