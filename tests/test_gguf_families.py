@@ -7,6 +7,7 @@ file's Q8_0 / Q4_0 blocks kept as they are (the fused Phi-3 ones cut into their 
 
 import copy
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -124,6 +125,8 @@ def write_gguf(
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "llama3":  # a divisor of each frequency, as llama.cpp's converter writes it
+        writer.add_tensor("rope_freqs.weight", llama3_divisors(head_size, rope))
     if rope["rope_type"] == "longrope":  # Phi-3's factors as tensors, as llama.cpp's converter writes them
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         for kind in ("long", "short"):
@@ -190,6 +193,16 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_divisors(head_size: int, rope: dict) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a ``llama3`` rope scaling: by what each rotary frequency is divided."""
+    frequencies = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    wavelengths = 2 * math.pi / frequencies
+    original, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (original / wavelengths - low) / (high - low)
+    divisors = torch.where(wavelengths > original / low, rope["factor"], 1 / ((1 - smooth) / rope["factor"] + smooth))
+    return torch.where(wavelengths < original / high, 1.0, divisors).numpy().astype(np.float32)
 
 
 def rotary_permuted(rows: np.ndarray, heads: int, inverse: bool = False) -> np.ndarray:
@@ -310,3 +323,33 @@ def test_gemma_file_of_the_27b_depth_scales_attention_as_llama_cpp(
         scalars[depth] = json.loads((resolve_model(file) / "config.json").read_text())["query_pre_attn_scalar"]
 
     assert scalars == {layers: TINY_COMMON["hidden_size"] // TINY_COMMON["num_attention_heads"], 2: 32}
+
+
+def test_llama3_rope_scaling_from_the_files_frequency_divisors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Llama 3.1+ file holds its ``llama3`` rope scaling only as ``rope_freqs`` (a divisor of each frequency),
+    which transformers' reader drops: Spindle serves those frequencies, and its greedy tokens are transformers' given
+    the checkpoint's own scaling (short, middle and long wavelengths all present at a head size of 16)."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    config = transformers.LlamaConfig(**TINY_COMMON, rope_parameters=copy.deepcopy(rope))
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama31"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    file = write_gguf(model_dir, "llama", tmp_path / "llama31.gguf", quantized_as(gguf.GGMLQuantizationType.Q8_0))
+
+    expected, got, _, model_dir = tokens_of_both(file, monkeypatch, read_as={"rope_parameters": copy.deepcopy(rope)})
+
+    assert got == expected
+    converted = json.loads((model_dir / "config.json").read_text())["rope_parameters"]
+    divisors = llama3_divisors(16, rope).tolist()
+    assert (converted["rope_type"], converted["short_factor"], converted["long_factor"]) == (
+        "longrope",
+        divisors,
+        divisors,
+    )

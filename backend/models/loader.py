@@ -50,10 +50,10 @@ GGUF_HEADER_BYTES = 2**20
 GGUF_SAMPLES, GGUF_SAMPLE_BYTES = 64, 2**16
 """How many evenly spaced pieces of a GGUF file, of how many bytes each, its converted entry's key hashes too."""
 
-CONVERSION_VERSION = 5
-"""Part of a converted GGUF's cache key, bumped when a conversion gains files: 2 kept the file's 4-bit blocks, 3 its
-8-bit ones too, 4 its K-quant and 5-bit ones and the projections of files that mix types, 5 the K-quants' super-block
-factors."""
+CONVERSION_VERSION = 6
+"""Part of a converted GGUF's cache key, bumped when a conversion gains files or fields: 2 kept the file's 4-bit
+blocks, 3 its 8-bit ones too, 4 its K-quant and 5-bit ones and the projections of files that mix types, 5 the
+K-quants' super-block factors, 6 the config fields transformers' reader drops (:func:`_gguf_config`)."""
 
 QUANTIZED_FILE = "quantized.safetensors"
 """In a converted GGUF directory: the matrices as the file quantized them, each of a type of
@@ -275,6 +275,8 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
       Gemma 3's rope scaling (``rope.scaling.type`` / ``factor``, the global layers' linear factor of the 4B to 27B
       models), leaving its defaults: the file's values are read here, as llama.cpp runs them. A file holds no
       ``query_pre_attn_scalar``: it is llama.cpp's (:data:`GEMMA_27B_LAYERS`), not transformers' default of 256.
+    - For a Llama 3.1+ file it drops the ``rope_freqs`` tensor, llama.cpp's form of the ``llama3`` rope scaling:
+      :func:`_complete_rope_freqs` reads it.
     - For Qwen3 it maps no ``attention.key_length``, leaving ``head_dim`` at its default (128, every published
       Qwen3's): the file's is read here.
     - For Phi-3 it drops the LongRoPE factors (the ``rope_factors_long`` / ``rope_factors_short`` tensors, with
@@ -292,6 +294,8 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
         fields = {key: value for key, value in config.to_dict().items() if key not in skipped}
         used = _gguf_field(reader, f"{architecture}.expert_used_count")
         return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used)
+    if config.model_type in ("llama", "mistral"):
+        _complete_rope_freqs(reader, config)
     if config.model_type == "qwen3_moe":
         config.moe_intermediate_size = _gguf_field(reader, f"{architecture}.expert_feed_forward_length")
     if config.model_type in GEMMA_27B_LAYERS:
@@ -307,6 +311,25 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
         )
         config.rope_parameters = rope
     return config
+
+
+def _complete_rope_freqs(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> None:
+    """Give a Llama file's config the rope its ``rope_freqs`` tensor says, where it has one.
+
+    llama.cpp's converter writes a Llama 3.1+ checkpoint's ``llama3`` rope scaling as that tensor, a divisor of each
+    rotary frequency, and not its parameters. The same divisors are LongRoPE's factors when the context does not
+    outgrow ``original_max_position_embeddings`` (its attention factor is then 1): the config says so, for the
+    frequencies llama.cpp computes.
+    """
+    divisors = next((t.data.tolist() for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if divisors is not None:
+        config.rope_parameters = {
+            "rope_type": "longrope",
+            "rope_theta": config.rope_parameters["rope_theta"],
+            "short_factor": divisors,
+            "long_factor": divisors,
+            "original_max_position_embeddings": config.max_position_embeddings,
+        }
 
 
 def _complete_gemma(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> None:
