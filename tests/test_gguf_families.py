@@ -40,7 +40,7 @@ GGUF_ARCHITECTURES = {
 """Our tiny family -> its llama.cpp architecture and transformers config class (none of them permutes q/k rows)."""
 
 CHECKPOINTS = {
-    "phi3": {"sliding_window": None, "pad_token_id": 0},
+    "phi3": {"pad_token_id": 0},
     "phi4_mini": {"hidden_size": 128, "sliding_window": None, "pad_token_id": 0, "tie_word_embeddings": True},
     "gemma2": {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True},
     "gemma3": {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True, "num_hidden_layers": 6},
@@ -51,6 +51,7 @@ one, the pattern its files imply."""
 
 FILE_FIELDS = {
     "qwen3": {"head_dim": 32},
+    "phi3": {"sliding_window": 8},
     "phi4_mini": {
         "original_max_position_embeddings": 32,  # Phi-3's top-level one, which wins over the rope's
         "rope_parameters": {
@@ -72,9 +73,9 @@ FILE_FIELDS = {
     },
 }
 """The checkpoints' fields that a file holds (or, for ``query_pre_attn_scalar``, implies as llama.cpp reads it) and
-transformers' reader leaves at its defaults: Qwen3's head size (its default is 128), Phi-4-mini's rotary share and
-LongRoPE factors, Gemma 2's soft-caps (small enough to bite on random weights) and Gemma 3's rope scaling. The
-conversion reads them from the file; transformers is given them to compare with."""
+transformers' reader leaves at its defaults: Qwen3's head size (its default is 128), Phi-3's sliding window,
+Phi-4-mini's rotary share and LongRoPE factors, Gemma 2's soft-caps (small enough to bite on random weights) and
+Gemma 3's rope scaling. The conversion reads them from the file; transformers is given them to compare with."""
 
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -136,7 +137,7 @@ def write_gguf(
         writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     gemma = architecture in GEMMA_ARCHITECTURES
-    if gemma:
+    if (gemma or architecture == "phi3") and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
         if architecture == "gemma2":
             writer.add_attn_logit_softcapping(config.attn_logit_softcapping)

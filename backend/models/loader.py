@@ -279,7 +279,8 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
       :func:`_complete_rope_freqs` reads it.
     - For Qwen3 it maps no ``attention.key_length``, leaving ``head_dim`` at its default (128, every published
       Qwen3's): the file's is read here.
-    - For Phi-3 it drops the LongRoPE factors (the ``rope_factors_long`` / ``rope_factors_short`` tensors, with
+    - For Phi-3 it drops the sliding window (``attention.sliding_window``, Phi-3-mini's 2,047): read here; and the
+      LongRoPE factors (the ``rope_factors_long`` / ``rope_factors_short`` tensors, with
       ``rope.scaling.original_context_length``) of the 128k-context models and the rotary share of Phi-4-mini
       (``rope.dimension_count`` below the head size): :func:`_gguf_phi3_rope` reads them.
 
@@ -303,6 +304,7 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
     if config.model_type == "qwen3":
         config.head_dim = _gguf_field(reader, f"{architecture}.attention.key_length") or config.head_dim
     if config.model_type == "phi3":
+        config.sliding_window = _gguf_field(reader, f"{architecture}.attention.sliding_window") or config.sliding_window
         rope = _gguf_phi3_rope(reader, architecture, config)
         # Phi-3's config keeps it at the top level too, where it wins (its default is 4096): set first, as setting
         # the rope copies it in.
