@@ -50,7 +50,15 @@ transformers' reader: Gemma files have no output matrix, and Gemma 3's six layer
 one, the pattern its files imply."""
 
 FILE_FIELDS = {
-    "qwen3": {"head_dim": 32},
+    "qwen2": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    },
+    "qwen3": {"head_dim": 32, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     "phi3": {"sliding_window": 8},
     "phi4_mini": {
         "original_max_position_embeddings": 32,  # Phi-3's top-level one, which wins over the rope's
@@ -73,7 +81,8 @@ FILE_FIELDS = {
     },
 }
 """The checkpoints' fields that a file holds (or, for ``query_pre_attn_scalar``, implies as llama.cpp reads it) and
-transformers' reader leaves at its defaults: Qwen3's head size (its default is 128), Phi-3's sliding window,
+transformers' reader leaves at its defaults: a YaRN (Qwen2) or linear (Qwen3) rope scaling, Qwen3's head size (its
+default is 128), Phi-3's sliding window,
 Phi-4-mini's rotary share and LongRoPE factors, Gemma 2's soft-caps (small enough to bite on random weights) and
 Gemma 3's rope scaling. The conversion reads them from the file; transformers is given them to compare with."""
 
@@ -126,6 +135,10 @@ def write_gguf(
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if rope["rope_type"] == "llama3":  # a divisor of each frequency, as llama.cpp's converter writes it
         writer.add_tensor("rope_freqs.weight", llama3_divisors(head_size, rope))
     if rope["rope_type"] == "longrope":  # Phi-3's factors as tensors, as llama.cpp's converter writes them
