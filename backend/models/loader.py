@@ -281,10 +281,8 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
       :func:`_complete_rope_freqs` reads it.
     - For Qwen3 it maps no ``attention.key_length``, leaving ``head_dim`` at its default (128, every published
       Qwen3's): the file's is read here.
-    - For Phi-3 it drops the sliding window (``attention.sliding_window``, Phi-3-mini's 2,047): read here; and the
-      LongRoPE factors (the ``rope_factors_long`` / ``rope_factors_short`` tensors, with
-      ``rope.scaling.original_context_length``) of the 128k-context models and the rotary share of Phi-4-mini
-      (``rope.dimension_count`` below the head size): :func:`_gguf_phi3_rope` reads them.
+    - For Phi-3 it drops the sliding window (``attention.sliding_window``, Phi-3-mini's 2,047), the LongRoPE
+      factors of the 128k-context models and the rotary share of Phi-4-mini: :func:`_complete_phi3` reads them.
 
     Other configs are returned as they are.
     """
@@ -308,14 +306,7 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
     if config.model_type == "qwen3":
         config.head_dim = _gguf_field(reader, f"{architecture}.attention.key_length") or config.head_dim
     if config.model_type == "phi3":
-        config.sliding_window = _gguf_field(reader, f"{architecture}.attention.sliding_window") or config.sliding_window
-        rope = _gguf_phi3_rope(reader, architecture, config)
-        # Phi-3's config keeps it at the top level too, where it wins (its default is 4096): set first, as setting
-        # the rope copies it in.
-        config.original_max_position_embeddings = rope.get(
-            "original_max_position_embeddings", config.original_max_position_embeddings
-        )
-        config.rope_parameters = rope
+        _complete_phi3(reader, architecture, config)
     return config
 
 
@@ -379,13 +370,14 @@ def _complete_gemma(reader: "gguf.GGUFReader", architecture: str, config: "Pretr
         config.query_pre_attn_scalar = config.head_dim
 
 
-def _gguf_phi3_rope(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> dict:
-    """A Phi-3 file's rope as transformers' ``rope_parameters``, which its reader leaves at the default.
+def _complete_phi3(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> None:
+    """Complete a Phi-3 file's config in place: its sliding window, and its rope as ``rope_parameters``.
 
-    The rotated share of each head where ``rope.dimension_count`` is below the head size (Phi-4-mini's 0.75), and
-    LongRoPE where the file holds its factors (llama.cpp's converter writes them as the ``rope_factors_long`` /
-    ``rope_factors_short`` tensors, beside ``rope.scaling.original_context_length``).
+    The rope rotates the share of each head that ``rope.dimension_count`` says where it is below the head size
+    (Phi-4-mini's 0.75), and is LongRoPE where the file holds its factors: llama.cpp's converter writes them as the
+    ``rope_factors_long`` / ``rope_factors_short`` tensors, beside ``rope.scaling.original_context_length``.
     """
+    config.sliding_window = _gguf_field(reader, f"{architecture}.attention.sliding_window") or config.sliding_window
     rope = dict(config.rope_parameters)
     head_size = config.hidden_size // config.num_attention_heads
     rotated = _gguf_field(reader, f"{architecture}.rope.dimension_count") or head_size
@@ -400,7 +392,10 @@ def _gguf_phi3_rope(reader: "gguf.GGUFReader", architecture: str, config: "Pretr
             "short_factor": factors["rope_factors_short.weight"],
             "original_max_position_embeddings": original,
         }
-    return rope
+        # Phi-3's config keeps the original length at the top level too, where it wins (its default is 4096):
+        # set first, as setting the rope copies the top level's in.
+        config.original_max_position_embeddings = original
+    config.rope_parameters = rope
 
 
 def _gguf_moe_tensors(
