@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from conftest import TINY_COMMON
+from conftest import TINY_COMMON, TINY_VARIANTS
 from test_lora import MAX_TOKENS, generate, tiny_core
 from tokenizers import pre_tokenizers
 
@@ -60,16 +60,9 @@ FILE_FIELDS = {
     },
     "qwen3": {"head_dim": 32, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     "phi3": {"sliding_window": 8},
-    "phi4_mini": {
-        "original_max_position_embeddings": 32,  # Phi-3's top-level one, which wins over the rope's
-        "rope_parameters": {
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.75,
-            "short_factor": [1.0 + i / 8 for i in range(12)],
-            "long_factor": [1.0 + i for i in range(12)],
-            "original_max_position_embeddings": 32,
-        },
+    "phi4_mini": {  # conftest's Phi-4-mini rope, its original length at the top level too, where Phi-3's wins
+        "original_max_position_embeddings": 32,
+        "rope_parameters": {**TINY_VARIANTS["phi4_mini"][1]["rope_parameters"], "original_max_position_embeddings": 32},
     },
     "gemma2": {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5},
     "gemma3": {
