@@ -5,11 +5,12 @@ architecture ``llama`` with expert counts; every layer's experts are ``[experts,
 Q8_0 blocks (``gguf``'s quantizer) or in random K-quant blocks, then serves it with ``--quantization auto``.
 
 transformers' GGUF reader maps a Qwen3-MoE file but not its experts' intermediate size (``moe_intermediate_size``
-stays at its default), and reads a Mixtral file as a dense Llama without experts; so the reference of a Qwen3-MoE
-file is transformers' reader given that size, and of a Mixtral file transformers' Mixtral holding the values the file
-holds (``gguf``'s dequantization of what was written).
+stays at its default) nor its rope scaling, and reads a Mixtral file as a dense Llama without experts; so the
+reference of a Qwen3-MoE file is transformers' reader given those, and of a Mixtral file transformers' Mixtral
+holding the values the file holds (``gguf``'s dequantization of what was written).
 """
 
+import copy
 import zlib
 from pathlib import Path
 
@@ -41,6 +42,10 @@ from spindle.kernels.quant import QuantizedWeight, dequantize
 MOE_COMMON = {**TINY_COMMON, "hidden_size": 256, "tie_word_embeddings": False, "num_experts_per_tok": 2}
 """Matrices of whole K-quant super-blocks (256 inputs), 4 heads of 64, untied."""
 
+QWEN3_MOE_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16}
+"""The tiny Qwen3-MoE's rope: YaRN past a 16-token training length, as a long-context Qwen3-MoE file holds it (which
+transformers' reader drops: its reference is given it)."""
+
 FAMILIES = {
     "mixtral": (
         "llama",
@@ -54,7 +59,13 @@ FAMILIES = {
     "qwen3_moe": (
         "qwen3moe",
         transformers.Qwen3MoeConfig,
-        {"head_dim": 64, "num_experts": 4, "moe_intermediate_size": 256, "norm_topk_prob": True},
+        {
+            "head_dim": 64,
+            "num_experts": 4,
+            "moe_intermediate_size": 256,
+            "norm_topk_prob": True,
+            "rope_parameters": QWEN3_MOE_ROPE,
+        },
     ),
 }
 """Our tiny family -> its llama.cpp architecture, transformers config class and fields. llama.cpp's Qwen3-MoE
@@ -105,7 +116,7 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for family, (_, config_class, fields) in FAMILIES.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
-            config_class(**{**MOE_COMMON, **fields}), dtype=torch.float32
+            config_class(**copy.deepcopy({**MOE_COMMON, **fields})), dtype=torch.float32
         )
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -119,12 +130,13 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def reference_of(
     family: str, checkpoint: Path, file: Path, held: dict[str, torch.Tensor]
 ) -> transformers.PreTrainedModel:
-    """transformers' model of the file: its GGUF reader's (Qwen3-MoE, given the experts' size its reader does not
-    map), else its Mixtral holding the file's values."""
+    """transformers' model of the file: its GGUF reader's (Qwen3-MoE, given the experts' size and the rope its reader
+    does not map), else its Mixtral holding the file's values."""
     if family == "qwen3_moe":
         with gguf_read_once(file):
             config = transformers.AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
             config.moe_intermediate_size = FAMILIES[family][2]["moe_intermediate_size"]
+            config.rope_parameters = copy.deepcopy(QWEN3_MOE_ROPE)
             return transformers.AutoModelForCausalLM.from_pretrained(
                 file.parent, gguf_file=file.name, config=config, dtype=torch.float32
             ).eval()

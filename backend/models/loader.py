@@ -275,8 +275,8 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
       Gemma 3's rope scaling (``rope.scaling.type`` / ``factor``, the global layers' linear factor of the 4B to 27B
       models), leaving its defaults: the file's values are read here, as llama.cpp runs them. A file holds no
       ``query_pre_attn_scalar``: it is llama.cpp's (:data:`GEMMA_27B_LAYERS`), not transformers' default of 256.
-    - For the Llama family and Qwen3 it maps no rope scaling (``rope.scaling.type`` ``linear`` or ``yarn``, its
-      ``factor`` and ``original_context_length``): :func:`_complete_rope_scaling` reads it.
+    - For the Llama family, Qwen3 and Qwen3-MoE it maps no rope scaling (``rope.scaling.type`` ``linear`` or
+      ``yarn``, its ``factor`` and ``original_context_length``): :func:`_complete_rope_scaling` reads it.
     - For a Llama 3.1+ file it drops the ``rope_freqs`` tensor, llama.cpp's form of the ``llama3`` rope scaling:
       :func:`_complete_rope_freqs` reads it.
     - For Qwen3 it maps no ``attention.key_length``, leaving ``head_dim`` at its default (128, every published
@@ -295,7 +295,7 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
         fields = {key: value for key, value in config.to_dict().items() if key not in skipped}
         used = _gguf_field(reader, f"{architecture}.expert_used_count")
         return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used)
-    if config.model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    if config.model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
         _complete_rope_scaling(reader, architecture, config)
     if config.model_type in ("llama", "mistral"):
         _complete_rope_freqs(reader, config)
@@ -313,8 +313,8 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
 def _complete_rope_scaling(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> None:
     """Give the config the file's linear or YaRN rope scaling, where it has one.
 
-    As llama.cpp's converter writes it: a Qwen2.5 or Qwen3 checkpoint stretched past its training length with YaRN,
-    or one with a linear factor.
+    As llama.cpp's converter writes it: a Qwen2.5, Qwen3 or Qwen3-MoE checkpoint stretched past its training length
+    with YaRN, or one with a linear factor.
     """
     kind = _gguf_field(reader, f"{architecture}.rope.scaling.type")
     if kind not in ("linear", "yarn"):
