@@ -4,7 +4,8 @@
 The checkpoint is written here (transformers' ``MixtralForCausalLM`` of random weights, std 0.02, and
 ``bench.random_llama``'s byte-level tokenizer). Both engines generate ``--max-tokens`` greedy tokens for each of
 ``--num-prompts`` prompts of random token ids (lengths 16-64); transformers runs them as one left-padded batch,
-Spindle as its scheduler batches them. The kernel part times one MoE layer of the model's shapes at several token
+Spindle as its scheduler batches them. The two alternate over ``--rounds``, one generate of each a round; the summary
+is the median of the rounds' ratios, measured a few seconds apart. The kernel part times one MoE layer of the model's shapes at several token
 counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles where the CPU has
 AVX-512 bf16, float32 ones in the op's own tiles), the same op on int8 and int4 experts (``quantize_experts``,
 dequantized in registers) and on the layouts GGUF's Q5_K and Q6_K experts decode to (int8 with offsets per 32
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.flops import median_seconds
 from bench.random_llama import write_tokenizer
 from spindle import LLM, SamplingParams
 from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route
@@ -55,19 +57,14 @@ def write_mixtral(out_dir: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def engines(
+    model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: int, rounds: int
+) -> list[tuple[float, float]]:
+    """Generated tokens per second of each round: (Spindle's ``LLM``, transformers' batched ``generate``).
 
-
-def engines(model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: int) -> tuple[float, float]:
-    """Generated tokens per second: (Spindle's ``LLM``, transformers' batched ``generate``)."""
+    Both engines are loaded and warmed up first, then each round times one of each back to back, so that a ratio
+    compares the two at the same moment of a shared machine (transformers' own rate moved by 25-29% between runs).
+    """
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(16, 65, (num_prompts,), generator=generator).tolist()
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in lengths]
@@ -79,7 +76,6 @@ def engines(model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: i
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
     requests = [{"prompt_token_ids": p} for p in prompts]
-    spindle_s = median_seconds(lambda: llm.generate(requests, params, use_tqdm=False), repeats=3)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     longest = max(lengths)
@@ -100,8 +96,16 @@ def engines(model_dir: Path, dtype: torch.dtype, num_prompts: int, max_tokens: i
                 pad_token_id=0,
             )
 
-    hf_s = median_seconds(hf_generate, repeats=3)
-    return total / spindle_s, total / hf_s
+    def spindle_generate() -> None:
+        llm.generate(requests, params, use_tqdm=False)
+
+    def seconds(fn: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    spindle_generate(), hf_generate()  # warm-up
+    return [(total / seconds(spindle_generate), total / seconds(hf_generate)) for _ in range(rounds)]
 
 
 def gguf_layout(weights: torch.Tensor, gguf_type: str) -> QuantizedWeight:
@@ -154,6 +158,7 @@ def main() -> None:
     parser.add_argument("--token-counts", default="1,8,64,256,1024,2048")
     parser.add_argument("--threads", type=int, default=None, help="torch's (and the C++ op's) threads; default torch's")
     parser.add_argument("--kernels-only", action="store_true", help="time the MoE layer alone, not the engines")
+    parser.add_argument("--rounds", type=int, default=5, help="engine rounds, each one generate of each engine")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -168,9 +173,13 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="mixtral-") as model_dir:
         write_mixtral(Path(model_dir))
-        spindle_tps, hf_tps = engines(Path(model_dir), dtype, args.num_prompts, args.max_tokens)
-    print(f"\n{args.num_prompts} prompts x {args.max_tokens} greedy tokens, generated tokens/s (median of 3):")
-    print(f"  Spindle LLM {spindle_tps:8.1f} | transformers generate {hf_tps:8.1f} | {spindle_tps / hf_tps:5.2f}x")
+        rates = engines(Path(model_dir), dtype, args.num_prompts, args.max_tokens, args.rounds)
+    print(f"\n{args.num_prompts} prompts x {args.max_tokens} greedy tokens, generated tokens/s, {args.rounds} rounds:")
+    for spindle_tps, hf_tps in rates:
+        print(f"  Spindle LLM {spindle_tps:8.1f} | transformers generate {hf_tps:8.1f} | {spindle_tps / hf_tps:5.2f}x")
+    spindle_tps, hf_tps = (statistics.median(side) for side in zip(*rates, strict=True))
+    ratio = statistics.median(spindle / hf for spindle, hf in rates)
+    print(f"  medians: Spindle {spindle_tps:8.1f} | transformers {hf_tps:8.1f} | the rounds' ratios {ratio:5.2f}x")
 
 
 if __name__ == "__main__":
