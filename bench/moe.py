@@ -5,11 +5,11 @@ The checkpoint is written here (transformers' ``MixtralForCausalLM`` of random w
 ``bench.random_llama``'s byte-level tokenizer). Both engines generate ``--max-tokens`` greedy tokens for each of
 ``--num-prompts`` prompts of random token ids (lengths 16-64); transformers runs them as one left-padded batch,
 Spindle as its scheduler batches them. The two alternate over ``--rounds``, one generate of each a round; the summary
-is the median of the rounds' ratios, measured a few seconds apart. The kernel part times one MoE layer of the model's shapes at several token
-counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles where the CPU has
-AVX-512 bf16, float32 ones in the op's own tiles), the same op on int8 and int4 experts (``quantize_experts``,
-dequantized in registers) and on the layouts GGUF's Q5_K and Q6_K experts decode to (int8 with offsets per 32
-inputs; int8 per 16), and ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as
+is the median of the rounds' ratios, measured a few seconds apart. The kernel part times one MoE layer of the model's
+shapes at several token counts: ``spindle.kernels.moe.Experts`` (the C++ op; bf16 weights in ``bf16_linear``'s tiles
+where the CPU has AVX-512 bf16, float32 ones in the op's own tiles), the same op on int8 and int4 experts
+(``quantize_experts``, dequantized in registers) and on the layouts GGUF's Q5_K and Q6_K experts decode to (int8 with
+offsets per 32 inputs; int8 per 16), and ``spindle.kernels.moe.fused_moe_reference`` (one expert at a time in torch, as
 transformers' ``MixtralExperts`` runs)::
 
     python -m bench.moe --dtype bfloat16 --threads 1
