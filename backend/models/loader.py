@@ -271,12 +271,12 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
       which transformers reads as a dense Llama: the config becomes a Mixtral one with the same fields and those two.
     - For ``qwen3moe`` transformers maps no ``expert_feed_forward_length``, leaving ``moe_intermediate_size`` at its
       default: it is read here.
-    - For Gemma 2 and 3 it maps neither the soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``) nor
-      Gemma 3's rope scaling (``rope.scaling.type`` / ``factor``, the global layers' linear factor of the 4B to 27B
-      models), leaving its defaults: the file's values are read here, as llama.cpp runs them. A file holds no
-      ``query_pre_attn_scalar``: it is llama.cpp's (:data:`GEMMA_27B_LAYERS`), not transformers' default of 256.
-    - For the Llama family, Qwen3 and Qwen3-MoE it maps no rope scaling (``rope.scaling.type`` ``linear`` or
-      ``yarn``, its ``factor`` and ``original_context_length``): :func:`_complete_rope_scaling` reads it.
+    - For Gemma 2 and 3 it maps no soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``), leaving its
+      defaults: the file's values are read here, as llama.cpp runs them. A file holds no ``query_pre_attn_scalar``:
+      it is llama.cpp's (:data:`GEMMA_27B_LAYERS`), not transformers' default of 256.
+    - For the Llama family, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 it maps no rope scaling (``rope.scaling.type``
+      ``linear`` or ``yarn``, its ``factor`` and ``original_context_length``): :func:`_complete_rope_scaling` reads
+      it.
     - For a Llama 3.1+ file it drops the ``rope_freqs`` tensor, llama.cpp's form of the ``llama3`` rope scaling:
       :func:`_complete_rope_freqs` reads it.
     - For Qwen3 it maps no ``attention.key_length``, leaving ``head_dim`` at its default (128, every published
@@ -295,7 +295,7 @@ def _gguf_config(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> "Pret
         fields = {key: value for key, value in config.to_dict().items() if key not in skipped}
         used = _gguf_field(reader, f"{architecture}.expert_used_count")
         return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=used)
-    if config.model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
+    if config.model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"):
         _complete_rope_scaling(reader, architecture, config)
     if config.model_type in ("llama", "mistral"):
         _complete_rope_freqs(reader, config)
@@ -314,13 +314,16 @@ def _complete_rope_scaling(reader: "gguf.GGUFReader", architecture: str, config:
     """Give the config the file's linear or YaRN rope scaling, where it has one.
 
     As llama.cpp's converter writes it: a Qwen2.5, Qwen3 or Qwen3-MoE checkpoint stretched past its training length
-    with YaRN, or one with a linear factor.
+    with YaRN, or one with a linear factor (Gemma 3's 4B to 27B models). A rope per layer type (Gemma 3's) takes it
+    on its global layers', the rope the file describes.
     """
     kind = _gguf_field(reader, f"{architecture}.rope.scaling.type")
     if kind not in ("linear", "yarn"):
         return
+    ropes = config.rope_parameters
+    layered = "full_attention" in ropes
     rope = {
-        **config.rope_parameters,
+        **(ropes["full_attention"] if layered else ropes),
         "rope_type": kind,
         "factor": _gguf_field(reader, f"{architecture}.rope.scaling.factor"),
     }
@@ -328,7 +331,7 @@ def _complete_rope_scaling(reader: "gguf.GGUFReader", architecture: str, config:
         rope["original_max_position_embeddings"] = _gguf_field(
             reader, f"{architecture}.rope.scaling.original_context_length"
         )
-    config.rope_parameters = rope
+    config.rope_parameters = {**ropes, "full_attention": rope} if layered else rope
 
 
 def _complete_rope_freqs(reader: "gguf.GGUFReader", config: "PretrainedConfig") -> None:
@@ -353,17 +356,13 @@ def _complete_rope_freqs(reader: "gguf.GGUFReader", config: "PretrainedConfig") 
 def _complete_gemma(reader: "gguf.GGUFReader", architecture: str, config: "PretrainedConfig") -> None:
     """Complete a Gemma 2 or 3 file's config in place.
 
-    The soft-caps and Gemma 3's rope scaling from the file, and llama.cpp's ``query_pre_attn_scalar``
-    (:data:`GEMMA_27B_LAYERS`), which no file holds.
+    The soft-caps from the file, and llama.cpp's ``query_pre_attn_scalar`` (:data:`GEMMA_27B_LAYERS`), which no file
+    holds.
     """
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = _gguf_field(reader, f"{architecture}.{key}")
         if value is not None:
             setattr(config, key, value)
-    if config.model_type == "gemma3_text" and _gguf_field(reader, f"{architecture}.rope.scaling.type") == "linear":
-        factor = _gguf_field(reader, f"{architecture}.rope.scaling.factor")
-        full = config.rope_parameters["full_attention"]
-        config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": factor}
     if config.num_hidden_layers == GEMMA_27B_LAYERS[config.model_type]:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:
