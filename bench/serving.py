@@ -6,6 +6,12 @@ path, through gRPC, and through ``LLM.generate`` in this process (the offline ra
 prompts of its own so that no run finds another's in the prefix cache. Prints each round's rates, then each path's
 median output rate, p50/p99 time to first token and inter-token latency over all rounds, and the median over rounds
 of its rate as a fraction of the offline one: on a shared machine a single pair of runs differs by 10-20% either way.
+With ``--concurrency`` below ``--num-requests``, the offline engine holds as many requests at a time
+(``max_num_seqs``): the same request stream, batched as the clients' concurrency allows, so that the fractions measure
+what serving costs and not a larger batch's gain (64 requests at once run ~10% faster than at most 32). The summary
+also gives each streamed path's CPU time per generated token in this process (the load generator, and on the engine
+path the in-process frontend), in ``spindle serve`` and in the backend (Linux's ``/proc``): on a machine whose cores
+the backend's threads fill, what the frontend and the client spend is taken from the model's steps.
 
 With ``--http``, each round also runs the requests through the same ``spindle serve``'s OpenAI-compatible API
 (``--http-port``), as OpenAI text completions streamed over SSE (``openai_run``, which takes any OpenAI base URL).
@@ -19,6 +25,7 @@ request latency as fractions of the engine path's.
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -115,6 +122,12 @@ def models(client: openai.OpenAI) -> list[str]:
         return [model.id for model in client.models.list().data]
     except openai.OpenAIError:
         return []
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds that process ``pid`` has run so far, all its threads (Linux's ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 on, past the name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -255,11 +268,15 @@ def main() -> None:
     args = parser.parse_args()
     config = EngineConfig.of(model=args.model, kv_cache_memory=args.kv_cache_memory)
     n = args.num_requests
-    llm = LLM(config.model.model, kv_cache_memory=config.cache.kv_cache_memory)
+    # The same stream offline: no more requests at a time than the clients keep in flight.
+    in_flight = {"max_num_seqs": args.concurrency} if 0 < args.concurrency < n else {}
+    llm = LLM(config.model.model, kv_cache_memory=config.cache.kv_cache_memory, **in_flight)
     paths = ["engine", "gRPC", *(["HTTP"] if args.http else []), *(["gateway"] if args.gateway else [])]
     rates: dict[str, list[float]] = {path: [] for path in [*paths, "offline"]}
     times = {path: ([], [], []) for path in paths}  # TTFTs, ITLs, request latencies over all rounds
+    cpu = {path: collections.Counter() for path in paths}  # CPU seconds per process, and the tokens generated
     with spindle_server(config, args.port, args.http) as server, contextlib.ExitStack() as stack:
+        processes = {"this process": os.getpid(), "spindle serve": server.frontend.pid, "backend": server.backend.pid}
         engine = AsyncLLMEngine.from_args(backend_address=server.backend_address)
         address = f"127.0.0.1:{server.port}"
         runs = {
@@ -279,7 +296,10 @@ def main() -> None:
             for round_ in range(args.rounds):
                 print(f"round {round_ + 1}/{args.rounds}")
                 for path, run in runs.items():
+                    before = {name: cpu_seconds(pid) for name, pid in processes.items()}
                     elapsed, *latency, tokens = run(make_prompts(next(run_numbers), n))
+                    cpu[path].update({name: cpu_seconds(pid) - before[name] for name, pid in processes.items()})
+                    cpu[path]["tokens"] += tokens
                     rates[path].append(report(path, elapsed, *latency[:2], tokens, n))
                     for kept, new in zip(times[path], latency, strict=True):
                         kept.extend(new)
@@ -292,7 +312,12 @@ def main() -> None:
         ratio = statistics.median(r / o for r, o in zip(rates[path], rates["offline"], strict=True))
         rate = statistics.median(rates[path])
         print(f"{path:>7}: {rate:8.1f} tok/s, {ratio:.0%} of offline | {latencies(ttfts, itls)}")
-    print(f"offline: {statistics.median(rates['offline']):8.1f} tok/s (LLM.generate)")
+    cap = f", at most {args.concurrency} requests at a time" if in_flight else ""
+    print(f"offline: {statistics.median(rates['offline']):8.1f} tok/s (LLM.generate{cap})")
+    print("CPU a generated token over all rounds (this process: the load generator, and the engine path's frontend):")
+    for path, spent in cpu.items():
+        parts = ", ".join(f"{name} {1e6 * spent[name] / spent['tokens']:5.1f} us" for name in processes)
+        print(f"{path:>7}: {parts}")
     print("as fractions of the engine path (rate: median over rounds of the ratio; latencies: ratio of the p50s):")
     for path in paths[1:]:
         rate = statistics.median(r / e for r, e in zip(rates[path], rates["engine"], strict=True))
