@@ -166,8 +166,7 @@ class Projection:
         self.dtype = torch.float32 if weight is None else weight.dtype  # of the activations, on the CPU
         if quantized is not None:
             weight = None  # the quantized form serves every batch size: no dense copy is kept
-        float_activations = _weight_only or os.environ.get(FLOAT_ACTIVATIONS) == "1"
-        self.w8a8 = None if self.eager or as_on_cuda or float_activations else _w8a8_form(quantized, self.dtype)
+        self.w8a8 = None if self.eager or as_on_cuda or float_activations() else _w8a8_form(quantized, self.dtype)
         self.dense = weight
         self.tiled = cpu.bf16_pack(weight) if weight is not None and not self.eager and can_tile(weight) else None
         usable = weight is not None and self.tiled is None and can_pack(weight)
@@ -184,16 +183,9 @@ class Projection:
         self.a8 = False
         if self.on_cpu and not self.eager and self.w8a8 is None:
             parts = quantized.parts or (quantized,)
-            self.a8 = not float_activations and all(_runs_a8(part, self.dtype) for part in parts)
+            self.a8 = not float_activations() and all(runs_a8(part, self.dtype) for part in parts)
             if self.a8:  # the interleaved copies replace the weight's own tensors: no second copy is kept
-                self._a8_parts = [
-                    (
-                        cpu.a8_pack(*_repack_for_cpu(part), part.group_size, _compact_factors(part)),
-                        part.shape[0],
-                        part.group_size,
-                    )
-                    for part in parts
-                ]
+                self._a8_parts = [(a8_form(part), part.shape[0], part.group_size) for part in parts]
                 self.quantized = None
             else:
                 self._cpu_quantized = _repack_for_cpu(quantized)
@@ -330,7 +322,20 @@ def _w8a8_form(weight: QuantizedWeight | None, dtype: torch.dtype) -> tuple[torc
     return tiles, sums, weight.scales.float().reshape(-1).contiguous()
 
 
-def _runs_a8(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+def float_activations() -> bool:
+    """Whether quantized CPU weights built now keep their activations float rather than quantizing them to int8.
+
+    They do within :func:`weight_only` and where :data:`FLOAT_ACTIVATIONS` is set.
+    """
+    return _weight_only or os.environ.get(FLOAT_ACTIVATIONS) == "1"
+
+
+def a8_form(weight: QuantizedWeight) -> tuple[torch.Tensor | None, ...]:
+    """``spindle.kernels.cpu.a8_pack``'s tensors of the 2-D CPU ``weight`` (compact with super-block factors)."""
+    return cpu.a8_pack(*_repack_for_cpu(weight), weight.group_size, _compact_factors(weight))
+
+
+def runs_a8(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     """Whether a CPU projection of ``weight`` runs ``spindle.kernels.cpu.a8_linear`` (int8 activations) at every size.
 
     It does where the CPU has AVX2, the activations are float32 or bf16 and the layout suits the kernel (``in`` a

@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from spindle.kernels import cpu, is_eager, is_forced_triton
+from spindle.kernels import cpu, is_eager, is_forced_triton, quant
+from spindle.kernels.linear import a8_form, float_activations, runs_a8
 from spindle.kernels.quant import QuantizedWeight, dequantize, quantize
 
 
@@ -109,8 +110,13 @@ def fused_moe_reference(
     w2: torch.Tensor | QuantizedWeight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """The experts' MLPs in torch, one expert at a time: the reference of the fused paths (and ``--enforce-eager``'s).
+
+    With ``quantize_activations`` (quantized experts only), each projection's rows are quantized to int8 per 32
+    inputs first (:func:`spindle.kernels.quant.a8_linear`): the reference of the C++ op where the experts run
+    ``a8_linear``'s kernel (:attr:`Experts.activations_quantized`).
 
     Args:
         x: ``[tokens, hidden]``.
@@ -119,17 +125,24 @@ def fused_moe_reference(
         w2: ``[num_experts, hidden, intermediate]``, each expert's down projection (or quantized, as ``w13``).
         topk_weights: ``[tokens, top_k]``, each assignment's routing weight.
         topk_ids: int64 ``[tokens, top_k]``, each assignment's expert.
+        quantize_activations: whether each projection's rows are quantized to int8 first (quantized experts only).
 
     Returns:
         ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, ``[tokens, hidden]`` in ``x``'s dtype; the
         weighted outputs are summed in float32.
 
     """
+
+    def project(rows: torch.Tensor, stack: torch.Tensor | QuantizedWeight, expert: int) -> torch.Tensor:
+        if quantize_activations:
+            return quant.a8_linear(rows, stack.select(expert))
+        return F.linear(rows, expert_matrix(stack, expert, x.dtype))
+
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         tokens, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[tokens], expert_matrix(w13, expert, x.dtype)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, expert_matrix(w2, expert, x.dtype))
+        gate, up = project(x[tokens], w13, expert).chunk(2, dim=-1)
+        y = project(F.silu(gate) * up, w2, expert)
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slot, None].float())
     return out.to(x.dtype)
 
@@ -171,6 +184,20 @@ class Experts:
         self.tiled = tile
         self.w13 = cpu.moe_pack(w13) if tile else w13
         self.w2 = cpu.moe_pack(w2) if tile else w2
+        self.group_sizes = (w13.group_size, w2.group_size) if self.quantized else None
+        # Quantized experts on the CPU with int8 activations: a8_pack's tensors per stack, in place of the stacks.
+        self.a8 = _a8_stacks(w13, w2) if self.quantized and not (self.eager or self.triton) else None
+        if self.a8 is not None:
+            self.w13 = self.w2 = None
+
+    @property
+    def activations_quantized(self) -> bool:
+        """Whether the C++ op quantizes the activations to int8 (``a8_linear``'s kernel).
+
+        Quantized projections do so by default on the CPU; :func:`fused_moe_reference`'s ``quantize_activations`` is
+        the reference.
+        """
+        return self.a8 is not None
 
     @property
     def keeps_dense(self) -> bool:
@@ -188,6 +215,8 @@ class Experts:
             return []
         if self.tiled:
             return [self.w13, self.w2]
+        if self.a8 is not None:
+            return [t for stack in self.a8 for t in stack if t is not None]
         return [t for stack in (self.w13, self.w2) for t in (stack.qweight, stack.scales, stack.zeros) if t is not None]
 
     def move_kernel_tensors(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -196,6 +225,9 @@ class Experts:
             return
         if self.tiled:
             self.w13, self.w2 = moved(self.w13), moved(self.w2)
+            return
+        if self.a8 is not None:
+            self.a8 = tuple([None if t is None else moved(t) for t in stack] for stack in self.a8)
             return
         self.w13, self.w2 = (
             dataclasses.replace(
@@ -214,11 +246,35 @@ class Experts:
             return triton_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         if self.eager:
             return fused_moe_reference(x, self.w13, self.w2, topk_weights, topk_ids)
+        if self.a8 is not None:
+            w13, w2 = self.a8
+            up, down = self.group_sizes
+            return cpu.fused_moe_a8(x, w13, up, w2, down, self.intermediate, topk_weights, topk_ids)
         if self.quantized:
             return cpu.fused_moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids)
         return cpu.fused_moe(
             x, self.w13, self.w2, topk_weights, topk_ids, self.num_experts, self.intermediate, self.tiled
         )
+
+
+def _a8_stacks(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[list[torch.Tensor | None], ...] | None:
+    """Each stack's experts laid out by ``a8_pack`` (its four tensors, each stacked by expert), or None.
+
+    They are where the C++ op runs them with int8 activations: the default of quantized CPU weights, unless the
+    activations stay float (:func:`~spindle.kernels.linear.weight_only`) or a layout does not suit ``a8_linear``'s
+    kernel.
+    """
+    stacks = (w13, w2)
+    if float_activations() or not all(runs_a8(stack.select(0), torch.float32) for stack in stacks):
+        return None
+    packed = []
+    for stack in stacks:
+        experts = [a8_form(stack.select(e)) for e in range(stack.qweight.shape[0])]
+        # a8_pack keeps an int8 matrix whose values all fit in 6 bits (GGUF's Q6_K) in 6: the experts must agree.
+        if len({tuple(None if t is None else tuple(t.shape) for t in form) for form in experts}) > 1:
+            return None
+        packed.append([None if parts[0] is None else torch.stack(parts) for parts in zip(*experts, strict=True)])
+    return tuple(packed)
 
 
 def runs_on_cpu(stack: QuantizedWeight) -> bool:

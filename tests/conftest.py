@@ -39,8 +39,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
 
-from spindle.kernels import quant
-from spindle.kernels.moe import Experts, expert_matrix
+from spindle.backend.models import load_model
+from spindle.backend.models.mixtral import MixtralDecoderLayer
+from spindle.kernels import eager, quant
+from spindle.kernels.moe import Experts, expert_matrix, fused_moe_reference, quantize_experts
 
 # Modules are byte-compiled as they are first imported (the venvs are installed with pip's --no-compile), also where
 # PYTHONDONTWRITEBYTECODE is set, as on our 2-core test machine: without that, every process the suite starts
@@ -216,16 +218,48 @@ def compute_as_served(reference: nn.Module, served: nn.Module, weights: dict[str
             bias = getattr(module, "qkv_bias", None) if attr == "qkv_proj" else None
             reference_linear = quant.w8a8_linear if projection.w8a8 is not None else quant.a8_linear
             module.prepared[key] = functools.partial(reference_linear, weight=weights[name], bias=bias)
-    # Quantized experts (Mixtral, Qwen3-MoE): the reference's run their dequantized stacks through the dense op.
-    for served_layer, layer in zip(getattr(served, "layers", []), getattr(reference, "layers", []), strict=True):
+    # Quantized experts (Mixtral, Qwen3-MoE): the reference's run their dequantized stacks through the dense op, or,
+    # where the served ones quantize their activations (a8_linear's kernel, which keeps its own layout and not the
+    # stacks: those come from ``weights``, as layers.N.w13 / .w2), the same stacks one expert at a time in torch.
+    layers = zip(getattr(served, "layers", []), getattr(reference, "layers", []), strict=True)
+    for i, (served_layer, layer) in enumerate(layers):
         experts = getattr(served_layer, "experts", None)
-        if experts is not None and experts.quantized:
-            layer.experts = Experts(
-                *(
-                    torch.stack([expert_matrix(stack, e, torch.float32) for e in range(experts.num_experts)])
-                    for stack in (experts.w13, experts.w2)
-                )
+        if experts is None or not experts.quantized:
+            continue
+        if experts.activations_quantized:
+            with eager():
+                layer.experts = QuantizedActivationExperts(weights[f"layers.{i}.w13"], weights[f"layers.{i}.w2"])
+            continue
+        layer.experts = Experts(
+            *(
+                torch.stack([expert_matrix(stack, e, torch.float32) for e in range(experts.num_experts)])
+                for stack in (experts.w13, experts.w2)
             )
+        )
+
+
+class QuantizedActivationExperts(Experts):
+    """Quantized experts run in torch (built within ``eager``) with their activations quantized to int8 as the C++
+    op's ``a8_linear`` kernel quantizes them: the reference of experts whose ``activations_quantized``."""
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """:func:`~spindle.kernels.moe.fused_moe_reference` with ``quantize_activations``."""
+        return fused_moe_reference(x, self.w13, self.w2, topk_weights, topk_ids, quantize_activations=True)
+
+
+def quantized_expert_stacks(model_dir: Path, bits: int) -> dict[str, quant.QuantizedWeight]:
+    """The expert stacks ``--quantization int{bits}`` serves for a MoE checkpoint, as ``layers.N.w13`` / ``.w2``
+    (``MixtralDecoderLayer.prepare_experts`` quantizes the loaded ``[experts, out, in]`` stacks the same way)."""
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    stacks = {}
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer, MixtralDecoderLayer):
+            hidden = layer.w13.shape[1]
+            w13 = layer.w13.data.view(layer.num_experts, 2 * layer.intermediate, hidden)
+            w2 = layer.w2.data.view(layer.num_experts, hidden, layer.intermediate)
+            stacks[f"layers.{i}.w13"] = quantize_experts(w13, bits)
+            stacks[f"layers.{i}.w2"] = quantize_experts(w2, bits)
+    return stacks
 
 
 TINY_COMMON = {

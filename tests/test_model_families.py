@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import TINY_COMMON, TINY_VARIANTS, _with_byte_tokenizer, compute_as_served
+from conftest import TINY_COMMON, TINY_VARIANTS, _with_byte_tokenizer, compute_as_served, quantized_expert_stacks
 from test_lora import ALL_TARGETS, MAX_TOKENS, generate, peft_greedy, peft_model, save_random_adapter, tiny_core
 from tokenizers import Tokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -272,7 +272,7 @@ def test_quantized_tokens_are_those_of_the_dequantized_weights(
     for module in reference.modules():
         getattr(module, "prepared", {}).clear()
     weights = quantized_weights(load_model(model_dir, torch.float32, torch.device("cpu")), model_dir, bits)
-    compute_as_served(reference, quantized.runner.model, weights)
+    compute_as_served(reference, quantized.runner.model, weights | quantized_expert_stacks(model_dir, bits))
 
     assert_same_greedy_tokens(quantized, dense, prompts)
 

@@ -16,6 +16,7 @@ from spindle.backend.models.loader import _stacked, quantized_weights
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.backend.models.qwen3_moe import is_sparse_layer
 from spindle.kernels import cpu, eager, force_triton
+from spindle.kernels.linear import weight_only
 from spindle.kernels.moe import Experts, fused_moe_reference, quantize_experts, route, route_tokens
 from spindle.kernels.quant import QuantizedWeight, quantize, widen
 
@@ -45,6 +46,9 @@ QUANTIZED_LAYOUTS = {
 size they are then widened to exactly, as int8 (int4's offsets kept), or None. int8 with offsets per 32 inputs is
 GGUF's Q5_1 and Q5_K decoded, per 16 without them Q6_K, per 16 with them a Q4_K_M's Q4_K gate beside its Q6_K up."""
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+A8_TOLERANCES = {torch.float32: {"atol": 5e-3, "rtol": 1e-3}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+"""Experts with int8 activations against the reference that quantizes them too: float32 summation order may move an
+activation of the down projection's input a level at a rounding boundary (the float reference is ~3e-2 away)."""
 
 
 def random_moe(case: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -120,35 +124,61 @@ def test_route_tokens_op_routes_as_the_router_linear_then_route(
             assert torch.equal(route_tokens(hidden, router, top_k, renormalize)[1], expected_ids)
 
 
-@pytest.mark.parametrize(
-    ("path", "dtype"),
-    [("cpu", torch.float32), ("cpu", torch.bfloat16), ("triton", torch.float32), ("triton", torch.bfloat16)],
-    ids=["cpu-fp32", "cpu-bf16", "triton-fp32", "triton-bf16"],
-)
-@pytest.mark.parametrize(
-    ("case", "layout"),
-    [(case, None) for case in CASES] + [(case, layout) for layout in QUANTIZED_LAYOUTS for case in QUANTIZED_CASES],
-    ids=[*CASES, *(f"{case}-{layout}" for layout in QUANTIZED_LAYOUTS for case in QUANTIZED_CASES)],
-)
+PATHS = [("cpu", torch.float32), ("cpu", torch.bfloat16), ("triton", torch.float32), ("triton", torch.bfloat16)]
+PATH_IDS = ["cpu-fp32", "cpu-bf16", "triton-fp32", "triton-bf16"]
+LAYOUT_CASES = [(case, None) for case in CASES] + [
+    (case, layout) for layout in QUANTIZED_LAYOUTS for case in QUANTIZED_CASES
+]
+LAYOUT_IDS = [*CASES, *(f"{case}-{layout}" for layout in QUANTIZED_LAYOUTS for case in QUANTIZED_CASES)]
+
+
+@pytest.mark.parametrize(("path", "dtype"), PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("case", "layout"), LAYOUT_CASES, ids=LAYOUT_IDS)
 def test_fused_moe_matches_a_per_expert_loop(case: str, layout: str | None, path: str, dtype: torch.dtype) -> None:
-    """The C++ op (bf16: ``bf16_linear``'s tiles where the CPU has them) and the Triton grouped GEMM (interpreted),
-    dense or on quantized experts of every layout, each run as it is stored, against the torch loop over the same
-    weights (quantized ones dequantized). The cases include experts that get no token and one that gets one."""
-    x, w13, w2, topk_weights, topk_ids = random_moe(case, dtype)
-    if layout is not None:
-        w13, w2 = quantized_experts(w13, layout), quantized_experts(w2, layout)
-        expected = fused_moe_reference(x.float(), w13, w2, topk_weights, topk_ids)
-    else:
-        expected = fused_moe_reference(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
-    with force_triton(path == "triton"):
-        experts = Experts(w13, w2)
-        out = experts(x, topk_weights, topk_ids)
+    """The C++ op (bf16: ``bf16_linear``'s tiles where the CPU has them; quantized experts: ``a8_linear``'s kernel,
+    int8 activations, where the CPU has AVX2) and the Triton grouped GEMM (interpreted), dense or on quantized
+    experts of every layout, each run as it is stored, against the torch loop over the same weights (quantized ones
+    dequantized, their activations quantized as the op's are). The cases include experts that get no token and one
+    that gets one."""
+    experts = assert_matches_the_loop(case, layout, path, dtype)
     # Dense float32 experts run the op's float tiles on any CPU (every case's outputs are multiples of 16).
     assert experts.tiled == (
         path == "cpu" and layout is None and (dtype == torch.float32 or cpu.bf16_linear_supported())
     )
+    assert experts.activations_quantized == (path == "cpu" and layout is not None and cpu.a8_linear_supported())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("case", "layout"), LAYOUT_CASES[len(CASES) :], ids=LAYOUT_IDS[len(CASES) :])
+def test_quantized_experts_with_float_activations_match_a_per_expert_loop(
+    case: str, layout: str, dtype: torch.dtype
+) -> None:
+    """Within ``weight_only`` the C++ op keeps quantized experts' activations float, dequantizing the weights in
+    registers (``quant_rows.h``'s micro-kernels), as the Triton kernel does."""
+    with weight_only():
+        experts = assert_matches_the_loop(case, layout, "cpu", dtype)
+    assert experts.quantized and not experts.activations_quantized
+
+
+def assert_matches_the_loop(case: str, layout: str | None, path: str, dtype: torch.dtype) -> Experts:
+    """Run a case's experts (``layout``: quantized as :data:`QUANTIZED_LAYOUTS` says, or dense) on ``path`` and
+    check them against :func:`fused_moe_reference`; returns the :class:`Experts` that ran."""
+    x, w13, w2, topk_weights, topk_ids = random_moe(case, dtype)
+    if layout is not None:
+        w13, w2 = quantized_experts(w13, layout), quantized_experts(w2, layout)
+    with force_triton(path == "triton"):
+        experts = Experts(w13, w2)
+        out = experts(x, topk_weights, topk_ids)
+    if experts.activations_quantized:  # quantized in x's dtype, as the op does
+        expected = fused_moe_reference(x, w13, w2, topk_weights, topk_ids, quantize_activations=True).float()
+    elif layout is not None:
+        expected = fused_moe_reference(x.float(), w13, w2, topk_weights, topk_ids)
+    else:
+        expected = fused_moe_reference(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
     assert out.dtype == dtype and out.shape == x.shape
-    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+    tolerances = A8_TOLERANCES if experts.activations_quantized else TOLERANCES
+    torch.testing.assert_close(out.float(), expected, **tolerances[dtype])
+    return experts
 
 
 def test_quantized_experts_on_the_cpu_need_groups_their_micro_kernels_step_through() -> None:
@@ -167,10 +197,14 @@ def test_quantized_experts_on_the_cpu_need_groups_their_micro_kernels_step_throu
         cpu.fused_moe_quantized(x, halves, quantize_experts(w2, 4), topk_weights, topk_ids)
 
 
+@pytest.mark.parametrize("layout", [None, "int4"], ids=["dense", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_moe_does_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
-    """The C++ op's work items are handed out dynamically; each output value still has one fixed summation order."""
+def test_fused_moe_does_not_depend_on_the_thread_count(dtype: torch.dtype, layout: str | None) -> None:
+    """The C++ op's work items are shared out by thread count; each output value still has one fixed summation
+    order (quantized experts: ``a8_linear``'s panels, where the CPU runs them, split over the threads per expert)."""
     x, w13, w2, topk_weights, topk_ids = random_moe("many_rows", dtype)
+    if layout is not None:
+        w13, w2 = quantized_experts(w13, layout), quantized_experts(w2, layout)
     experts = Experts(w13, w2)
     threads = torch.get_num_threads()
     try:
@@ -273,7 +307,15 @@ def test_quantized_experts_hold_no_dense_copy(family: str, bits: int, make_tiny_
     assert moe_layers
     for layer in moe_layers:
         assert layer.w13.numel() == 0 and layer.w2.numel() == 0
-        for stack in (layer.experts.w13, layer.experts.w2):
+        experts = layer.experts
+        assert experts.quantized and not experts.keeps_dense
+        if experts.activations_quantized:  # a8_pack's panels stand in for the stacks: int8, or 4 bits two a byte
+            values = experts.num_experts * 2 * experts.intermediate * experts.hidden  # w13's; w2 holds half as many
+            for packed, count in zip((stack[0] for stack in experts.a8), (values, values // 2), strict=True):
+                assert packed.dtype == (torch.int8 if bits == 8 else torch.uint8)
+                assert packed.numel() == count * bits // 8
+            continue
+        for stack in (experts.w13, experts.w2):
             assert isinstance(stack, QuantizedWeight) and stack.bits == bits
             assert stack.qweight.dtype == (torch.int8 if bits == 8 else torch.uint8)
 

@@ -523,6 +523,37 @@ def fused_moe(
     return cpu_ops().fused_moe(x, w13, w2, topk_weights, topk_ids, num_experts, intermediate, tiled)
 
 
+def fused_moe_a8(
+    x: torch.Tensor,
+    w13: list[torch.Tensor | None],
+    w13_group_size: int,
+    w2: list[torch.Tensor | None],
+    w2_group_size: int,
+    intermediate: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`fused_moe` of quantized experts laid out by :func:`a8_pack`, with int8 activations.
+
+    The activations are quantized as :func:`a8_linear` quantizes them, and each expert's rows run its gate/up and
+    down projections in ``a8_linear``'s kernel (one OpenMP region a projection, every expert's panels shared out in
+    turn), in ``x``'s dtype.
+
+    Args:
+        x: ``[tokens, hidden]``, float32 or bfloat16.
+        w13: :func:`a8_pack`'s four tensors (packed, scales, offsets, supers) of each expert's ``[2 * intermediate,
+            hidden]`` matrix, each stacked by expert (None where ``a8_pack`` gave None).
+        w13_group_size: the gate/up matrices' inputs per scale.
+        w2: the same of each expert's ``[hidden, intermediate]`` matrix.
+        w2_group_size: the down matrices' inputs per scale.
+        intermediate: each expert's intermediate size.
+        topk_weights: ``[tokens, top_k]`` routing weights.
+        topk_ids: int64 ``[tokens, top_k]`` expert ids.
+
+    """
+    return cpu_ops().fused_moe_a8(x, w13, w13_group_size, w2, w2_group_size, intermediate, topk_weights, topk_ids)
+
+
 def fused_moe_quantized(
     x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:

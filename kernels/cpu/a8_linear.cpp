@@ -30,6 +30,10 @@
 // its low nibbles laid out as int4's and its top 2 bits in two more chunks a block, so it is read at 6.56 bits a
 // weight (the file's own size) instead of 8.56. vpmaddubsw takes u as it is; the -32 comes back as 32 x the token's
 // integer sum over each 16 inputs.
+//
+// a8_grouped runs a stack of such weights (a MoE layer's experts, each packed alike), each over its own rows of x,
+// in one OpenMP region: the rows are quantized once, and each weight's panels are shared out over the threads in
+// turn, without a barrier between weights.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
@@ -39,6 +43,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -71,6 +76,11 @@ struct Activations {
   std::vector<float> scales;      // [tokens][inputs / BLOCK]
   std::vector<float> sums;        // [tokens][inputs / group_size], empty without offsets
   std::vector<int32_t> half_sums;  // [tokens][inputs / 16]: 32 x the sum of the quantized x, for 6-bit weights
+};
+
+// Rows [begin, end) of x against weight `weight` of a stack (one weight: 0 for all the rows).
+struct Segment {
+  int64_t weight, begin, end;
 };
 
 // The packed weight's form: int4 (with offsets), 6-bit (u = q + 32, no offsets) or int8.
@@ -538,10 +548,13 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
 }
 #endif
 
-// All panels against every token. panel_scales(p): panel p's scales (GroupScales or CompactScales).
+// Each segment's rows against all panels of its weight (packed + weight x weight_bytes). panel_scales(w, p): weight
+// w's panel p's scales (GroupScales or CompactScales). Within one OpenMP region, every segment's panels are split
+// over the threads in turn (static shares, no barrier between segments).
 template <typename T, Format F, bool SIXTEEN, typename PanelScales>
-void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* packed, PanelScales panel_scales,
-         int64_t group_size, int64_t outputs, T* out, int64_t out_stride) {
+void run(const Activations& a, const std::vector<Segment>& segments, int64_t inputs, const uint8_t* packed,
+         int64_t weight_bytes, PanelScales panel_scales, int64_t group_size, int64_t outputs, T* out,
+         int64_t out_stride) {
   const int64_t panels = (outputs + ROWS - 1) / ROWS, panel_bytes = inputs / BLOCK * block_bytes_of(F);
   // Token m's results of panel p, acc's lanes, written to its row of out.
   const auto store = [&](int64_t m, int64_t p, __m256 acc) {
@@ -554,46 +567,51 @@ void run(const Activations& a, int64_t tokens, int64_t inputs, const uint8_t* pa
     _mm256_store_ps(totals, acc);
     for (int64_t j = 0; j < outputs - p * ROWS; ++j) row[j] = from_float<T>(totals[j]);
   };
-  // The work is split in units of two panels where AVX-512 runs them together, else of one.
-#ifdef SPINDLE_A8_512
-  const int64_t panels_per_unit = tokens >= PAIR_TOKENS ? 2 : 1;
-#else
-  const int64_t panels_per_unit = 1;
-#endif
-  const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
-  // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block;
-  // block_dots_chunked keeps fewer values live a token.
-  const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK
-                              : CHUNKED<F, SIXTEEN>   ? CHUNKED_TOKEN_BLOCK
-                                                      : TOKEN_BLOCK;
 #pragma omp parallel
-  for (int64_t first_token = 0; first_token < tokens; first_token += TOKEN_PANEL) {
-#pragma omp for schedule(static) nowait
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t p = u * panels_per_unit;
-      const auto scales = panel_scales(p);
-      for (int64_t m0 = first_token; m0 < std::min(first_token + TOKEN_PANEL, tokens); m0 += token_block) {
-        with_tokens(std::min(token_block, tokens - m0), [&](auto block) {
-          constexpr int M = decltype(block)::value;
-          // The first token block's pass brings the panels in; the later ones read them from cache.
-          const bool first = m0 == first_token;
+  for (const Segment& segment : segments) {
+    const int64_t tokens = segment.end - segment.begin, w = segment.weight;
+    const uint8_t* weight = packed + w * weight_bytes;
+    // The work is split in units of two panels where AVX-512 runs them together, else of one.
 #ifdef SPINDLE_A8_512
-          if (panels_per_unit == 2 && p + 1 < panels) {
-            __m256 low[M], high[M];
-            panel_pair_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, packed + (p + 1) * panel_bytes,
-                                           scales, panel_scales(p + 1), group_size, first, low, high);
-            for (int m = 0; m < M; ++m) {
-              store(m0 + m, p, low[m]);
-              store(m0 + m, p + 1, high[m]);
-            }
-            return;
-          }
+    const int64_t panels_per_unit = tokens >= PAIR_TOKENS ? 2 : 1;
+#else
+    const int64_t panels_per_unit = 1;
 #endif
-          __m256 acc[M];
-          for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-          panel_dots<M, F, SIXTEEN>(a, m0, inputs, packed + p * panel_bytes, scales, group_size, first, acc);
-          for (int m = 0; m < M; ++m) store(m0 + m, p, acc[m]);
-        });
+    const int64_t units = (panels + panels_per_unit - 1) / panels_per_unit;
+    // Tokens a pass takes (accumulators in registers): AVX-512's 32 registers hold twice AVX2's block;
+    // block_dots_chunked keeps fewer values live a token.
+    const int64_t token_block = panels_per_unit == 2 ? 2 * TOKEN_BLOCK
+                                : CHUNKED<F, SIXTEEN>   ? CHUNKED_TOKEN_BLOCK
+                                                        : TOKEN_BLOCK;
+    for (int64_t first_token = segment.begin; first_token < segment.end; first_token += TOKEN_PANEL) {
+      const int64_t last_token = std::min(first_token + TOKEN_PANEL, segment.end);
+#pragma omp for schedule(static) nowait
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t p = u * panels_per_unit;
+        const auto scales = panel_scales(w, p);
+        for (int64_t m0 = first_token; m0 < last_token; m0 += token_block) {
+          with_tokens(std::min(token_block, last_token - m0), [&](auto block) {
+            constexpr int M = decltype(block)::value;
+            // The first token block's pass brings the panels in; the later ones read them from cache.
+            const bool first = m0 == first_token;
+#ifdef SPINDLE_A8_512
+            if (panels_per_unit == 2 && p + 1 < panels) {
+              __m256 low[M], high[M];
+              panel_pair_dots<M, F, SIXTEEN>(a, m0, inputs, weight + p * panel_bytes, weight + (p + 1) * panel_bytes,
+                                             scales, panel_scales(w, p + 1), group_size, first, low, high);
+              for (int m = 0; m < M; ++m) {
+                store(m0 + m, p, low[m]);
+                store(m0 + m, p + 1, high[m]);
+              }
+              return;
+            }
+#endif
+            __m256 acc[M];
+            for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+            panel_dots<M, F, SIXTEEN>(a, m0, inputs, weight + p * panel_bytes, scales, group_size, first, acc);
+            for (int m = 0; m < M; ++m) store(m0 + m, p, acc[m]);
+          });
+        }
       }
     }
   }
@@ -743,41 +761,46 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   return {packed, panel_scales, panel_offsets, panel_supers};
 }
 
-at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
-                     int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out_) {
+namespace {
+
+// a8_linear and a8_grouped: the rows of each segment of x against its weight of `weights` packed by a8_pack, stacked
+// ([weights, panels, ...] each) or, for one weight, as a8_pack gave them.
+at::Tensor a8_segments(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                       int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out_,
+                       const std::vector<Segment>& segments, int64_t weights) {
   TORCH_CHECK(a8_linear_supported(), "a8_linear needs AVX2");
-  const bool compact = supers.has_value();
+  const bool compact = supers.has_value(), stacked = packed.dim() == 3;
   const int64_t panels = (outputs + ROWS - 1) / ROWS, inputs = x.size(-1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features], dense rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(inputs % BLOCK == 0, "in_features must be a multiple of 32");
   // The form from the packed tensor: int8; uint8 of 4 (int4) or 6 bits (a8_pack's) a weight.
-  const int64_t panel_bytes = packed.dim() == 2 ? packed.size(1) : -1;
+  const int64_t panel_bytes = packed.dim() == 2 + stacked ? packed.size(-1) : -1;
   TORCH_CHECK(packed.scalar_type() == at::kChar || packed.scalar_type() == at::kByte,
               "packed must be a8_pack's int8 or uint8 tensor");
   const Format format = packed.scalar_type() == at::kChar ? Format::INT8
                         : panel_bytes == inputs / BLOCK * block_bytes_of(Format::INT6) ? Format::INT6
                                                                                        : Format::INT4;
   check_layout(format == Format::INT4, inputs, group_size);
-  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == panels &&
+  TORCH_CHECK(packed.is_contiguous() && (!stacked || packed.size(0) == weights) && packed.size(stacked) == panels &&
                   panel_bytes == inputs / BLOCK * block_bytes_of(format),
-              "packed must be a8_pack's tensor for [outputs, in_features]");
+              "packed must be a8_pack's tensor for [outputs, in_features]", stacked ? ", one a weight" : "");
   const int64_t groups = inputs / group_size;
   const auto scale_type = scales.scalar_type();
   TORCH_CHECK(scales.is_contiguous() &&
                   (compact ? scale_type == at::kChar : scale_type == at::kFloat || scale_type == at::kHalf) &&
-                  scales.numel() == panels * groups * ROWS,
+                  scales.numel() == weights * panels * groups * ROWS,
               "scales must be a8_pack's [panels, groups, 8] (float32 or float16, or int8 with super_scales)");
   TORCH_CHECK(format != Format::INT4 || offsets, "an int4 weight needs its offsets");
   TORCH_CHECK(format != Format::INT6 || !offsets, "a 6-bit weight has no offsets");
   TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == (compact ? at::kByte : scale_type) &&
-                           offsets->numel() == panels * groups * ROWS),
+                           offsets->numel() == weights * panels * groups * ROWS),
               "offsets must be None or a8_pack's [panels, groups, 8] (the scales' dtype, or uint8 with super_scales)");
   const int64_t factors = offsets ? 2 : 1;
   TORCH_CHECK(!compact || (inputs % SUPER_BLOCK == 0 && supers->is_contiguous() &&
                            supers->scalar_type() == at::kHalf &&
-                           supers->numel() == panels * inputs / SUPER_BLOCK * factors * ROWS),
+                           supers->numel() == weights * panels * inputs / SUPER_BLOCK * factors * ROWS),
               "supers must be a8_pack's [panels, in / 256, 2 (1 without offsets), 8] float16");
   at::Tensor out = out_ ? *out_ : at::empty({x.size(0), outputs}, x.options());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == outputs && out.stride(1) == 1 &&
@@ -786,6 +809,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
 #ifdef SPINDLE_A8
   const auto* q = static_cast<const uint8_t*>(packed.data_ptr());
   const int64_t panel_groups = groups * ROWS, panel_supers = inputs / SUPER_BLOCK * factors * ROWS;
+  const int64_t weight_bytes = panels * panel_bytes;
   auto go = [&](auto* type, auto format_tag, auto sixteen_flag) {
     using T = std::remove_pointer_t<decltype(type)>;
     constexpr Format F = decltype(format_tag)::value;
@@ -797,18 +821,21 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
       const auto* sub_scales = scales.data_ptr<int8_t>();
       const uint8_t* sub_mins = offsets ? offsets->data_ptr<uint8_t>() : nullptr;
       const c10::Half* super_factors = supers->data_ptr<c10::Half>();
-      auto panel_scales = [&](int64_t p) {
-        return CompactScales{sub_scales + p * panel_groups, sub_mins ? sub_mins + p * panel_groups : nullptr,
-                             super_factors + p * panel_supers, factors};
+      auto panel_scales = [&](int64_t w, int64_t p) {
+        const int64_t at = w * panels + p;  // the stack's panels follow each other
+        return CompactScales{sub_scales + at * panel_groups, sub_mins ? sub_mins + at * panel_groups : nullptr,
+                             super_factors + at * panel_supers, factors};
       };
-      run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
+      run<T, F, SIXTEEN>(a, segments, inputs, q, weight_bytes, panel_scales, group_size, outputs, o, out.stride(0));
     } else {
       auto with_group_scales = [&](const auto* group_scales, const auto* group_offsets) {
-        auto panel_scales = [&](int64_t p) {
+        auto panel_scales = [&](int64_t w, int64_t p) {
+          const int64_t at = (w * panels + p) * panel_groups;
           return GroupScales<std::remove_const_t<std::remove_pointer_t<decltype(group_scales)>>>{
-              group_scales + p * panel_groups, group_offsets ? group_offsets + p * panel_groups : nullptr};
+              group_scales + at, group_offsets ? group_offsets + at : nullptr};
         };
-        run<T, F, SIXTEEN>(a, x.size(0), inputs, q, panel_scales, group_size, outputs, o, out.stride(0));
+        run<T, F, SIXTEEN>(a, segments, inputs, q, weight_bytes, panel_scales, group_size, outputs, o,
+                           out.stride(0));
       };
       if (scale_type == at::kHalf) {
         with_group_scales(scales.data_ptr<c10::Half>(), offsets ? offsets->data_ptr<c10::Half>() : nullptr);
@@ -832,4 +859,28 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
   });
 #endif
   return out;
+}
+
+}  // namespace
+
+at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                     int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK(packed.dim() == 2, "packed must be a8_pack's [panels, bytes] tensor");
+  return a8_segments(x, packed, scales, offsets, supers, group_size, outputs, out, {{0, 0, x.size(0)}}, 1);
+}
+
+at::Tensor a8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                      int64_t group_size, int64_t outputs, const std::vector<int64_t>& starts) {
+  const int64_t weights = static_cast<int64_t>(starts.size()) - 1;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == weights, "packed must be a stack of ", weights,
+              " a8_pack tensors, one a group of rows");
+  TORCH_CHECK(starts.front() == 0 && starts.back() == x.size(0) && std::is_sorted(starts.begin(), starts.end()),
+              "starts must rise from 0 to the rows of x");
+  std::vector<Segment> segments;
+  for (int64_t w = 0; w < weights; ++w) {
+    if (starts[w + 1] > starts[w]) segments.push_back({w, starts[w], starts[w + 1]});
+  }
+  return a8_segments(x, packed, scales, offsets, supers, group_size, outputs, std::nullopt, segments, weights);
 }

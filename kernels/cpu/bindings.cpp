@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, ReleaseGil(), "The routed experts' SwiGLU MLPs, weighted and summed per token.");
   m.def("fused_moe_quantized", &fused_moe_quantized, ReleaseGil(),
         "fused_moe of int8 (per row or group, with or without offsets) or int4 experts, dequantized in registers.");
+  m.def("fused_moe_a8", &fused_moe_a8, ReleaseGil(),
+        "fused_moe of experts packed by a8_pack and stacked, the activations quantized to int8 as a8_linear's.");
   py::class_<StackProjection>(m, "StackProjection", "A projection as DecodeStack runs it.")
       .def_static("a8", &StackProjection::a8, "a8_linear's parts (a8_pack's tensors, group size, outputs) and bias.")
       .def_static("bf16", &StackProjection::bf16, "bf16_linear's tiles, output rows and bias.")

@@ -12,12 +12,15 @@
 // [inputs][16]) run the same two regions on a 6-row x 16-column micro-kernel in 8-float vectors (AVX2 + FMA here,
 // whatever gcc's vector extension maps to elsewhere). Other dtypes and shapes run ATen's matmul per expert.
 //
-// Quantized experts (spindle.kernels.quant's layouts, stacked [experts, out, in]: int4 per group of 32 inputs; int8 per
-// row or per group of 16 or 32, with or without offsets, as GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks decode) run
-// the same sort and the same kind of work items in float32: the grouped rows are turned into float once (for int4 in
-// int4_row's nibble order), with their group sums where the weights have offsets, and each work item runs its rows, 8
-// at a time, against each weight row of its column tile with quant_rows.h's micro-kernels, which dequantize in
-// registers (AVX-512 or AVX2+FMA, else plain loops).
+// Quantized experts laid out by a8_pack (fused_moe_a8, the default where the CPU has AVX2) run the same sort, then
+// each projection in one call of a8_linear.cpp's kernel over every expert's rows (a8_grouped): the rows quantized to
+// int8 per 32 inputs, each expert's panels shared out over the threads in turn. With their activations kept float
+// (spindle.kernels.linear.weight_only), quantized experts (spindle.kernels.quant's layouts, stacked [experts, out,
+// in]: int4 per group of 32 inputs; int8 per row or per group of 16 or 32, with or without offsets, as GGUF's Q8_0,
+// Q5_0, Q5_1, Q5_K and Q6_K blocks decode) run the same sort and the same kind of work items in float32: the grouped
+// rows are turned into float once (for int4 in int4_row's nibble order), with their group sums where the weights have
+// offsets, and each work item runs its rows, 8 at a time, against each weight row of its column tile with
+// quant_rows.h's micro-kernels, which dequantize in registers (AVX-512 or AVX2+FMA, else plain loops).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 
@@ -572,6 +575,38 @@ at::Tensor fused_moe_quantized(const at::Tensor& x, const at::Tensor& w13, const
   if (x.scalar_type() == at::kFloat)
     return quantized_moe<float>(x, up, down, weights.data_ptr<float>(), routing, topk_ids.size(1));
   return quantized_moe<c10::BFloat16>(x, up, down, weights.data_ptr<float>(), routing, topk_ids.size(1));
+}
+
+at::Tensor fused_moe_a8(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& w13, int64_t w13_group_size,
+                        const std::vector<std::optional<at::Tensor>>& w2, int64_t w2_group_size,
+                        int64_t intermediate, const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [tokens, hidden]");
+  TORCH_CHECK(w13.size() == 4 && w2.size() == 4 && w13[0] && w13[1] && w2[0] && w2[1],
+              "w13 and w2 are each a8_pack's (packed, scales, offsets, supers), stacked by expert");
+  const int64_t experts = w13[0]->size(0), tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
+  TORCH_CHECK(w2[0]->size(0) == experts, "w13 and w2 must hold as many experts");
+  const Routing routing = sort_by_expert(x, topk_weights, topk_ids, experts);
+  const int64_t assignments = tokens * top_k;
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous(), xc = x.contiguous();
+  at::Tensor grouped = at::empty({assignments, hidden}, x.options()), out = at::empty({tokens, hidden}, x.options());
+  const int64_t row_bytes = hidden * x.element_size();
+  const auto* xs = static_cast<const char*>(xc.data_ptr());
+  auto* g = static_cast<char*>(grouped.data_ptr());
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < assignments; ++s) {
+    std::memcpy(g + s * row_bytes, xs + routing.slot_token[s] * row_bytes, row_bytes);
+  }
+  const at::Tensor gate_up =
+      a8_grouped(grouped, *w13[0], *w13[1], w13[2], w13[3], w13_group_size, 2 * intermediate, routing.starts);
+  const at::Tensor down =
+      a8_grouped(silu_and_mul(gate_up), *w2[0], *w2[1], w2[2], w2[3], w2_group_size, hidden, routing.starts);
+  with_dtype(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+#pragma omp parallel
+    weighted_sums(down.data_ptr<T>(), weights.data_ptr<float>(), routing, tokens, top_k, hidden, out.data_ptr<T>());
+  });
+  return out;
 }
 
 namespace {

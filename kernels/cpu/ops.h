@@ -44,6 +44,10 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
                      int64_t group_size, int64_t outputs, const std::optional<at::Tensor>& out);
+// Rows [starts[w], starts[w + 1]) of x against weight w of a stack of a8_pack's tensors ([weights, ...] each).
+at::Tensor a8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& supers,
+                      int64_t group_size, int64_t outputs, const std::vector<int64_t>& starts);
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t group_size, const std::optional<at::Tensor>& bias);
 bool w8a8_supported();
@@ -55,6 +59,11 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, con
 at::Tensor moe_pack(const at::Tensor& weights);
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, int64_t num_experts, int64_t intermediate, bool tiled);
+// Experts packed by a8_pack and stacked ([experts, ...] each of packed, scales, offsets, supers): each expert's rows
+// through a8_grouped's gate/up, SiLU-and-mul and down, then each token's outputs weighted and summed.
+at::Tensor fused_moe_a8(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& w13, int64_t w13_group_size,
+                        const std::vector<std::optional<at::Tensor>>& w2, int64_t w2_group_size,
+                        int64_t intermediate, const at::Tensor& topk_weights, const at::Tensor& topk_ids);
 at::Tensor fused_moe_quantized(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w13_scales,
                                const std::optional<at::Tensor>& w13_zeros, int64_t w13_group_size,
                                const at::Tensor& w2, const at::Tensor& w2_scales,
