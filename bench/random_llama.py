@@ -7,7 +7,9 @@ SmolLM2's package can write it): byte-level, every text encodes byte by byte, an
 padding pieces that decode to their bytes, so that every token the random model samples has a text.
 ``--config small`` writes a ~125M-parameter model (SmolLM2's vocabulary size, 49,152) whose heads tensor parallel 2
 and 4 divide; ``--config medium`` a ~0.5B-parameter one of Llama 2's vocabulary size (32,000), quantized by
-``bench.kquant_vs_llamacpp``; ``--config tiny`` writes a two-layer model in a second, to try a script anywhere.
+``bench.kquant_vs_llamacpp``; ``--config moe`` a Mixtral of the same vocabulary (~0.4B parameters, 8 experts of
+which each token takes 2, ~0.13B active), in the per-expert tensors llama.cpp's converter reads; ``--config tiny``
+writes a two-layer model in a second, to try a script anywhere.
 
 ``--tokenizer byte-fallback`` writes Llama 2's kind of tokenizer instead (a BPE over characters whose other bytes fall
 back to byte pieces): llama.cpp's ``convert_hf_to_gguf.py`` converts it, where it refuses the byte-level one, whose
@@ -55,6 +57,17 @@ CONFIGS = {
         num_hidden_layers=16,
         num_attention_heads=12,
         num_key_value_heads=4,
+    ),
+    # A Mixtral: 8 experts of 1536, top-2, 8 layers of hidden 1024 (heads of 128); rows multiples of 256 as well.
+    "moe": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
     ),
     "tiny": dict(
         vocab_size=1024,
@@ -116,7 +129,11 @@ TOKENIZERS = {"byte-level": write_tokenizer, "byte-fallback": write_byte_fallbac
 
 
 def tensor_shapes(shapes: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Every weight of a Llama checkpoint of ``shapes`` and its shape, in the file's order."""
+    """Every weight of a Llama checkpoint of ``shapes`` and its shape, in the file's order.
+
+    With ``num_local_experts``, a Mixtral's: each layer's MLP is a router and that many experts (``w1`` gate, ``w3``
+    up, ``w2`` down).
+    """
     hidden, inter, vocab = shapes["hidden_size"], shapes["intermediate_size"], shapes["vocab_size"]
     kv = shapes["num_key_value_heads"] * hidden // shapes["num_attention_heads"]
     per_layer = {
@@ -126,10 +143,20 @@ def tensor_shapes(shapes: dict[str, int]) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv, hidden),
         "self_attn.o_proj.weight": (hidden, hidden),
         "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
     }
+    experts = shapes.get("num_local_experts")
+    if experts is None:
+        per_layer |= {
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        }
+    else:
+        per_layer["block_sparse_moe.gate.weight"] = (experts, hidden)
+        for e in range(experts):
+            prefix = f"block_sparse_moe.experts.{e}"
+            per_layer |= {f"{prefix}.w1.weight": (inter, hidden), f"{prefix}.w2.weight": (hidden, inter)}
+            per_layer[f"{prefix}.w3.weight"] = (inter, hidden)
     tensors = {"model.embed_tokens.weight": (vocab, hidden)}
     for layer in range(shapes["num_hidden_layers"]):
         tensors |= {f"model.layers.{layer}.{part}": shape for part, shape in per_layer.items()}
@@ -166,9 +193,10 @@ def write(out_dir: Path, name: str, device: str | None = None, tokenizer: str = 
     shapes = CONFIGS[name]
     out_dir.mkdir(parents=True, exist_ok=True)
     bos, eos = TOKENIZERS[tokenizer](out_dir, shapes["vocab_size"])
+    moe = "num_local_experts" in shapes
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,

@@ -44,6 +44,7 @@ CASES = {
     "llama": ("int4", "float32"),
     "qwen2": ("int4", "float32"),
     "mistral_window": ("int4", "float32"),
+    "mixtral": ("int4", "float32"),
     "q4_k_m_file": ("auto", "float32"),
     "llama_bf16": ("none", "bfloat16"),
     "mixtral_bf16": ("none", "bfloat16"),
@@ -51,7 +52,8 @@ CASES = {
     "mixtral_fp32": ("none", "float32"),
     "llama_fp32_unpacked": ("none", "float32"),
 }
-"""Each case's model, quantization and dtype: int4 runs ``a8_linear`` on every AVX2 CPU, bf16 ``bf16_linear``'s tiles
+"""Each case's model, quantization and dtype: int4 runs ``a8_linear`` on every AVX2 CPU (Mixtral's experts too, through
+``fused_moe_a8``), bf16 ``bf16_linear``'s tiles
 (and the fused experts' tiles) on AVX-512 bf16, float32 oneDNN's packed weights (and the experts' float tiles), or
 ATen's linear over the plain weights where oneDNN does not run them (the ``_unpacked`` case)."""
 
@@ -65,8 +67,8 @@ def test_the_decode_stack_gives_the_python_layers_results(
     request: pytest.FixtureRequest,
 ) -> None:
     """A batch of three sequences: int4 weights, with a qkv bias (Qwen2), decoding past a 24-token window (Mistral),
-    a K-quant file whose fused qkv has parts of two layouts; bf16 and float32 weights, dense and a mixture of
-    experts."""
+    int4 experts (Mixtral), a K-quant file whose fused qkv has parts of two layouts; bf16 and float32 weights, dense
+    and a mixture of experts."""
     quantization, dtype = CASES[case]
     runs = cpu.a8_linear_supported() if quantization != "none" else dtype == "float32" or cpu.bf16_linear_supported()
     if not runs:
@@ -82,6 +84,8 @@ def test_the_decode_stack_gives_the_python_layers_results(
     if quantization != "none":
         parts = len(model.layers[0].self_attn.prepared["qkv_proj"].a8_parts)
         assert parts == (2 if case == "q4_k_m_file" else 1)
+        experts = getattr(model.layers[0], "experts", None)
+        assert experts is None or experts.activations_quantized
     if case.endswith("_unpacked"):
         assert model.layers[0].self_attn.prepared["qkv_proj"].dense is not None
     stacked = generate(llm)

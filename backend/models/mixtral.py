@@ -78,7 +78,9 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     def stack_forms(self) -> dict[str, object] | None:
         """As :meth:`LlamaDecoderLayer.stack_forms`: Mixtral's own layer, its experts run by the C++ ``fused_moe``."""
         experts = self.experts
-        if type(self) is not MixtralDecoderLayer or experts is None or experts.quantized:
+        if type(self) is not MixtralDecoderLayer or experts is None:
+            return None
+        if experts.quantized and not experts.activations_quantized:  # the float path is no op of the stack's
             return None
         return None if experts.eager or experts.triton else self._stack_forms({})
 
@@ -86,6 +88,11 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         """Append this layer, its :meth:`stack_forms`, to ``stack``, over its ``kv_cache``."""
         self.add_attention_to_stack(stack, forms, kv_cache)
         experts = self.experts
+        if experts.activations_quantized:
+            up, down = experts.group_sizes
+            w13, w2 = experts.a8
+            stack.add_moe_a8_mlp(self.router, self.top_k, self.renormalize, w13, up, w2, down, experts.intermediate)
+            return
         stack.add_moe_mlp(
             self.router,
             self.top_k,

@@ -71,5 +71,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_attention", &DecodeStack::add_attention)
       .def("add_dense_mlp", &DecodeStack::add_dense_mlp)
       .def("add_moe_mlp", &DecodeStack::add_moe_mlp)
+      .def("add_moe_a8_mlp", &DecodeStack::add_moe_a8_mlp)
       .def("run", &DecodeStack::run, ReleaseGil());
 }

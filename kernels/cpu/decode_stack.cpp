@@ -1,10 +1,10 @@
 // A decode step's decoder layers in one call: every token is its sequence's one new token, and each layer is a plain
-// Llama-family layer (or Mixtral's, its MLP a mixture of experts) whose projections run a8_linear, bf16_linear or a
-// dense linear (oneDNN's over its packed weight, or ATen's). Per layer, the same ops the Python layers call, in the same order (the input norm with the previous layer's residual
-// add, qkv and its bias, rotary and cache write, decode attention, o, the post-attention norm, then gate/up,
-// SiLU-and-mul and down, or the router's top-k and the fused experts), so results are the same bit for bit; what goes
-// is the Python and the argument conversions between them, about 25 us a layer at one token on two cores
-// (bench/results/single_stream.md).
+// Llama-family layer (or Mixtral's, its MLP a mixture of experts, tiled or quantized by a8_pack) whose projections run
+// a8_linear, bf16_linear or a dense linear (oneDNN's over its packed weight, or ATen's). Per layer, the same ops the
+// Python layers call, in the same order (the input norm with the previous layer's residual add, qkv and its bias,
+// rotary and cache write, decode attention, o, the post-attention norm, then gate/up, SiLU-and-mul and down, or the
+// router's top-k and the fused experts), so results are the same bit for bit; what goes is the Python and the
+// argument conversions between them, about 25 us a layer at one token on two cores (bench/results/single_stream.md).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -116,11 +116,29 @@ void DecodeStack::add_moe_mlp(const at::Tensor& router, int64_t top_k, bool reno
   layers_.back().moe = Moe{router, w13, w2, top_k, num_experts, intermediate, renormalize, tiled};
 }
 
+void DecodeStack::add_moe_a8_mlp(const at::Tensor& router, int64_t top_k, bool renormalize,
+                                 const std::vector<std::optional<at::Tensor>>& w13, int64_t w13_group_size,
+                                 const std::vector<std::optional<at::Tensor>>& w2, int64_t w2_group_size,
+                                 int64_t intermediate) {
+  TORCH_CHECK(!layers_.empty() && !layers_.back().gate_up && !layers_.back().moe, "an MLP follows an attention");
+  TORCH_CHECK(w13.size() == 4 && w2.size() == 4 && w13[0], "w13 and w2 are a8_pack's four tensors, stacked");
+  Moe moe{router, {}, {}, top_k, w13[0]->size(0), intermediate, renormalize, false};
+  moe.a8_w13 = w13;
+  moe.a8_w2 = w2;
+  moe.a8_w13_group_size = w13_group_size;
+  moe.a8_w2_group_size = w2_group_size;
+  layers_.back().moe = std::move(moe);
+}
+
 // As spindle.kernels.moe.route_tokens and Experts run it: the routing op, then the fused experts.
 at::Tensor DecodeStack::mlp(const Layer& layer, const at::Tensor& x) const {
   if (layer.gate_up) return project(silu_and_mul(project(x, *layer.gate_up)), *layer.down);
   const Moe& moe = *layer.moe;
   const auto [weights, ids] = moe_route(x, moe.router, moe.top_k, moe.renormalize);
+  if (!moe.a8_w13.empty()) {
+    return fused_moe_a8(x, moe.a8_w13, moe.a8_w13_group_size, moe.a8_w2, moe.a8_w2_group_size, moe.intermediate,
+                        weights, ids);
+  }
   return fused_moe(x, moe.w13, moe.w2, weights, ids, moe.num_experts, moe.intermediate, moe.tiled);
 }
 

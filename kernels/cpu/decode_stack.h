@@ -48,6 +48,10 @@ class DecodeStack {
   // renormalize), through fused_moe's tiled or plain expert stacks.
   void add_moe_mlp(const at::Tensor& router, int64_t top_k, bool renormalize, const at::Tensor& w13,
                    const at::Tensor& w2, int64_t num_experts, int64_t intermediate, bool tiled);
+  // The same with quantized experts laid out by a8_pack and stacked (fused_moe_a8's w13 and w2, int8 activations).
+  void add_moe_a8_mlp(const at::Tensor& router, int64_t top_k, bool renormalize,
+                      const std::vector<std::optional<at::Tensor>>& w13, int64_t w13_group_size,
+                      const std::vector<std::optional<at::Tensor>>& w2, int64_t w2_group_size, int64_t intermediate);
 
   // Runs every layer over `hidden` [tokens, hidden_size], one token per sequence, writing each token's K/V into the
   // caches; returns the last layer's output and the residual stream, not yet summed (the final norm adds them).
@@ -60,6 +64,8 @@ class DecodeStack {
     at::Tensor router, w13, w2;
     int64_t top_k, num_experts, intermediate;
     bool renormalize, tiled;
+    std::vector<std::optional<at::Tensor>> a8_w13, a8_w2;  // a8_pack's stacks where the experts run fused_moe_a8
+    int64_t a8_w13_group_size = 0, a8_w2_group_size = 0;
   };
   struct Layer {
     at::Tensor input_norm, post_norm;
