@@ -8,7 +8,7 @@ median output rate, p50/p99 time to first token and inter-token latency over all
 of its rate as a fraction of the offline one: on a shared machine a single pair of runs differs by 10-20% either way.
 With ``--concurrency`` below ``--num-requests``, the offline engine holds as many requests at a time
 (``max_num_seqs``): the same request stream, batched as the clients' concurrency allows, so that the fractions measure
-what serving costs and not a larger batch's gain (64 requests at once run ~10% faster than at most 32). The summary
+what serving costs and not a batch larger than the clients allow. The summary
 also gives each streamed path's CPU time per generated token in this process (the load generator, and on the engine
 path the in-process frontend), in ``spindle serve`` and in the backend (Linux's ``/proc``): on a machine whose cores
 the backend's threads fill, what the frontend and the client spend is taken from the model's steps.

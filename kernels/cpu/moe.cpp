@@ -593,7 +593,8 @@ at::Tensor fused_moe_a8(const at::Tensor& x, const std::vector<std::optional<at:
   const int64_t row_bytes = hidden * x.element_size();
   const auto* xs = static_cast<const char*>(xc.data_ptr());
   auto* g = static_cast<char*>(grouped.data_ptr());
-#pragma omp parallel for schedule(static)
+  // A decode step's few rows are copied, and summed below, without waking the other threads.
+#pragma omp parallel for schedule(static) if (assignments >= 64)
   for (int64_t s = 0; s < assignments; ++s) {
     std::memcpy(g + s * row_bytes, xs + routing.slot_token[s] * row_bytes, row_bytes);
   }
@@ -603,7 +604,7 @@ at::Tensor fused_moe_a8(const at::Tensor& x, const std::vector<std::optional<at:
       a8_grouped(silu_and_mul(gate_up), *w2[0], *w2[1], w2[2], w2[3], w2_group_size, hidden, routing.starts);
   with_dtype(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-#pragma omp parallel
+#pragma omp parallel if (tokens >= 32)
     weighted_sums(down.data_ptr<T>(), weights.data_ptr<float>(), routing, tokens, top_k, hidden, out.data_ptr<T>());
   });
   return out;
