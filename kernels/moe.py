@@ -14,8 +14,11 @@ experts of :func:`fused_moe_reference`, which the tests hold the other two to.
 Experts may be weight-only quantized (``--quantization int8`` / ``int4``, :func:`quantize_experts`): each expert's
 matrices as :mod:`spindle.kernels.quant` quantizes a 2-D weight, stacked, and held in that form alone; or a GGUF
 file's expert blocks, decoded exactly to the same layouts (int4 per group of 32; int8 per group of 32 or 16, with
-offsets for Q5_1 and Q5_K). Every path runs every such layout as it is stored and dequantizes it as it goes: the C++
-op and the Triton kernel in registers, the reference one expert at a time.
+offsets for Q5_1 and Q5_K). The Triton kernel runs every such layout as it is stored and dequantizes it in registers,
+the reference one expert at a time. On a CPU with AVX2 the C++ op runs them as the quantized projections run, with
+their activations quantized to int8 (``a8_linear``'s kernel, each expert laid out by ``a8_pack`` in place of the
+stacks); within :func:`~spindle.kernels.linear.weight_only` it keeps the activations float and reads the stacks as
+they are stored, dequantizing in registers.
 """
 
 import dataclasses
@@ -153,7 +156,8 @@ class Experts:
     Built within :func:`~spindle.kernels.eager` it runs :func:`fused_moe_reference`; on CUDA tensors (or within
     :func:`~spindle.kernels.force_triton`) the Triton grouped GEMM; else the C++ op, with bf16 weights laid out once
     in ``bf16_linear``'s tiles where that kernel runs and float32 ones in the op's tiles of 16 outputs (the dense
-    stacks are then dropped: :attr:`keeps_dense`), and quantized ones as they are.
+    stacks are then dropped: :attr:`keeps_dense`), and quantized ones in ``a8_pack``'s layout where they run with
+    int8 activations (:attr:`activations_quantized`), else as they are.
 
     Args:
         w13: ``[num_experts, 2 * intermediate, hidden]``, gate rows then up rows per expert; or its

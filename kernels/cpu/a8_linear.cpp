@@ -569,11 +569,11 @@ void run(const Activations& a, const std::vector<Segment>& segments, int64_t inp
   };
 #pragma omp parallel
   for (const Segment& segment : segments) {
-    const int64_t tokens = segment.end - segment.begin, w = segment.weight;
+    const int64_t w = segment.weight;
     const uint8_t* weight = packed + w * weight_bytes;
     // The work is split in units of two panels where AVX-512 runs them together, else of one.
 #ifdef SPINDLE_A8_512
-    const int64_t panels_per_unit = tokens >= PAIR_TOKENS ? 2 : 1;
+    const int64_t panels_per_unit = segment.end - segment.begin >= PAIR_TOKENS ? 2 : 1;
 #else
     const int64_t panels_per_unit = 1;
 #endif
