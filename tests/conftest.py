@@ -42,7 +42,8 @@ from torch import nn
 from spindle.backend.models import load_model
 from spindle.backend.models.mixtral import MixtralDecoderLayer
 from spindle.kernels import eager, quant
-from spindle.kernels.moe import Experts, expert_matrix, fused_moe_reference, quantize_experts
+from spindle.kernels.linear import weight_only
+from spindle.kernels.moe import Experts, expert_matrix, fused_moe_reference
 
 # Modules are byte-compiled as they are first imported (the venvs are installed with pip's --no-compile), also where
 # PYTHONDONTWRITEBYTECODE is set, as on our 2-core test machine: without that, every process the suite starts
@@ -248,17 +249,15 @@ class QuantizedActivationExperts(Experts):
 
 
 def quantized_expert_stacks(model_dir: Path, bits: int) -> dict[str, quant.QuantizedWeight]:
-    """The expert stacks ``--quantization int{bits}`` serves for a MoE checkpoint, as ``layers.N.w13`` / ``.w2``
-    (``MixtralDecoderLayer.prepare_experts`` quantizes the loaded ``[experts, out, in]`` stacks the same way)."""
+    """The expert stacks ``--quantization int{bits}`` serves for a MoE checkpoint, as ``layers.N.w13`` / ``.w2``: each
+    layer's own ``MixtralDecoderLayer.prepare_experts``, with float activations so that the stacks are kept as such."""
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     stacks = {}
     for i, layer in enumerate(model.layers):
         if isinstance(layer, MixtralDecoderLayer):
-            hidden = layer.w13.shape[1]
-            w13 = layer.w13.data.view(layer.num_experts, 2 * layer.intermediate, hidden)
-            w2 = layer.w2.data.view(layer.num_experts, hidden, layer.intermediate)
-            stacks[f"layers.{i}.w13"] = quantize_experts(w13, bits)
-            stacks[f"layers.{i}.w2"] = quantize_experts(w2, bits)
+            with weight_only():
+                layer.prepare_experts(bits)
+            stacks[f"layers.{i}.w13"], stacks[f"layers.{i}.w2"] = layer.experts.w13, layer.experts.w2
     return stacks
 
 

@@ -226,6 +226,16 @@ Routing sort_by_expert(const at::Tensor& x, const at::Tensor& topk_weights, cons
   return routing;
 }
 
+// Within an OpenMP region (or alone), this thread's share of the grouped rows: row s of `grouped` is its token's row
+// of x (`row_bytes` each).
+void gather_rows(const char* x, int64_t row_bytes, const Routing& routing, char* grouped) {
+  const int64_t rows = static_cast<int64_t>(routing.slot_token.size());
+#pragma omp for schedule(static)
+  for (int64_t s = 0; s < rows; ++s) {
+    std::memcpy(grouped + s * row_bytes, x + routing.slot_token[s] * row_bytes, row_bytes);
+  }
+}
+
 // Within an OpenMP region, this thread's share of the tokens: each token's outputs, its assignments' grouped rows of
 // `down` (`hidden` wide) times their routing weights, summed in float32 in assignment order.
 template <typename D, typename T>
@@ -342,9 +352,7 @@ at::Tensor grouped_moe(const at::Tensor& x, const at::Tensor& w13, const at::Ten
                           down_items = items_of(routing.starts, hidden, tile);
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t s = 0; s < assignments; ++s)
-      std::memcpy(g + s * hidden, xs + routing.slot_token[s] * hidden, hidden * sizeof(T));
+    gather_rows(reinterpret_cast<const char*>(xs), hidden * sizeof(T), routing, reinterpret_cast<char*>(g));
     run_items(up_items, g, hidden, w13, 2 * intermediate, gate_up.data_ptr<T>());
   }
   const at::Tensor act = silu_and_mul(gate_up);  // its padding rows are the down projection's
@@ -590,14 +598,10 @@ at::Tensor fused_moe_a8(const at::Tensor& x, const std::vector<std::optional<at:
   const int64_t assignments = tokens * top_k;
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous(), xc = x.contiguous();
   at::Tensor grouped = at::empty({assignments, hidden}, x.options()), out = at::empty({tokens, hidden}, x.options());
-  const int64_t row_bytes = hidden * x.element_size();
-  const auto* xs = static_cast<const char*>(xc.data_ptr());
-  auto* g = static_cast<char*>(grouped.data_ptr());
-  // A decode step's few rows are copied, and summed below, without waking the other threads.
-#pragma omp parallel for schedule(static) if (assignments >= 64)
-  for (int64_t s = 0; s < assignments; ++s) {
-    std::memcpy(g + s * row_bytes, xs + routing.slot_token[s] * row_bytes, row_bytes);
-  }
+  // A decode step's few rows are gathered, and summed below, without waking the other threads.
+#pragma omp parallel if (assignments >= 64)
+  gather_rows(static_cast<const char*>(xc.data_ptr()), hidden * x.element_size(), routing,
+              static_cast<char*>(grouped.data_ptr()));
   const at::Tensor gate_up =
       a8_grouped(grouped, *w13[0], *w13[1], w13[2], w13[3], w13_group_size, 2 * intermediate, routing.starts);
   const at::Tensor down =
