@@ -204,6 +204,16 @@ class Experts:
         return self.a8 is not None
 
     @property
+    def a8_operands(self) -> tuple[list[torch.Tensor | None], int, list[torch.Tensor | None], int, int]:
+        """What ``fused_moe_a8`` and the decode stack's ``add_moe_a8_mlp`` take for these experts.
+
+        That is ``(w13's a8_pack tensors, its group size, w2's, its group size, intermediate)``; only with
+        :attr:`activations_quantized`.
+        """
+        (w13, w2), (up, down) = self.a8, self.group_sizes
+        return w13, up, w2, down, self.intermediate
+
+    @property
     def keeps_dense(self) -> bool:
         """Whether the caller's dense ``w13`` and ``w2`` are still read (else they may be released)."""
         return not (self.tiled or self.quantized)
@@ -251,9 +261,7 @@ class Experts:
         if self.eager:
             return fused_moe_reference(x, self.w13, self.w2, topk_weights, topk_ids)
         if self.a8 is not None:
-            w13, w2 = self.a8
-            up, down = self.group_sizes
-            return cpu.fused_moe_a8(x, w13, up, w2, down, self.intermediate, topk_weights, topk_ids)
+            return cpu.fused_moe_a8(x, *self.a8_operands, topk_weights, topk_ids)
         if self.quantized:
             return cpu.fused_moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids)
         return cpu.fused_moe(

@@ -89,9 +89,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         self.add_attention_to_stack(stack, forms, kv_cache)
         experts = self.experts
         if experts.activations_quantized:
-            up, down = experts.group_sizes
-            w13, w2 = experts.a8
-            stack.add_moe_a8_mlp(self.router, self.top_k, self.renormalize, w13, up, w2, down, experts.intermediate)
+            stack.add_moe_a8_mlp(self.router, self.top_k, self.renormalize, *experts.a8_operands)
             return
         stack.add_moe_mlp(
             self.router,
