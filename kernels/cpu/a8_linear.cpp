@@ -75,7 +75,7 @@ struct Activations {
   std::vector<int8_t> values;     // [tokens][inputs]
   std::vector<float> scales;      // [tokens][inputs / BLOCK]
   std::vector<float> sums;        // [tokens][inputs / group_size], empty without offsets
-  std::vector<int32_t> half_sums;  // [tokens][inputs / 16]: 32 x the sum of the quantized x, for 6-bit weights
+  std::vector<int32_t> half_sums;  // [tokens][inputs / 16]: the sums of the quantized x, for weights read biased
 };
 
 // Rows [begin, end) of x against weight `weight` of a stack (one weight: 0 for all the rows).
@@ -127,7 +127,7 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
         for (int64_t h = 0; h < 2; ++h) {
           int32_t sum = 0;
           for (int64_t i = h * BLOCK / 2; i < (h + 1) * BLOCK / 2; ++i) sum += q[i];
-          a.half_sums[m * halves + 2 * b + h] = 32 * sum;
+          a.half_sums[m * halves + 2 * b + h] = sum;
         }
       }
     }
@@ -145,6 +145,25 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_ep
 #define SPINDLE_A8_VNNI 1
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #endif
+
+// Where vpdpbusd runs, int8 weights are read biased, as unsigned w + 128 (their bytes XOR 0x80), and each half block's
+// sums start at -128 x the token's sum over those inputs: the same integers as |w| against x signed by w, one
+// instruction a chunk and token fewer. Without VNNI, vpmaddubsw's int16 pairs would saturate on the biased bytes.
+#ifdef SPINDLE_A8_VNNI
+constexpr bool BIASED_INT8 = true;
+#else
+constexpr bool BIASED_INT8 = false;
+#endif
+
+// The bias the walk's unsigned bytes carry in format F (6-bit weights are stored as u = q + 32), 0 for none: the
+// half-block sums of x (Activations::half_sums) that take it back out are needed where it is not 0.
+template <Format F>
+constexpr int32_t WEIGHT_BIAS = F == Format::INT6 ? 32 : F == Format::INT8 && BIASED_INT8 ? 128 : 0;
+
+// The int8 weight bytes of chunk `raw` as the walk multiplies them: biased (see BIASED_INT8), else their magnitudes.
+inline __m256i int8_weights(__m256i raw) {
+  return BIASED_INT8 ? _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80))) : _mm256_abs_epi8(raw);
+}
 
 // The token's 4 activations at x, in every 32-bit lane.
 inline __m256i broadcast4(const int8_t* x) {
@@ -278,7 +297,7 @@ inline void block_dots_chunked(const uint8_t* q, const int8_t* x, int64_t inputs
 #endif
 
 // One block of 32 inputs of a packed panel (q: its block_bytes_of(F) bytes) against M tokens' blocks (x: token m0's,
-// the others a row of inputs after it; half_sums: token m0's, for 6 bits): acc[m] += the 8 rows' dot products x
+// the others a row of inputs after it; half_sums: token m0's, for biased weights): acc[m] += the 8 rows' dot products x
 // scale x token scale. SIXTEEN: scales are the block's two halves' scales, 8 rows each; else scales[0] is the
 // block's group's.
 template <int M, Format F, bool SIXTEEN>
@@ -293,9 +312,9 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
 #endif
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i* chunks = reinterpret_cast<const __m256i*>(q);
-  __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4, 6-bit unpacked; int8 as |w|)
+  __m256i w[BLOCK / CHUNK];  // chunk k: inputs 4k..4k+3 of the 8 rows (int4, 6-bit unpacked; int8: int8_weights)
   if constexpr (F == Format::INT8) {
-    for (int k = 0; k < 8; ++k) w[k] = _mm256_abs_epi8(_mm256_loadu_si256(chunks + k));
+    for (int k = 0; k < 8; ++k) w[k] = int8_weights(_mm256_loadu_si256(chunks + k));
   } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
@@ -332,8 +351,8 @@ inline void block_dots(const uint8_t* q, const int8_t* x, int64_t inputs, const 
     } else {
       __m256i halves[2];
       for (int h = 0; h < 2; ++h) {
-        if constexpr (F == Format::INT6) {  // 2 x 2 x 63 x 127 fits int16; u - 32 by the token's half sums
-          __m256i sum = _mm256_set1_epi32(-half_sums[m * inputs / (BLOCK / 2) + h]);
+        if constexpr (WEIGHT_BIAS<F> != 0) {  // 6-bit: 2 x 2 x 63 x 127 fits int16; the bias by the half sums
+          __m256i sum = _mm256_set1_epi32(-WEIGHT_BIAS<F> * half_sums[m * inputs / (BLOCK / 2) + h]);
 #ifdef SPINDLE_A8_VNNI
           for (int k = 4 * h; k < 4 * h + 4; ++k) sum = dot4(sum, w[k], broadcast4(xm + 4 * k));
 #else
@@ -398,7 +417,7 @@ inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const u
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
-  const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
+  const int32_t* half_sums = WEIGHT_BIAS<F> != 0 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
   // A local copy: stores through acc, which the int8 loads may alias, would keep the sums in memory.
   __m256 sums[M];
   for (int m = 0; m < M; ++m) sums[m] = acc[m];
@@ -447,13 +466,9 @@ inline void block_dots_pair(const uint8_t* q0, const uint8_t* q1, const int8_t* 
                             const float* token_scales, int64_t blocks, const int32_t* half_sums,
                             const __m512 scales[2], __m512 acc[M]) {
   __m512i w[BLOCK / CHUNK];  // as block_dots' w, for 16 rows
-  __mmask64 negative[BLOCK / CHUNK] = {};  // int8: the bytes whose weight is negative
   if constexpr (F == Format::INT8) {
-    for (int k = 0; k < 8; ++k) {
-      const __m512i raw = load_pair(q0, q1, k);
-      negative[k] = _mm512_movepi8_mask(raw);
-      w[k] = _mm512_abs_epi8(raw);
-    }
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int k = 0; k < 8; ++k) w[k] = _mm512_xor_si512(load_pair(q0, q1, k), bias);  // as int8_weights
   } else {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
@@ -486,19 +501,11 @@ inline void block_dots_pair(const uint8_t* q0, const uint8_t* q1, const int8_t* 
       const __m512 scale = _mm512_mul_ps(scales[0], token_scale);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums[0], sums[1])), scale, acc[m]);
     } else {
+      static_assert(WEIGHT_BIAS<F> != 0, "the pair path reads 6-bit and int8 weights biased");
       __m512i halves[2];
       for (int h = 0; h < 2; ++h) {
-        if constexpr (F == Format::INT6) {
-          halves[h] = _mm512_set1_epi32(-half_sums[m * inputs / (BLOCK / 2) + h]);
-          for (int k = 4 * h; k < 4 * h + 4; ++k) halves[h] = _mm512_dpbusd_epi32(halves[h], w[k], broadcast(k));
-        } else {
-          halves[h] = _mm512_setzero_si512();
-          for (int k = 4 * h; k < 4 * h + 4; ++k) {
-            const __m512i x4 = broadcast(k);  // negated where the weight is negative, as vpsignb does
-            const __m512i signed_x4 = _mm512_mask_sub_epi8(x4, negative[k], _mm512_setzero_si512(), x4);
-            halves[h] = _mm512_dpbusd_epi32(halves[h], w[k], signed_x4);
-          }
-        }
+        halves[h] = _mm512_set1_epi32(-WEIGHT_BIAS<F> * half_sums[m * inputs / (BLOCK / 2) + h]);
+        for (int k = 4 * h; k < 4 * h + 4; ++k) halves[h] = _mm512_dpbusd_epi32(halves[h], w[k], broadcast(k));
       }
       if constexpr (SIXTEEN) {
         for (int h = 0; h < 2; ++h) {
@@ -522,7 +529,7 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
   const int8_t* x = a.values.data() + m0 * inputs;
   const float* token_scales = a.scales.data() + m0 * blocks;
-  const int32_t* half_sums = F == Format::INT6 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
+  const int32_t* half_sums = WEIGHT_BIAS<F> != 0 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   auto block = [&](int64_t b, const __m512 block_scales[2]) {
@@ -815,7 +822,7 @@ at::Tensor a8_segments(const at::Tensor& x, const at::Tensor& packed, const at::
     constexpr Format F = decltype(format_tag)::value;
     constexpr bool SIXTEEN = decltype(sixteen_flag)::value;
     const Activations a = quantize_activations(x.data_ptr<T>(), x.stride(0), x.size(0), inputs, group_size,
-                                               offsets.has_value(), F == Format::INT6);
+                                               offsets.has_value(), WEIGHT_BIAS<F> != 0);
     T* o = out.data_ptr<T>();
     if (compact) {
       const auto* sub_scales = scales.data_ptr<int8_t>();
