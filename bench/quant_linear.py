@@ -6,8 +6,9 @@ runs, in turn: the dense float32 weight packed for oneDNN (what a model without 
 scale per row) and int4 (groups of 32) the weight-only kernel (up to ``spindle.kernels.cpu.MAX_INT8_TOKENS``) and the
 panel kernel, both through :class:`~spindle.kernels.linear.Projection` built within ``weight_only`` with its crossover
 forced, and the default projection, which quantizes its activations (``a8_linear`` on AVX2, W8A8 for int8 on AVX-512
-VNNI). Prints the median ms per step of each variant and the ratio of each quantized one to the dense one (measured in
-the same rounds, interleaved)::
+VNNI); then the default projection of the int8 weights regrouped per 32 inputs, GGUF's Q8_0 layout, which W8A8 does
+not take (``a8_linear`` with VNNI too). Prints the median ms per step of each variant and the ratio of each quantized
+one to the dense one (measured in the same rounds, interleaved)::
 
     .venv/bin/python -m bench.quant_linear                  # 1 to 512 tokens, 5 rounds
     .venv/bin/python -m bench.quant_linear --tokens 1 8 64 --rounds 3 --dtype bfloat16
@@ -67,6 +68,8 @@ def main() -> None:
         variants[f"int{bits} weight-only"] = (quantized, cpu.MAX_INT8_TOKENS)
         variants[f"int{bits} panel"] = (quantized, 0)
         variants[f"int{bits} default"] = ([Projection(torch.empty(0, dtype=dtype), None, form) for form in forms], 0)
+    q8_0 = [quant.widen(quant.quantize(w, 8), quant.A8_BLOCK) for w in weights]
+    variants["Q8_0 default"] = ([Projection(torch.empty(0, dtype=dtype), None, form) for form in q8_0], 0)
     del weights
     what = "CPU ms" if args.cpu_time else "ms"
     threads = torch.get_num_threads()
