@@ -282,7 +282,7 @@ def _a8_stacks(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[list[torch.Te
     packed = []
     for stack in stacks:
         experts = [a8_form(stack.select(e)) for e in range(stack.qweight.shape[0])]
-        # a8_pack keeps an int8 matrix whose values all fit in 6 bits (GGUF's Q6_K) in 6: the experts must agree.
+        # a8_pack keeps an int8 matrix whose values all fit in 6 bits (Q6_K, Q5_K) in 6: the experts must agree.
         if len({tuple(None if t is None else tuple(t.shape) for t in form) for form in experts}) > 1:
             return None
         packed.append([None if parts[0] is None else torch.stack(parts) for parts in zip(*experts, strict=True)])

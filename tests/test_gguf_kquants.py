@@ -126,8 +126,8 @@ def test_kquant_projections_keep_compact_scales(gguf_type: str) -> None:
 def test_parts_of_different_layouts_stack_exactly() -> None:
     """A fused projection whose parts differ (Q4_K q beside Q6_K v, a Q5_K part with offsets) is widened to int8 at
     the finest group without changing a value, and keeps its parts, which the default CPU projection lays out each
-    as it is (Q6_K in 6 bits, Q4_K in 4, beside the widened int8's 8): the reference's products. Parts of one layout
-    stack as they are."""
+    as it is (Q6_K and the 5-bit types in 6 bits, Q4_K in 4, Q8_0 in 8): the reference's products. Parts of one
+    layout stack as they are."""
     parts = [gguf_blocks.decode(t, torch.from_numpy(random_blocks(t, 8, 256, seed=i))) for i, t in enumerate(LAYOUTS)]
 
     mixed = cat_rows(parts)
@@ -142,7 +142,7 @@ def test_parts_of_different_layouts_stack_exactly() -> None:
     assert torch.equal(same.qweight, torch.cat([p.qweight for p in parts[:3]]))
     if cpu.a8_linear_supported():
         projection = Projection(torch.empty(0), None, mixed)
-        six_bits = [p.bits == 8 and p.zeros is None and -32 <= p.qweight.min() and p.qweight.max() < 32 for p in parts]
+        six_bits = [p.bits == 8 and -32 <= p.qweight.min() and p.qweight.max() < 32 for p in parts]
         stored_bits = [8 * packed[0].numel() / (rows * 256) for packed, rows, _ in projection._a8_parts]
         want = [4 if p.bits == 4 else 6 if six else 8 for p, six in zip(parts, six_bits, strict=True)]
         assert stored_bits == want[1:], stored_bits  # Q4_0 and Q4_1 in one part

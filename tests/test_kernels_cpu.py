@@ -551,8 +551,11 @@ def test_panel_kernel_matches_the_reference(dtype: torch.dtype, bits: int, group
 @pytest.mark.parametrize(
     ("bits", "group_size", "zeros"),
     [(4, 32, True), (4, 64, True), (8, 192, False), (8, 32, False), (8, 16, False), (8, 16, True), (6, 16, False)]
-    + [(6, 32, False)],
-    ids=["int4_g32", "int4_g64", "int8_per_row", "int8_g32", "int8_g16", "int8_g16_zeros", "six_g16", "six_g32"],
+    + [(6, 32, False), (6, 32, True)],
+    ids=[
+        *("int4_g32", "int4_g64", "int8_per_row", "int8_g32", "int8_g16", "int8_g16_zeros", "six_g16", "six_g32"),
+        "six_g32_zeros",
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("half_scales", [False, True], ids=["f32_scales", "f16_scales"])
@@ -562,9 +565,10 @@ def test_a8_kernel_matches_the_reference(
     """Blocks of tokens (4 a pass; without VNNI, 8 for int4 and for int8 in groups of 32 or more) and their
     remainders, panels of 8 rows with 1 left over (97 outputs), activation blocks of very different magnitudes (as
     outlier channels make them), more tokens than one panel of 64. ``bits`` 6: int8 values in -32..31 (GGUF's
-    Q6_K), which pack in 6 bits. Results also go into a column slice of a wider output, and a call of many tokens
-    gives each row bit for bit what a call of that row alone does. Scales and offsets that float16 holds exactly
-    (``half_scales``, as GGUF's Q4_0, Q4_1 and Q8_0 store them) are packed in float16."""
+    Q6_K; with offsets, as Q5_K's 0..31), which pack in 6 bits. Results also go into a column slice of a wider
+    output, and a call of many tokens gives each row bit for bit what a call of that row alone does. Scales and
+    offsets that float16 holds exactly (``half_scales``, as GGUF's Q4_0, Q4_1 and Q8_0 store them) are packed in
+    float16."""
     if not cpu.a8_linear_supported():
         pytest.skip("a8_linear needs AVX2")
     quantized = layout(8 if bits == 6 else bits, group_size, zeros, 97, 192, bits + group_size)

@@ -347,9 +347,9 @@ def a8_pack(
     Output rows go in panels of 8 (the last padded with zero rows); within a panel each block of 32 inputs is held
     as 32-byte chunks whose 32-bit lane ``j`` holds 4 consecutive inputs of row ``j`` (int4: the low nibbles inputs
     ``4c..4c+3`` of the block, the high ones ``16+4c..``). Scales and offsets go ``[panels, groups, 8]``; an int4
-    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``). An int8 weight without offsets whose values all lie in
-    -32..31 (GGUF's Q6_K) packs in 6 bits (uint8, 6 bytes per input and panel): ``q + 32``'s low nibbles as int4's,
-    its top 2 bits in two more chunks a block.
+    weight's offsets absorb its ``- 8`` (``zero - 8 * scale``). An int8 weight whose values all lie in -32..31 (GGUF's
+    Q6_K; Q5_K's and Q5_1's 0..31, with their offsets) packs in 6 bits (uint8, 6 bytes per input and panel):
+    ``q + 32``'s low nibbles as int4's, its top 2 bits in two more chunks a block.
 
     With ``super_scales`` (GGUF's K-quants: :attr:`~spindle.kernels.quant.QuantizedWeight.super_scales`) the scales
     and offsets pack compact: int8 sub-scales ``scale / d`` and uint8 sub-minimums ``-offset / dmin`` per group,

@@ -26,10 +26,10 @@
 // weight reads 4.625 bits a weight instead of 6 (the file: 4.5), and single-stream decode reads its weights at memory
 // speed.
 //
-// An int8 weight without offsets whose values all lie in -32..31 (GGUF's Q6_K) packs in 6 bits: u = q + 32 in 0..63,
-// its low nibbles laid out as int4's and its top 2 bits in two more chunks a block, so it is read at 6.56 bits a
-// weight (the file's own size) instead of 8.56. vpmaddubsw takes u as it is; the -32 comes back as 32 x the token's
-// integer sum over each 16 inputs.
+// An int8 weight whose values all lie in -32..31 (GGUF's Q6_K; Q5_K's and Q5_1's 0..31, with their offsets) packs in 6
+// bits: u = q + 32 in 0..63, its low nibbles laid out as int4's and its top 2 bits in two more chunks a block, so it
+// is read at 6.56 bits a weight (Q6_K's own size; Q5_K 6.63 with its compact offsets) instead of 8.56 (8.63).
+// vpmaddubsw takes u as it is; the -32 comes back as 32 x the token's integer sum over each 16 inputs.
 //
 // a8_grouped runs a stack of such weights (a MoE layer's experts, each packed alike), each over its own rows of x,
 // in one OpenMP region: the rows are quantized once, and each weight's panels are shared out over the threads in
@@ -632,7 +632,7 @@ void check_layout(bool int4, int64_t inputs, int64_t group_size) {
               "group_size must be a multiple of 32 that divides in_features (or 16 for int8)");
 }
 
-// Whether every value of an int8 weight lies in -32..31 (GGUF's Q6_K): then it packs in 6 bits.
+// Whether every value of an int8 weight lies in -32..31 (GGUF's Q6_K, Q5_K, Q5_1, Q5_0): then it packs in 6 bits.
 bool fits_six_bits(const at::Tensor& qweight) {
   const auto* q = qweight.data_ptr<int8_t>();
   bool fits = true;
@@ -657,7 +657,7 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   const auto [int4, inputs, groups] = check_quantized_weight(
       qweight, scales, zeros, group_size, [&](bool int4, int64_t inputs) { check_layout(int4, inputs, group_size); });
   const bool compact = super_scales.has_value(), offsets = zeros.has_value();
-  const Format format = int4 ? Format::INT4 : !offsets && fits_six_bits(qweight) ? Format::INT6 : Format::INT8;
+  const Format format = int4 ? Format::INT4 : fits_six_bits(qweight) ? Format::INT6 : Format::INT8;
   const int64_t outputs = qweight.size(0), panels = (outputs + ROWS - 1) / ROWS, blocks = inputs / BLOCK;
   const int64_t row_bytes = qweight.size(1), block_bytes = block_bytes_of(format);
   const int64_t supers = inputs / SUPER_BLOCK;
@@ -800,7 +800,6 @@ at::Tensor a8_segments(const at::Tensor& x, const at::Tensor& packed, const at::
                   scales.numel() == weights * panels * groups * ROWS,
               "scales must be a8_pack's [panels, groups, 8] (float32 or float16, or int8 with super_scales)");
   TORCH_CHECK(format != Format::INT4 || offsets, "an int4 weight needs its offsets");
-  TORCH_CHECK(format != Format::INT6 || !offsets, "a 6-bit weight has no offsets");
   TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == (compact ? at::kByte : scale_type) &&
                            offsets->numel() == weights * panels * groups * ROWS),
               "offsets must be None or a8_pack's [panels, groups, 8] (the scales' dtype, or uint8 with super_scales)");
