@@ -260,10 +260,14 @@ class Experts:
             return triton_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         if self.eager:
             return fused_moe_reference(x, self.w13, self.w2, topk_weights, topk_ids)
-        if self.a8 is not None:
-            return cpu.fused_moe_a8(x, *self.a8_operands, topk_weights, topk_ids)
         if self.quantized:
-            return cpu.fused_moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids)
+            # The C++ ops take float32 or bf16 activations: float16 ones run as float32 (exactly) and are rounded back.
+            given = x.float() if x.dtype == torch.float16 else x
+            if self.a8 is not None:
+                out = cpu.fused_moe_a8(given, *self.a8_operands, topk_weights, topk_ids)
+            else:
+                out = cpu.fused_moe_quantized(given, self.w13, self.w2, topk_weights, topk_ids)
+            return out.to(x.dtype)
         return cpu.fused_moe(
             x, self.w13, self.w2, topk_weights, topk_ids, self.num_experts, self.intermediate, self.tiled
         )
@@ -277,6 +281,7 @@ def _a8_stacks(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple[list[torch.Te
     kernel.
     """
     stacks = (w13, w2)
+    # float32 stands for every activation dtype: the call runs float16 as float32, and the kernel takes bf16 too.
     if float_activations() or not all(runs_a8(stack.select(0), torch.float32) for stack in stacks):
         return None
     packed = []

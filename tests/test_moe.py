@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_lora import generate, tiny_core
+from test_lora import MAX_TOKENS, generate, tiny_core
 from test_model_families import hf_greedy
 from test_model_parity import SCHEDULES, hf_logits, run_schedule
 
@@ -179,6 +179,31 @@ def assert_matches_the_loop(case: str, layout: str | None, path: str, dtype: tor
     tolerances = A8_TOLERANCES if experts.activations_quantized else TOLERANCES
     torch.testing.assert_close(out.float(), expected, **tolerances[dtype])
     return experts
+
+
+@pytest.mark.parametrize("float_activations", [False, True], ids=["a8", "weight_only"])
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_quantized_experts_run_float16_activations_as_float32(layout: str, float_activations: bool) -> None:
+    """The C++ ops take float32 or bf16 activations: float16 ones run as float32 (exact) and are rounded back, so a
+    float16 model with quantized experts serves (before, its first forward failed in the op's dtype check)."""
+    x, w13, w2, topk_weights, topk_ids = random_moe("top2_of_8", torch.float32)
+    with weight_only(float_activations):
+        experts = Experts(quantized_experts(w13, layout), quantized_experts(w2, layout))
+    assert experts.activations_quantized != float_activations
+    half = x.half()
+    out = experts(half, topk_weights, topk_ids)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, experts(half.float(), topk_weights, topk_ids).half())
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_float16_model_with_quantized_experts_serves(
+    quantization: str, make_tiny_model: Callable[[str], Path], moe_prompts: list[list[int]]
+) -> None:
+    core = tiny_core(make_tiny_model("mixtral"), dtype="float16", quantization=quantization)
+    assert core.runner.model.layers[0].experts.quantized
+    got, _ = generate(core, [(ids, None) for ids in moe_prompts])
+    assert [len(tokens) for tokens in got] == [MAX_TOKENS] * len(moe_prompts)
 
 
 def test_quantized_experts_on_the_cpu_need_groups_their_micro_kernels_step_through() -> None:
