@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -72,10 +73,10 @@ static_assert(TOKEN_PANEL % TOKEN_BLOCK == 0 && TOKEN_PANEL % CHUNKED_TOKEN_BLOC
 // Each row of x as int8 blocks of BLOCK inputs with one scale each; and, for offsets, the sums of the quantized x
 // over each weight group.
 struct Activations {
-  std::vector<int8_t> values;     // [tokens][inputs]
-  std::vector<float> scales;      // [tokens][inputs / BLOCK]
-  std::vector<float> sums;        // [tokens][inputs / group_size], empty without offsets
-  std::vector<int32_t> half_sums;  // [tokens][inputs / 16]: the sums of the quantized x, for weights read biased
+  std::unique_ptr<int8_t[]> values;    // [tokens][inputs]
+  std::unique_ptr<float[]> scales;     // [tokens][inputs / BLOCK]
+  std::vector<float> sums;             // [tokens][inputs / group_size], empty without offsets
+  std::unique_ptr<int32_t[]> half_sums;  // [tokens][inputs / 16]: the sums of the quantized x, for weights read biased
 };
 
 // Rows [begin, end) of x against weight `weight` of a stack (one weight: 0 for all the rows).
@@ -91,51 +92,74 @@ constexpr int64_t block_bytes_of(Format format) {
   return format == Format::INT4 ? BLOCK / 2 * ROWS : format == Format::INT6 ? BLOCK * 3 / 4 * ROWS : BLOCK * ROWS;
 }
 
+
+#ifdef SPINDLE_A8
+// The 8 int32 lanes of v summed.
+inline int32_t lane_sum(__m256i v) {
+  __m128i four = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  four = _mm_add_epi32(four, _mm_shuffle_epi32(four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// sum += scale x integer, the product rounded before the sum as the reference rounds it (-ffast-math would let the
+// compiler fuse the two where a group spans several blocks).
+inline void add_product(float& sum, float scale, int32_t integer) {
+  const __m128 product = _mm_mul_ss(_mm_set_ss(scale), _mm_set_ss(static_cast<float>(integer)));
+  sum = _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(sum), product));
+}
+
+// Each row of x quantized to int8 per block of 32 inputs, 8 lanes at a time (a scalar loop spent 8-11% of a
+// 512-token int4 projection here: its horizontal maximum and sums did not vectorize).
 template <typename T>
 Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int64_t inputs, int64_t group_size,
                                  bool with_sums, bool with_half_sums) {
   const int64_t blocks = inputs / BLOCK, groups = inputs / group_size, halves = inputs / (BLOCK / 2);
-  Activations a{std::vector<int8_t>(tokens * inputs), std::vector<float>(tokens * blocks),
+  // Left uninitialised but the sums, which blocks add to: every other value is written before it is read.
+  Activations a{std::unique_ptr<int8_t[]>(new int8_t[tokens * inputs]),
+                std::unique_ptr<float[]>(new float[tokens * blocks]),
                 std::vector<float>(with_sums ? tokens * groups : 0, 0.f),
-                std::vector<int32_t>(with_half_sums ? tokens * halves : 0)};
+                std::unique_ptr<int32_t[]>(new int32_t[with_half_sums ? tokens * halves : 0])};
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving of lanes
 #pragma omp parallel for if (tokens >= 16)
   for (int64_t m = 0; m < tokens; ++m) {
     const T* row = x + m * stride;
     for (int64_t b = 0; b < blocks; ++b) {
-      float values[BLOCK], largest = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        values[i] = to_float(row[b * BLOCK + i]);
-        largest = std::max(largest, std::abs(values[i]));
-      }
+      __m256 values[4];
+      for (int i = 0; i < 4; ++i) values[i] = load8(row + b * BLOCK + 8 * i);
+      const __m256 eight = _mm256_max_ps(
+          _mm256_max_ps(_mm256_and_ps(values[0], no_sign), _mm256_and_ps(values[1], no_sign)),
+          _mm256_max_ps(_mm256_and_ps(values[2], no_sign), _mm256_and_ps(values[3], no_sign)));
+      __m128 four = _mm_max_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+      four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+      const float largest = _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
       const float scale = largest / 127.f;
       a.scales[m * blocks + b] = scale;
-      int8_t* q = a.values.data() + m * inputs + b * BLOCK;
-      // x / scale, as the reference computes it (a value at a rounding tie may still land a level apart: the build
-      // takes -ffast-math, which lets the compiler multiply by a reciprocal; the tests allow such near ties).
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        q[i] = largest > 0.f ? static_cast<int8_t>(std::nearbyint(values[i] / scale)) : 0;
-      }
+      // x x (1 / scale) rounded to nearest, as the reference's x / scale (a value at a rounding tie may land a level
+      // apart: the tests allow such near ties). An all-zero block is all zeros.
+      const __m256 inverse = _mm256_set1_ps(largest > 0.f ? 1.f / scale : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.values.get() + m * inputs + b * BLOCK),
+                          _mm256_permutevar8x32_epi32(bytes, in_order));
+      if (!with_sums && !with_half_sums) continue;
+      const int32_t half[2] = {lane_sum(_mm256_add_epi32(q[0], q[1])), lane_sum(_mm256_add_epi32(q[2], q[3]))};
       if (with_sums) {  // per group, or per half block for groups of 16
-        const int64_t part = std::min(group_size, BLOCK);
-        for (int64_t start = 0; start < BLOCK; start += part) {
-          int32_t sum = 0;
-          for (int64_t i = start; i < start + part; ++i) sum += q[i];
-          a.sums[m * groups + (b * BLOCK + start) / group_size] += scale * static_cast<float>(sum);
+        if (group_size == 16) {
+          for (int64_t h = 0; h < 2; ++h) add_product(a.sums[m * groups + 2 * b + h], scale, half[h]);
+        } else {
+          add_product(a.sums[m * groups + b * BLOCK / group_size], scale, half[0] + half[1]);
         }
       }
       if (with_half_sums) {
-        for (int64_t h = 0; h < 2; ++h) {
-          int32_t sum = 0;
-          for (int64_t i = h * BLOCK / 2; i < (h + 1) * BLOCK / 2; ++i) sum += q[i];
-          a.half_sums[m * halves + 2 * b + h] = sum;
-        }
+        for (int64_t h = 0; h < 2; ++h) a.half_sums[m * halves + 2 * b + h] = half[h];
       }
     }
   }
   return a;
 }
 
-#ifdef SPINDLE_A8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPINDLE_A8_VNNI 1
 // acc + the sums of each 32-bit lane's 4 products of u's unsigned and s's signed bytes: vpdpbusd, one instruction for
@@ -415,9 +439,9 @@ template <int M, Format F, bool SIXTEEN, typename Scales>
 inline void panel_dots(const Activations& a, int64_t m0, int64_t inputs, const uint8_t* q, const Scales& scales,
                        int64_t group_size, bool prefetch, __m256 acc[M]) {
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
-  const int8_t* x = a.values.data() + m0 * inputs;
-  const float* token_scales = a.scales.data() + m0 * blocks;
-  const int32_t* half_sums = WEIGHT_BIAS<F> != 0 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
+  const int8_t* x = a.values.get() + m0 * inputs;
+  const float* token_scales = a.scales.get() + m0 * blocks;
+  const int32_t* half_sums = WEIGHT_BIAS<F> != 0 ? a.half_sums.get() + m0 * (inputs / (BLOCK / 2)) : nullptr;
   // A local copy: stores through acc, which the int8 loads may alias, would keep the sums in memory.
   __m256 sums[M];
   for (int m = 0; m < M; ++m) sums[m] = acc[m];
@@ -527,9 +551,9 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
                             const Scales& s0, const Scales& s1, int64_t group_size, bool prefetch, __m256 low[M],
                             __m256 high[M]) {
   const int64_t blocks = inputs / BLOCK, block_bytes = block_bytes_of(F);
-  const int8_t* x = a.values.data() + m0 * inputs;
-  const float* token_scales = a.scales.data() + m0 * blocks;
-  const int32_t* half_sums = WEIGHT_BIAS<F> != 0 ? a.half_sums.data() + m0 * (inputs / (BLOCK / 2)) : nullptr;
+  const int8_t* x = a.values.get() + m0 * inputs;
+  const float* token_scales = a.scales.get() + m0 * blocks;
+  const int32_t* half_sums = WEIGHT_BIAS<F> != 0 ? a.half_sums.get() + m0 * (inputs / (BLOCK / 2)) : nullptr;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   auto block = [&](int64_t b, const __m512 block_scales[2]) {

@@ -48,6 +48,28 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// Eight values of a model dtype at p as floats (an f8 converts to an AVX2 __m256 as it is).
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f8 load8(const c10::BFloat16* p) {
+  u16x8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const u32x8 bits = __builtin_convertvector(raw, u32x8) << 16;  // bf16 is the top half of a float
+  f8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+template <typename T>  // half: element by element
+inline f8 load8(const T* p) {
+  f8 v;
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+
 // NaN tests on the bits: the kernels build with -ffast-math, under which the compiler may assume no float is a NaN.
 // A float is a NaN when its bits without the sign exceed infinity's.
 constexpr uint32_t INFINITY_BITS = 0x7F800000u, NO_SIGN = 0x7FFFFFFFu;

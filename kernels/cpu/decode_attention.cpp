@@ -28,29 +28,8 @@ constexpr int64_t PARTITION = 256;
 // The largest head size the kernel takes (a head's query and accumulators are stack arrays of this many floats).
 constexpr int64_t MAX_HEAD = 256;
 
-// The explicit vectors of common.h, because gcc's own vectorizer turned the four-key dot products below into
+// The explicit vectors of common.h (load8), because gcc's own vectorizer turned the four-key dot products below into
 // gathers, 2x slower.
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-
-inline f8 load8(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline f8 load8(const c10::BFloat16* p) {
-  u16x8 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  const u32x8 bits = __builtin_convertvector(raw, u32x8) << 16;  // bf16 is the top half of a float
-  f8 v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-template <typename T>  // half: element by element
-inline f8 load8(const T* p) {
-  f8 v;
-  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
-  return v;
-}
 // Each of a row's n scores replaced by its exponential less the row's max score; returns their sum.
 inline float exp_in_place(float* row, int64_t n, float max_score) {
   float total = 0.f;

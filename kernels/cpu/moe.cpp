@@ -263,12 +263,6 @@ constexpr int64_t FLOAT_TILE = 16;
 constexpr int FLOAT_ROWS = 6;
 constexpr int64_t FLOAT_DEPTH = 256;
 
-inline f8 load8(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // Rows [0, M) of x (`x_stride` apart) against `depth` inputs of a packed tile, added to out[m][0, FLOAT_TILE) when
 // `accumulate`, else stored there; each value summed over the inputs in order. `prefetch`, when not null, is fetched
 // meanwhile (the weights that come next in memory): at decode sizes a tile serves a block or two of rows, and the
