@@ -92,7 +92,6 @@ constexpr int64_t block_bytes_of(Format format) {
   return format == Format::INT4 ? BLOCK / 2 * ROWS : format == Format::INT6 ? BLOCK * 3 / 4 * ROWS : BLOCK * ROWS;
 }
 
-
 #ifdef SPINDLE_A8
 // The 8 int32 lanes of v summed.
 inline int32_t lane_sum(__m256i v) {
@@ -119,7 +118,7 @@ Activations quantize_activations(const T* x, int64_t stride, int64_t tokens, int
                 std::unique_ptr<float[]>(new float[tokens * blocks]),
                 std::vector<float>(with_sums ? tokens * groups : 0, 0.f),
                 std::unique_ptr<int32_t[]>(new int32_t[with_half_sums ? tokens * halves : 0])};
-  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(NO_SIGN)));
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving of lanes
 #pragma omp parallel for if (tokens >= 16)
   for (int64_t m = 0; m < tokens; ++m) {
