@@ -51,6 +51,8 @@ BATCHES = {
     "long_chunk_after_prefix": lambda b: [(b + 1, 1), (1300, 800)],
     # The CPU decode kernel splits contexts into 256-token partitions and merges them: cross and meet those edges.
     "skewed_decodes": lambda b: [(40 * b + 3, 1), (2, 1), (255, 1), (256, 1), (0, 1), (511, 1)],
+    # Enough decodes that the CPU decode kernel hands each thread a sequence's part with all its KV heads at a time.
+    "many_decodes": lambda b: [(b * (i % 7) + i, 1) for i in range(20)] + [(300, 1), (2 * 256 + 9, 1)],
 }
 
 # Against a float64 reference on the same inputs. bf16 rounds the output to 8 bits of mantissa (values are O(1)).
