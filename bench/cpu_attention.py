@@ -10,15 +10,18 @@ the two outputs' largest difference, and flash's time over ours::
     .venv/bin/python -m bench.cpu_attention --dtype bfloat16
 
 With ``--decode`` it times instead, per call, a decode step's attention block at the shapes of issue 43's single
-stream (1 sequence, 12/4 heads of 128, contexts of 64, 128 and 512 tokens) and of ``bench.moe``'s tiny Mixtral (64
-sequences, 4/2 heads of 64, contexts of 16-96 tokens), on 1 and 2 threads: the decode kernel alone
-(``decode_attention``), the rotation and cache write (``rotary_embedding_and_cache``), and the whole of
+stream (1 sequence, 12/4 heads of 128, contexts of 64, 128 and 512 tokens), of ``bench.moe``'s tiny Mixtral (64
+sequences, 4/2 heads of 64, contexts of 16-96 tokens) and of a batch-64 decode step of the embedded SmolLM2 (9/3
+heads of 64, contexts of 50-300 tokens, each call on the next of 30 layers' caches, so that it reads its keys and
+values from memory, as a step's layers do), on 1 and 2 threads: the decode kernel alone (``decode_attention``, with
+the rate at which it reads the cache), the rotation and cache write (``rotary_embedding_and_cache``), and the whole of
 :func:`~spindle.kernels.attend` (both, and the Python around them), medians in microseconds::
 
     .venv/bin/python -m bench.cpu_attention --decode
 """
 
 import argparse
+import itertools
 import random
 
 import torch
@@ -77,22 +80,29 @@ def chunk_row(n: int, cached: int, query: torch.Tensor, k_cache: torch.Tensor, v
 
 
 DECODE_CASES = [
-    ("1 x 12/4 heads of 128, context 64", [64], 12, 4, 128),
-    ("1 x 12/4 heads of 128, context 128", [128], 12, 4, 128),
-    ("1 x 12/4 heads of 128, context 512", [512], 12, 4, 128),
-    ("64 x 4/2 heads of 64, contexts 16-96", [random.Random(0).randint(16, 96) for _ in range(64)], 4, 2, 64),
+    ("1 x 12/4 heads of 128, context 64", [64], 12, 4, 128, 1),
+    ("1 x 12/4 heads of 128, context 128", [128], 12, 4, 128, 1),
+    ("1 x 12/4 heads of 128, context 512", [512], 12, 4, 128, 1),
+    ("64 x 4/2 heads of 64, contexts 16-96", [random.Random(0).randint(16, 96) for _ in range(64)], 4, 2, 64, 1),
+    ("64 x 9/3 heads of 64, 50-300, 30 layers", [random.Random(0).randint(50, 300) for _ in range(64)], 9, 3, 64, 30),
 ]
-"""(label, context lengths, query heads, KV heads, head size) of the decode steps timed."""
+"""(label, context lengths, query heads, KV heads, head size, layers) of the decode steps timed: with several layers,
+each call takes the next layer's cache."""
 
 
-def decode_row(seq_lens: list[int], heads: int, kv_heads: int, head_size: int, dtype: torch.dtype) -> str:
-    """Median microseconds a call of one decode step's attention pieces, its contexts in scattered blocks."""
+def decode_row(seq_lens: list[int], heads: int, kv_heads: int, head_size: int, layers: int, dtype: torch.dtype) -> str:
+    """Median microseconds a call of one decode step's attention pieces, its contexts in scattered blocks (of a cache
+    with room for twice as many), and the rate at which the decode kernel reads them."""
     num_seqs, tables = len(seq_lens), []
-    free = torch.randperm(sum(-(-n // BLOCK_SIZE) for n in seq_lens)).tolist()
+    num_blocks = 2 * sum(-(-n // BLOCK_SIZE) for n in seq_lens)
+    free = torch.randperm(num_blocks).tolist()
     for n in seq_lens:
         tables.append([free.pop() for _ in range(-(-n // BLOCK_SIZE))])
-    num_blocks = sum(len(table) for table in tables)
-    k_cache, v_cache = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size).to(dtype) for _ in range(2))
+    caches = [
+        tuple(torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size).to(dtype) for _ in range(2))
+        for _ in range(layers)
+    ]
+    layer = itertools.cycle(caches)
     meta = AttentionMetadata.from_lists([1] * num_seqs, seq_lens, tables, BLOCK_SIZE)
     # Q, K and V as the model has them: views of one fused qkv row per token.
     qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_size).to(dtype)
@@ -103,25 +113,30 @@ def decode_row(seq_lens: list[int], heads: int, kv_heads: int, head_size: int, d
     scale, dense_query = head_size**-0.5, query.contiguous()
     pieces = {
         "decode_attention": lambda: cpu_ops().decode_attention(
-            dense_query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+            dense_query, *next(layer), meta.block_tables, meta.seq_lens, scale
         ),
         "rotary + cache": lambda: rotary_embedding_and_cache(
-            positions, query, key, value, cos_sin, k_cache, v_cache, meta.slot_mapping
+            positions, query, key, value, cos_sin, *next(layer), meta.slot_mapping
         ),
-        "attend": lambda: attend(query, key, value, k_cache, v_cache, scale, positions, cos_sin),
+        "attend": lambda: attend(query, key, value, *next(layer), scale, positions, cos_sin),
     }
     with attention_metadata(meta):  # once a step in the runner, not once a layer
-        return " ".join(f"{median_seconds(fn, 400) * 1e6:17.1f}" for fn in pieces.values())
+        seconds = [median_seconds(fn, 400) for fn in pieces.values()]
+    cache_bytes = sum(seq_lens) * 2 * kv_heads * head_size * dtype.itemsize  # keys and values
+    return f"{seconds[0] * 1e6:17.1f} {cache_bytes / seconds[0] / 1e9:5.1f} GB/s" + "".join(
+        f"{t * 1e6:17.1f}" for t in seconds[1:]
+    )
 
 
 def decode_main(dtype: torch.dtype) -> None:
     """Print :data:`DECODE_CASES`' rows on 1 and 2 threads."""
     print(f"{dtype}, block size {BLOCK_SIZE}, median us a call")
-    print(f"{'case':>40s} {'threads':>7s} {'decode_attention':>17s} {'rotary + cache':>17s} {'attend':>17s}")
+    print(f"{'case':>40s} {'threads':>7s} {'decode_attention':>27s} {'rotary + cache':>17s} {'attend':>17s}")
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for label, seq_lens, heads, kv_heads, head_size in DECODE_CASES:
-            print(f"{label:>40s} {threads:7d} {decode_row(seq_lens, heads, kv_heads, head_size, dtype)}", flush=True)
+        for label, seq_lens, heads, kv_heads, head_size, layers in DECODE_CASES:
+            row = decode_row(seq_lens, heads, kv_heads, head_size, layers, dtype)
+            print(f"{label:>40s} {threads:7d} {row}", flush=True)
 
 
 def main() -> None:
