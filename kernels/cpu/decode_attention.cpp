@@ -335,93 +335,95 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
     std::vector<float> run_max(group), run_sum(group), run_acc(group * head_size), qf(group * head_size);
     std::vector<uint16_t> probs(4 * (partition + 15));
     std::vector<int64_t> slot(partition);
+    // One item: KV head kv's part of sequence s, walked for every query head of that KV head.
+    const auto walk_item = [&](int64_t s, int64_t item) {
+      const int64_t kv = (item - first_item[s]) / parts[s];
+      const int64_t kv_offset = kv * head_size;
+      const int32_t* table = tables + s * max_blocks;
+      const int64_t part_start = (lowest(s) / partition + (item - first_item[s]) % parts[s]) * partition;
+      const int64_t begin = std::max(part_start, lowest(s));
+      const int64_t end = parts[s] > 1 ? std::min<int64_t>(lens[s], part_start + partition) : lens[s];
+      for (int64_t chunk = begin; chunk < end || chunk == begin; chunk += partition) {
+        const int64_t n = std::min(end, chunk + partition) - chunk;
+        for (int64_t p = chunk; p < chunk + n;) {  // a block at a time
+          const int64_t offset = p % block_size, run = std::min(block_size - offset, chunk + n - p);
+          const int64_t base = static_cast<int64_t>(table[p / block_size]) * block_size * token_stride;
+          for (int64_t j = 0; j < run; ++j) slot[p - chunk + j] = base + (offset + j) * token_stride;
+          p += run;
+        }
+        // The first chunk's states are the running ones; each later chunk's are folded into them.
+        const bool first = chunk == begin;
+        float* maxes = first ? run_max.data() : chunk_max.data();
+        float* sums = first ? run_sum.data() : chunk_sum.data();
+        float* accs = first ? run_acc.data() : chunk_acc.data();
+        bool walked = false;
+#ifdef SPINDLE_AVX512_BF16
+        if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 32 == 0 && HEAD > 0) {
+          // Query heads in runs of up to MAX_RUN of the group: their value accumulators take 16 of the 32 registers.
+          constexpr int MAX_RUN = 256 / HEAD;
+          for (int64_t g = 0; g < group;) {
+            const int run = static_cast<int>(std::min<int64_t>(MAX_RUN, group - g));
+            const T* queries[MAX_RUN];
+            float* run_accs[MAX_RUN];
+            for (int r = 0; r < run; ++r) {
+              queries[r] = q + s * q_seq_stride + (kv * group + g + r) * q_head_stride;
+              run_accs[r] = accs + (g + r) * head_size;
+            }
+            // What the next walk over these slots reads: the group's next run's keys, or the next KV head's.
+            const T* next_keys = g + run < group ? kc + kv_offset : kv + 1 < num_kv_heads ? kc + kv_offset + head_size
+                                                                                          : nullptr;
+            const auto walk = [&](auto size) {
+              group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, next_keys,
+                                                                slot.data(), n, fscale, fsoftcap, scores.data(),
+                                                                probs.data(), maxes + g, sums + g, run_accs);
+            };
+            switch (run) {
+              case 1: walk(std::integral_constant<int, 1>{}); break;
+              case 2: if constexpr (MAX_RUN >= 2) walk(std::integral_constant<int, 2>{}); break;
+              case 3: if constexpr (MAX_RUN >= 3) walk(std::integral_constant<int, 3>{}); break;
+              default: if constexpr (MAX_RUN >= 4) walk(std::integral_constant<int, 4>{}); break;
+            }
+            g += run;
+          }
+          walked = true;
+        }
+#endif
+        if (!walked) {
+          for (int64_t d = 0; d < n; ++d) slot[d] += kv_offset;
+          for (int64_t g = 0; g < group; ++g) {
+            const T* src = q + s * q_seq_stride + (kv * group + g) * q_head_stride;
+            for (int64_t d = 0; d < head_size; ++d) qf[g * head_size + d] = to_float(src[d]) * fscale;
+          }
+          group_chunk<T, HEAD>(qf.data(), kc, vc, slot.data(), n, head_size, group, fsoftcap, scores.data(), maxes,
+                               sums, accs);
+        }
+        if (!first)
+          for (int64_t g = 0; g < group; ++g) {  // online softmax: both states rescaled to the larger max
+            const float top = std::max(run_max[g], chunk_max[g]);
+            const float old_weight = std::exp(run_max[g] - top), new_weight = std::exp(chunk_max[g] - top);
+            run_max[g] = top;
+            run_sum[g] = run_sum[g] * old_weight + chunk_sum[g] * new_weight;
+            float* acc = run_acc.data() + g * head_size;
+            const float* add = chunk_acc.data() + g * head_size;
+            for (int64_t d = 0; d < head_size; ++d) acc[d] = acc[d] * old_weight + add[d] * new_weight;
+          }
+      }
+      if (parts[s] > 1) {
+        std::copy_n(run_max.data(), group, part_max.data() + item * group);
+        std::copy_n(run_sum.data(), group, part_sum.data() + item * group);
+        std::copy_n(run_acc.data(), group * head_size, part_acc.data() + item * group * head_size);
+        return;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+        T* dst = o + (s * num_heads + kv * group + g) * head_size;
+        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(run_acc[g * head_size + d] * inv);
+      }
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < num_units; ++unit) {
-      for (int64_t h = 0; h < heads_per_unit; ++h) {
-        const int64_t s = unit_seq[unit], item = unit_item[unit] + h * parts[s];
-        const int64_t kv = (item - first_item[s]) / parts[s];
-        const int64_t kv_offset = kv * head_size;
-        const int32_t* table = tables + s * max_blocks;
-        const int64_t part_start = (lowest(s) / partition + (item - first_item[s]) % parts[s]) * partition;
-        const int64_t begin = std::max(part_start, lowest(s));
-        const int64_t end = parts[s] > 1 ? std::min<int64_t>(lens[s], part_start + partition) : lens[s];
-        for (int64_t chunk = begin; chunk < end || chunk == begin; chunk += partition) {
-          const int64_t n = std::min(end, chunk + partition) - chunk;
-          for (int64_t p = chunk; p < chunk + n;) {  // a block at a time
-            const int64_t offset = p % block_size, run = std::min(block_size - offset, chunk + n - p);
-            const int64_t base = static_cast<int64_t>(table[p / block_size]) * block_size * token_stride;
-            for (int64_t j = 0; j < run; ++j) slot[p - chunk + j] = base + (offset + j) * token_stride;
-            p += run;
-          }
-          // The first chunk's states are the running ones; each later chunk's are folded into them.
-          const bool first = chunk == begin;
-          float* maxes = first ? run_max.data() : chunk_max.data();
-          float* sums = first ? run_sum.data() : chunk_sum.data();
-          float* accs = first ? run_acc.data() : chunk_acc.data();
-          bool walked = false;
-  #ifdef SPINDLE_AVX512_BF16
-          if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 32 == 0 && HEAD > 0) {
-            // Query heads in runs of up to MAX_RUN of the group: their value accumulators take 16 of the 32 registers.
-            constexpr int MAX_RUN = 256 / HEAD;
-            for (int64_t g = 0; g < group;) {
-              const int run = static_cast<int>(std::min<int64_t>(MAX_RUN, group - g));
-              const T* queries[MAX_RUN];
-              float* run_accs[MAX_RUN];
-              for (int r = 0; r < run; ++r) {
-                queries[r] = q + s * q_seq_stride + (kv * group + g + r) * q_head_stride;
-                run_accs[r] = accs + (g + r) * head_size;
-              }
-              // What the next walk over these slots reads: the group's next run's keys, or the next KV head's.
-              const T* next_keys = g + run < group ? kc + kv_offset : kv + 1 < num_kv_heads ? kc + kv_offset + head_size
-                                                                                            : nullptr;
-              const auto walk = [&](auto size) {
-                group_partition_bf16<HEAD, decltype(size)::value>(queries, kc + kv_offset, vc + kv_offset, next_keys,
-                                                                  slot.data(), n, fscale, fsoftcap, scores.data(),
-                                                                  probs.data(), maxes + g, sums + g, run_accs);
-              };
-              switch (run) {
-                case 1: walk(std::integral_constant<int, 1>{}); break;
-                case 2: if constexpr (MAX_RUN >= 2) walk(std::integral_constant<int, 2>{}); break;
-                case 3: if constexpr (MAX_RUN >= 3) walk(std::integral_constant<int, 3>{}); break;
-                default: if constexpr (MAX_RUN >= 4) walk(std::integral_constant<int, 4>{}); break;
-              }
-              g += run;
-            }
-            walked = true;
-          }
-  #endif
-          if (!walked) {
-            for (int64_t d = 0; d < n; ++d) slot[d] += kv_offset;
-            for (int64_t g = 0; g < group; ++g) {
-              const T* src = q + s * q_seq_stride + (kv * group + g) * q_head_stride;
-              for (int64_t d = 0; d < head_size; ++d) qf[g * head_size + d] = to_float(src[d]) * fscale;
-            }
-            group_chunk<T, HEAD>(qf.data(), kc, vc, slot.data(), n, head_size, group, fsoftcap, scores.data(), maxes,
-                                 sums, accs);
-          }
-          if (!first)
-            for (int64_t g = 0; g < group; ++g) {  // online softmax: both states rescaled to the larger max
-              const float top = std::max(run_max[g], chunk_max[g]);
-              const float old_weight = std::exp(run_max[g] - top), new_weight = std::exp(chunk_max[g] - top);
-              run_max[g] = top;
-              run_sum[g] = run_sum[g] * old_weight + chunk_sum[g] * new_weight;
-              float* acc = run_acc.data() + g * head_size;
-              const float* add = chunk_acc.data() + g * head_size;
-              for (int64_t d = 0; d < head_size; ++d) acc[d] = acc[d] * old_weight + add[d] * new_weight;
-            }
-        }
-        if (parts[s] > 1) {
-          std::copy_n(run_max.data(), group, part_max.data() + item * group);
-          std::copy_n(run_sum.data(), group, part_sum.data() + item * group);
-          std::copy_n(run_acc.data(), group * head_size, part_acc.data() + item * group * head_size);
-          continue;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-          T* dst = o + (s * num_heads + kv * group + g) * head_size;
-          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(run_acc[g * head_size + d] * inv);
-        }
-      }
+      const int64_t s = unit_seq[unit];
+      for (int64_t h = 0; h < heads_per_unit; ++h) walk_item(s, unit_item[unit] + h * parts[s]);
     }
     if (split) {
 #pragma omp for collapse(2)
