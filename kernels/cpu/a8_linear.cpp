@@ -54,6 +54,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #include "common.h"
 
 namespace {
@@ -64,6 +66,14 @@ constexpr int64_t CHUNK = 4;          // consecutive inputs of a row in one 32-b
 constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
 constexpr int64_t TOKEN_BLOCK = 4;    // tokens run against a panel together (accumulators in registers)
 constexpr int64_t TOKEN_PANEL = 64;   // tokens whose int8 rows stay in L2 while the weights stream past them
+// From this many tokens a call is bound by the cores, not by memory, and its units are handed out in chunks as the
+// threads free up (about UNITS_PER_CHUNK chunks a thread), so that a core the host slows does not keep the other
+// waiting at the region's end: static halves left 7% of the offline workload's samples (2 Zen 4 cores) in that
+// wait, chunks 3%; the workload ran 1.04x and a 4,096-token prefill 1.03x (medians of rounds alternated in one
+// process). A single stream keeps static halves: each thread streams one contiguous half of the weight, and chunks
+// (whose prefetches run into the next thread's) made it 0.86x.
+constexpr int64_t BALANCED_TOKENS = 16;
+constexpr int64_t UNITS_PER_CHUNK = 8;
 // Tokens a pass of block_dots_chunked (AVX2 without VNNI) takes: 8 ran SmolLM2's int4 projections at 8-64 tokens
 // 5-7% faster than 4 or 6 on a Zen 3, and its int8 LM head no slower (bench/results/a8_linear.md, stop 62).
 constexpr int64_t CHUNKED_TOKEN_BLOCK = 8;
@@ -580,7 +590,7 @@ inline void panel_pair_dots(const Activations& a, int64_t m0, int64_t inputs, co
 
 // Each segment's rows against all panels of its weight (packed + weight x weight_bytes). panel_scales(w, p): weight
 // w's panel p's scales (GroupScales or CompactScales). Within one OpenMP region, every segment's panels are split
-// over the threads in turn (static shares, no barrier between segments).
+// over the threads in turn (static halves or chunks: see BALANCED_TOKENS; no barrier between segments).
 template <typename T, Format F, bool SIXTEEN, typename PanelScales>
 void run(const Activations& a, const std::vector<Segment>& segments, int64_t inputs, const uint8_t* packed,
          int64_t weight_bytes, PanelScales panel_scales, int64_t group_size, int64_t outputs, T* out,
@@ -615,8 +625,7 @@ void run(const Activations& a, const std::vector<Segment>& segments, int64_t inp
                                                         : TOKEN_BLOCK;
     for (int64_t first_token = segment.begin; first_token < segment.end; first_token += TOKEN_PANEL) {
       const int64_t last_token = std::min(first_token + TOKEN_PANEL, segment.end);
-#pragma omp for schedule(static) nowait
-      for (int64_t u = 0; u < units; ++u) {
+      const auto run_unit = [&](int64_t u) {
         const int64_t p = u * panels_per_unit;
         const auto scales = panel_scales(w, p);
         for (int64_t m0 = first_token; m0 < last_token; m0 += token_block) {
@@ -642,6 +651,14 @@ void run(const Activations& a, const std::vector<Segment>& segments, int64_t inp
             for (int m = 0; m < M; ++m) store(m0 + m, p, acc[m]);
           });
         }
+      };
+      if (segment.end - segment.begin >= BALANCED_TOKENS) {
+        const int64_t chunk = std::max<int64_t>(1, units / (UNITS_PER_CHUNK * omp_get_num_threads()));
+#pragma omp for schedule(dynamic, chunk) nowait
+        for (int64_t u = 0; u < units; ++u) run_unit(u);
+      } else {
+#pragma omp for schedule(static) nowait
+        for (int64_t u = 0; u < units; ++u) run_unit(u);
       }
     }
   }
