@@ -66,12 +66,10 @@ constexpr int64_t CHUNK = 4;          // consecutive inputs of a row in one 32-b
 constexpr int64_t SUPER_BLOCK = 256;  // inputs per (d, dmin) of the compact form
 constexpr int64_t TOKEN_BLOCK = 4;    // tokens run against a panel together (accumulators in registers)
 constexpr int64_t TOKEN_PANEL = 64;   // tokens whose int8 rows stay in L2 while the weights stream past them
-// From this many tokens a call is bound by the cores, not by memory, and its units are handed out in chunks as the
-// threads free up (about UNITS_PER_CHUNK chunks a thread), so that a core the host slows does not keep the other
-// waiting at the region's end: static halves left 7% of the offline workload's samples (2 Zen 4 cores) in that
-// wait, chunks 3%; the workload ran 1.04x and a 4,096-token prefill 1.03x (medians of rounds alternated in one
-// process). A single stream keeps static halves: each thread streams one contiguous half of the weight, and chunks
-// (whose prefetches run into the next thread's) made it 0.86x.
+// From this many tokens a call is bound by the cores, not by memory: its units go out in chunks (about
+// UNITS_PER_CHUNK a thread) as the threads free up, so that a core the host slows does not keep the other waiting at
+// the region's end. Fewer tokens keep static halves, each thread streaming one contiguous half of the weight, which
+// its prefetches run along (bench/results/a8_linear.md, stop 71).
 constexpr int64_t BALANCED_TOKENS = 16;
 constexpr int64_t UNITS_PER_CHUNK = 8;
 // Tokens a pass of block_dots_chunked (AVX2 without VNNI) takes: 8 ran SmolLM2's int4 projections at 8-64 tokens
